@@ -1,0 +1,229 @@
+"""Configuration: frozen dataclasses, JSON presets, CLI overrides, validation.
+
+A run is described by one `Config` = model shape + training recipe + parallel
+layout. Presets live in `configs/*.json` (data, not code). Every error names
+the offending key or value and says how to fix it, and is raised before
+anything is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DTYPES = ("float32", "bfloat16", "float16")
+IMPLS = ("gspmd",)
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type or inconsistent."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    n_layers: int = 4
+    d_model: int = 128
+    n_heads: int = 8
+    d_ff: int = 512
+    seq_len: int = 128
+    dropout: float = 0.0  # residual and embedding dropout
+    dtype: str = "float32"  # activation / matmul dtype
+    param_dtype: str = "float32"
+    tie_embeddings: bool = True
+    use_bias: bool = True
+    ln_eps: float = 1e-5
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300
+    batch_size: int = 16  # global batch in sequences, split over dp
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+    b1: float = 0.9
+    b2: float = 0.95
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    dp: int = 1
+    tp: int = 1
+    impl: str = "gspmd"  # "gspmd": XLA inserts collectives; "shard_map": written out
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    parallel: ParallelConfig = ParallelConfig()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Config":
+        if not isinstance(d, dict):
+            raise ConfigError(f"a config must be a JSON object, got {type(d).__name__}")
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - set(sections))
+        if unknown:
+            raise ConfigError(
+                f"unknown config section(s) {unknown}; valid sections: {sorted(sections)}"
+            )
+        parts = {}
+        for f in dataclasses.fields(cls):
+            sub_cls = type(getattr(Config(), f.name))
+            parts[f.name] = _section_from_dict(sub_cls, d.get(f.name, {}), f.name)
+        return cls(**parts)
+
+
+def _section_from_dict(sub_cls, d, name):
+    if not isinstance(d, dict):
+        raise ConfigError(f"config section '{name}' must be an object, got {d!r}")
+    fields = {f.name: f for f in dataclasses.fields(sub_cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown config key(s) {[f'{name}.{k}' for k in unknown]}; "
+            f"valid keys in '{name}': {sorted(fields)}"
+        )
+    kwargs = {k: _check_type(f"{name}.{k}", v, fields[k].type) for k, v in d.items()}
+    return sub_cls(**kwargs)
+
+
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def _check_type(key: str, value: Any, type_name: str) -> Any:
+    want = _TYPES[type_name]
+    ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        raise ConfigError(
+            f"{key} must be {type_name}, got {value!r} ({type(value).__name__})"
+        )
+    return value
+
+
+def _parse_scalar(key: str, text: str, type_name: str) -> Any:
+    try:
+        if type_name == "bool":
+            low = text.lower()
+            if low not in ("true", "false", "1", "0"):
+                raise ValueError
+            return low in ("true", "1")
+        return _TYPES[type_name](text)
+    except ValueError:
+        raise ConfigError(f"{key}={text!r}: expected a {type_name}") from None
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """Apply `section.key=value` strings (e.g. `model.d_model=256`)."""
+    d = cfg.to_dict()
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        key, text = item.split("=", 1)
+        parts = key.split(".")
+        if len(parts) != 2 or parts[0] not in d:
+            raise ConfigError(
+                f"override key {key!r} must be <section>.<key> with section in {sorted(d)}"
+            )
+        section, name = parts
+        fields = {f.name: f.type for f in dataclasses.fields(type(getattr(cfg, section)))}
+        if name not in fields:
+            raise ConfigError(
+                f"unknown config key '{key}'; valid keys in '{section}': {sorted(fields)}"
+            )
+        d[section][name] = _parse_scalar(key, text, fields[name])
+    return Config.from_dict(d)
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def load_config(name_or_path: str = "tiny") -> Config:
+    """Load a preset by name (`configs/<name>.json`) or a JSON file by path."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = CONFIG_DIR / f"{name_or_path}.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"config {name_or_path!r} not found (looked for {path}); "
+            f"presets: {preset_names()} or a path to a .json file"
+        )
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    return Config.from_dict(d)
+
+
+def _divisible(name: str, value: int, tp: int) -> None:
+    if value % tp:
+        ok = [t for t in range(1, value + 1) if value % t == 0 and t <= 64]
+        raise ConfigError(
+            f"{name}={value} is not divisible by tp={tp}; choose --tp from {ok} "
+            f"or set {name} to a multiple of {tp}"
+        )
+
+
+def validate(cfg: Config) -> Config:
+    """Check sizes and layout; raises ConfigError naming the value and the fix."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    positive = {
+        **{f"model.{k}": getattr(m, k) for k in
+           ("vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "seq_len")},
+        **{f"train.{k}": getattr(t, k) for k in
+           ("steps", "batch_size", "log_every", "eval_every", "eval_batches", "lr")},
+        "model.ln_eps": m.ln_eps, "model.init_std": m.init_std,
+        "parallel.dp": p.dp, "parallel.tp": p.tp,
+    }
+    for k, v in positive.items():
+        if not v > 0:
+            raise ConfigError(f"{k}={v} must be positive")
+    for k in ("warmup_steps", "weight_decay", "grad_clip"):
+        if getattr(t, k) < 0:
+            raise ConfigError(f"train.{k}={getattr(t, k)} must be >= 0")
+    if not 0 <= m.dropout < 1:
+        raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    for k in ("dtype", "param_dtype"):
+        if getattr(m, k) not in DTYPES:
+            raise ConfigError(f"model.{k}={getattr(m, k)!r}; choose one of {DTYPES}")
+    if p.impl not in IMPLS:
+        raise ConfigError(f"parallel.impl={p.impl!r}; choose one of {IMPLS}")
+    if m.d_model % m.n_heads:
+        raise ConfigError(
+            f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}"
+        )
+    _divisible("model.n_heads", m.n_heads, p.tp)
+    _divisible("model.d_ff", m.d_ff, p.tp)
+    if t.batch_size % p.dp:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} is not divisible by dp={p.dp}; "
+            f"set train.batch_size to a multiple of {p.dp}"
+        )
+    if math.isnan(t.lr):
+        raise ConfigError("train.lr is NaN")
+    return cfg

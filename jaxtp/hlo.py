@@ -1,0 +1,238 @@
+"""Read collectives out of compiled (post-SPMD-partitioning) HLO text.
+
+`collectives(text)` lists every all-reduce, all-gather, reduce-scatter,
+all-to-all and collective-permute that will run, with its dtype, shape, bytes,
+replica-group size, pass and named scope:
+
+- an async pair (`*-start` / `*-done`) is one collective;
+- a combined (tuple-shaped) collective, as XLA's combiner passes make, is
+  listed element by element, each with its own metadata where a
+  `get-tuple-element` user carries it;
+- a collective in a `while` body counts `known_trip_count` times (a scanned
+  layer stack), through any nesting of calls.
+
+The pass comes from the op_name metadata JAX writes: `transpose(jvp(...))`
+is backward, `jvp(...)` forward, anything else (the optimizer update, the
+gradient norm, or a function not under autodiff) is "other".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import Counter, defaultdict
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}
+
+_COMP_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?\s*->.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
+_ARRAY = re.compile(r"([a-z]\w*)\[([\d,]*)\]")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLS = re.compile(r"(to_apply|calls|body|condition|true_computation|false_computation)"
+                    r"=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_NUM_PARTITIONS = re.compile(r"num_partitions=(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective as it runs, `count` times per call of the function."""
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    group_size: int | None
+    pass_: str  # "forward", "backward" or "other"
+    scope: str  # named scope(s), e.g. "attention" or "mlp"
+    op_name: str
+    name: str  # HLO instruction name (with "#i" for an element of a tuple)
+    count: int = 1  # trip count of enclosing while loops
+    combined: int = 1  # how many tensors the HLO instruction carries
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the full buffer: the result, or for reduce-scatter its input."""
+        full = self.elements * ((self.group_size or 1) if self.kind == "reduce-scatter" else 1)
+        return full * DTYPE_BYTES.get(self.dtype, 0)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["pass"] = d.pop("pass_")
+        d["shape"] = list(self.shape)
+        return d | {"elements": self.elements, "bytes": self.bytes}
+
+
+def pass_of(op_name: str) -> str:
+    if "transpose(" in op_name:
+        return "backward"
+    if "jvp(" in op_name:
+        return "forward"
+    return "other"
+
+
+def scope_of(op_name: str) -> str:
+    """`jit(step)/transpose(jvp(attention))/dot_general` -> "attention"."""
+    parts = op_name.split("/")[1:-1]  # drop the jit(...) root and the op itself
+    names = []
+    for p in parts:
+        while True:
+            m = re.fullmatch(r"[\w\-]+\((.*)\)", p)
+            if not m:
+                break
+            p = m.group(1)
+        if p:
+            names.append(p)
+    return "/".join(names)
+
+
+def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    return [(dt, tuple(int(d) for d in dims.split(",") if d))
+            for dt, dims in _ARRAY.findall(type_text)]
+
+
+def _group_size(attrs: str, num_partitions: int | None) -> int | None:
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if m:  # mesh['axis_0'=1,'axis_1'=8] {'axis_1'}
+        sizes = dict((k.strip("'"), int(v)) for k, v in
+                     (kv.split("=") for kv in m.group(1).split(",")))
+        return math.prod(sizes[a.strip().strip("'")] for a in m.group(2).split(",") if a.strip())
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=", attrs)
+    if m:  # iota form [num_groups,group_size]<=[devices]
+        return int(m.group(1).split(",")[-1])
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
+    if m:
+        return len(m.group(1).split(","))
+    if re.search(r"replica_groups=\{\}", attrs):
+        return num_partitions
+    m = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
+    if m:
+        return len(re.findall(r"\{", m.group(1) + "}"))
+    return None
+
+
+def _parse(text: str):
+    """-> computations {name: [(instr_name, type_text, opcode, rest)]}, entry name."""
+    comps, entry, current = {}, None, None
+    for line in text.splitlines():
+        if current is None:
+            m = _COMP_HEADER.match(line.strip())
+            if m:
+                current = m.group(2)
+                comps[current] = []
+                if m.group(1):
+                    entry = current
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        m = _INSTR.match(line)
+        if m:
+            comps[current].append(m.groups())
+    if entry is None and comps:
+        entry = list(comps)[-1]
+    return comps, entry
+
+
+def _multipliers(comps: dict, entry: str) -> dict[str, int]:
+    """How many times each computation runs per call of the entry."""
+    calls = defaultdict(list)  # caller -> [(callee, factor)]
+    for comp, instrs in comps.items():
+        for _, _, opcode, rest in instrs:
+            trip = _TRIP.search(rest)
+            for key, callee in _CALLS.findall(rest):
+                if key == "to_apply":
+                    continue  # reducers and comparators hold no collectives
+                factor = int(trip.group(1)) if (key == "body" and trip) else 1
+                calls[comp].append((callee, factor))
+            for group in _BRANCHES.findall(rest):
+                calls[comp] += [(c.strip().lstrip("%"), 1) for c in group.split(",")]
+    mult = Counter({entry: 1})
+
+    def visit(comp, factor, depth=0):
+        for callee, f in calls.get(comp, []):
+            if callee in comps and depth < 64:
+                mult[callee] += factor * f
+                visit(callee, factor * f, depth + 1)
+
+    visit(entry, 1)
+    return mult
+
+
+def collectives(text: str) -> list[Collective]:
+    """Every collective in compiled HLO text, in program order."""
+    comps, entry = _parse(text)
+    if entry is None:
+        return []
+    np_m = _NUM_PARTITIONS.search(text)
+    num_partitions = int(np_m.group(1)) if np_m else None
+    mult = _multipliers(comps, entry)
+    # get-tuple-element users carry per-element metadata of combined collectives
+    gte_meta = {}
+    for instrs in comps.values():
+        for name, _, opcode, rest in instrs:
+            if opcode == "get-tuple-element":
+                m = re.match(r"%?([\w.\-]+)\),\s*index=(\d+)", rest)
+                op = _OP_NAME.search(rest)
+                if m and op:
+                    gte_meta[(m.group(1), int(m.group(2)))] = op.group(1)
+    starts = {}
+    out = []
+    for comp, instrs in comps.items():
+        count = mult.get(comp, 0)
+        if not count:
+            continue
+        for name, type_text, opcode, rest in instrs:
+            base = opcode.removesuffix("-start").removesuffix("-done")
+            if base not in KINDS:
+                continue
+            if opcode.endswith("-start"):
+                starts[name] = rest
+                continue
+            attrs = rest
+            if opcode.endswith("-done"):
+                src = re.match(r"%?([\w.\-]+)", rest)
+                attrs = starts.get(src.group(1), rest) if src else rest
+            op = _OP_NAME.search(attrs)
+            op_name = op.group(1) if op else ""
+            group = _group_size(attrs, num_partitions)
+            arrays = _arrays(type_text)
+            for i, (dtype, shape) in enumerate(arrays):
+                elem_op = gte_meta.get((name, i), op_name) if len(arrays) > 1 else op_name
+                out.append(Collective(
+                    kind=base, dtype=dtype, shape=shape, group_size=group,
+                    pass_=pass_of(elem_op), scope=scope_of(elem_op), op_name=elem_op,
+                    name=name if len(arrays) == 1 else f"{name}#{i}",
+                    count=count, combined=len(arrays)))
+    return out
+
+
+def compiled_text(fn, *args, **kwargs) -> str:
+    """Optimized HLO of `fn` (jitted or not) for these (possibly abstract) arguments."""
+    import jax
+
+    lowerable = fn if hasattr(fn, "lower") else jax.jit(fn)
+    return lowerable.lower(*args, **kwargs).compile().as_text()
+
+
+def summarize(colls: list[Collective]) -> list[dict]:
+    """Group by (kind, pass, dtype, shape, scope): one row each with its count and bytes."""
+    rows: dict[tuple, dict] = {}
+    for c in colls:
+        key = (c.kind, c.pass_, c.dtype, c.shape, c.scope)
+        row = rows.setdefault(key, {"kind": c.kind, "pass": c.pass_, "scope": c.scope,
+                                    "count": 0, "shape": list(c.shape), "dtype": c.dtype,
+                                    "bytes": c.bytes, "group_size": c.group_size})
+        row["count"] += c.count
+    return list(rows.values())

@@ -1,0 +1,113 @@
+"""Mesh creation and the logical-axis -> mesh-axis rules.
+
+Model code names logical axes ("embed", "mlp", "heads", ...); `RULES` maps them
+to the two mesh axes `dp` and `tp`. Weights get their PartitionSpec at
+construction from `spec(...)`, so changing this one table changes the layout
+without touching the model.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("dp", "tp")
+
+# Megatron layout: the hidden dims of the MLP and the attention heads are split
+# over tp; the model dim, vocabulary and sequence stay whole on every tp rank;
+# the batch is split over dp.
+RULES: dict[str, str | None] = {
+    "batch": "dp",
+    "seq": None,
+    "embed": None,
+    "vocab": None,
+    "mlp": "tp",
+    "heads": "tp",
+    "head_dim": None,
+}
+
+
+def spec(*logical: str | None, rules: dict[str, str | None] | None = None) -> P:
+    """PartitionSpec for a tensor whose dims carry these logical names.
+
+    >>> spec("embed", "mlp")
+    PartitionSpec(None, 'tp')
+    """
+    rules = RULES if rules is None else rules
+    axes = []
+    for name in logical:
+        if name is not None and name not in rules:
+            raise KeyError(f"unknown logical axis {name!r}; known: {sorted(rules)}")
+        axes.append(None if name is None else rules[name])
+    used = [a for a in axes if a is not None]
+    if len(used) != len(set(used)):
+        raise ValueError(
+            f"logical axes {logical} map two dims to the same mesh axis ({axes}); "
+            "a tensor can be split over a mesh axis only once"
+        )
+    return P(*axes)
+
+
+def make_mesh(dp: int = 1, tp: int = 1, devices=None) -> Mesh:
+    """A (dp, tp) mesh with Auto axes, so GSPMD may insert collectives itself.
+
+    jax.make_mesh defaults to Explicit axes, under which a row-parallel matmul
+    needs an explicit out_sharding; the Megatron GSPMD path wants Auto.
+    """
+    devices = jax.devices() if devices is None else devices
+    check_device_count(dp * tp, len(devices), devices[0].platform, dp=dp, tp=tp)
+    return jax.make_mesh(
+        (dp, tp), MESH_AXES, axis_types=(AxisType.Auto, AxisType.Auto),
+        devices=devices[: dp * tp],
+    )
+
+
+def check_device_count(needed: int, available: int, platform: str, *, dp: int, tp: int):
+    if needed > available:
+        hint = (
+            "lower --tp/--dp" if platform == "cpu" else
+            "lower --tp/--dp, or simulate on CPU with JAX_PLATFORMS=cpu"
+        )
+        raise ValueError(
+            f"dp*tp = {dp}*{tp} = {needed} devices requested but this machine has "
+            f"{available} {platform} device(s); {hint}"
+        )
+
+
+def ensure_devices(n: int) -> str:
+    """Give a CPU-only process `n` fake CPU devices; call before JAX starts.
+
+    On a GPU/TPU machine this changes nothing (the CPU client is not the default
+    backend); `make_mesh` then checks the real device count. Returns a one-line
+    description of what was done.
+    """
+    try:
+        jax.config.update("jax_num_cpu_devices", max(n, 1))
+    except RuntimeError:
+        pass  # backend already started (e.g. under pytest): keep what it has
+    backend = jax.default_backend()
+    count = jax.device_count()
+    if backend == "cpu":
+        return (f"no accelerator: using {count} CPU devices "
+                f"(fake devices via jax_num_cpu_devices={count})")
+    return f"using {count} {backend} device(s)"
+
+
+def named(mesh: Mesh, *logical: str | None) -> NamedSharding:
+    return NamedSharding(mesh, spec(*logical))
+
+
+def _tp_is_manual() -> bool:
+    return "tp" in jax.sharding.get_abstract_mesh().manual_axes
+
+
+def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
+    """Pin an activation's layout for GSPMD (no-op inside shard_map or without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or _tp_is_manual():
+        return x
+    return jax.lax.with_sharding_constraint(x, spec(*logical))
+
+
+__all__ = ["MESH_AXES", "RULES", "spec", "make_mesh", "ensure_devices", "named",
+           "constrain", "check_device_count"]

@@ -1,0 +1,106 @@
+"""Configs: every preset loads and validates; bad input fails with a message
+that names the value and the fix, before anything compiles."""
+
+import json
+
+import pytest
+
+import train
+from jaxtp.config import (Config, ConfigError, apply_overrides, load_config, preset_names,
+                          validate)
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_preset_loads_and_validates(name):
+    cfg = validate(load_config(name))
+    assert cfg.model.d_model % cfg.model.n_heads == 0
+    tps = [t for t in (1, 2, 4, 8) if cfg.model.n_heads % t == 0 and cfg.model.d_ff % t == 0]
+    assert max(tps) >= 4  # every preset is tensor-parallel beyond tp=2
+    validate(apply_overrides(cfg, [f"parallel.tp={max(tps)}"]))
+
+
+def test_presets_hold_what_their_names_promise():
+    assert set(preset_names()) >= {"tiny", "gpt2-small"}
+    validate(apply_overrides(load_config("tiny"), ["parallel.tp=8"]))  # README default
+    g = load_config("gpt2-small").model
+    assert (g.n_layers, g.d_model, g.n_heads, g.d_ff, g.seq_len) == (12, 768, 12, 3072, 1024)
+
+
+def test_overrides_are_typed():
+    cfg = apply_overrides(Config(), ["model.d_model=256", "train.lr=1e-3",
+                                     "model.tie_embeddings=false", "parallel.impl=gspmd"])
+    assert (cfg.model.d_model, cfg.train.lr, cfg.model.tie_embeddings) == (256, 1e-3, False)
+    assert cfg.to_dict() == Config.from_dict(json.loads(json.dumps(cfg.to_dict()))).to_dict()
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["model.n_heads=6", "model.d_model=96", "parallel.tp=4"], r"model.n_heads=6 is not divisible by tp=4.*\[1, 2, 3, 6\]"),
+    (["model.d_ff=100", "parallel.tp=8"], r"model.d_ff=100 is not divisible by tp=8"),
+    (["train.batch_size=6", "parallel.dp=4"], r"train.batch_size=6 is not divisible by dp=4"),
+    (["model.n_layers=0"], r"model.n_layers=0 must be positive"),
+    (["model.d_model=-8"], r"model.d_model=-8 must be positive"),
+    (["parallel.tp=0"], r"parallel.tp=0 must be positive"),
+    (["model.dropout=1.5"], r"model.dropout=1.5 must be in \[0, 1\)"),
+    (["model.dtype=float8"], r"model.dtype='float8'; choose one of"),
+    (["model.d_model=100", "model.n_heads=8"], r"d_model=100 is not divisible by model.n_heads=8"),
+])
+def test_inconsistent_values_are_rejected(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(apply_overrides(Config(), overrides))
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["model.d_modle=64"], r"unknown config key 'model.d_modle'.*d_model"),
+    (["optim.lr=1"], r"section in"),
+    (["model.d_model=big"], r"model.d_model='big': expected a int"),
+    (["model.tie_embeddings=maybe"], r"expected a bool"),
+    (["model.d_model"], r"must look like section.key=value"),
+])
+def test_bad_overrides_are_rejected(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        apply_overrides(Config(), overrides)
+
+
+def test_bad_files_are_rejected(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"model": {"d_model": "64"}}))
+    with pytest.raises(ConfigError, match=r"model.d_model must be int, got '64' \(str\)"):
+        load_config(str(bad))
+    bad.write_text(json.dumps({"model": {"n_layer": 2}}))
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['model.n_layer'\]"):
+        load_config(str(bad))
+    bad.write_text(json.dumps({"model": {"n_layers": True}}))
+    with pytest.raises(ConfigError, match="must be int, got True"):
+        load_config(str(bad))
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(str(bad))
+    with pytest.raises(ConfigError, match=r"presets: \[.*'tiny'"):
+        load_config("no-such-preset")
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--tp", "3"], "model.n_heads=8 is not divisible by tp=3"),
+    (["--tp", "8", "model.d_ff=12"], "model.d_ff=12 is not divisible by tp=8"),
+    (["--dp", "3"], "train.batch_size=16 is not divisible by dp=3"),
+    (["model.heads=4"], "unknown config key 'model.heads'"),
+    (["--tp", "8", "--dp", "2"], "16 devices requested but this machine has 8 cpu device"),
+])
+def test_cli_rejects_bad_input_before_compiling(argv, match, tmp_path, capsys):
+    assert train.main(argv + ["--out", str(tmp_path / "run")]) == 2
+    assert match in capsys.readouterr().err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_cli_trains_and_writes_run_files(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["--tp", "2", "--steps", "4", "--out", str(out), "model.n_layers=1",
+            "model.seq_len=32", "train.log_every=2", "train.eval_every=4",
+            "train.eval_batches=1", "train.batch_size=4"]
+    assert train.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "CPU devices" in printed and "step     4/4" in printed
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["parallel"]["tp"] == 2 and cfg["model"]["n_layers"] == 1
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4]
