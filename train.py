@@ -29,6 +29,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", help="output directory (default: runs/<config>-dp<dp>-tp<tp>-<time>)")
     ap.add_argument("--data", help="UTF-8 text file (byte-level) or .bin of uint16 token ids "
                                    "(default: the Python standard library's source)")
+    ap.add_argument("--compare-hlo", action="store_true",
+                    help="no training: compile the train step under gspmd and shard_map, "
+                         "compare their collectives with the Megatron budget, write "
+                         "comm_report.json and both HLO texts to --out; exit 1 on a deviation")
+    ap.add_argument("--check", action="store_true",
+                    help="after step 1, replay it on one device and record loss, grad-norm "
+                         "and parameter-update differences in run.json")
     ap.add_argument("overrides", nargs="*", metavar="section.key=value",
                     help="config overrides, e.g. model.d_model=256 train.lr=1e-3")
     return ap.parse_args(argv)
@@ -55,10 +62,14 @@ def main(argv=None) -> int:
     print(ensure_devices(p.dp * p.tp))
     out = args.out or (f"runs/{args.config.split('/')[-1].removesuffix('.json')}"
                        f"-dp{p.dp}-tp{p.tp}-{time.strftime('%Y%m%d-%H%M%S')}")
-    from jaxtp.trainer import train
-
     try:
-        train(cfg, out, data_path=args.data)
+        if args.compare_hlo:
+            from jaxtp.comm import compare_hlo
+
+            return 0 if compare_hlo(cfg, out)["ok"] else 1
+        from jaxtp.trainer import train
+
+        train(cfg, out, data_path=args.data, check=args.check)
     except ValueError as e:  # device count, data/config mismatch: before any compile
         print(f"error: {e}", file=sys.stderr)
         return 2

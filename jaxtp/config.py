@@ -16,7 +16,7 @@ from typing import Any
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DTYPES = ("float32", "bfloat16", "float16")
-IMPLS = ("gspmd",)
+IMPLS = ("gspmd", "shard_map")
 
 
 class ConfigError(ValueError):

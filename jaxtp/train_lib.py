@@ -23,9 +23,13 @@ from .sharding import named
 
 
 def lr_schedule(t: TrainConfig) -> optax.Schedule:
-    """Linear warmup to `lr`, cosine decay to `lr * min_lr_ratio` at `steps`."""
+    """Linear warmup to `lr`, cosine decay to `lr * min_lr_ratio` at `steps`.
+
+    Warmup starts at lr / (warmup + 1), not 0: a first step at lr 0 is wasted.
+    """
     return optax.warmup_cosine_decay_schedule(
-        0.0, t.lr, t.warmup_steps, max(t.steps, t.warmup_steps + 1), t.lr * t.min_lr_ratio)
+        t.lr / (t.warmup_steps + 1), t.lr, t.warmup_steps, max(t.steps, t.warmup_steps + 1),
+        t.lr * t.min_lr_ratio)
 
 
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
@@ -98,17 +102,34 @@ def init_params(cfg: Config, mesh: Mesh):
     return graphdef, params, shardings
 
 
+def _opt_shardings(tx, params, param_shardings, mesh: Mesh):
+    # Adam's mu and nu mirror the parameters, so they take the same layout.
+    return optax.tree_map_params(
+        tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_shardings,
+        transform_non_params=lambda _: NamedSharding(mesh, P()))
+
+
 def init_train_state(cfg: Config, mesh: Mesh, params=None) -> TrainState:
+    """Parameters (fresh, or `params` resharded) and AdamW state on the mesh."""
     graphdef, fresh, param_shardings = init_params(cfg, mesh)
     params = fresh if params is None else jax.device_put(params, param_shardings)
     tx = make_optimizer(cfg.train)
-    replicated = NamedSharding(mesh, P())
-    # Adam's mu and nu mirror the parameters, so they take the same layout.
-    opt_shardings = optax.tree_map_params(
-        tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_shardings,
-        transform_non_params=lambda _: replicated)
+    opt_shardings = _opt_shardings(tx, params, param_shardings, mesh)
     with jax.set_mesh(mesh):
         opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    return TrainState(graphdef, params, opt_state, tx, mesh, param_shardings, opt_shardings,
+                      cfg.train.grad_clip)
+
+
+def abstract_train_state(cfg: Config, mesh: Mesh) -> TrainState:
+    """A TrainState of ShapeDtypeStructs: enough to compile a step, allocates nothing."""
+    graphdef, abstract = abstract_model(cfg, mesh)
+    param_shardings = nnx.get_named_sharding(abstract, mesh)
+    sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+    params = jax.tree.map(sds, abstract, param_shardings)
+    tx = make_optimizer(cfg.train)
+    opt_shardings = _opt_shardings(tx, params, param_shardings, mesh)
+    opt_state = jax.tree.map(sds, jax.eval_shape(tx.init, params), opt_shardings)
     return TrainState(graphdef, params, opt_state, tx, mesh, param_shardings, opt_shardings,
                       cfg.train.grad_clip)
 
@@ -146,3 +167,46 @@ def make_eval_step(state: TrainState) -> Callable:
     graphdef = state.graphdef
     return jax.jit(lambda params, tokens: loss_fn(graphdef, params, tokens),
                    in_shardings=(state.param_shardings, named(state.mesh, "batch", None)))
+
+
+def compile_train_step(state: TrainState, batch_size: int, seq_len: int,
+                       use_dropout: bool = False):
+    """Ahead-of-time compiled train step for [batch, seq+1] tokens.
+
+    Callable like the jitted step; `.as_text()` is the post-partitioning HLO
+    whose collectives `jaxtp.hlo` reads. Works on an abstract state too.
+    """
+    step = make_train_step(state, use_dropout)
+    tokens = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32,
+                                  sharding=named(state.mesh, "batch", None))
+    with jax.set_mesh(state.mesh):
+        return step.lower(state.params, state.opt_state, tokens, jax.random.key(0)).compile()
+
+
+def single_device_check(cfg: Config, tokens_BT1, key, loss: float, grad_norm: float,
+                        params_after) -> dict:
+    """Replay step 1 on one device (tp=1, dp=1) and compare with the parallel run.
+
+    `params_after`: the parallel run's parameters after that step (host copy).
+    The update error is ||p_tp - p_ref|| / ||p_ref - p_0|| over all tensors.
+    """
+    import numpy as np
+
+    from .sharding import make_mesh
+
+    one = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=1, tp=1,
+                                                                impl="gspmd"))
+    mesh = make_mesh(1, 1, devices=jax.devices()[:1])
+    state = init_train_state(one, mesh)
+    p0 = jax.device_get(state.params)
+    step = make_train_step(state, use_dropout=cfg.model.dropout > 0)
+    with jax.set_mesh(mesh):
+        p1, _, metrics = step(state.params, state.opt_state, tokens_BT1, key)
+    p1 = jax.device_get(p1)
+    diff = sum(float(np.sum((np.asarray(a) - np.asarray(b)) ** 2))
+               for a, b in zip(jax.tree.leaves(params_after), jax.tree.leaves(p1)))
+    upd = sum(float(np.sum((np.asarray(a) - np.asarray(b)) ** 2))
+              for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p0)))
+    return {"loss_diff": abs(loss - float(metrics["loss"])),
+            "grad_norm_diff": abs(grad_norm - float(metrics["grad_norm"])),
+            "param_update_rel_error": (diff / upd) ** 0.5 if upd else 0.0}

@@ -2,6 +2,10 @@
 
 Every run writes into its output directory:
 - `config.json`: the resolved config;
+- `run.json`: the TP record (`jaxtp.comm.run_record`): mesh and device order,
+  shapes, the layout of every linear, the collectives per layer read from the
+  compiled step, and with `check=True` the comparison of step 1 against a
+  single device;
 - `metrics.jsonl`: one JSON object per logged step (`step`, `loss` = mean
   train loss since the previous log, `grad_norm` (pre-clip, this step), `lr`,
   `tokens_per_sec`, and `eval_loss` on evaluation steps).
@@ -17,10 +21,12 @@ from typing import Callable
 import jax
 import numpy as np
 
+from .comm import run_record
 from .config import Config
 from .data import Dataset, load_tokens, to_mesh
 from .sharding import make_mesh
-from .train_lib import init_train_state, lr_schedule, make_eval_step, make_train_step
+from .train_lib import (compile_train_step, init_train_state, lr_schedule, make_eval_step,
+                        single_device_check)
 
 
 def count_params(params) -> int:
@@ -33,7 +39,7 @@ def evaluate(eval_step, params, batches, mesh) -> float:
 
 
 def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
-          log: Callable[[str], None] = print) -> dict:
+          log: Callable[[str], None] = print, check: bool = False) -> dict:
     """Train `cfg` and return a summary; see the module docstring for the files."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     out = Path(out_dir)
@@ -48,7 +54,10 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
         f"mesh dp={p.dp} x tp={p.tp}, impl={p.impl} | "
         f"data: {len(data.train):,} train / {len(data.val):,} val tokens")
 
-    train_step = make_train_step(state, use_dropout=m.dropout > 0)
+    t0 = time.perf_counter()
+    train_step = compile_train_step(state, t.batch_size, m.seq_len, use_dropout=m.dropout > 0)
+    hlo_text = train_step.as_text()
+    log(f"compiled the train step in {time.perf_counter() - t0:.1f}s")
     eval_step = make_eval_step(state)
     eval_set = data.eval_batches(t.batch_size, t.eval_batches)
     schedule = lr_schedule(t)
@@ -57,7 +66,7 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
     tokens_per_step = t.batch_size * m.seq_len
 
     params, opt_state = state.params, state.opt_state
-    pending, history, rates = [], [], []
+    pending, history, rates, check_result = [], [], [], None
     first_loss = eval_loss = None
     t_start = time.perf_counter()
     t_last = None
@@ -68,9 +77,14 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
                 params, opt_state, tokens, jax.random.fold_in(base_key, step))
             pending.append(metrics["loss"])
             if step == 1:
-                first_loss = float(metrics["loss"])  # waits for compile + step 1
-                log(f"step 1 compiled and ran in {time.perf_counter() - t_start:.1f}s; "
-                    f"initial loss {first_loss:.4f}")
+                first_loss = float(metrics["loss"])
+                log(f"step 1: loss {first_loss:.4f}")
+                if check:
+                    check_result = single_device_check(
+                        cfg, jax.device_get(tokens), jax.random.fold_in(base_key, 1),
+                        first_loss, float(metrics["grad_norm"]), jax.device_get(params))
+                    log("check against one device after step 1: " + ", ".join(
+                        f"{k} {v:.2e}" for k, v in check_result.items()))
                 t_last, pending, last_logged = time.perf_counter(), [], 1
                 continue
             is_eval = step % t.eval_every == 0 or step == t.steps
@@ -93,6 +107,8 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
             pending, last_logged = [], step
             t_last = time.perf_counter()  # eval time is not counted in tok/s
 
+    record = run_record(cfg, mesh, state.model(), hlo_text, check_result)
+    (out / "run.json").write_text(json.dumps(record, indent=2) + "\n")
     summary = {
         "first_loss": first_loss,
         "final_loss": history[-1]["loss"] if history else first_loss,

@@ -22,37 +22,46 @@ def _ln(x, p, eps):
     return (x - mu) / jnp.sqrt(var + eps) * p["scale"] + p["bias"]
 
 
-def forward(p: dict, tokens, cfg):
-    B, T = tokens.shape
-    D, N = cfg.d_model, cfg.n_heads
+def attention(a: dict, h, cfg):
+    """Causal multi-head attention of h [B, T, D] with parameters a (qkv, out)."""
+    B, T, D = h.shape
+    N = cfg.n_heads
     Hd = D // N
+    w = a["qkv"]["kernel"].reshape(D, 3 * D)  # columns ordered (c, n, h)
+    qkv = h.reshape(B * T, D) @ w
+    if cfg.use_bias:
+        qkv = qkv + a["qkv"]["bias"].reshape(3 * D)
+    q, k, v = (qkv[:, c * D:(c + 1) * D].reshape(B, T, N, Hd).transpose(0, 2, 1, 3)
+               for c in range(3))
+    s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(Hd)
+    s = jnp.where(np.tril(np.ones((T, T), bool)), s, -1e30)
+    o = (jax.nn.softmax(s, axis=-1) @ v).transpose(0, 2, 1, 3).reshape(B * T, D)
+    o = o @ a["out"]["kernel"].reshape(D, D)
+    if cfg.use_bias:
+        o = o + a["out"]["bias"]
+    return o.reshape(B, T, D)
+
+
+def mlp(m: dict, h, cfg):
+    """GELU (tanh form) MLP of h [B, T, D] with parameters m (up, down)."""
+    B, T, D = h.shape
+    u = h.reshape(B * T, D) @ m["up"]["kernel"]
+    if cfg.use_bias:
+        u = u + m["up"]["bias"]
+    u = 0.5 * u * (1 + jnp.tanh(np.sqrt(2 / np.pi) * (u + 0.044715 * u ** 3)))
+    d = u @ m["down"]["kernel"]
+    if cfg.use_bias:
+        d = d + m["down"]["bias"]
+    return d.reshape(B, T, D)
+
+
+def forward(p: dict, tokens, cfg):
+    T = tokens.shape[1]
     x = p["wte"]["embedding"][tokens] + p["wpe"]["embedding"][:T]
     for i in range(cfg.n_layers):
         b = p["blocks"][i]
-        h = _ln(x, b["ln1"], cfg.ln_eps)
-        w = b["attn"]["qkv"]["kernel"].reshape(D, 3 * D)  # columns ordered (c, n, h)
-        qkv = h.reshape(B * T, D) @ w
-        if cfg.use_bias:
-            qkv = qkv + b["attn"]["qkv"]["bias"].reshape(3 * D)
-        q, k, v = (qkv[:, c * D:(c + 1) * D].reshape(B, T, N, Hd).transpose(0, 2, 1, 3)
-                   for c in range(3))
-        s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(Hd)
-        s = jnp.where(np.tril(np.ones((T, T), bool)), s, -1e30)
-        a = jax.nn.softmax(s, axis=-1) @ v  # [B, N, T, Hd]
-        a = a.transpose(0, 2, 1, 3).reshape(B * T, D)
-        o = a @ b["attn"]["out"]["kernel"].reshape(D, D)
-        if cfg.use_bias:
-            o = o + b["attn"]["out"]["bias"]
-        x = x + o.reshape(B, T, D)
-        h = _ln(x, b["ln2"], cfg.ln_eps).reshape(B * T, D)
-        u = h @ b["mlp"]["up"]["kernel"]
-        if cfg.use_bias:
-            u = u + b["mlp"]["up"]["bias"]
-        u = 0.5 * u * (1 + jnp.tanh(np.sqrt(2 / np.pi) * (u + 0.044715 * u ** 3)))
-        d = u @ b["mlp"]["down"]["kernel"]
-        if cfg.use_bias:
-            d = d + b["mlp"]["down"]["bias"]
-        x = x + d.reshape(B, T, D)
+        x = x + attention(b["attn"], _ln(x, b["ln1"], cfg.ln_eps), cfg)
+        x = x + mlp(b["mlp"], _ln(x, b["ln2"], cfg.ln_eps), cfg)
     x = _ln(x, p["ln_f"], cfg.ln_eps)
     head = p["wte"]["embedding"].T if cfg.tie_embeddings else p["lm_head"]
     return x @ head

@@ -1,8 +1,8 @@
-"""Every tp degree computes what a single device computes.
+"""Every tp degree and both implementations compute what one device computes.
 
 The reference is tests/reference.py (plain jnp, one device), fed the same
-parameters; jaxtp at tp in {1, 2, 4, 8} must match its logits, loss and every
-gradient to fp32 tolerance.
+parameters; jaxtp at tp in {1, 2, 4, 8}, under gspmd and shard_map, must match
+its logits, loss and every gradient to fp32 tolerance.
 """
 
 import jax
@@ -60,26 +60,28 @@ def assert_trees_close(got, want):
                                    err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
-def test_matches_single_device_reference(tp, reference):
+def test_matches_single_device_reference(tp, impl, reference):
     ref_params, ref_logits, ref_l, ref_grads = reference
-    params, logits, loss, grads, _ = run_model(make_cfg(tp))
+    params, logits, loss, grads, _ = run_model(make_cfg(tp, impl))
     assert_trees_close(params, ref_params)  # init is identical at every tp
     np.testing.assert_allclose(logits, ref_logits, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(loss, ref_l, rtol=RTOL, atol=ATOL)
     assert_trees_close(grads, ref_grads)
 
 
-def test_untied_head_no_bias_dropout_keys():
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+def test_untied_head_no_bias_dropout_keys(impl):
     """Untied head and bias-free layers match the reference; dropout is seeded."""
     model = ModelConfig(vocab_size=64, n_layers=1, d_model=32, n_heads=4, d_ff=64,
                         seq_len=8, tie_embeddings=False, use_bias=False, dropout=0.5)
-    params, logits, _, _, toks = run_model(make_cfg(4, model=model))
+    params, logits, _, _, toks = run_model(make_cfg(4, impl, model=model))
     assert "lm_head" in params and "bias" not in params["blocks"][0]["mlp"]["up"]
     np.testing.assert_allclose(logits, forward(params, toks[:, :-1], model),
                                rtol=RTOL, atol=ATOL)
     mesh = make_mesh(1, 4)
-    graphdef, p, _ = init_params(make_cfg(4, model=model), mesh)
+    graphdef, p, _ = init_params(make_cfg(4, impl, model=model), mesh)
     with jax.set_mesh(mesh):
         f = jax.jit(lambda p, t, k: nnx.merge(graphdef, p)(t, dropout_key=k))
         a, b, c = (f(p, toks[:, :-1], jax.random.key(s)) for s in (0, 0, 1))
