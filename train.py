@@ -7,6 +7,7 @@ A thin CLI over the `jaxtp` library. Any config field can be overridden with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -29,6 +30,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", help="output directory (default: runs/<config>-dp<dp>-tp<tp>-<time>)")
     ap.add_argument("--data", help="UTF-8 text file (byte-level) or .bin of uint16 token ids "
                                    "(default: the Python standard library's source)")
+    ap.add_argument("--init-from-hf", metavar="PATH",
+                    help="fine-tune a Hugging Face Llama checkpoint (save_pretrained dir); "
+                         "its config.json replaces the model section, then overrides apply")
     ap.add_argument("--compare-hlo", action="store_true",
                     help="no training: compile the train step under gspmd and shard_map, "
                          "compare their collectives with the Megatron budget, write "
@@ -43,6 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def resolve_config(args: argparse.Namespace) -> Config:
     cfg = load_config(args.config)
+    if args.init_from_hf:
+        from jaxtp.convert import hf_model_config
+
+        cfg = dataclasses.replace(cfg, model=hf_model_config(args.init_from_hf))
     flags = {"parallel.tp": args.tp, "parallel.dp": args.dp, "parallel.impl": args.impl,
              "train.steps": args.steps, "train.seed": args.seed}
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + args.overrides
@@ -56,10 +64,17 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from jaxtp.sharding import ensure_devices  # imports jax; no backend started yet
+    import jax
+
+    from jaxtp.manual import BF16_CPU_SHARD_MAP
+    from jaxtp.sharding import ensure_devices
 
     p = cfg.parallel
-    print(ensure_devices(p.dp * p.tp))
+    print(ensure_devices(p.dp * p.tp))  # before anything starts the JAX backend
+    uses_shard_map = p.impl == "shard_map" or args.compare_hlo
+    if uses_shard_map and cfg.model.dtype == "bfloat16" and jax.default_backend() == "cpu":
+        print(f"error: {BF16_CPU_SHARD_MAP}", file=sys.stderr)
+        return 2
     out = args.out or (f"runs/{args.config.split('/')[-1].removesuffix('.json')}"
                        f"-dp{p.dp}-tp{p.tp}-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
@@ -69,8 +84,13 @@ def main(argv=None) -> int:
             return 0 if compare_hlo(cfg, out)["ok"] else 1
         from jaxtp.trainer import train
 
-        train(cfg, out, data_path=args.data, check=args.check)
-    except ValueError as e:  # device count, data/config mismatch: before any compile
+        init = None
+        if args.init_from_hf:
+            from jaxtp.convert import read_hf
+
+            init = read_hf(args.init_from_hf, **dataclasses.asdict(cfg.model))[1]
+        train(cfg, out, data_path=args.data, check=args.check, init_params=init)
+    except (ValueError, OSError, KeyError) as e:  # devices, data, files: before compiling
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -1,16 +1,20 @@
 """jaxtp: Megatron-style tensor parallelism in JAX/Flax NNX, with proof from HLO."""
 
+from . import comm, hlo
 from .config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, load_config
-from .layers import ColumnParallelLinear, Embed, LayerNorm, RowParallelLinear
+from .layers import ColumnParallelLinear, Embed, LayerNorm, RMSNorm, RowParallelLinear
 from .attention import Attention
 from .mlp import MLP
 from .model import Block, Transformer
 from .sharding import RULES, constrain, make_mesh, spec
-from .train_lib import init_train_state, loss_fn, make_eval_step, make_optimizer, make_train_step
+from .train_lib import (abstract_train_state, compile_train_step, init_train_state, loss_fn,
+                        make_eval_step, make_optimizer, make_train_step)
+from .vocab import VocabEmbed
 
 __all__ = [
     "Config", "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "load_config",
-    "ColumnParallelLinear", "RowParallelLinear", "Embed", "LayerNorm", "Attention", "MLP",
+    "ColumnParallelLinear", "RowParallelLinear", "Embed", "LayerNorm", "RMSNorm", "Attention", "MLP",
     "Block", "Transformer", "RULES", "constrain", "make_mesh", "spec",
-    "init_train_state", "loss_fn", "make_eval_step", "make_optimizer", "make_train_step",
+    "init_train_state", "abstract_train_state", "compile_train_step", "loss_fn",
+    "make_eval_step", "make_optimizer", "make_train_step", "VocabEmbed", "comm", "hlo",
 ]

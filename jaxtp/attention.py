@@ -1,4 +1,5 @@
-"""Causal self-attention with heads split over tp (GSPMD or shard_map)."""
+"""Causal self-attention with heads split over tp (GSPMD or shard_map):
+multi-head, grouped-query (GQA) and multi-query (MQA), optional RoPE."""
 
 from __future__ import annotations
 
@@ -7,49 +8,103 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import ModelConfig
-from .layers import ColumnParallelLinear, RowParallelLinear, init_std_out
-from .manual import tp_region
-from .sharding import constrain
+from .layers import ColumnParallelLinear, RowParallelLinear, init_std_out, rope
+from .manual import in_shard_map, tp_rank, tp_region
+from .sharding import constrain, mesh_axis_size
 
 
 class Attention(nnx.Module):
-    """Multi-head causal attention, Megatron layout.
+    """Causal attention, Megatron layout; N query heads in K groups of G = N/K.
 
-    W_qkv: [D, 3, N, H] column-parallel by heads (each rank [D, 3, N/tp, H]);
-    every rank attends over its own N/tp heads with no communication;
-    W_out: [N, H, D] row-parallel (each rank [N/tp, H, D]). One all-reduce
-    forward (g, after W_out) and one backward (f, the gradient of x entering
-    W_qkv). The fused QKV kernel gives one f, not three.
+    W_q: [D, N, H] and W_kv: [D, 2, K, H] are column-parallel by heads; every
+    rank attends over its own heads with no communication; W_out: [N, H, D] is
+    row-parallel. One all-reduce forward (g, after W_out) and one backward (f,
+    the gradient of x entering the projections). Two kv layouts:
+
+    - tp divides K: each rank holds K/tp kv heads and the N/tp query heads of
+      their groups. Per group the projections are fused into one [D, K, G+2, H]
+      kernel (G queries, k, v, as Megatron-LM lays out its QKV), so x has one
+      consumer and the backward pass one all-reduce.
+    - K < tp (tp a multiple of K): the kv projection is replicated. Every rank
+      computes k, v from the replicated x (no partial dX, so no extra f) and
+      keeps the one kv head its N/tp query heads use; the kv gradient, which
+      the tp/K ranks of a group each hold a part of, is all-reduced in the
+      backward pass.
     """
 
     def __init__(self, cfg: ModelConfig, *, impl: str = "gspmd", rngs: nnx.Rngs):
         kw = dict(use_bias=cfg.use_bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                   rngs=rngs)
-        N, H = cfg.n_heads, cfg.head_dim
-        self.qkv = ColumnParallelLinear(cfg.d_model, (3, N, H), (None, "heads", "head_dim"),
-                                        std=cfg.init_std, **kw)
+        N, K, H = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.kv_sharded = K % mesh_axis_size("tp") == 0
+        self.q = ColumnParallelLinear(cfg.d_model, (N, H), ("heads", "head_dim"),
+                                      std=cfg.init_std, **kw)
+        self.kv = ColumnParallelLinear(
+            cfg.d_model, (2, K, H), (None, "kv_heads" if self.kv_sharded else None, "head_dim"),
+            std=cfg.init_std, **kw)
         self.out = RowParallelLinear((N, H), ("heads", "head_dim"), cfg.d_model,
                                      std=init_std_out(cfg.init_std, cfg.n_layers), **kw)
+        self.group = N // K
+        self.rope_theta = cfg.rope_theta if cfg.style == "llama" else None
         self.impl = impl
 
-    def region(self, x_BTD):
-        """Local math from replicated x to the partial (pre-reduction) output.
+    def _project(self, x_BTD, enter):
+        """q [B, T, k, G', H], k and v [B, T, k, H]: k groups of G' query heads
+        sharing one kv head. Counts come from the (local) kernels."""
+        dt = self.q.dtype
+        wq_DNH, wkv_DCKH = self.q.kernel[...].astype(dt), self.kv.kernel[...].astype(dt)
+        bias = self.q.bias is not None
+        D, N, H = wq_DNH.shape
+        K = wkv_DCKH.shape[2]
+        if self.kv_sharded:
+            G = N // K
+            w_DKCH = jnp.concatenate([wq_DNH.reshape(D, K, G, H),
+                                      wkv_DCKH.transpose(0, 2, 1, 3)], axis=2)
+            y_BTKCH = jnp.einsum("BTD,DKCH->BTKCH", enter(x_BTD).astype(dt), w_DKCH)
+            if bias:
+                y_BTKCH += jnp.concatenate([self.q.bias[...].reshape(K, G, H),
+                                            self.kv.bias[...].transpose(1, 0, 2)], 1).astype(dt)
+            y_BTKCH = constrain(y_BTKCH, "batch", "seq", "kv_heads", None, "head_dim")
+            return y_BTKCH[:, :, :, :G], y_BTKCH[:, :, :, G], y_BTKCH[:, :, :, G + 1]
+        q_BTNH = jnp.einsum("BTD,DNH->BTNH", enter(x_BTD).astype(dt), wq_DNH)
+        kv_BTCKH = jnp.einsum("BTD,DCKH->BTCKH", x_BTD.astype(dt), wkv_DCKH)
+        if bias:
+            q_BTNH += self.q.bias[...].astype(dt)
+            kv_BTCKH += self.kv.bias[...].astype(dt)
+        B, T = q_BTNH.shape[:2]
+        if in_shard_map():  # this rank's N/tp query heads all use one kv head
+            kv_BTCKH = jax.lax.dynamic_slice_in_dim(kv_BTCKH, tp_rank() * N // self.group, 1, 3)
+            q_BTKGH = q_BTNH.reshape(B, T, 1, N, H)
+        else:
+            # The global view of the same thing: one kv copy per query head,
+            # split over tp like the queries (each rank slices its own; the
+            # backward sums the copies, an all-reduce of dkv over tp). Grouping
+            # q as [K, G] instead would need a tiling over two dims that one
+            # mesh axis cannot name, and GSPMD then gathers weights.
+            # Pinning kv replicated first also pins its gradient (the transpose
+            # of a sharding constraint is the same constraint), so dW_kv stays
+            # replicated like W_kv.
+            kv_BTCKH = constrain(kv_BTCKH, "batch", "seq", None, None, "head_dim")
+            kv_BTCKH = constrain(jnp.repeat(kv_BTCKH, N // K, axis=3),
+                                 "batch", "seq", None, "heads", "head_dim")
+            q_BTKGH = q_BTNH.reshape(B, T, N, 1, H)
+        return q_BTKGH, kv_BTCKH[:, :, 0], kv_BTCKH[:, :, 1]
 
-        N below is whatever head count the kernels hold: all heads under GSPMD,
-        the rank's N/tp heads inside shard_map. Shapes come from the arrays,
-        never from the config.
-        """
-        qkv_BTCNH = self.qkv(x_BTD)
-        qkv_BTCNH = constrain(qkv_BTCNH, "batch", "seq", None, "heads", "head_dim")
-        q_BTNH, k_BTNH, v_BTNH = (qkv_BTCNH[:, :, i] for i in range(3))
-        T, H = q_BTNH.shape[1], q_BTNH.shape[-1]
-        logits_BNTS = jnp.einsum("BTNH,BSNH->BNTS", q_BTNH, k_BTNH,
-                                 preferred_element_type=jnp.float32) / jnp.sqrt(H)
+    def region(self, x_BTD, enter):
+        """Local math from replicated x to the partial (pre-reduction) output."""
+        q_BTKGH, k_BTKH, v_BTKH = self._project(x_BTD, enter)
+        B, T, K, G, H = q_BTKGH.shape
+        if self.rope_theta is not None:
+            pos_T = jnp.arange(T)
+            q_BTKGH = rope(q_BTKGH, pos_T, self.rope_theta)
+            k_BTKH = rope(k_BTKH, pos_T, self.rope_theta)
+        logits_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BTKH,
+                                  preferred_element_type=jnp.float32) / jnp.sqrt(H)
         causal_TS = jnp.tril(jnp.ones((T, T), bool))
-        logits_BNTS = jnp.where(causal_TS, logits_BNTS, jnp.finfo(jnp.float32).min)
-        probs_BNTS = jax.nn.softmax(logits_BNTS, axis=-1).astype(v_BTNH.dtype)
-        o_BTNH = jnp.einsum("BNTS,BSNH->BTNH", probs_BNTS, v_BTNH)
-        return self.out.partial(o_BTNH)
+        logits_BKGTS = jnp.where(causal_TS, logits_BKGTS, jnp.finfo(jnp.float32).min)
+        probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(v_BTKH.dtype)
+        o_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BTKH)
+        return self.out.partial(o_BTKGH.reshape(B, T, K * G, H))
 
     def __call__(self, x_BTD):
         with jax.named_scope("attention"):

@@ -6,42 +6,41 @@ with one all-reduce forward (g) and one backward (f), so per block and
 microbatch 2 + 2 all-reduces of the activation, b*s*h elements. Narayanan et
 al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters",
 Sec. 3.3) price each with a ring all-reduce: every rank sends and receives
-2(t-1)/t of the payload.
+2(t-1)/t of the payload ((t-1)/t for an all-gather or reduce-scatter).
 
-Outside the blocks this model needs, per train step:
-- embedding lookup and LM head / loss: nothing, while the vocabulary is
-  replicated over tp (a vocab-parallel table would add reductions here);
-- the global gradient norm: each tp-sharded gradient's local sum of squares
-  is a scalar all-reduce over tp, one per sharded tensor.
+Outside the blocks this model needs, per train step (`expected_collectives`):
+- vocab-parallel embedding: the lookup's partial rows are summed over tp,
+  one forward all-reduce of b*s*h;
+- LM head: column-parallel over the vocabulary, so its input gradient is
+  all-reduced backward (f), b*s*h;
+- vocab-parallel cross-entropy: max, sum of exponentials and target logit,
+  three forward all-reduces of b*s fp32 values;
+- the global gradient norm: one scalar all-reduce of the partial sums of
+  squares of the tp-sharded gradients;
+- with fewer kv heads than tp (replicated kv projection): the kv gradient,
+  b*s*2*K*H per block, is summed over the ranks that share each kv head.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
 import jax
+import numpy as np
 
 from . import hlo
-from .config import Config, IMPLS
+from .config import IMPLS, Config
 
 HLO_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
-
-# (kind, pass, scope) -> the name of that collective in Megatron's terms
-NAMES = {
-    ("all-reduce", "forward", "attention"): "g: attention out-proj output",
-    ("all-reduce", "forward", "mlp"): "g: MLP down-proj output",
-    ("all-reduce", "backward", "attention"): "f: dX entering attention QKV",
-    ("all-reduce", "backward", "mlp"): "f: dX entering MLP up-proj",
-    ("all-reduce", "other", ""): "gradient norm: sum of squares of a tp-sharded tensor",
-}
 
 
 @dataclasses.dataclass(frozen=True)
 class Budget:
-    """Megatron TP communication of one train step, per tp rank."""
+    """Megatron's per-block TP communication for one train step, per tp rank."""
 
     tp: int
     layers: int
@@ -50,7 +49,6 @@ class Budget:
     d_model: int
     dtype_bytes: int
     microbatches: int = 1
-    sharded_tensors: int = 0  # tp-sharded parameter tensors (gradient-norm scalars)
     all_reduce_per_layer_fwd: int = 2
     all_reduce_per_layer_bwd: int = 2
 
@@ -78,75 +76,101 @@ class Budget:
         return per_layer * self.ring_bytes_per_all_reduce
 
     @property
-    def ring_bytes_per_rank_per_step(self) -> float:
-        """Blocks only; the gradient-norm scalars add `extra_ring_bytes`."""
+    def ring_bytes_blocks_per_step(self) -> float:
         return self.layers * self.microbatches * self.ring_bytes_per_layer
 
-    @property
-    def extra_ring_bytes(self) -> float:
-        return self.ring_factor * 4 * self.sharded_tensors  # fp32 scalars
 
-    def expected(self, dtype: str) -> dict[tuple, dict]:
-        """(kind, pass, scope, shape, dtype) -> {count, name} the HLO must hold."""
-        if self.tp == 1:
-            return {}
-        act = (self.batch, self.seq, self.d_model)
-        n = self.layers * self.microbatches
-        rows = {(k, p, s, act, dtype): n for (k, p, s) in NAMES if s}
-        if self.sharded_tensors:
-            rows[("all-reduce", "other", "", (), "f32")] = self.sharded_tensors
-        return {key: {"count": c, "name": NAMES[key[:3]]} for key, c in rows.items()}
+@dataclasses.dataclass(frozen=True)
+class Expected:
+    """One line of the budget: `count` collectives of `elements` each per step."""
+
+    name: str
+    kind: str
+    pass_: str
+    scope: str
+    elements: int
+    dtype: str
+    group: int
+    count: int
+
+    @property
+    def key(self) -> tuple:
+        return (self.kind, self.pass_, self.scope, self.elements, self.dtype, self.group)
+
+    @property
+    def bytes(self) -> int:
+        return self.elements * hlo.DTYPE_BYTES[self.dtype]
+
+    @property
+    def ring_bytes(self) -> float:
+        """Per rank, per collective: 2(g-1)/g x bytes for all-reduce, (g-1)/g else."""
+        share = (self.group - 1) / self.group
+        return (2 if self.kind == "all-reduce" else 1) * share * self.bytes
 
     def to_dict(self) -> dict:
-        return {
-            "all_reduce_per_layer_fwd": self.all_reduce_per_layer_fwd,
-            "all_reduce_per_layer_bwd": self.all_reduce_per_layer_bwd,
-            "elements_per_all_reduce": self.elements_per_all_reduce,
-            "bytes_per_all_reduce": self.bytes_per_all_reduce,
-            "ring_factor": self.ring_factor,
-            "ring_bytes_per_all_reduce": self.ring_bytes_per_all_reduce,
-            "ring_bytes_per_layer": self.ring_bytes_per_layer,
-            "ring_bytes_per_rank_per_step": self.ring_bytes_per_rank_per_step,
-            "outside_blocks": {
-                "embedding": 0, "lm_head_and_loss": 0,
-                "grad_norm_scalar_all_reduces": self.sharded_tensors,
-                "grad_norm_ring_bytes": self.extra_ring_bytes,
-            },
-        }
+        d = dataclasses.asdict(self)
+        d["pass"] = d.pop("pass_")
+        return d | {"bytes": self.bytes}
 
 
-def budget_for(cfg: Config, sharded_tensors: int = 0) -> Budget:
+def budget_for(cfg: Config) -> Budget:
     m, p = cfg.model, cfg.parallel
-    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[m.dtype]
     return Budget(tp=p.tp, layers=m.n_layers, batch=cfg.train.batch_size // p.dp,
-                  seq=m.seq_len, d_model=m.d_model, dtype_bytes=itemsize,
-                  sharded_tensors=sharded_tensors if p.tp > 1 else 0)
+                  seq=m.seq_len, d_model=m.d_model, dtype_bytes=np.dtype(m.dtype).itemsize)
 
 
-def count_sharded(param_shardings) -> int:
-    """Parameter tensors split over tp."""
-    return sum("tp" in jax.tree.leaves(tuple(s.spec)) for s in jax.tree.leaves(param_shardings))
+def expected_collectives(cfg: Config, impl: str) -> list[Expected]:
+    """Every tp collective the train step of `cfg` needs under `impl`."""
+    m, tp = cfg.model, cfg.parallel.tp
+    if tp == 1:
+        return []
+    b, s, L, dt = cfg.train.batch_size // cfg.parallel.dp, m.seq_len, m.n_layers, \
+        HLO_DTYPES[m.dtype]
+    act = b * s * m.d_model
+    E = lambda name, kind, pass_, scope, n, count, dtype=dt, group=tp: \
+        Expected(name, kind, pass_, scope, n, dtype, group, count)
+    rows = [
+        E("g: vocab-parallel embedding lookup", "all-reduce", "forward", "embed", act, 1),
+        E("g: attention out-proj output", "all-reduce", "forward", "attention", act, L),
+        E("g: MLP down-proj output", "all-reduce", "forward", "mlp", act, L),
+        E("cross-entropy: max, sum of exp, target logit", "all-reduce", "forward",
+          "cross_entropy", b * s, 3, "f32"),
+        E("f: dX entering the q/kv projection", "all-reduce", "backward", "attention", act, L),
+        E("f: dX entering the MLP up-proj", "all-reduce", "backward", "mlp", act, L),
+        E("f: dX entering the LM head", "all-reduce", "backward", "cross_entropy", act, 1),
+        E("gradient norm: one sum of squares", "all-reduce", "other", "", 1, 1, "f32"),
+    ]
+    K, H = m.kv_heads, m.head_dim
+    if K < tp:  # kv projection replicated: sum its gradient over the sharing ranks
+        kv = b * s * 2 * K * H
+        if impl == "shard_map" or K == 1:
+            rows.append(E("kv gradient: sum over the ranks sharing a kv head", "all-reduce",
+                          "backward", "attention", kv, L))
+        else:  # GSPMD splits the same sum: within each kv group, then gathered
+            rows += [E("kv gradient: sum within each group of tp/K ranks", "all-reduce",
+                       "backward", "attention", kv // K, L, group=tp // K),
+                     E("kv gradient: gathered across the K groups", "all-gather", "backward",
+                       "attention", kv, L, group=K)]
+    return rows
 
 
 def _key(c: hlo.Collective) -> tuple:
-    return (c.kind, c.pass_, c.scope, c.shape, c.dtype)
+    return (c.kind, c.pass_, c.scope, c.elements, c.dtype, c.group_size)
 
 
-def check(colls: list[hlo.Collective], budget: Budget, dtype: str) -> str | None:
+def check(colls: list[hlo.Collective], expected: list[Expected]) -> str | None:
     """None if the collectives are exactly the budget, else the first difference."""
-    got: dict[tuple, int] = {}
+    got = Counter()
     for c in colls:
-        got[_key(c)] = got.get(_key(c), 0) + c.count
-        if c.group_size not in (budget.tp, None):
-            return (f"{c.kind} {c.dtype}{list(c.shape)} ({c.pass_}, {c.scope or '-'}) "
-                    f"spans {c.group_size} devices, not tp={budget.tp}")
-    for key, want in budget.expected(dtype).items():
-        have = got.pop(key, 0)
-        if have != want["count"]:
-            return (f"{want['name']}: expected {want['count']} x {key[4]}{list(key[3])}, "
-                    f"found {have}")
-    for (kind, pass_, scope, shape, dt), n in got.items():
-        return f"unexpected {kind} {dt}{list(shape)} x{n} ({pass_}, scope {scope or '-'})"
+        got[_key(c)] += c.count
+    for e in expected:
+        have = got.pop(e.key, 0)
+        if have != e.count:
+            return (f"{e.name}: expected {e.count} x {e.kind} of {e.elements} {e.dtype} over "
+                    f"{e.group} devices ({e.pass_}, {e.scope or '-'}), found {have}")
+    for (kind, pass_, scope, n, dt, group), count in got.items():
+        return (f"unexpected {kind} of {n} {dt} over {group} devices x{count} "
+                f"({pass_}, scope {scope or '-'})")
     return None
 
 
@@ -165,78 +189,109 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh(p.dp, p.tp)
-    dtype = HLO_DTYPES[m.dtype]
-    impls, budget = {}, None
+    impls, colls_by_impl, expected_by_impl = {}, {}, {}
     for impl in IMPLS:
         c = dataclasses.replace(cfg, parallel=dataclasses.replace(p, impl=impl))
         log(f"compiling the {impl} train step (tp={p.tp}, {m.n_layers} layers) ...")
-        state = abstract_train_state(c, mesh)
-        text = compile_train_step(state, t.batch_size, m.seq_len).as_text()
+        text = compile_train_step(abstract_train_state(c, mesh), t.batch_size,
+                                  m.seq_len).as_text()
         (out / f"hlo_{impl}.txt").write_text(text)
-        colls = hlo.collectives(text)
-        budget = budget_for(c, count_sharded(state.param_shardings))
-        diff = check(colls, budget, dtype)
-        impls[impl] = {"collectives": hlo.summarize(colls), "matches_budget": diff is None,
+        colls_by_impl[impl] = hlo.collectives(text)
+        expected_by_impl[impl] = expected_collectives(c, impl)
+        diff = check(colls_by_impl[impl], expected_by_impl[impl])
+        impls[impl] = {"collectives": hlo.summarize(colls_by_impl[impl]),
+                       "expected": [e.to_dict() for e in expected_by_impl[impl]],
+                       "matches_budget": diff is None,
                        "verdict": "matches budget" if diff is None else diff}
-    report = {"tp": p.tp, "layers": m.n_layers, "batch": budget.batch, "seq": m.seq_len,
-              "d_model": m.d_model, "dtype_bytes": budget.dtype_bytes,
-              "analytic": budget.to_dict(), "impls": impls,
-              "ok": all(v["matches_budget"] for v in impls.values())}
+    budget = budget_for(cfg)
+    ring = {impl: sum(e.count * e.ring_bytes for e in rows)
+            for impl, rows in expected_by_impl.items()}
+    report = {
+        "tp": p.tp, "layers": m.n_layers, "batch": budget.batch, "seq": m.seq_len,
+        "d_model": m.d_model, "dtype_bytes": budget.dtype_bytes,
+        "analytic": {
+            "all_reduce_per_layer_fwd": budget.all_reduce_per_layer_fwd,
+            "all_reduce_per_layer_bwd": budget.all_reduce_per_layer_bwd,
+            "bytes_per_all_reduce": budget.bytes_per_all_reduce,
+            "ring_bytes_per_all_reduce": budget.ring_bytes_per_all_reduce,
+            "ring_bytes_per_layer": budget.ring_bytes_per_layer,
+            "ring_bytes_blocks_per_step": budget.ring_bytes_blocks_per_step,
+            # everything in the budget, blocks and outside them, per impl
+            "ring_bytes_per_rank_per_step": ring,
+        },
+        "impls": impls,
+        "ok": all(v["matches_budget"] for v in impls.values()),
+    }
     (out / "comm_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    for line in format_table(report, budget, dtype):
+    for line in format_table(colls_by_impl, expected_by_impl):
         log(line)
+    log(f"analytic (Megatron): per block {budget.all_reduce_per_layer_fwd} fwd + "
+        f"{budget.all_reduce_per_layer_bwd} bwd all-reduces of b*s*h = {budget.batch}*"
+        f"{budget.seq}*{budget.d_model} = {_size(budget.bytes_per_all_reduce)}; ring traffic per "
+        f"rank {_size(budget.ring_bytes_per_all_reduce)} each, "
+        f"{_size(budget.ring_bytes_per_layer)} per block, "
+        f"{_size(budget.ring_bytes_blocks_per_step)} for the blocks per step; with the "
+        "collectives outside the blocks: " + ", ".join(
+            f"{_size(v)} ({k})" for k, v in ring.items()))
+    for impl, r in impls.items():
+        log(f"{impl}: {r['verdict']}")
     log(f"wrote {out / 'comm_report.json'} and hlo_<impl>.txt")
     return report
 
 
-def _mib(b: float) -> str:
+def _size(b: float) -> str:
     return f"{b / 2**20:.3f} MiB" if b >= 2**10 else f"{b:.0f} B"
 
 
-def format_table(report: dict, budget: Budget, dtype: str) -> list[str]:
-    """Side-by-side rows: kind, pass, scope, shape, bytes; count per impl and budget."""
-    counts: dict[tuple, dict] = {}
-    for impl, r in report["impls"].items():
-        for row in r["collectives"]:
-            key = (row["kind"], row["pass"], row["scope"], tuple(row["shape"]), row["dtype"])
-            counts.setdefault(key, {"bytes": row["bytes"]})[impl] = row["count"]
-    for key, want in budget.expected(dtype).items():
-        counts.setdefault(key, {"bytes": hlo.Collective(
-            key[0], key[4], key[3], budget.tp, key[1], key[2], "", "").bytes})["budget"] = \
-            want["count"]
-    head = ["kind", "pass", "scope", "dtype[shape]", "bytes each", *report["impls"], "budget"]
+def format_table(colls_by_impl: dict, expected_by_impl: dict) -> list[str]:
+    """Side by side: each collective (kind, pass, scope, dtype[shape], devices,
+    bytes) with its count per impl and in the budget."""
+    impls = list(colls_by_impl)
+    cells: dict[tuple, dict] = {}
+    for impl in impls:
+        for c in colls_by_impl[impl]:
+            cell = cells.setdefault(_key(c), {"shape": c.shape, "bytes": c.bytes})
+            cell[impl] = cell.get(impl, 0) + c.count
+        for e in expected_by_impl[impl]:
+            cell = cells.setdefault(e.key, {"shape": None, "bytes": e.bytes})
+            cell[f"budget {impl}"] = e.count
+    head = ["kind", "pass", "scope", "dtype[shape]", "devices", "bytes each"]
+    for impl in impls:
+        head += [impl, "budget"]
     rows = [head]
-    for key in sorted(counts, key=lambda k: (k[1] != "forward", k[1], k[2], k[0])):
-        v = counts[key]
-        rows.append([key[0], key[1], key[2] or "-", f"{key[4]}{list(key[3])}", _mib(v["bytes"]),
-                     *(str(v.get(i, 0)) for i in report["impls"]), str(v.get("budget", 0))])
+    order = {"forward": 0, "backward": 1, "other": 2}
+    for key in sorted(cells, key=lambda k: (order.get(k[1], 3), k[2], k[0], -k[3])):
+        kind, pass_, scope, n, dt, group = key
+        cell = cells[key]
+        shape = list(cell["shape"]) if cell["shape"] is not None else f"{n} elements"
+        row = [kind, pass_, scope or "-", f"{dt}{shape}", str(group), _size(cell["bytes"])]
+        for impl in impls:
+            row += [str(cell.get(impl, 0)), str(cell.get(f"budget {impl}", 0))]
+        rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    a = report["analytic"]
-    lines += [
-        "",
-        f"analytic (Megatron, tp={budget.tp}, b={budget.batch}, s={budget.seq}, "
-        f"h={budget.d_model}, {budget.dtype_bytes} B/elem): per block "
-        f"{a['all_reduce_per_layer_fwd']} fwd + {a['all_reduce_per_layer_bwd']} bwd all-reduces "
-        f"of {_mib(a['bytes_per_all_reduce'])}; ring traffic per rank "
-        f"{_mib(a['ring_bytes_per_all_reduce'])} each, {_mib(a['ring_bytes_per_layer'])} per "
-        f"block, {_mib(a['ring_bytes_per_rank_per_step'])} per step "
-        f"(+ {a['outside_blocks']['grad_norm_scalar_all_reduces']} gradient-norm scalars)",
-    ]
-    lines += [f"{impl}: {r['verdict']}" for impl, r in report["impls"].items()]
     return lines
 
 
 def linear_layouts(model) -> dict[str, str]:
-    """'blocks.0.attn.qkv' -> 'column' / 'row', for every tensor-parallel linear."""
+    """'blocks.0.mlp.up' -> 'column', 'row', 'vocab-parallel' or 'replicated'
+    (a kv projection with fewer kv heads than tp), for every linear and table."""
     from flax import nnx
 
     from .layers import ColumnParallelLinear, RowParallelLinear
+    from .vocab import VocabEmbed
 
-    kinds = {ColumnParallelLinear: "column", RowParallelLinear: "row"}
-    return {".".join(map(str, path)): kinds[type(mod)] for path, mod in nnx.iter_modules(model)
-            if type(mod) in kinds}
+    kinds = {ColumnParallelLinear: "column", RowParallelLinear: "row",
+             VocabEmbed: "vocab-parallel"}
+    out = {}
+    for path, mod in nnx.iter_modules(model):
+        if type(mod) in kinds:
+            w = mod.embedding if isinstance(mod, VocabEmbed) else mod.kernel
+            spec = w.get_metadata().get("out_sharding") or ()
+            split = "tp" in jax.tree.leaves(tuple(spec))
+            out[".".join(map(str, path))] = kinds[type(mod)] if split else "replicated"
+    return out
 
 
 def run_record(cfg: Config, mesh, model, hlo_text: str, check: dict | None = None) -> dict:
@@ -244,18 +299,17 @@ def run_record(cfg: Config, mesh, model, hlo_text: str, check: dict | None = Non
     m, p = cfg.model, cfg.parallel
     b = cfg.train.batch_size // p.dp
     colls = hlo.collectives(hlo_text)
-    per_layer = [
-        {**row, "count_per_layer": row["count"] / m.n_layers, "payload_bytes": row["bytes"],
-         "name": NAMES.get((row["kind"], row["pass"], row["scope"]), "")}
-        for row in hlo.summarize(colls) if row["scope"] in ("attention", "mlp")]
-    outside = [r for r in hlo.summarize(colls) if r["scope"] not in ("attention", "mlp")]
+    rows = hlo.summarize(colls)
+    per_layer = [{**r, "count_per_layer": r["count"] / m.n_layers, "payload_bytes": r["bytes"]}
+                 for r in rows if r["scope"] in ("attention", "mlp")]
+    outside = [r for r in rows if r["scope"] not in ("attention", "mlp")]
     return {
         "tp": p.tp, "dp": p.dp, "impl": p.impl,
         "platform": mesh.devices.flat[0].platform,
         "mesh_device_ids": mesh.device_ids.tolist(),  # [dp][tp]
         "model": {"d_model": m.d_model, "d_ff": m.d_ff, "n_heads": m.n_heads,
-                  "n_kv_heads": m.n_heads, "n_layers": m.n_layers, "vocab_size": m.vocab_size,
-                  "dtype": m.dtype},
+                  "n_kv_heads": m.kv_heads, "n_layers": m.n_layers, "vocab_size": m.vocab_size,
+                  "padded_vocab": m.padded_vocab, "style": m.style, "dtype": m.dtype},
         "microbatch": {"b": b, "s": m.seq_len, "tokens": b * m.seq_len},
         "linear_layouts": linear_layouts(model),
         "collectives_per_layer": per_layer,

@@ -17,6 +17,7 @@ from typing import Any
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DTYPES = ("float32", "bfloat16", "float16")
 IMPLS = ("gspmd", "shard_map")
+STYLES = ("gpt2", "llama")
 
 
 class ConfigError(ValueError):
@@ -25,10 +26,15 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+    # "gpt2": LayerNorm, learned positions, GELU MLP;
+    # "llama": RMSNorm, rotary positions, SwiGLU MLP.
+    style: str = "gpt2"
     vocab_size: int = 256
+    vocab_multiple: int = 128  # the table is padded to a multiple of this (and of tp)
     n_layers: int = 4
     d_model: int = 128
     n_heads: int = 8
+    n_kv_heads: int = 0  # 0: same as n_heads (MHA); 1: MQA; else GQA
     d_ff: int = 512
     seq_len: int = 128
     dropout: float = 0.0  # residual and embedding dropout
@@ -37,11 +43,20 @@ class ModelConfig:
     tie_embeddings: bool = True
     use_bias: bool = True
     ln_eps: float = 1e-5
+    rope_theta: float = 10000.0
     init_std: float = 0.02
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +207,8 @@ def validate(cfg: Config) -> Config:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     positive = {
         **{f"model.{k}": getattr(m, k) for k in
-           ("vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "seq_len")},
+           ("vocab_size", "vocab_multiple", "n_layers", "d_model", "n_heads", "d_ff",
+            "seq_len", "rope_theta")},
         **{f"train.{k}": getattr(t, k) for k in
            ("steps", "batch_size", "log_every", "eval_every", "eval_batches", "lr")},
         "model.ln_eps": m.ln_eps, "model.init_std": m.init_std,
@@ -202,8 +218,13 @@ def validate(cfg: Config) -> Config:
         if not v > 0:
             raise ConfigError(f"{k}={v} must be positive")
     for k in ("warmup_steps", "weight_decay", "grad_clip"):
-        if getattr(t, k) < 0:
-            raise ConfigError(f"train.{k}={getattr(t, k)} must be >= 0")
+        if not 0 <= getattr(t, k) < math.inf:
+            raise ConfigError(f"train.{k}={getattr(t, k)} must be finite and >= 0")
+    for k in ("b1", "b2"):
+        if not 0 <= getattr(t, k) < 1:
+            raise ConfigError(f"train.{k}={getattr(t, k)} must be in [0, 1)")
+    if not t.lr < math.inf:
+        raise ConfigError(f"train.lr={t.lr} must be finite")
     if not 0 <= m.dropout < 1:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     if not 0 <= t.min_lr_ratio <= 1:
@@ -211,19 +232,38 @@ def validate(cfg: Config) -> Config:
     for k in ("dtype", "param_dtype"):
         if getattr(m, k) not in DTYPES:
             raise ConfigError(f"model.{k}={getattr(m, k)!r}; choose one of {DTYPES}")
+    if m.style not in STYLES:
+        raise ConfigError(f"model.style={m.style!r}; choose one of {STYLES}")
     if p.impl not in IMPLS:
         raise ConfigError(f"parallel.impl={p.impl!r}; choose one of {IMPLS}")
     if m.d_model % m.n_heads:
         raise ConfigError(
             f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}"
         )
+    if m.n_kv_heads < 0 or m.n_heads % m.kv_heads:
+        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads="
+                          f"{m.n_heads} (0 means n_kv_heads = n_heads)")
+    if m.style == "llama" and m.head_dim % 2:
+        raise ConfigError(f"rotary embeddings need an even head dim, got "
+                          f"d_model/n_heads = {m.head_dim}")
     _divisible("model.n_heads", m.n_heads, p.tp)
     _divisible("model.d_ff", m.d_ff, p.tp)
+    k = m.kv_heads
+    if k % p.tp and p.tp % k:
+        ok = sorted({t for t in range(1, m.n_heads + 1) if m.n_heads % t == 0
+                     and (k % t == 0 or t % k == 0)})
+        raise ConfigError(
+            f"model.n_kv_heads={k} and tp={p.tp}: tp must divide the kv heads (each rank "
+            f"holds its own) or be a multiple of them (each kv head replicated on "
+            f"tp/n_kv_heads ranks); valid --tp: {ok}")
+    if m.padded_vocab % p.tp:
+        raise ConfigError(
+            f"the vocabulary is padded to {m.padded_vocab} (model.vocab_multiple="
+            f"{m.vocab_multiple}), which tp={p.tp} does not divide; set "
+            f"model.vocab_multiple to a multiple of {p.tp}")
     if t.batch_size % p.dp:
         raise ConfigError(
             f"train.batch_size={t.batch_size} is not divisible by dp={p.dp}; "
             f"set train.batch_size to a multiple of {p.dp}"
         )
-    if math.isnan(t.lr):
-        raise ConfigError("train.lr is NaN")
     return cfg

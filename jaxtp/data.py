@@ -80,9 +80,9 @@ class Dataset:
     def train_batches(self, batch_size: int, seed: int):
         """Endless random windows [B, T+1] from the train split."""
         rng = np.random.default_rng(seed)
-        hi = len(self.train) - self.seq_len - 1
+        last = len(self.train) - self.seq_len - 1  # the last window that fits
         while True:
-            yield self._windows(self.train, rng.integers(0, hi, batch_size))
+            yield self._windows(self.train, rng.integers(0, last + 1, batch_size))
 
     def eval_batches(self, batch_size: int, n: int) -> list[np.ndarray]:
         """`n` fixed batches, evenly spaced over the validation split."""

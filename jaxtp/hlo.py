@@ -92,7 +92,9 @@ def scope_of(op_name: str) -> str:
             if not m:
                 break
             p = m.group(1)
-        if p and p != "shard_map":  # scopes read the same under both impls
+        # keep named scopes; drop transform wrappers and jnp's internal names
+        # (`_take`, einsum specs) so scopes read the same under both impls
+        if re.fullmatch(r"[A-Za-z][\w.\-]*", p) and p != "shard_map":
             names.append(p)
     return "/".join(names)
 
@@ -151,8 +153,10 @@ def _multipliers(comps: dict, entry: str) -> dict[str, int]:
     for comp, instrs in comps.items():
         for _, _, opcode, rest in instrs:
             trip = _TRIP.search(rest)
+            if opcode.endswith("-done"):
+                continue  # an async pair names its wrapped computation twice
             for key, callee in _CALLS.findall(rest):
-                if key == "to_apply":
+                if key == "to_apply" and opcode != "call":
                     continue  # reducers and comparators hold no collectives
                 factor = int(trip.group(1)) if (key == "body" and trip) else 1
                 calls[comp].append((callee, factor))

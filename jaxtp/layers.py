@@ -73,7 +73,7 @@ class RowParallelLinear(nnx.Module):
 
 
 class Embed(nnx.Module):
-    """Lookup table [n, D], replicated over tp (vocab-parallel comes later)."""
+    """Lookup table [n, D], laid out by `axes` (positions: replicated)."""
 
     def __init__(self, n: int, d: int, axes: tuple, *, std: float, dtype, param_dtype,
                  rngs: nnx.Rngs):
@@ -84,10 +84,6 @@ class Embed(nnx.Module):
     def __call__(self, ids):
         return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
 
-    def attend(self, x_BTD):
-        """Tied LM head: logits = x E^T, in fp32."""
-        return jnp.einsum("BTD,VD->BTV", x_BTD.astype(jnp.float32),
-                          self.embedding[...].astype(jnp.float32))
 
 
 class LayerNorm(nnx.Module):
@@ -105,6 +101,41 @@ class LayerNorm(nnx.Module):
         var = jnp.square(x - mean).mean(-1, keepdims=True)
         y = (x - mean) * jax.lax.rsqrt(var + self.eps)
         return (y * self.scale[...] + self.bias[...]).astype(self.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * scale over the model dim, in fp32 (Zhang & Sennrich 2019); replicated."""
+
+    def __init__(self, d: int, *, eps: float, dtype, param_dtype):
+        self.scale = nnx.Param(jnp.ones((d,), param_dtype), out_sharding=spec("embed"))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x):
+        x = x.astype(jnp.float32)
+        y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.eps)
+        return (y * self.scale[...]).astype(self.dtype)
+
+
+def make_norm(cfg):
+    cls = RMSNorm if cfg.style == "llama" else LayerNorm
+    return cls(cfg.d_model, eps=cfg.ln_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+
+
+def rope(x_BTNH, positions_T, theta: float):
+    """Rotary position embedding (Su et al. 2021) in the "rotate half" layout of
+    Hugging Face's Llama: dim i is paired with dim i + H/2, frequency
+    theta^(-2i/H). Applied per head, so any subset of heads (a tp rank's) works.
+    """
+    H = x_BTNH.shape[-1]
+    inv_freq_F = 1.0 / theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)
+    angle_TF = positions_T.astype(jnp.float32)[:, None] * inv_freq_F[None]
+    shape = (len(positions_T),) + (1,) * (x_BTNH.ndim - 3) + (H // 2,)  # any head dims
+    cos, sin = jnp.cos(angle_TF).reshape(shape), jnp.sin(angle_TF).reshape(shape)
+    x = x_BTNH.astype(jnp.float32)
+    x1, x2 = x[..., : H // 2], x[..., H // 2:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNH.dtype)
 
 
 def dropout(x, rate: float, key):

@@ -1,8 +1,8 @@
 """Tensor-parallel regions, and the shard_map variant with every collective written out.
 
 A *region* is a column-parallel linear, local math, and a row-parallel linear:
-replicated in, partial out (`module.region`). Megatron (Shoeybi et al. 2019,
-Sec. 3) brackets it with two conjugate operators:
+replicated in, partial out (`module.region(x, enter)`). Megatron (Shoeybi et
+al. 2019, Sec. 3) brackets it with two conjugate operators:
 
 - **f** at the entry: identity forward, all-reduce backward. Each rank's dX
   is a partial sum over its slice of the column-parallel output, so the input
@@ -10,22 +10,28 @@ Sec. 3) brackets it with two conjugate operators:
 - **g** at the exit: all-reduce forward, identity backward. Each rank's
   row-parallel product X_i W_i is a partial sum of the output.
 
-Under `impl="gspmd"` XLA's partitioner infers both from the PartitionSpecs.
-Under `impl="shard_map"` the same `region` runs per shard inside
-`jax.shard_map(check_vma=True)` over the module's own parameters (same pytree,
-in_specs read from each weight's PartitionSpec), and f and g are the two
-functions below.
+Under `impl="gspmd"` XLA's partitioner infers both from the PartitionSpecs and
+`enter` is the identity. Under `impl="shard_map"` the same `region` runs per
+shard inside `jax.shard_map(check_vma=True)` over the module's own parameters
+(same pytree, in_specs read from each weight's PartitionSpec), with `enter=f`
+and `g` applied to its result.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
 from jax.sharding import PartitionSpec as P
 
 from .sharding import constrain
+
+
+BF16_CPU_SHARD_MAP = ("impl='shard_map' with model.dtype=bfloat16 crashes XLA's CPU compiler "
+                      "(jax 0.10.2); on CPU use model.dtype=float32 (or float16), or "
+                      "impl=gspmd")
 
 
 def f(x):
@@ -49,31 +55,52 @@ def g(y_partial):
     return jax.lax.psum(y_partial, "tp")
 
 
-def _shard_map_region(module, x_BTD):
+def _identity(x):
+    return x
+
+
+def in_shard_map() -> bool:
+    """True inside a shard_map that is manual over tp (per-shard arrays)."""
+    return "tp" in jax.sharding.get_abstract_mesh().manual_axes
+
+
+def tp_rank():
+    """This shard's index on the tp axis (only inside shard_map)."""
+    return jax.lax.axis_index("tp")
+
+
+def run_sharded(module, fn: Callable, *args, out_specs=P()):
+    """Run `fn(local_module, *args)` per tp shard, inside jax.shard_map.
+
+    The module's parameters enter with the PartitionSpecs their metadata
+    carries; `args` enter replicated over tp. The shard_map is manual over tp
+    only: dp (batch split, gradient reduction) stays with GSPMD exactly as in
+    the gspmd path, so the two impls differ only in the tp collectives. (Manual
+    over dp too, every weight gradient would get an extra psum over dp.)
+    """
     graphdef, params = nnx.split(module)
-    param_specs = nnx.get_partition_spec(params)  # from each weight's metadata
-
-    def per_shard(x_BTD, params):
-        # x_BTD: [B, T, D] replicated over tp; kernels hold N/tp heads or F/tp
-        local = nnx.merge(graphdef, params)
-        return g(local.region(f(x_BTD)))
-
-    if jax.sharding.get_abstract_mesh().empty:
-        raise ValueError("impl='shard_map' needs a mesh: call the model under "
-                         "`with jax.set_mesh(mesh):`")
-    if x_BTD.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:  # called eagerly outside `jax.set_mesh`: use the parameters' mesh
+        placed = [x.sharding.mesh for x in jax.tree.leaves(params)
+                  if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)]
+        if not placed:
+            raise ValueError("impl='shard_map' needs a mesh: call the model under "
+                             "`with jax.set_mesh(mesh):`")
+        mesh = placed[0]
+    dtypes = [a.dtype for a in args] + [jnp.dtype(getattr(module, "dtype", "float32"))]
+    if jnp.dtype(jnp.bfloat16) in dtypes and jax.default_backend() == "cpu":
         # jax/jaxlib 0.10.2: a bf16 psum in a shard_map manual over a subset of
         # the mesh axes aborts XLA's CPU compiler ("Invalid binary instruction
-        # opcode copy"); float16 and float32 compile. Fail clearly instead.
-        raise ValueError("impl='shard_map' with model.dtype=bfloat16 crashes XLA's CPU "
-                         "compiler; on CPU use model.dtype=float32 (or float16), or "
-                         "impl=gspmd")
-    # Manual over tp only: dp (batch split, gradient reduction) stays with GSPMD,
-    # exactly as in the gspmd path, so the two differ only in the tp collectives.
-    # (Manual over dp too, the weights' dp-invariance would add a psum over dp
-    # of every weight gradient inside each region.)
-    return jax.shard_map(per_shard, in_specs=(P(), param_specs), out_specs=P(),
-                         axis_names={"tp"}, check_vma=True)(x_BTD, params)
+        # opcode copy"); float16 and float32 compile. (train.py refuses this
+        # combination before anything is built; this guards library callers.)
+        raise ValueError(BF16_CPU_SHARD_MAP)
+
+    def per_shard(params, *args):
+        return fn(nnx.merge(graphdef, params), *args)
+
+    in_specs = (nnx.get_partition_spec(params),) + (P(),) * len(args)
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         axis_names={"tp"}, check_vma=True)(params, *args)
 
 
 def tp_region(module, x_BTD):
@@ -84,5 +111,6 @@ def tp_region(module, x_BTD):
     The row-parallel bias is added by the caller, after this sum.
     """
     if module.impl == "shard_map":
-        return _shard_map_region(module, x_BTD)
-    return constrain(module.region(x_BTD), "batch", "seq", "embed")
+        # x_BTD: [B, T, D] replicated over tp; kernels hold N/tp heads or F/tp
+        return run_sharded(module, lambda m, x: g(m.region(x, f)), x_BTD)
+    return constrain(module.region(x_BTD, _identity), "batch", "seq", "embed")

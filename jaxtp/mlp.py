@@ -1,4 +1,4 @@
-"""GELU MLP with Megatron's column -> row split (GSPMD or shard_map)."""
+"""MLP with Megatron's column -> row split (GSPMD or shard_map): GELU or SwiGLU."""
 
 from __future__ import annotations
 
@@ -12,25 +12,33 @@ from .sharding import constrain
 
 
 class MLP(nnx.Module):
-    """h = gelu(x W_up + b_up); y = g(h W_down) + b_down.
+    """GELU: h = gelu(x W_up); SwiGLU (Shazeer 2020): h = silu(x W_gate) * (x W_up).
+    Then y = g(h W_down) + b_down.
 
-    W_up: [D, F] column-parallel (each rank [D, F/tp]); W_down: [F, D]
-    row-parallel (each rank [F/tp, D]). One all-reduce forward (g, after
-    W_down) and one backward (f, the gradient of x entering W_up).
+    W_up: [D, F] (SwiGLU: gate and up fused as [D, 2, F]) column-parallel, each
+    rank [D, (2,) F/tp]; W_down: [F, D] row-parallel, each rank [F/tp, D]. One
+    all-reduce forward (g, after W_down) and one backward (f, the gradient of x
+    entering W_up; fusing gate and up keeps it one).
     """
 
     def __init__(self, cfg: ModelConfig, *, impl: str = "gspmd", rngs: nnx.Rngs):
         kw = dict(use_bias=cfg.use_bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                   rngs=rngs)
-        self.up = ColumnParallelLinear(cfg.d_model, (cfg.d_ff,), ("mlp",),
-                                       std=cfg.init_std, **kw)
+        self.swiglu = cfg.style == "llama"
+        up_shape, up_axes = ((2, cfg.d_ff), (None, "mlp")) if self.swiglu else \
+            ((cfg.d_ff,), ("mlp",))
+        self.up = ColumnParallelLinear(cfg.d_model, up_shape, up_axes, std=cfg.init_std, **kw)
         self.down = RowParallelLinear((cfg.d_ff,), ("mlp",), cfg.d_model,
                                       std=init_std_out(cfg.init_std, cfg.n_layers), **kw)
         self.impl = impl
 
-    def region(self, x_BTD):
+    def region(self, x_BTD, enter):
         """Local math from replicated x to the partial (pre-reduction) output."""
-        h_BTF = gelu(self.up(x_BTD))  # sharded over F
+        if self.swiglu:
+            h_BTCF = self.up(enter(x_BTD))
+            h_BTF = jax.nn.silu(h_BTCF[:, :, 0]) * h_BTCF[:, :, 1]
+        else:
+            h_BTF = gelu(self.up(enter(x_BTD)))  # sharded over F
         h_BTF = constrain(h_BTF, "batch", "seq", "mlp")
         return self.down.partial(h_BTF)
 

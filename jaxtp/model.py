@@ -1,8 +1,9 @@
-"""GPT-style Transformer: pre-norm blocks of attention and MLP.
+"""Decoder-only Transformer: pre-norm blocks of attention and MLP, GPT-2 or Llama style.
 
 Dimension alphabet used in variable names throughout jaxtp:
-B batch, T sequence, D model, N heads, H head dim, F mlp hidden, V vocab,
-C the q/k/v index of the fused QKV projection.
+B batch, T (and S) sequence, D model, N query heads, K kv heads (groups),
+G query heads per group, H head dim, F mlp hidden, V vocab, C a small stacked
+axis (gate/up, k/v, or per group the G queries, k and v).
 """
 
 from __future__ import annotations
@@ -13,19 +14,19 @@ from flax import nnx
 
 from .attention import Attention
 from .config import ModelConfig
-from .layers import Embed, LayerNorm, dropout
+from .layers import Embed, dropout, make_norm
 from .mlp import MLP
-from .sharding import constrain, spec
+from .sharding import constrain
+from .vocab import VocabEmbed
 
 
 class Block(nnx.Module):
-    """x + attn(ln1(x)), then + mlp(ln2(x)); the residual stream is replicated over tp."""
+    """x + attn(norm1(x)), then + mlp(norm2(x)); the residual stream is replicated over tp."""
 
     def __init__(self, cfg: ModelConfig, *, impl: str, rngs: nnx.Rngs):
-        ln = dict(eps=cfg.ln_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-        self.ln1 = LayerNorm(cfg.d_model, **ln)
+        self.ln1 = make_norm(cfg)
         self.attn = Attention(cfg, impl=impl, rngs=rngs)
-        self.ln2 = LayerNorm(cfg.d_model, **ln)
+        self.ln2 = make_norm(cfg)
         self.mlp = MLP(cfg, impl=impl, rngs=rngs)
         self.rate = cfg.dropout
 
@@ -37,34 +38,47 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Token + learned position embeddings, L blocks, final norm, LM head."""
+    """Vocab-parallel token embedding (+ learned positions for GPT-2), L blocks,
+    final norm, vocab-parallel LM head (tied to the embedding or not)."""
 
     def __init__(self, cfg: ModelConfig, *, impl: str = "gspmd", rngs: nnx.Rngs):
-        emb = dict(std=cfg.init_std, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
-        self.wte = Embed(cfg.vocab_size, cfg.d_model, ("vocab", "embed"), **emb)
-        self.wpe = Embed(cfg.seq_len, cfg.d_model, (None, "embed"), **emb)
+        self.wte = VocabEmbed(cfg, impl=impl, rngs=rngs)
+        self.wpe = None if cfg.style == "llama" else Embed(
+            cfg.seq_len, cfg.d_model, (None, "embed"), std=cfg.init_std, dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype, rngs=rngs)
         self.blocks = nnx.List([Block(cfg, impl=impl, rngs=rngs) for _ in range(cfg.n_layers)])
-        self.ln_f = LayerNorm(cfg.d_model, eps=cfg.ln_eps, dtype=cfg.dtype,
-                              param_dtype=cfg.param_dtype)
-        self.lm_head = None if cfg.tie_embeddings else nnx.Param(
-            nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.d_model, cfg.vocab_size),
-                                                  cfg.param_dtype),
-            out_sharding=spec("embed", "vocab"))
+        self.ln_f = make_norm(cfg)
+        self.lm_head = None if cfg.tie_embeddings else VocabEmbed(cfg, impl=impl, rngs=rngs)
         self.cfg = cfg
+        self.mesh = None  # the mesh the parameters live on, where a loader knows it
 
-    def __call__(self, tokens_BT, *, dropout_key=None):
-        """int tokens [B, T] -> fp32 logits [B, T, V]. A key enables dropout."""
+    def hidden(self, tokens_BT, *, dropout_key=None):
+        """int tokens [B, T] -> final-norm hidden states [B, T, D]."""
         T = tokens_BT.shape[1]
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds model.seq_len={self.cfg.seq_len}")
         keys = ([None] * (len(self.blocks) + 1) if dropout_key is None else
                 list(jax.random.split(dropout_key, len(self.blocks) + 1)))
-        x_BTD = self.wte(tokens_BT) + self.wpe(jnp.arange(T))[None]
+        x_BTD = self.wte(tokens_BT)
+        if self.wpe is not None:
+            x_BTD = x_BTD + self.wpe(jnp.arange(T))[None]
         x_BTD = constrain(dropout(x_BTD, self.cfg.dropout, keys[0]), "batch", "seq", "embed")
         for block, key in zip(self.blocks, keys[1:]):
             x_BTD = block(x_BTD, key)
-        x_BTD = self.ln_f(x_BTD)
-        if self.lm_head is None:
-            return self.wte.attend(x_BTD)
-        return jnp.einsum("BTD,DV->BTV", x_BTD.astype(jnp.float32),
-                          self.lm_head[...].astype(jnp.float32))
+        return self.ln_f(x_BTD)
+
+    @property
+    def head(self) -> VocabEmbed:
+        return self.wte if self.lm_head is None else self.lm_head
+
+    def __call__(self, tokens_BT, *, dropout_key=None):
+        """int tokens [B, T] -> fp32 logits [B, T, vocab_size], for inference.
+
+        Training uses `loss`, which never materialises the full logits.
+        """
+        return self.head.logits(self.hidden(tokens_BT, dropout_key=dropout_key))
+
+    def loss(self, tokens_BT, targets_BT, *, dropout_key=None):
+        """Mean next-token cross-entropy, from vocab-sharded logits."""
+        x_BTD = self.hidden(tokens_BT, dropout_key=dropout_key)
+        return self.head.token_losses(x_BTD, targets_BT).mean()

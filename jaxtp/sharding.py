@@ -13,16 +13,17 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("dp", "tp")
 
-# Megatron layout: the hidden dims of the MLP and the attention heads are split
-# over tp; the model dim, vocabulary and sequence stay whole on every tp rank;
-# the batch is split over dp.
+# Megatron layout: the hidden dims of the MLP, the attention heads and the
+# vocabulary are split over tp; the model dim and sequence stay whole on every
+# tp rank; the batch is split over dp.
 RULES: dict[str, str | None] = {
     "batch": "dp",
     "seq": None,
     "embed": None,
-    "vocab": None,
+    "vocab": "tp",  # vocab-parallel embedding, LM head and cross-entropy
     "mlp": "tp",
     "heads": "tp",
+    "kv_heads": "tp",  # when tp divides them; else the kv projection is replicated
     "head_dim": None,
 }
 
@@ -91,6 +92,12 @@ def ensure_devices(n: int) -> str:
         return (f"no accelerator: using {count} CPU devices "
                 f"(fake devices via jax_num_cpu_devices={count})")
     return f"using {count} {backend} device(s)"
+
+
+def mesh_axis_size(name: str) -> int:
+    """Size of a mesh axis of the mesh in context (1 without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get(name, 1)
 
 
 def named(mesh: Mesh, *logical: str | None) -> NamedSharding:

@@ -19,8 +19,28 @@ def test_every_preset_loads_and_validates(name):
     validate(apply_overrides(cfg, [f"parallel.tp={max(tps)}"]))
 
 
+# Parameter counts published for these shapes: nanoGPT's GPT-2 124M with the
+# vocabulary padded to 50304 (124,475,904 incl. position embeddings), Meta's
+# Llama-3.2-1B (1,235,814,400, tied) and Llama-3-8B (8,030,261,248).
+PUBLISHED = {"gpt2-small": 124_475_904, "llama-1b": 1_235_814_400,
+             "llama3-8b": 8_030_261_248}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_large_presets_have_their_published_parameter_counts(name):
+    import jax
+
+    from jaxtp.sharding import make_mesh
+    from jaxtp.train_lib import abstract_model
+
+    _, abstract = abstract_model(load_config(name), make_mesh(1, 1))  # nothing allocated
+    assert sum(x.size for x in jax.tree.leaves(abstract)) == PUBLISHED[name]
+
+
 def test_presets_hold_what_their_names_promise():
-    assert set(preset_names()) >= {"tiny", "gpt2-small"}
+    assert set(preset_names()) >= {"tiny", "gpt2-small", "llama-tiny", "llama-1b", "llama3-8b"}
+    lt = load_config("llama-tiny").model
+    assert (lt.style, lt.kv_heads, lt.tie_embeddings) == ("llama", 2, False)  # GQA
     validate(apply_overrides(load_config("tiny"), ["parallel.tp=8"]))  # README default
     g = load_config("gpt2-small").model
     assert (g.n_layers, g.d_model, g.n_heads, g.d_ff, g.seq_len) == (12, 768, 12, 3072, 1024)
@@ -42,6 +62,17 @@ def test_overrides_are_typed():
     (["parallel.tp=0"], r"parallel.tp=0 must be positive"),
     (["model.dropout=1.5"], r"model.dropout=1.5 must be in \[0, 1\)"),
     (["model.dtype=float8"], r"model.dtype='float8'; choose one of"),
+    (["train.grad_clip=nan"], r"train.grad_clip=nan must be finite and >= 0"),
+    (["train.weight_decay=inf"], r"train.weight_decay=inf must be finite"),
+    (["train.b2=1.0"], r"train.b2=1.0 must be in \[0, 1\)"),
+    (["train.lr=nan"], r"train.lr=nan must be positive"),
+    (["model.style=bert"], r"model.style='bert'; choose one of"),
+    (["model.n_kv_heads=3"], r"model.n_kv_heads=3 must divide model.n_heads=8"),
+    (["model.n_kv_heads=2", "model.n_heads=6", "model.d_model=96", "model.d_ff=96",
+      "parallel.tp=3"],
+     r"n_kv_heads=2 and tp=3: .*valid --tp: \[1, 2, 6\]"),
+    (["model.vocab_size=250", "model.vocab_multiple=2", "parallel.tp=8"],
+     r"padded to 250 .* tp=8 does not divide"),
     (["model.d_model=100", "model.n_heads=8"], r"d_model=100 is not divisible by model.n_heads=8"),
 ])
 def test_inconsistent_values_are_rejected(overrides, match):
@@ -103,4 +134,9 @@ def test_cli_trains_and_writes_run_files(tmp_path, capsys):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["parallel"]["tp"] == 2 and cfg["model"]["n_layers"] == 1
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [2, 4]
+    assert [r["step"] for r in rows] == [1, 2, 4]
+    assert rows[0]["tokens_per_sec"] is None and rows[1]["tokens_per_sec"] > 0
+    # nothing already saved is lost: the same --out is refused
+    assert train.main(argv) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3

@@ -118,3 +118,39 @@ def test_real_compiled_functions():
         loop = [c for c in colls if c.kind == "all-reduce"]
         assert [(c.shape, c.group_size, c.count) for c in loop] == [((8, 16), 4, 5)]
         assert loop[0].scope.startswith("while/body")
+
+
+CALLS = """HloModule m, num_partitions=4
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%inner (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  ROOT %r = f32[8]{0} all-reduce(%a), replica_groups={{0,1,2,3}}, to_apply=%add, metadata={op_name="jit(f)/jvp(mlp)/psum"}
+}
+
+%wrapped (b: f32[2,8]) -> f32[2,8] {
+  %b = f32[2,8]{1,0} parameter(0)
+  ROOT %t = f32[2,8]{1,0} all-to-all(%b), replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+ENTRY %main (p: f32[8], q: f32[2,8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %q = f32[2,8]{1,0} parameter(1)
+  %c = f32[8]{0} call(%p), to_apply=%inner
+  %start = ((f32[2,8]{1,0}), f32[2,8]{1,0}) async-start(%q), calls=%wrapped
+  %done = f32[2,8]{1,0} async-done(%start), calls=%wrapped
+  ROOT %o = f32[8]{0} add(%c, %c)
+}
+"""
+
+
+def test_calls_and_async_wrappers_count_once():
+    colls = by_name(hlo.collectives(CALLS))
+    assert set(colls) == {"r", "t"}
+    assert (colls["r"].kind, colls["r"].count, colls["r"].scope) == ("all-reduce", 1, "mlp")
+    assert (colls["t"].kind, colls["t"].count, colls["t"].group_size) == ("all-to-all", 1, 4)

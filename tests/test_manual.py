@@ -10,6 +10,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import reference
+from reference import host_params
 from jaxtp.attention import Attention
 from jaxtp.config import ModelConfig
 from jaxtp.manual import f, g
@@ -17,12 +18,18 @@ from jaxtp.mlp import MLP
 from jaxtp.sharding import make_mesh
 
 RTOL, ATOL = 1e-5, 1e-6
-CFG = ModelConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=8, d_ff=64, seq_len=16)
+CFGS = {
+    "gpt2": ModelConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=8, d_ff=64, seq_len=16),
+    # SwiGLU, RoPE and 2 kv heads (replicated at tp=4 and 8), with biases
+    "llama": ModelConfig(style="llama", vocab_size=64, n_layers=2, d_model=64, n_heads=8,
+                         n_kv_heads=2, d_ff=64, seq_len=16),
+}
 MODULES = {"mlp": (MLP, reference.mlp), "attention": (Attention, reference.attention)}
 
 
-def module_value_and_grads(cls, tp, impl):
-    """Output, d(x), d(params) of a module at tp, with the loss sum(y * c)."""
+def module_value_and_grads(cls, tp, impl, CFG):
+    """Output, d(x), d(params) of a module at tp, with the loss mean(y * c)
+    (mean-reduced like a training loss, so gradients have a training scale)."""
     mesh = make_mesh(1, tp)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(4, CFG.seq_len, CFG.d_model)).astype(np.float32)
@@ -30,25 +37,31 @@ def module_value_and_grads(cls, tp, impl):
     with jax.set_mesh(mesh):
         # created under the mesh: eager sharding lays each weight out by its spec
         graphdef, params = nnx.split(cls(CFG, impl=impl, rngs=nnx.Rngs(3)))
+        # non-zero biases, so a row-parallel bias added before the reduction
+        # (tp times) would show
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, v: v + 0.1 * (1 + jnp.arange(v.size).reshape(v.shape) % 7)
+            if "bias" in jax.tree_util.keystr(path) else v, params)
 
         def loss(params, x):
             y = nnx.merge(graphdef, params)(x)
-            return jnp.sum(y * c), y
+            return jnp.mean(y * c), y
 
         (_, y), (dp, dx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
             params, x)
-    host = lambda t: jax.tree.map(np.asarray, nnx.to_pure_dict(jax.device_get(t)))
-    return x, c, host(params), np.asarray(y), np.asarray(dx), host(dp)
+    return x, c, host_params(params), np.asarray(y), np.asarray(dx), host_params(dp)
 
 
+@pytest.mark.parametrize("style", sorted(CFGS))
 @pytest.mark.parametrize("name", sorted(MODULES))
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
-def test_module_matches_gspmd_and_reference(name, tp):
+def test_module_matches_gspmd_and_reference(name, tp, style):
     cls, ref_fn = MODULES[name]
-    x, c, params, y_sm, dx_sm, dp_sm = module_value_and_grads(cls, tp, "shard_map")
-    _, _, params_g, y_g, dx_g, dp_g = module_value_and_grads(cls, tp, "gspmd")
+    CFG = CFGS[style]
+    x, c, params, y_sm, dx_sm, dp_sm = module_value_and_grads(cls, tp, "shard_map", CFG)
+    _, _, params_g, y_g, dx_g, dp_g = module_value_and_grads(cls, tp, "gspmd", CFG)
     ref_y, ref_grads = jax.value_and_grad(
-        lambda p, x: jnp.sum(ref_fn(p, x, CFG) * c), argnums=(0, 1))(params, x)
+        lambda p, x: jnp.mean(ref_fn(p, x, CFG) * c), argnums=(0, 1))(params, x)
     y_ref = ref_fn(params, x, CFG)
     for y, dx, dp in ((y_sm, dx_sm, dp_sm), (y_g, dx_g, dp_g)):
         np.testing.assert_allclose(y, y_ref, rtol=RTOL, atol=ATOL)

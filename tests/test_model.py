@@ -5,6 +5,8 @@ parameters; jaxtp at tp in {1, 2, 4, 8}, under gspmd and shard_map, must match
 its logits, loss and every gradient to fp32 tolerance.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,15 @@ from reference import forward, host_params, loss as ref_loss
 
 RTOL, ATOL = 1e-5, 1e-6
 MODEL = ModelConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=8, d_ff=64, seq_len=16)
+LLAMA = dict(style="llama", vocab_size=61, n_layers=2, d_model=64, n_heads=8, d_ff=64,
+             seq_len=16, tie_embeddings=False, use_bias=False, rope_theta=500.0)
+VARIANTS = {
+    "gpt2": MODEL,
+    "llama-mha": ModelConfig(**LLAMA, n_kv_heads=8),
+    # 4 kv heads: sharded at tp=2 and 4, replicated (2 ranks per kv head) at tp=8
+    "llama-gqa": ModelConfig(**LLAMA, n_kv_heads=4),
+    "llama-mqa": ModelConfig(**LLAMA, n_kv_heads=1),
+}
 
 
 def make_cfg(tp, impl="gspmd", model=MODEL):
@@ -41,14 +52,19 @@ def run_model(cfg):
     return host_params(params), np.asarray(logits), float(loss), host_params(grads), toks
 
 
-@pytest.fixture(scope="module")
-def reference():
-    """The single-device reference on tp=1 parameters."""
-    cfg = make_cfg(1)
-    params, _, _, _, toks = run_model(cfg)
-    logits = forward(params, toks[:, :-1], cfg.model)
-    loss, grads = jax.value_and_grad(ref_loss)(params, toks, cfg.model)
-    return params, np.asarray(logits), float(loss), jax.tree.map(np.asarray, grads)
+_REFERENCES = {}
+
+
+def reference(variant):
+    """The single-device reference on tp=1 parameters (computed once per variant)."""
+    if variant not in _REFERENCES:
+        cfg = make_cfg(1, model=VARIANTS[variant])
+        params, _, _, _, toks = run_model(cfg)
+        logits = forward(params, toks[:, :-1], cfg.model)
+        loss, grads = jax.value_and_grad(ref_loss)(params, toks, cfg.model)
+        _REFERENCES[variant] = (params, np.asarray(logits), float(loss),
+                                jax.tree.map(np.asarray, grads))
+    return _REFERENCES[variant]
 
 
 def assert_trees_close(got, want):
@@ -62,9 +78,10 @@ def assert_trees_close(got, want):
 
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
-def test_matches_single_device_reference(tp, impl, reference):
-    ref_params, ref_logits, ref_l, ref_grads = reference
-    params, logits, loss, grads, _ = run_model(make_cfg(tp, impl))
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_matches_single_device_reference(variant, tp, impl):
+    ref_params, ref_logits, ref_l, ref_grads = reference(variant)
+    params, logits, loss, grads, _ = run_model(make_cfg(tp, impl, model=VARIANTS[variant]))
     assert_trees_close(params, ref_params)  # init is identical at every tp
     np.testing.assert_allclose(logits, ref_logits, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(loss, ref_l, rtol=RTOL, atol=ATOL)
@@ -95,3 +112,19 @@ def test_sequence_longer_than_model_is_rejected():
     graphdef, params, _ = init_params(make_cfg(1), mesh)
     with pytest.raises(ValueError, match="exceeds model.seq_len=16"):
         nnx.merge(graphdef, params)(jnp.zeros((1, 17), jnp.int32))
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+def test_dropout_masks_do_not_depend_on_tp(impl):
+    """Dropout acts on the replicated residual stream with a partitionable
+    threefry key, so tp=8 drops exactly the units tp=1 drops."""
+    model = dataclasses.replace(MODEL, dropout=0.3)
+    toks = tokens(make_cfg(1, model=model))[:, :-1]
+    out = []
+    for tp in (1, 8):
+        mesh = make_mesh(1, tp)
+        graphdef, params, _ = init_params(make_cfg(tp, impl, model=model), mesh)
+        with jax.set_mesh(mesh):
+            out.append(np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(
+                t, dropout_key=jax.random.key(7)))(params, toks)))
+    np.testing.assert_allclose(out[1], out[0], rtol=RTOL, atol=ATOL)
