@@ -25,6 +25,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dp", type=int, help="data-parallel degree (mesh axis 'dp')")
     ap.add_argument("--impl", choices=IMPLS,
                     help="gspmd: XLA inserts the collectives; shard_map: written out")
+    ap.add_argument("--sp", action="store_true", default=None,
+                    help="sequence parallelism: split the residual stream over tp along the "
+                         "sequence (all-gather / reduce-scatter instead of all-reduce)")
     ap.add_argument("--steps", type=int, help="training steps")
     ap.add_argument("--seed", type=int, help="init, data and dropout seed")
     ap.add_argument("--out", help="output directory (default: runs/<config>-dp<dp>-tp<tp>-<time>)")
@@ -52,6 +55,7 @@ def resolve_config(args: argparse.Namespace) -> Config:
 
         cfg = dataclasses.replace(cfg, model=hf_model_config(args.init_from_hf))
     flags = {"parallel.tp": args.tp, "parallel.dp": args.dp, "parallel.impl": args.impl,
+             "parallel.sp": args.sp,
              "train.steps": args.steps, "train.seed": args.seed}
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + args.overrides
     return validate(apply_overrides(cfg, overrides))

@@ -32,7 +32,8 @@ class Attention(nnx.Module):
       backward pass.
     """
 
-    def __init__(self, cfg: ModelConfig, *, impl: str = "gspmd", rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, impl: str = "gspmd", sp: bool = False,
+                 rngs: nnx.Rngs):
         kw = dict(use_bias=cfg.use_bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                   rngs=rngs)
         N, K, H = cfg.n_heads, cfg.kv_heads, cfg.head_dim
@@ -46,7 +47,7 @@ class Attention(nnx.Module):
                                      std=init_std_out(cfg.init_std, cfg.n_layers), **kw)
         self.group = N // K
         self.rope_theta = cfg.rope_theta if cfg.style == "llama" else None
-        self.impl = impl
+        self.impl, self.sp = impl, sp
 
     def _project(self, x_BTD, enter):
         """q [B, T, k, G', H], k and v [B, T, k, H]: k groups of G' query heads
@@ -66,8 +67,11 @@ class Attention(nnx.Module):
                                             self.kv.bias[...].transpose(1, 0, 2)], 1).astype(dt)
             y_BTKCH = constrain(y_BTKCH, "batch", "seq", "kv_heads", None, "head_dim")
             return y_BTKCH[:, :, :, :G], y_BTKCH[:, :, :, G], y_BTKCH[:, :, :, G + 1]
-        q_BTNH = jnp.einsum("BTD,DNH->BTNH", enter(x_BTD).astype(dt), wq_DNH)
-        kv_BTCKH = jnp.einsum("BTD,DCKH->BTCKH", x_BTD.astype(dt), wkv_DCKH)
+        x_in = enter(x_BTD)
+        q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_in.astype(dt), wq_DNH)
+        # k, v from the replicated x; under SP the gathered one (the full sequence)
+        kv_BTCKH = jnp.einsum("BTD,DCKH->BTCKH", (x_in if self.sp else x_BTD).astype(dt),
+                              wkv_DCKH)
         if bias:
             q_BTNH += self.q.bias[...].astype(dt)
             kv_BTCKH += self.kv.bias[...].astype(dt)

@@ -29,7 +29,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-import jax
 import numpy as np
 
 from . import hlo
@@ -129,6 +128,8 @@ def expected_collectives(cfg: Config, impl: str) -> list[Expected]:
     act = b * s * m.d_model
     E = lambda name, kind, pass_, scope, n, count, dtype=dt, group=tp: \
         Expected(name, kind, pass_, scope, n, dtype, group, count)
+    if cfg.parallel.sp:
+        return _expected_sp(cfg, impl, E, b, s, L, act)
     rows = [
         E("g: vocab-parallel embedding lookup", "all-reduce", "forward", "embed", act, 1),
         E("g: attention out-proj output", "all-reduce", "forward", "attention", act, L),
@@ -151,6 +152,52 @@ def expected_collectives(cfg: Config, impl: str) -> list[Expected]:
                        "backward", "attention", kv // K, L, group=tp // K),
                      E("kv gradient: gathered across the K groups", "all-gather", "backward",
                        "attention", kv, L, group=K)]
+    return rows
+
+
+def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int):
+    """Megatron-SP (Korthikanti et al. 2022, Sec. 4.2.2): each all-reduce of a
+    region becomes an all-gather at its entry and a reduce-scatter at its exit
+    (their mirrors in the backward pass), the same ring bytes. Elements count
+    the result: a reduce-scatter returns b*s*h/tp. Replicated parameters used
+    on sequence shards (norm scales, row-parallel biases, learned positions)
+    get partial gradients, all-reduced over tp."""
+    m, tp = cfg.model, cfg.parallel.tp
+    shard, pd = act // tp, HLO_DTYPES[m.param_dtype]  # parameter gradients: param dtype
+    rows = []
+    for scope in ("attention", "mlp"):
+        rows += [E(f"SP entry: all-gather into {scope}", "all-gather", "forward", scope, act, L),
+                 E(f"SP exit: reduce-scatter out of {scope}", "reduce-scatter", "forward",
+                   scope, shard, L),
+                 E(f"SP exit, backward: all-gather of the {scope} output gradient",
+                   "all-gather", "backward", scope, act, L),
+                 E(f"SP entry, backward: reduce-scatter of dX into {scope}",
+                   "reduce-scatter", "backward", scope, shard, L)]
+    norm_params = (2 * L + 1) * (1 if m.style == "llama" else 2)
+    rows += [
+        E("SP embedding: reduce-scatter of the looked-up rows", "reduce-scatter", "forward",
+          "embed", shard, 1),
+        E("SP embedding, backward: all-gather", "all-gather", "backward", "embed", act, 1),
+        E("SP LM head entry: all-gather", "all-gather", "forward", "cross_entropy", act, 1),
+        E("SP LM head, backward: reduce-scatter of dX", "reduce-scatter", "backward",
+          "cross_entropy", shard, 1),
+        E("cross-entropy: max, sum of exp, target logit", "all-reduce", "forward",
+          "cross_entropy", b * s, 3, "f32"),
+        E("gradient norm: one sum of squares", "all-reduce", "other", "", 1, 1, "f32"),
+        E("norm weights used on sequence shards: gradient sum", "all-reduce", "backward", "",
+          m.d_model, norm_params, pd),
+    ]
+    if m.use_bias:
+        rows += [E(f"{scope} row-parallel bias on sequence shards: gradient sum",
+                   "all-reduce", "backward", scope, m.d_model, L, pd)
+                 for scope in ("attention", "mlp")]
+    if m.style != "llama":
+        rows.append(E("learned positions on sequence shards: gradient sum", "all-reduce",
+                      "backward", "", s * m.d_model, 1, pd))
+    K, H = m.kv_heads, m.head_dim
+    if K < tp:  # replicated kv projection fed the gathered x: its weight gradient
+        rows.append(E("replicated kv weight gradient: sum over tp", "all-reduce", "backward",
+                      "attention", m.d_model * 2 * K * H, L, pd))
     return rows
 
 
@@ -272,47 +319,3 @@ def format_table(colls_by_impl: dict, expected_by_impl: dict) -> list[str]:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return lines
-
-
-def linear_layouts(model) -> dict[str, str]:
-    """'blocks.0.mlp.up' -> 'column', 'row', 'vocab-parallel' or 'replicated'
-    (a kv projection with fewer kv heads than tp), for every linear and table."""
-    from flax import nnx
-
-    from .layers import ColumnParallelLinear, RowParallelLinear
-    from .vocab import VocabEmbed
-
-    kinds = {ColumnParallelLinear: "column", RowParallelLinear: "row",
-             VocabEmbed: "vocab-parallel"}
-    out = {}
-    for path, mod in nnx.iter_modules(model):
-        if type(mod) in kinds:
-            w = mod.embedding if isinstance(mod, VocabEmbed) else mod.kernel
-            spec = w.get_metadata().get("out_sharding") or ()
-            split = "tp" in jax.tree.leaves(tuple(spec))
-            out[".".join(map(str, path))] = kinds[type(mod)] if split else "replicated"
-    return out
-
-
-def run_record(cfg: Config, mesh, model, hlo_text: str, check: dict | None = None) -> dict:
-    """What an engineer records for a TP experiment (written as run.json)."""
-    m, p = cfg.model, cfg.parallel
-    b = cfg.train.batch_size // p.dp
-    colls = hlo.collectives(hlo_text)
-    rows = hlo.summarize(colls)
-    per_layer = [{**r, "count_per_layer": r["count"] / m.n_layers, "payload_bytes": r["bytes"]}
-                 for r in rows if r["scope"] in ("attention", "mlp")]
-    outside = [r for r in rows if r["scope"] not in ("attention", "mlp")]
-    return {
-        "tp": p.tp, "dp": p.dp, "impl": p.impl,
-        "platform": mesh.devices.flat[0].platform,
-        "mesh_device_ids": mesh.device_ids.tolist(),  # [dp][tp]
-        "model": {"d_model": m.d_model, "d_ff": m.d_ff, "n_heads": m.n_heads,
-                  "n_kv_heads": m.kv_heads, "n_layers": m.n_layers, "vocab_size": m.vocab_size,
-                  "padded_vocab": m.padded_vocab, "style": m.style, "dtype": m.dtype},
-        "microbatch": {"b": b, "s": m.seq_len, "tokens": b * m.seq_len},
-        "linear_layouts": linear_layouts(model),
-        "collectives_per_layer": per_layer,
-        "collectives_outside_blocks": outside,
-        "check": check,
-    }

@@ -81,6 +81,7 @@ class ParallelConfig:
     dp: int = 1
     tp: int = 1
     impl: str = "gspmd"  # "gspmd": XLA inserts collectives; "shard_map": written out
+    sp: bool = False  # sequence parallelism: residual stream split over tp along T
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,6 +262,9 @@ def validate(cfg: Config) -> Config:
             f"the vocabulary is padded to {m.padded_vocab} (model.vocab_multiple="
             f"{m.vocab_multiple}), which tp={p.tp} does not divide; set "
             f"model.vocab_multiple to a multiple of {p.tp}")
+    if p.sp and m.seq_len % p.tp:
+        raise ConfigError(f"sequence parallelism splits model.seq_len={m.seq_len} over "
+                          f"tp={p.tp}; set model.seq_len to a multiple of {p.tp}")
     if t.batch_size % p.dp:
         raise ConfigError(
             f"train.batch_size={t.batch_size} is not divisible by dp={p.dp}; "

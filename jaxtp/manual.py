@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from .sharding import constrain
+from .sharding import constrain, residual_axes
 
 
 BF16_CPU_SHARD_MAP = ("impl='shard_map' with model.dtype=bfloat16 crashes XLA's CPU compiler "
@@ -55,8 +55,29 @@ def g(y_partial):
     return jax.lax.psum(y_partial, "tp")
 
 
+def f_sp(x_BTD):
+    """Megatron-SP entry (Korthikanti et al. 2022, Sec. 4.2.2): all-gather the
+    sequence-split input forward (tiled along T); the transpose is a
+    reduce-scatter of dX. Same bytes as f's all-reduce, split in two."""
+    return jax.lax.all_gather(x_BTD, "tp", axis=1, tiled=True)
+
+
+def g_sp(y_partial_BTD):
+    """Megatron-SP exit: reduce-scatter the partial output along the sequence;
+    the transpose all-gathers the output gradient."""
+    return jax.lax.psum_scatter(y_partial_BTD, "tp", scatter_dimension=1, tiled=True)
+
+
 def _identity(x):
     return x
+
+
+def gather_seq(x_BTD):
+    """GSPMD: the full sequence, replicated over tp (an all-gather under SP)."""
+    return constrain(x_BTD, "batch", "seq", "embed")
+
+
+SEQ_SPLIT = P(None, "tp")  # shard_map spec of a [B, T, ...] array split along T
 
 
 def in_shard_map() -> bool:
@@ -69,11 +90,12 @@ def tp_rank():
     return jax.lax.axis_index("tp")
 
 
-def run_sharded(module, fn: Callable, *args, out_specs=P()):
+def run_sharded(module, fn: Callable, *args, arg_specs=None, out_specs=P()):
     """Run `fn(local_module, *args)` per tp shard, inside jax.shard_map.
 
     The module's parameters enter with the PartitionSpecs their metadata
-    carries; `args` enter replicated over tp. The shard_map is manual over tp
+    carries; `args` enter replicated over tp unless `arg_specs` says
+    otherwise (`SEQ_SPLIT` under sequence parallelism). The shard_map is manual over tp
     only: dp (batch split, gradient reduction) stays with GSPMD exactly as in
     the gspmd path, so the two impls differ only in the tp collectives. (Manual
     over dp too, every weight gradient would get an extra psum over dp.)
@@ -98,7 +120,7 @@ def run_sharded(module, fn: Callable, *args, out_specs=P()):
     def per_shard(params, *args):
         return fn(nnx.merge(graphdef, params), *args)
 
-    in_specs = (nnx.get_partition_spec(params),) + (P(),) * len(args)
+    in_specs = (nnx.get_partition_spec(params),) + tuple(arg_specs or (P(),) * len(args))
     return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          axis_names={"tp"}, check_vma=True)(params, *args)
 
@@ -108,9 +130,21 @@ def tp_region(module, x_BTD):
 
     gspmd: pinning the output replicated tells the partitioner where g goes;
     it adds f in the backward pass itself. shard_map: f and g written out.
+    Under sequence parallelism (`module.sp`) x and the output are split along
+    T over tp, and f/g become all-gather/reduce-scatter (f_sp, g_sp).
     The row-parallel bias is added by the caller, after this sum.
     """
     if module.impl == "shard_map":
-        # x_BTD: [B, T, D] replicated over tp; kernels hold N/tp heads or F/tp
+        # x_BTD: [B, T, D] replicated over tp (SP: [B, T/tp, D]); kernels hold
+        # N/tp heads or F/tp
+        if module.sp:
+            return run_sharded(module, lambda m, x: g_sp(m.region(x, f_sp)), x_BTD,
+                               arg_specs=(SEQ_SPLIT,), out_specs=SEQ_SPLIT)
         return run_sharded(module, lambda m, x: g(m.region(x, f)), x_BTD)
-    return constrain(module.region(x_BTD, _identity), "batch", "seq", "embed")
+    y = module.region(x_BTD, gather_seq if module.sp else _identity)
+    if module.sp:
+        # pin the output full-length first: its transpose pins the incoming
+        # gradient too, which GSPMD would otherwise carry split along T into
+        # the attention backward (all-to-alls)
+        y = gather_seq(y)
+    return constrain(y, *residual_axes(module.sp))

@@ -21,7 +21,8 @@ class MLP(nnx.Module):
     entering W_up; fusing gate and up keeps it one).
     """
 
-    def __init__(self, cfg: ModelConfig, *, impl: str = "gspmd", rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, impl: str = "gspmd", sp: bool = False,
+                 rngs: nnx.Rngs):
         kw = dict(use_bias=cfg.use_bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                   rngs=rngs)
         self.swiglu = cfg.style == "llama"
@@ -30,7 +31,7 @@ class MLP(nnx.Module):
         self.up = ColumnParallelLinear(cfg.d_model, up_shape, up_axes, std=cfg.init_std, **kw)
         self.down = RowParallelLinear((cfg.d_ff,), ("mlp",), cfg.d_model,
                                       std=init_std_out(cfg.init_std, cfg.n_layers), **kw)
-        self.impl = impl
+        self.impl, self.sp = impl, sp
 
     def region(self, x_BTD, enter):
         """Local math from replicated x to the partial (pre-reduction) output."""

@@ -16,39 +16,44 @@ from .attention import Attention
 from .config import ModelConfig
 from .layers import Embed, dropout, make_norm
 from .mlp import MLP
-from .sharding import constrain
+from .sharding import constrain, residual_axes
 from .vocab import VocabEmbed
 
 
 class Block(nnx.Module):
     """x + attn(norm1(x)), then + mlp(norm2(x)); the residual stream is replicated over tp."""
 
-    def __init__(self, cfg: ModelConfig, *, impl: str, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, impl: str, sp: bool, rngs: nnx.Rngs):
         self.ln1 = make_norm(cfg)
-        self.attn = Attention(cfg, impl=impl, rngs=rngs)
+        self.attn = Attention(cfg, impl=impl, sp=sp, rngs=rngs)
         self.ln2 = make_norm(cfg)
-        self.mlp = MLP(cfg, impl=impl, rngs=rngs)
+        self.mlp = MLP(cfg, impl=impl, sp=sp, rngs=rngs)
         self.rate = cfg.dropout
+        self.sp = sp
 
     def __call__(self, x_BTD, key=None):
         k1, k2 = jax.random.split(key) if key is not None else (None, None)
         x_BTD = x_BTD + dropout(self.attn(self.ln1(x_BTD)), self.rate, k1)
         x_BTD = x_BTD + dropout(self.mlp(self.ln2(x_BTD)), self.rate, k2)
-        return constrain(x_BTD, "batch", "seq", "embed")
+        return constrain(x_BTD, *residual_axes(self.sp))
 
 
 class Transformer(nnx.Module):
     """Vocab-parallel token embedding (+ learned positions for GPT-2), L blocks,
     final norm, vocab-parallel LM head (tied to the embedding or not)."""
 
-    def __init__(self, cfg: ModelConfig, *, impl: str = "gspmd", rngs: nnx.Rngs):
-        self.wte = VocabEmbed(cfg, impl=impl, rngs=rngs)
+    def __init__(self, cfg: ModelConfig, *, impl: str = "gspmd", sp: bool = False,
+                 rngs: nnx.Rngs):
+        self.wte = VocabEmbed(cfg, impl=impl, sp=sp, rngs=rngs)
         self.wpe = None if cfg.style == "llama" else Embed(
             cfg.seq_len, cfg.d_model, (None, "embed"), std=cfg.init_std, dtype=cfg.dtype,
             param_dtype=cfg.param_dtype, rngs=rngs)
-        self.blocks = nnx.List([Block(cfg, impl=impl, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.blocks = nnx.List([Block(cfg, impl=impl, sp=sp, rngs=rngs)
+                                for _ in range(cfg.n_layers)])
         self.ln_f = make_norm(cfg)
-        self.lm_head = None if cfg.tie_embeddings else VocabEmbed(cfg, impl=impl, rngs=rngs)
+        self.lm_head = None if cfg.tie_embeddings else VocabEmbed(cfg, impl=impl, sp=sp,
+                                                                  rngs=rngs)
+        self.sp = sp
         self.cfg = cfg
         self.mesh = None  # the mesh the parameters live on, where a loader knows it
 
@@ -62,7 +67,7 @@ class Transformer(nnx.Module):
         x_BTD = self.wte(tokens_BT)
         if self.wpe is not None:
             x_BTD = x_BTD + self.wpe(jnp.arange(T))[None]
-        x_BTD = constrain(dropout(x_BTD, self.cfg.dropout, keys[0]), "batch", "seq", "embed")
+        x_BTD = constrain(dropout(x_BTD, self.cfg.dropout, keys[0]), *residual_axes(self.sp))
         for block, key in zip(self.blocks, keys[1:]):
             x_BTD = block(x_BTD, key)
         return self.ln_f(x_BTD)

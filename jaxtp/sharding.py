@@ -19,6 +19,7 @@ MESH_AXES = ("dp", "tp")
 RULES: dict[str, str | None] = {
     "batch": "dp",
     "seq": None,
+    "sp_seq": "tp",  # the residual stream's sequence under sequence parallelism
     "embed": None,
     "vocab": "tp",  # vocab-parallel embedding, LM head and cross-entropy
     "mlp": "tp",
@@ -98,6 +99,12 @@ def mesh_axis_size(name: str) -> int:
     """Size of a mesh axis of the mesh in context (1 without a mesh)."""
     mesh = jax.sharding.get_abstract_mesh()
     return 1 if mesh.empty else dict(mesh.shape).get(name, 1)
+
+
+def residual_axes(sp: bool) -> tuple[str, str, str]:
+    """Logical axes of the residual stream [B, T, D]: replicated over tp, or
+    split along the sequence under sequence parallelism (Korthikanti et al. 2022)."""
+    return ("batch", "sp_seq" if sp else "seq", "embed")
 
 
 def named(mesh: Mesh, *logical: str | None) -> NamedSharding:

@@ -109,7 +109,8 @@ def abstract_model(cfg: Config, mesh: Mesh):
     """(graphdef, abstract params) without allocating anything."""
     with jax.set_mesh(mesh):
         model = nnx.eval_shape(
-            lambda: Transformer(cfg.model, impl=cfg.parallel.impl, rngs=nnx.Rngs(0)))
+            lambda: Transformer(cfg.model, impl=cfg.parallel.impl, sp=cfg.parallel.sp,
+                                rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(model)
     return graphdef, params
 
@@ -123,7 +124,7 @@ def init_params(cfg: Config, mesh: Mesh):
     shardings = nnx.get_named_sharding(abstract, mesh)
 
     def create():
-        model = Transformer(cfg.model, impl=cfg.parallel.impl,
+        model = Transformer(cfg.model, impl=cfg.parallel.impl, sp=cfg.parallel.sp,
                             rngs=nnx.Rngs(cfg.train.seed))
         return nnx.split(model)[1]
 

@@ -8,7 +8,7 @@ run: nothing saved is overwritten):
   `grad_norm` (pre-clip, this step), `lr` (this step's), `tokens_per_sec`
   (null for step 1, which includes compilation), and `eval_loss` on
   evaluation steps;
-- `run.json`: the TP record (`jaxtp.comm.run_record`): mesh and device order,
+- `run.json`: the TP record (`jaxtp.record.run_record`): mesh and device order,
   shapes, the layout of every linear, the collectives per layer read from the
   compiled step, and with `check=True` the comparison against a single
   device after the first step that updates the parameters.
@@ -25,9 +25,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from .comm import run_record
 from .config import Config
 from .data import Dataset, load_tokens, to_mesh
+from .record import run_record
 from .sharding import make_mesh
 from .train_lib import (abstract_model, compile_train_step, init_train_state, lr_schedule,
                         make_eval_step, single_device_check)

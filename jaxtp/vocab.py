@@ -22,11 +22,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from .config import ModelConfig
 from .layers import _param
-from .manual import f, g, run_sharded, tp_rank
-from .sharding import constrain
+from .manual import SEQ_SPLIT, f, f_sp, g, g_sp, gather_seq, run_sharded, tp_rank
+from .sharding import constrain, residual_axes
 
 NEG = jnp.finfo(jnp.float32).min
 
@@ -34,13 +35,14 @@ NEG = jnp.finfo(jnp.float32).min
 class VocabEmbed(nnx.Module):
     """Token table [V_pad, D] split over tp on V: lookup, LM head, cross-entropy."""
 
-    def __init__(self, cfg: ModelConfig, *, impl: str = "gspmd", rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, impl: str = "gspmd", sp: bool = False,
+                 rngs: nnx.Rngs):
         self.embedding = _param(rngs, nnx.initializers.normal(cfg.init_std),
                                 (cfg.padded_vocab, cfg.d_model), ("vocab", "embed"),
                                 cfg.param_dtype)
         self.vocab_size = cfg.vocab_size
         self.dtype = cfg.dtype
-        self.impl = impl
+        self.impl, self.sp = impl, sp
 
     def _rows(self) -> int:
         return self.embedding[...].shape[0]  # V/tp inside shard_map, V_pad outside
@@ -52,12 +54,15 @@ class VocabEmbed(nnx.Module):
         return jnp.where(hit_BT[..., None], x_BTD, 0).astype(self.dtype)
 
     def __call__(self, ids_BT):
-        """int ids [B, T] -> embeddings [B, T, D], replicated over tp."""
+        """int ids [B, T] -> embeddings [B, T, D], replicated over tp (under
+        sequence parallelism split along T: a reduce-scatter, not an all-reduce)."""
         with jax.named_scope("embed"):
             if self.impl == "shard_map":
+                reduce, out = (g_sp, SEQ_SPLIT) if self.sp else (g, P())
                 return run_sharded(
-                    self, lambda m, ids: g(m._lookup(ids, tp_rank() * m._rows())), ids_BT)
-            return constrain(self._lookup(ids_BT, 0), "batch", "seq", "embed")
+                    self, lambda m, ids: reduce(m._lookup(ids, tp_rank() * m._rows())),
+                    ids_BT, out_specs=out)
+            return constrain(self._lookup(ids_BT, 0), *residual_axes(self.sp))
 
     def _token_losses(self, x_BTD, targets_BT, start, reduce_max, reduce_sum):
         """Cross-entropy per token from this rank's vocab slice; `reduce_*`
@@ -78,11 +83,16 @@ class VocabEmbed(nnx.Module):
         """fp32 cross-entropy [B, T] of next-token targets, from vocab-sharded logits."""
         with jax.named_scope("cross_entropy"):
             if self.impl == "shard_map":
+                enter = f_sp if self.sp else f
+
                 def fn(m, x_BTD, targets_BT):
                     pmax = lambda v: jax.lax.pmax(v, "tp")
-                    return m._token_losses(f(x_BTD), targets_BT, tp_rank() * m._rows(), pmax, g)
-                return run_sharded(self, fn, x_BTD, targets_BT)
+                    return m._token_losses(enter(x_BTD), targets_BT, tp_rank() * m._rows(),
+                                           pmax, g)
+                specs = (SEQ_SPLIT if self.sp else P(), P())
+                return run_sharded(self, fn, x_BTD, targets_BT, arg_specs=specs)
             same = lambda v: v
+            x_BTD = gather_seq(x_BTD) if self.sp else x_BTD
             return self._token_losses(x_BTD, targets_BT, 0, same, same)
 
     def logits(self, x_BTD):

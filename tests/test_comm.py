@@ -86,6 +86,27 @@ def test_llama_gqa_budget(tp, impl):
                       ("all-gather", 4 * 16 * 2 * 2 * 8, 2): 2}
 
 
+@pytest.mark.parametrize("model, tp", [(MODEL, 2), (MODEL, 8), (LLAMA, 4)])
+def test_sequence_parallel_budget_in_shard_map(model, tp):
+    """SP: no all-reduce of activations is left; per block 2 all-gathers and 2
+    reduce-scatters forward and backward, the same ring bytes as 4 all-reduces."""
+    cfg = Config(model, TrainConfig(batch_size=4),
+                 ParallelConfig(tp=tp, impl="shard_map", sp=True))
+    state = abstract_train_state(cfg, make_mesh(1, tp))
+    colls = hlo.collectives(compile_train_step(state, 4, model.seq_len).as_text())
+    assert check(colls, expected_collectives(cfg, "shard_map")) is None
+    act = 4 * 16 * model.d_model
+    L = model.n_layers
+    blocks = [c for c in colls if c.scope in ("attention", "mlp") and act in
+              (c.elements, c.elements * tp)]
+    assert sum(c.count for c in blocks if c.kind == "all-gather") == 4 * L
+    assert sum(c.count for c in blocks if c.kind == "reduce-scatter") == 4 * L
+    assert not [c for c in colls if c.kind == "all-reduce" and c.elements == act]
+    ring = sum(c.count * (c.group_size - 1) / c.group_size * c.bytes for c in blocks)
+    no_sp = 4 * L * 2 * (tp - 1) / tp * act * 4  # the 2 + 2 all-reduces per block
+    assert ring == pytest.approx(no_sp)
+
+
 def test_check_names_the_first_difference():
     cfg, colls = compiled(4, "gspmd")
     expected = expected_collectives(cfg, "gspmd")
@@ -154,3 +175,14 @@ def test_run_json_records_the_experiment(tmp_path):
     # Relative to the update itself (~1e-5 measured): Adam's early updates are
     # nearly lr * sign(g), so gradients near round-off size move it most.
     assert 0 < chk["param_update_rel_error"] < 1e-4
+
+
+def test_compare_hlo_on_the_llama_preset(tmp_path):
+    """GQA with kv heads replicated at tp=8, vocab-parallel loss: both impls
+    hold the extended budget."""
+    assert train.main(["--tp", "8", "--config", "llama-tiny", "--compare-hlo",
+                       "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "comm_report.json").read_text())
+    assert all(r["matches_budget"] for r in report["impls"].values())
+    names = {e["name"] for e in report["impls"]["gspmd"]["expected"]}
+    assert "kv gradient: gathered across the K groups" in names

@@ -31,8 +31,8 @@ VARIANTS = {
 }
 
 
-def make_cfg(tp, impl="gspmd", model=MODEL):
-    return Config(model=model, parallel=ParallelConfig(tp=tp, impl=impl))
+def make_cfg(tp, impl="gspmd", model=MODEL, sp=False):
+    return Config(model=model, parallel=ParallelConfig(tp=tp, impl=impl, sp=sp))
 
 
 def tokens(cfg, batch=4, seed=1):
@@ -84,6 +84,18 @@ def test_matches_single_device_reference(variant, tp, impl):
     params, logits, loss, grads, _ = run_model(make_cfg(tp, impl, model=VARIANTS[variant]))
     assert_trees_close(params, ref_params)  # init is identical at every tp
     np.testing.assert_allclose(logits, ref_logits, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(loss, ref_l, rtol=RTOL, atol=ATOL)
+    assert_trees_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("variant", ["gpt2", "llama-gqa"])
+def test_sequence_parallel_matches_single_device_reference(variant, tp, impl):
+    """Sequence parallelism changes where activations live, not what is
+    computed: loss and every gradient, norm weights included, as on one device."""
+    _, _, ref_l, ref_grads = reference(variant)
+    _, _, loss, grads, _ = run_model(make_cfg(tp, impl, model=VARIANTS[variant], sp=True))
     np.testing.assert_allclose(loss, ref_l, rtol=RTOL, atol=ATOL)
     assert_trees_close(grads, ref_grads)
 
