@@ -40,6 +40,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="no training: compile the train step under gspmd and shard_map, "
                          "compare their collectives with the Megatron budget, write "
                          "comm_report.json and both HLO texts to --out; exit 1 on a deviation")
+    ap.add_argument("--plan", action="store_true",
+                    help="no training: compile the train step at tp in {1,2,4,8} (or --tp) on "
+                         "abstract shapes and print per-device memory, collectives, flops, "
+                         "redundancy and whether tp is compute- or communication-bound")
+    ap.add_argument("--hardware", choices=["h100", "h200", "tpu-v5p"], default="h100",
+                    help="accelerator for --plan's roofline (default: h100)")
     ap.add_argument("--check", action="store_true",
                     help="after step 1, replay it on one device and record loss, grad-norm "
                          "and parameter-update differences in run.json")
@@ -74,7 +80,7 @@ def main(argv=None) -> int:
     from jaxtp.sharding import ensure_devices
 
     p = cfg.parallel
-    print(ensure_devices(p.dp * p.tp))  # before anything starts the JAX backend
+    print(ensure_devices(p.dp * (max(p.tp, 8) if args.plan else p.tp)))  # before JAX starts
     uses_shard_map = p.impl == "shard_map" or args.compare_hlo
     if uses_shard_map and cfg.model.dtype == "bfloat16" and jax.default_backend() == "cpu":
         print(f"error: {BF16_CPU_SHARD_MAP}", file=sys.stderr)
@@ -82,6 +88,15 @@ def main(argv=None) -> int:
     out = args.out or (f"runs/{args.config.split('/')[-1].removesuffix('.json')}"
                        f"-dp{p.dp}-tp{p.tp}-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
+        if args.plan:
+            from jaxtp.plan import plan
+
+            tps = [args.tp] if args.tp else [1, 2, 4, 8]
+            tps = [t for t in tps if cfg.model.n_heads % t == 0 and cfg.model.d_ff % t == 0]
+            for tp in tps:
+                validate(dataclasses.replace(cfg, parallel=dataclasses.replace(p, tp=tp)))
+            plan(cfg, tps, args.hardware)
+            return 0
         if args.compare_hlo:
             from jaxtp.comm import compare_hlo
 
