@@ -11,7 +11,7 @@ import dataclasses
 import sys
 import time
 
-from jaxtp.config import (IMPLS, Config, ConfigError, apply_overrides, load_config, preset_names,
+from jaxtp.config import (IMPLS, Config, apply_overrides, load_config, preset_names,
                           validate)
 
 
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         cfg = resolve_config(args)
-    except ConfigError as e:
+    except (ValueError, OSError, KeyError, ImportError) as e:  # ConfigError is a ValueError
         print(f"config error: {e}", file=sys.stderr)
         return 2
     import jax
@@ -91,11 +91,7 @@ def main(argv=None) -> int:
         if args.plan:
             from jaxtp.plan import plan
 
-            tps = [args.tp] if args.tp else [1, 2, 4, 8]
-            tps = [t for t in tps if cfg.model.n_heads % t == 0 and cfg.model.d_ff % t == 0]
-            for tp in tps:
-                validate(dataclasses.replace(cfg, parallel=dataclasses.replace(p, tp=tp)))
-            plan(cfg, tps, args.hardware)
+            plan(cfg, [args.tp] if args.tp else [1, 2, 4, 8], args.hardware)
             return 0
         if args.compare_hlo:
             from jaxtp.comm import compare_hlo
@@ -109,7 +105,7 @@ def main(argv=None) -> int:
 
             init = read_hf(args.init_from_hf, **dataclasses.asdict(cfg.model))[1]
         train(cfg, out, data_path=args.data, check=args.check, init_params=init)
-    except (ValueError, OSError, KeyError) as e:  # devices, data, files: before compiling
+    except (ValueError, OSError, KeyError, ImportError) as e:  # before compiling
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -98,7 +98,10 @@ class Expected:
 
     @property
     def bytes(self) -> int:
-        return self.elements * hlo.DTYPE_BYTES[self.dtype]
+        """Bytes of the full buffer, as `hlo.Collective.bytes`: a reduce-scatter
+        returns `elements` per rank from a group-times larger input."""
+        full = self.elements * (self.group if self.kind == "reduce-scatter" else 1)
+        return full * hlo.DTYPE_BYTES[self.dtype]
 
     @property
     def ring_bytes(self) -> float:
@@ -272,8 +275,11 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
     (out / "comm_report.json").write_text(json.dumps(report, indent=2) + "\n")
     for line in format_table(colls_by_impl, expected_by_impl):
         log(line)
-    log(f"analytic (Megatron): per block {budget.all_reduce_per_layer_fwd} fwd + "
-        f"{budget.all_reduce_per_layer_bwd} bwd all-reduces of b*s*h = {budget.batch}*"
+    per_block = ("2 all-gathers + 2 reduce-scatters forward and backward, priced as" if p.sp
+                 else "") + (f" {budget.all_reduce_per_layer_fwd} fwd + "
+                             f"{budget.all_reduce_per_layer_bwd} bwd all-reduces")
+    log(f"analytic (Megatron{'-SP' if p.sp else ''}): per block {per_block.strip()} "
+        f"of b*s*h = {budget.batch}*"
         f"{budget.seq}*{budget.d_model} = {_size(budget.bytes_per_all_reduce)}; ring traffic per "
         f"rank {_size(budget.ring_bytes_per_all_reduce)} each, "
         f"{_size(budget.ring_bytes_per_layer)} per block, "

@@ -30,7 +30,7 @@ class ModelConfig:
     # "llama": RMSNorm, rotary positions, SwiGLU MLP.
     style: str = "gpt2"
     vocab_size: int = 256
-    vocab_multiple: int = 128  # the table is padded to a multiple of this (and of tp)
+    vocab_multiple: int = 128  # the table is padded to a multiple of this; tp must divide it
     n_layers: int = 4
     d_model: int = 128
     n_heads: int = 8

@@ -21,7 +21,8 @@ from .vocab import VocabEmbed
 
 
 class Block(nnx.Module):
-    """x + attn(norm1(x)), then + mlp(norm2(x)); the residual stream is replicated over tp."""
+    """x + attn(norm1(x)), then + mlp(norm2(x)); the residual stream is
+    replicated over tp, or split along the sequence under SP."""
 
     def __init__(self, cfg: ModelConfig, *, impl: str, sp: bool, rngs: nnx.Rngs):
         self.ln1 = make_norm(cfg)

@@ -71,9 +71,13 @@ def activation_bytes(cfg: Config) -> float:
 
 
 def model_flops_per_token(cfg: Config, n_params: int) -> float:
-    """6N + 12*L*h*s: matmul flops of forward and backward per token."""
+    """6N + 12*L*h*s: matmul flops of forward and backward per token. N counts
+    the parameters that multiply: not the input lookup table (when untied
+    from the LM head) nor learned positions."""
     m = cfg.model
-    return 6 * n_params + 12 * m.n_layers * m.d_model * m.seq_len
+    lookup = (0 if m.tie_embeddings else m.padded_vocab * m.d_model) + \
+        (0 if m.style == "llama" else m.seq_len * m.d_model)
+    return 6 * (n_params - lookup) + 12 * m.n_layers * m.d_model * m.seq_len
 
 
 def analyze(cfg: Config) -> dict:
@@ -83,7 +87,8 @@ def analyze(cfg: Config) -> dict:
 
     m, p, t = cfg.model, cfg.parallel, cfg.train
     t0 = time.perf_counter()
-    state = abstract_train_state(cfg, make_mesh(p.dp, p.tp))
+    # fake CPU devices: planning needs no accelerator, nor as many as tp
+    state = abstract_train_state(cfg, make_mesh(p.dp, p.tp, devices=jax.devices("cpu")))
     compiled = compile_train_step(state, t.batch_size, m.seq_len)
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -116,11 +121,18 @@ def analyze(cfg: Config) -> dict:
 def plan(cfg: Config, tps, hardware: str = "h100",
          log: Callable[[str], None] = print) -> list[dict]:
     """Analyze `cfg` at each tp; print the table; return the rows."""
+    from .config import ConfigError, validate
+
     peak, link = HARDWARE[hardware]
     rows, base = [], None
     for tp in sorted(set(tps) | {1}):
         c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp,
                                                                   sp=cfg.parallel.sp and tp > 1))
+        try:
+            validate(c)
+        except ConfigError as e:
+            log(f"tp={tp}: skipped ({e})")
+            continue
         log(f"compiling the train step at tp={tp} (abstract shapes) ...")
         r = analyze(c)
         base = r["flops_per_device"] if tp == 1 else base
@@ -130,6 +142,9 @@ def plan(cfg: Config, tps, hardware: str = "h100",
                       "compute" if cfg.model.d_ff / tp > peak / link else "communication")
         if tp in tps:
             rows.append(r)
+    if not rows:
+        log(f"no valid tp among {sorted(tps)}")
+        return rows
     gib = lambda b: f"{b / 2**30:,.2f} G" if b >= 2**30 else f"{b / 2**20:,.1f} M"
     head = ["tp", "params B", "optim B", "temps B", "total B", "acts est. B",
             "collectives", "coll. B", "GFLOP/dev", "redundancy", "F/tp", "bound"]

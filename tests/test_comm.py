@@ -105,6 +105,12 @@ def test_sequence_parallel_budget_in_shard_map(model, tp):
     ring = sum(c.count * (c.group_size - 1) / c.group_size * c.bytes for c in blocks)
     no_sp = 4 * L * 2 * (tp - 1) / tp * act * 4  # the 2 + 2 all-reduces per block
     assert ring == pytest.approx(no_sp)
+    # and the budget prices it the same way
+    in_blocks = lambda rows: sum(e.count * e.ring_bytes for e in rows
+                                 if e.scope in ("attention", "mlp") and e.bytes == act * 4)
+    plain = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sp=False))
+    assert in_blocks(expected_collectives(cfg, "shard_map")) == pytest.approx(no_sp)
+    assert in_blocks(expected_collectives(plain, "shard_map")) == pytest.approx(no_sp)
 
 
 def test_check_names_the_first_difference():

@@ -111,6 +111,7 @@ def test_save_then_load_is_identical_at_tp1_and_tp8(checkpoint, tmp_path):
         np.testing.assert_array_equal(back[name], value, err_msg=name)
     a, b = (nnx.to_pure_dict(jax.device_get(nnx.state(load_hf(saved, tp=t), nnx.Param)))
             for t in (1, 8))
+    assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(x, y)
 
@@ -170,3 +171,10 @@ def test_fine_tune_from_hf(checkpoint, tmp_path):
     batch = next(Dataset(ids, 64, HF["vocab_size"]).train_batches(4, seed=0))
     want = float(cross_entropy_of(load_hf(path, tp=1), batch))
     np.testing.assert_allclose(rows[0]["loss"], want, rtol=1e-5)
+
+
+def test_cli_reports_a_bad_hf_directory(tmp_path, capsys):
+    assert train.main(["--init-from-hf", str(tmp_path / "nothing"), "--out",
+                       str(tmp_path / "run")]) == 2
+    assert "has no config.json" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

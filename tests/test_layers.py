@@ -82,12 +82,6 @@ def test_replicated_kv_costs_the_full_projection_per_device():
     assert {s.data.nbytes for s in kv4.addressable_shards} == {D * 2 * K * H * 4 // 4}
 
 
-def test_padded_vocab_is_a_multiple_of_tp():
-    tables = layouts(LLAMA_GQA, 8)
-    assert tables[("wte", "embedding")].shape == (128, 64)  # 64 ids padded to 128
-    np.testing.assert_equal(LLAMA_GQA.padded_vocab, 128)
-
-
 def test_rope_matches_a_complex_number_reference_over_256_tokens():
     """Pair (i, i + H/2) as the complex number x_i + j x_{i+H/2}; position m
     multiplies it by exp(j m theta^(-2i/H)) (Su et al. 2021, Sec. 3.2)."""

@@ -45,6 +45,7 @@ def test_loss_is_the_unsharded_cross_entropy_and_ignores_padding(tp, impl):
     table = np.asarray(params["embedding"][...])
     np.testing.assert_allclose(losses, numpy_ce(table, x, targets), rtol=1e-5, atol=1e-6)
     assert logits.shape == (3, 5, CFG.vocab_size)  # padded entries never predicted
+    np.testing.assert_allclose(logits, x @ table[: CFG.vocab_size].T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
