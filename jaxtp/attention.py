@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import ModelConfig
-from .layers import ColumnParallelLinear, RowParallelLinear, init_std_out, rope
+from .layers import ColumnParallelLinear, RowParallelLinear, init_std_out, rope, rope_inv_freq
 from .manual import in_shard_map, tp_rank, tp_region
 from .sharding import constrain, mesh_axis_size
 
@@ -47,6 +47,7 @@ class Attention(nnx.Module):
                                      std=init_std_out(cfg.init_std, cfg.n_layers), **kw)
         self.group = N // K
         self.rope_theta = cfg.rope_theta if cfg.style == "llama" else None
+        self.cfg = cfg
         self.impl, self.sp = impl, sp
 
     def _project(self, x_BTD, enter):
@@ -99,9 +100,9 @@ class Attention(nnx.Module):
         q_BTKGH, k_BTKH, v_BTKH = self._project(x_BTD, enter)
         B, T, K, G, H = q_BTKGH.shape
         if self.rope_theta is not None:
-            pos_T = jnp.arange(T)
-            q_BTKGH = rope(q_BTKGH, pos_T, self.rope_theta)
-            k_BTKH = rope(k_BTKH, pos_T, self.rope_theta)
+            pos_T, inv_freq = jnp.arange(T), rope_inv_freq(H, self.cfg)
+            q_BTKGH = rope(q_BTKGH, pos_T, self.rope_theta, inv_freq)
+            k_BTKH = rope(k_BTKH, pos_T, self.rope_theta, inv_freq)
         logits_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BTKH,
                                   preferred_element_type=jnp.float32) / jnp.sqrt(H)
         causal_TS = jnp.tril(jnp.ones((T, T), bool))

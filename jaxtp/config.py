@@ -44,6 +44,12 @@ class ModelConfig:
     use_bias: bool = True
     ln_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Llama 3.1 "llama3" rotary scaling (0: none): long wavelengths are divided
+    # by the factor, short ones kept, the band between interpolated.
+    rope_scaling_factor: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     init_std: float = 0.02
 
     @property
@@ -244,6 +250,11 @@ def validate(cfg: Config) -> Config:
     if m.n_kv_heads < 0 or m.n_heads % m.kv_heads:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads="
                           f"{m.n_heads} (0 means n_kv_heads = n_heads)")
+    if m.rope_scaling_factor < 0 or (m.rope_scaling_factor and not (
+            0 < m.rope_low_freq_factor < m.rope_high_freq_factor and m.rope_original_max_len > 0)):
+        raise ConfigError("llama3 rope scaling needs rope_scaling_factor > 0, 0 < "
+                          "rope_low_freq_factor < rope_high_freq_factor and "
+                          "rope_original_max_len > 0 (rope_scaling_factor=0 turns it off)")
     if m.style == "llama" and m.head_dim % 2:
         raise ConfigError(f"rotary embeddings need an even head dim, got "
                           f"d_model/n_heads = {m.head_dim}")

@@ -25,7 +25,9 @@ Rotary layout: Meta's original checkpoints rotate interleaved pairs
 (2i, 2i+1); `transformers`' conversion script permutes the rows of q_proj and
 k_proj so that HF checkpoints rotate the pair (i, i + H/2) ("rotate_half").
 jaxtp's `rope` uses that same half layout, so q and k are copied without any
-permutation.
+permutation. Llama 3.1's "llama3" frequency scaling is read from
+`rope_scaling` (or transformers 5's `rope_parameters`); other rope types are
+refused.
 """
 
 from __future__ import annotations
@@ -54,9 +56,17 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     if hf.get("model_type") != "llama":
         raise ValueError(f"model_type={hf.get('model_type')!r}: only Llama-architecture "
                          "checkpoints are supported")
-    if hf.get("rope_scaling"):
-        raise ValueError(f"rope_scaling={hf['rope_scaling']} is not supported (plain RoPE "
-                         "only); drop it from config.json if the model was trained without it")
+    # transformers >= 5 writes `rope_parameters` (theta inside); older ones
+    # `rope_theta` and `rope_scaling`
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise ValueError(f"rope type {kind!r} is not supported (plain or llama3 RoPE only)")
+    scaling = {} if kind == "default" else {
+        "rope_scaling_factor": float(rope["factor"]),
+        "rope_low_freq_factor": float(rope["low_freq_factor"]),
+        "rope_high_freq_factor": float(rope["high_freq_factor"]),
+        "rope_original_max_len": int(rope["original_max_position_embeddings"])}
     bias = hf.get("attention_bias", False)
     if bias != hf.get("mlp_bias", False):
         raise ValueError("attention_bias and mlp_bias differ; jaxtp has one use_bias switch")
@@ -68,8 +78,9 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
         "d_model": d, "n_heads": n, "n_kv_heads": hf.get("num_key_value_heads", n),
         "d_ff": hf["intermediate_size"], "seq_len": hf.get("max_position_embeddings", 2048),
         "tie_embeddings": hf.get("tie_word_embeddings", False), "use_bias": bias,
-        "ln_eps": hf.get("rms_norm_eps", 1e-6), "rope_theta": float(hf.get("rope_theta", 1e4)),
-        **overrides})
+        "ln_eps": hf.get("rms_norm_eps", 1e-6),
+        "rope_theta": float(hf.get("rope_theta", rope.get("rope_theta", 1e4))),
+        **scaling, **overrides})
 
 
 def _read_tensors(path: Path) -> dict[str, np.ndarray]:
@@ -178,7 +189,12 @@ def hf_config(cfg: ModelConfig) -> dict:
         "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.head_dim, "max_position_embeddings": cfg.seq_len,
-        "rms_norm_eps": cfg.ln_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
+        "rms_norm_eps": cfg.ln_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": None if not cfg.rope_scaling_factor else {
+            "rope_type": "llama3", "factor": cfg.rope_scaling_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_len},
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.use_bias,
         "mlp_bias": cfg.use_bias, "hidden_act": "silu", "torch_dtype": "float32",
     }

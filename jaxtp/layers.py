@@ -122,13 +122,32 @@ def make_norm(cfg):
     return cls(cfg.d_model, eps=cfg.ln_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
 
 
-def rope(x_BTNH, positions_T, theta: float):
+def rope_inv_freq(H: int, cfg) -> jax.Array:
+    """theta^(-2i/H), i < H/2, with Llama 3.1's frequency scaling when
+    cfg.rope_scaling_factor > 0 (Meta's reference code / HF
+    `_compute_llama3_parameters`)."""
+    inv_freq = 1.0 / cfg.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)
+    if not cfg.rope_scaling_factor:
+        return inv_freq
+    factor, lo, hi = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelen = 2 * jnp.pi / inv_freq
+    long_wave = cfg.rope_original_max_len / lo  # wavelengths above: divided by factor
+    short_wave = cfg.rope_original_max_len / hi  # below: kept
+    smooth = (cfg.rope_original_max_len / wavelen - lo) / (hi - lo)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return jnp.where(wavelen > long_wave, inv_freq / factor,
+                     jnp.where(wavelen < short_wave, inv_freq, blended))
+
+
+def rope(x_BTNH, positions_T, theta: float, inv_freq_F=None):
     """Rotary position embedding (Su et al. 2021) in the "rotate half" layout of
     Hugging Face's Llama: dim i is paired with dim i + H/2, frequency
-    theta^(-2i/H). Applied per head, so any subset of heads (a tp rank's) works.
+    theta^(-2i/H) (or `inv_freq_F`). Applied per head, so any subset of heads
+    (a tp rank's) works.
     """
     H = x_BTNH.shape[-1]
-    inv_freq_F = 1.0 / theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)
+    if inv_freq_F is None:
+        inv_freq_F = 1.0 / theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)
     angle_TF = positions_T.astype(jnp.float32)[:, None] * inv_freq_F[None]
     shape = (len(positions_T),) + (1,) * (x_BTNH.ndim - 3) + (H // 2,)  # any head dims
     cos, sin = jnp.cos(angle_TF).reshape(shape), jnp.sin(angle_TF).reshape(shape)

@@ -50,13 +50,33 @@ def write_hf(path, hf, tensors):
     safetensors_numpy.save_file(tensors, str(path / "model.safetensors"))
 
 
+def llama3_inv_freq(inv, rope):
+    """Llama 3.1 frequency scaling, per Meta's reference `apply_scaling`."""
+    out = []
+    for f in inv:
+        wavelen = 2 * np.pi / f
+        old, lo, hi = rope["original_max_position_embeddings"], rope["low_freq_factor"], \
+            rope["high_freq_factor"]
+        if wavelen < old / hi:
+            out.append(f)
+        elif wavelen > old / lo:
+            out.append(f / rope["factor"])
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append((1 - smooth) * f / rope["factor"] + smooth * f)
+    return np.array(out)
+
+
 def hf_logits(t, hf, tokens):
     """Llama forward in HF layout, float64 numpy."""
     t = {k: v.astype(np.float64) for k, v in t.items()}
     D, N, K = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
     H, T, eps = D // N, tokens.shape[1], hf["rms_norm_eps"]
     rms = lambda x, w: x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
-    inv = 1.0 / hf["rope_theta"] ** (np.arange(0, H, 2) / H)
+    rope = hf.get("rope_parameters", {})
+    inv = 1.0 / rope.get("rope_theta", hf.get("rope_theta")) ** (np.arange(0, H, 2) / H)
+    if rope.get("rope_type") == "llama3":
+        inv = llama3_inv_freq(inv, rope)
     ang = np.concatenate([np.arange(T)[:, None] * inv] * 2, -1)
     rot = lambda x: x * np.cos(ang) + np.concatenate([-x[..., H // 2:], x[..., :H // 2]], -1) * np.sin(ang)
     x = t["model.embed_tokens.weight"][tokens]
@@ -127,8 +147,8 @@ def test_bad_checkpoints_fail_with_the_name(checkpoint, tmp_path):
     write_hf(tmp_path / "b", HF, wrong)
     with pytest.raises(ValueError, match=r"model.norm.weight has shape \(63,\), expected \(64,\)"):
         load_hf(tmp_path / "b")
-    write_hf(tmp_path / "c", dict(HF, rope_scaling={"rope_type": "llama3"}), tensors)
-    with pytest.raises(ValueError, match="rope_scaling"):
+    write_hf(tmp_path / "c", dict(HF, rope_scaling={"rope_type": "yarn"}), tensors)
+    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
         load_hf(tmp_path / "c")
     write_hf(tmp_path / "d", dict(HF, model_type="gpt2"), tensors)
     with pytest.raises(ValueError, match="only Llama"):
@@ -137,14 +157,36 @@ def test_bad_checkpoints_fail_with_the_name(checkpoint, tmp_path):
         load_hf(checkpoint[0], tp=3)
 
 
-def test_transformers_agrees(checkpoint):
+# transformers 5's config layout, with Llama 3.1 rope scaling whose three bands
+# all occur at head dim 8: wavelengths 2*pi*500000^(i/4) = 6.3 (kept, < 200/4),
+# 167 (interpolated) and 4443, 1.2e5 (divided by the factor, > 200/1)
+HF_LLAMA31 = {k: v for k, v in HF.items() if k != "rope_theta"} | {"rope_parameters": {
+    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 200}}
+
+
+def test_llama31_rope_scaling_and_transformers5_config(tmp_path, checkpoint):
+    _, tensors, tokens, _ = checkpoint
+    write_hf(tmp_path / "m", HF_LLAMA31, tensors)
+    model = load_hf(tmp_path / "m", tp=8)
+    assert (model.cfg.rope_theta, model.cfg.rope_scaling_factor) == (500000.0, 8.0)
+    np.testing.assert_allclose(np.asarray(model(tokens)), hf_logits(tensors, HF_LLAMA31, tokens),
+                               rtol=1e-5, atol=1e-5)
+    save_hf(model, tmp_path / "back")
+    assert load_hf(tmp_path / "back").cfg == model.cfg
+
+
+@pytest.mark.parametrize("hf", [HF, HF_LLAMA31], ids=["plain", "llama3-rope"])
+def test_transformers_agrees(checkpoint, hf, tmp_path):
     """Only where torch and transformers are installed (never downloaded by CI)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    path, _, tokens, _ = checkpoint
-    hf = transformers.LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    _, tensors, tokens, _ = checkpoint
+    path = tmp_path / "m"
+    write_hf(path, hf, tensors)
+    ref = transformers.LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
     with torch.no_grad():
-        want = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+        want = ref(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
     got = np.asarray(load_hf(path, tp=8)(tokens))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # measured 4.1e-6
 
