@@ -70,6 +70,17 @@ def activation_bytes(cfg: Config) -> float:
     return m.n_layers * per_layer * np.dtype(m.dtype).itemsize / 2
 
 
+def korthikanti_terms(cfg: Config) -> str:
+    """Which terms of the Korthikanti et al. activation count apply to this model."""
+    m = cfg.model
+    return (f"Korthikanti terms for this model: activations {m.dtype} (estimate scaled by "
+            f"{np.dtype(m.dtype).itemsize / 2:g} from 16-bit); residual/MLP dropout masks "
+            f"(2sbh per block) {'kept' if m.dropout > 0 else 'absent (dropout=0)'}; attention "
+            "dropout (as^2b mask + 2as^2b output of the 5as^2b) absent: jaxtp has none; "
+            + ("SwiGLU keeps gate and up (more than the GELU count)" if m.style == "llama"
+               else "GELU MLP as counted"))
+
+
 def model_flops_per_token(cfg: Config, n_params: int) -> float:
     """6N + 12*L*h*s: matmul flops of forward and backward per token. N counts
     the parameters that multiply: not the input lookup table (when untied
@@ -163,6 +174,7 @@ def plan(cfg: Config, tps, hardware: str = "h100",
         log("  ".join(c.rjust(w) for c, w in zip(row, widths)))
     log("B: bytes per device (M = MiB, G = GiB); temps from memory_analysis, acts est. "
         "from Korthikanti et al. 2022; collectives counted per step from the HLO")
+    log(korthikanti_terms(cfg))
     log(f"{hardware}: C = {peak / 1e12:g} TFLOP/s, W = {link / 1e9:g} GB/s along tp, "
         f"C/W = {peak / link:,.0f}: tp is compute-bound while F/tp > C/W. Model flops "
         f"per token 6N + 12Lhs = {rows[0]['model_flops_per_token']:.3e}.")

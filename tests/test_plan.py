@@ -58,5 +58,6 @@ def test_plan_cli_prints_the_table(capsys):
                        "--hardware", "tpu-v5p"]) == 0
     out = capsys.readouterr().out
     assert "redundancy" in out and "C/W = 2,550" in out
+    assert "attention dropout" in out and "SwiGLU" in out  # which Korthikanti terms apply
     row = next(line.split() for line in out.splitlines() if line.strip().startswith("8 "))
     assert row[-1] == "communication"  # F/tp = 352/8 = 44, far below C/W
