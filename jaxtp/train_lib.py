@@ -101,9 +101,6 @@ class TrainState:
     opt_shardings: Any
     grad_clip: float
 
-    def model(self) -> Transformer:
-        return nnx.merge(self.graphdef, self.params)
-
 
 def abstract_model(cfg: Config, mesh: Mesh):
     """(graphdef, abstract params) without allocating anything."""

@@ -1,4 +1,3 @@
-import jax
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
