@@ -18,6 +18,7 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DTYPES = ("float32", "bfloat16", "float16")
 IMPLS = ("gspmd", "shard_map")
 STYLES = ("gpt2", "llama")
+REMATS = ("none", "full", "dots")
 
 
 class ConfigError(ValueError):
@@ -51,6 +52,10 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
     init_std: float = 0.02
+    # the block stack as one scan over parameters stacked on a leading layer
+    # axis: compile time does not grow with depth
+    scan_layers: bool = False
+    remat: str = "none"  # none | full | dots (save weight-matmul outputs only)
 
     @property
     def head_dim(self) -> int:
@@ -69,6 +74,7 @@ class ModelConfig:
 class TrainConfig:
     steps: int = 300
     batch_size: int = 16  # global batch in sequences, split over dp
+    microbatches: int = 1  # gradient accumulation: the batch in this many sequential slices
     lr: float = 3e-3
     warmup_steps: int = 30
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
@@ -80,6 +86,15 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 4
+    # faults: a step with a non-finite loss or gradient norm (or, with
+    # spike_factor > 0, a loss above spike_factor x the mean of the last 20
+    # applied steps) is skipped; the run stops after this many in a row
+    max_skipped_steps: int = 5
+    spike_factor: float = 0.0
+    # checkpoints (with --ckpt-dir): every this many steps (0: only at the end
+    # and on SIGTERM/SIGINT), keeping the last `keep_checkpoints`
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +103,9 @@ class ParallelConfig:
     tp: int = 1
     impl: str = "gspmd"  # "gspmd": XLA inserts collectives; "shard_map": written out
     sp: bool = False  # sequence parallelism: residual stream split over tp along T
+    # FSDP-style: also split parameters and optimizer state over dp (their
+    # "embed" dim), gathered for use and reduce-scattered as gradients
+    fsdp: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,14 +235,16 @@ def validate(cfg: Config) -> Config:
            ("vocab_size", "vocab_multiple", "n_layers", "d_model", "n_heads", "d_ff",
             "seq_len", "rope_theta")},
         **{f"train.{k}": getattr(t, k) for k in
-           ("steps", "batch_size", "log_every", "eval_every", "eval_batches", "lr")},
+           ("steps", "batch_size", "microbatches", "log_every", "eval_every",
+            "eval_batches", "lr", "max_skipped_steps", "keep_checkpoints")},
         "model.ln_eps": m.ln_eps, "model.init_std": m.init_std,
         "parallel.dp": p.dp, "parallel.tp": p.tp,
     }
     for k, v in positive.items():
         if not v > 0:
             raise ConfigError(f"{k}={v} must be positive")
-    for k in ("warmup_steps", "weight_decay", "grad_clip"):
+    for k in ("warmup_steps", "weight_decay", "grad_clip", "spike_factor",
+              "checkpoint_every"):
         if not 0 <= getattr(t, k) < math.inf:
             raise ConfigError(f"train.{k}={getattr(t, k)} must be finite and >= 0")
     for k in ("b1", "b2"):
@@ -239,6 +259,8 @@ def validate(cfg: Config) -> Config:
     for k in ("dtype", "param_dtype"):
         if getattr(m, k) not in DTYPES:
             raise ConfigError(f"model.{k}={getattr(m, k)!r}; choose one of {DTYPES}")
+    if m.remat not in REMATS:
+        raise ConfigError(f"model.remat={m.remat!r}; choose one of {REMATS}")
     if m.style not in STYLES:
         raise ConfigError(f"model.style={m.style!r}; choose one of {STYLES}")
     if p.impl not in IMPLS:
@@ -276,9 +298,13 @@ def validate(cfg: Config) -> Config:
     if p.sp and m.seq_len % p.tp:
         raise ConfigError(f"sequence parallelism splits model.seq_len={m.seq_len} over "
                           f"tp={p.tp}; set model.seq_len to a multiple of {p.tp}")
-    if t.batch_size % p.dp:
+    if t.batch_size % (p.dp * t.microbatches):
         raise ConfigError(
-            f"train.batch_size={t.batch_size} is not divisible by dp={p.dp}; "
-            f"set train.batch_size to a multiple of {p.dp}"
+            f"train.batch_size={t.batch_size} is not divisible by dp*microbatches="
+            f"{p.dp}*{t.microbatches}; set train.batch_size to a multiple of "
+            f"{p.dp * t.microbatches}"
         )
+    if p.fsdp and m.d_model % p.dp:
+        raise ConfigError(f"parallel.fsdp splits model.d_model={m.d_model} over dp={p.dp}; "
+                          f"choose a dp that divides it")
     return cfg

@@ -148,12 +148,20 @@ def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
     if unused:
         raise ValueError(f"checkpoint tensors not mapped to jaxtp: {unused[:5]}"
                          f"{' ...' if len(unused) > 5 else ''}")
+    if cfg.scan_layers:
+        from .model import stack_layers
+
+        params = stack_layers(params)
     return jax.tree.map(lambda x: x.astype(dt), params)
 
 
 def params_to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """The inverse of `hf_to_params` (tables unpadded)."""
     D, N, K, H = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    if cfg.scan_layers:
+        from .model import unstack_layers
+
+        params = unstack_layers(params)
     p = jax.tree.map(lambda x: np.ascontiguousarray(np.asarray(x, np.float32)), params)
     out = {"model.embed_tokens.weight": p["wte"]["embedding"][: cfg.vocab_size],
            "model.norm.weight": p["ln_f"]["scale"]}

@@ -82,6 +82,12 @@ def pass_of(op_name: str) -> str:
     return "other"
 
 
+# names that lowering adds around a scope: shard_map, and a scanned layer
+# stack's loop (`while/body/closed_call/mlp/...`) or rematerialised body
+_WRAPPERS = {"shard_map", "while", "body", "cond", "closed_call", "checkpoint", "remat",
+             "rematted_computation"}
+
+
 def scope_of(op_name: str) -> str:
     """`jit(step)/transpose(jvp(attention))/dot_general` -> "attention"."""
     parts = op_name.split("/")[1:-1]  # drop the jit(...) root and the op itself
@@ -94,7 +100,7 @@ def scope_of(op_name: str) -> str:
             p = m.group(1)
         # keep named scopes; drop transform wrappers and jnp's internal names
         # (`_take`, einsum specs) so scopes read the same under both impls
-        if re.fullmatch(r"[A-Za-z][\w.\-]*", p) and p != "shard_map":
+        if re.fullmatch(r"[A-Za-z][\w.\-]*", p) and p not in _WRAPPERS:
             names.append(p)
     return "/".join(names)
 

@@ -1,7 +1,7 @@
 """Tensor-parallel building blocks (Flax NNX).
 
 Every weight is created with `nnx.with_partitioning`-style metadata
-(`out_sharding=spec(...)`), so the parameters themselves carry PartitionSpecs
+(`out_sharding=param_spec(...)`), so the parameters themselves carry PartitionSpecs
 on the "tp" mesh axis. The `__call__` of each layer is plain local math: it is
 correct on global arrays (GSPMD partitions it) and on per-shard arrays inside
 `jax.shard_map` (see `jaxtp.manual`).
@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .sharding import spec
+from .sharding import param_spec
 
 
 def _param(rngs: nnx.Rngs, init, shape, axes, dtype) -> nnx.Param:
-    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=spec(*axes))
+    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=param_spec(*axes))
 
 
 class ColumnParallelLinear(nnx.Module):
@@ -90,8 +90,8 @@ class LayerNorm(nnx.Module):
     """LayerNorm over the model dim, computed in fp32; scale and bias replicated."""
 
     def __init__(self, d: int, *, eps: float, dtype, param_dtype):
-        self.scale = nnx.Param(jnp.ones((d,), param_dtype), out_sharding=spec("embed"))
-        self.bias = nnx.Param(jnp.zeros((d,), param_dtype), out_sharding=spec("embed"))
+        self.scale = nnx.Param(jnp.ones((d,), param_dtype), out_sharding=param_spec("embed"))
+        self.bias = nnx.Param(jnp.zeros((d,), param_dtype), out_sharding=param_spec("embed"))
         self.eps = eps
         self.dtype = dtype
 
@@ -107,7 +107,7 @@ class RMSNorm(nnx.Module):
     """x / rms(x) * scale over the model dim, in fp32 (Zhang & Sennrich 2019); replicated."""
 
     def __init__(self, d: int, *, eps: float, dtype, param_dtype):
-        self.scale = nnx.Param(jnp.ones((d,), param_dtype), out_sharding=spec("embed"))
+        self.scale = nnx.Param(jnp.ones((d,), param_dtype), out_sharding=param_spec("embed"))
         self.eps = eps
         self.dtype = dtype
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from .sharding import constrain, residual_axes
+from .sharding import constrain, residual_axes, tp_only
 
 
 BF16_CPU_SHARD_MAP = ("impl='shard_map' with model.dtype=bfloat16 crashes XLA's CPU compiler "
@@ -120,7 +120,11 @@ def run_sharded(module, fn: Callable, *args, arg_specs=None, out_specs=P()):
     def per_shard(params, *args):
         return fn(nnx.merge(graphdef, params), *args)
 
-    in_specs = (nnx.get_partition_spec(params),) + tuple(arg_specs or (P(),) * len(args))
+    # only the tp part of a spec: a dp split (FSDP) stays with GSPMD, which
+    # gathers the weight over dp before it enters
+    param_specs = jax.tree.map(tp_only, nnx.get_partition_spec(params),
+                               is_leaf=lambda x: isinstance(x, P))
+    in_specs = (param_specs,) + tuple(arg_specs or (P(),) * len(args))
     return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          axis_names={"tp"}, check_vma=True)(params, *args)
 

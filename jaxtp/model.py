@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from .attention import Attention
@@ -39,6 +40,23 @@ class Block(nnx.Module):
         return constrain(x_BTD, *residual_axes(self.sp))
 
 
+REMAT_POLICIES = {
+    "none": None,  # keep every activation the backward pass needs
+    "full": jax.checkpoint_policies.nothing_saveable,  # recompute the block in backward
+    # save the outputs of the weight matmuls (no batch dims in the dot), recompute
+    # the cheap rest: norms, activations, attention probabilities
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _block_fn(remat: str):
+    """(block, x, key) -> x, rematerialised by the named policy."""
+    call = lambda block, x, key: block(x, key)
+    if remat == "none":
+        return call
+    return nnx.remat(call, policy=REMAT_POLICIES[remat])
+
+
 class Transformer(nnx.Module):
     """Vocab-parallel token embedding (+ learned positions for GPT-2), L blocks,
     final norm, vocab-parallel LM head (tied to the embedding or not)."""
@@ -49,8 +67,18 @@ class Transformer(nnx.Module):
         self.wpe = None if cfg.style == "llama" else Embed(
             cfg.seq_len, cfg.d_model, (None, "embed"), std=cfg.init_std, dtype=cfg.dtype,
             param_dtype=cfg.param_dtype, rngs=rngs)
-        self.blocks = nnx.List([Block(cfg, impl=impl, sp=sp, rngs=rngs)
-                                for _ in range(cfg.n_layers)])
+        if cfg.scan_layers:
+            # one Block whose every parameter has a leading layer axis [L, ...],
+            # replicated over the mesh (the None added to each PartitionSpec)
+            @nnx.split_rngs(splits=cfg.n_layers)
+            @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+            def stack(rngs):
+                return Block(cfg, impl=impl, sp=sp, rngs=rngs)
+
+            self.blocks = stack(rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, impl=impl, sp=sp, rngs=rngs)
+                                    for _ in range(cfg.n_layers)])
         self.ln_f = make_norm(cfg)
         self.lm_head = None if cfg.tie_embeddings else VocabEmbed(cfg, impl=impl, sp=sp,
                                                                   rngs=rngs)
@@ -63,14 +91,28 @@ class Transformer(nnx.Module):
         T = tokens_BT.shape[1]
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds model.seq_len={self.cfg.seq_len}")
-        keys = ([None] * (len(self.blocks) + 1) if dropout_key is None else
-                list(jax.random.split(dropout_key, len(self.blocks) + 1)))
+        L = self.cfg.n_layers
+        keys = (None if dropout_key is None else jax.random.split(dropout_key, L + 1))
         x_BTD = self.wte(tokens_BT)
         if self.wpe is not None:
             x_BTD = x_BTD + self.wpe(jnp.arange(T))[None]
-        x_BTD = constrain(dropout(x_BTD, self.cfg.dropout, keys[0]), *residual_axes(self.sp))
-        for block, key in zip(self.blocks, keys[1:]):
-            x_BTD = block(x_BTD, key)
+        x_BTD = constrain(dropout(x_BTD, self.cfg.dropout, None if keys is None else keys[0]),
+                          *residual_axes(self.sp))
+        block_fn = _block_fn(self.cfg.remat)
+        if self.cfg.scan_layers:
+            # a while loop over the stacked parameters: compile time and HLO size
+            # do not grow with depth (jaxtp.hlo multiplies by the trip count)
+            xs = () if keys is None else (keys[1:],)
+
+            @nnx.scan(in_axes=(nnx.Carry, 0) + (0,) * len(xs), out_axes=nnx.Carry,
+                      transform_metadata={nnx.PARTITION_NAME: None})
+            def body(x_BTD, block, *key):
+                return block_fn(block, x_BTD, key[0] if key else None)
+
+            x_BTD = body(x_BTD, self.blocks, *xs)
+        else:
+            for i, block in enumerate(self.blocks):
+                x_BTD = block_fn(block, x_BTD, None if keys is None else keys[i + 1])
         return self.ln_f(x_BTD)
 
     @property
@@ -88,3 +130,19 @@ class Transformer(nnx.Module):
         """Mean next-token cross-entropy, from vocab-sharded logits."""
         x_BTD = self.hidden(tokens_BT, dropout_key=dropout_key)
         return self.head.token_losses(x_BTD, targets_BT).mean()
+
+
+def stack_layers(pure: dict) -> dict:
+    """Per-layer parameters {"blocks": {0: tree, 1: tree, ...}} (a pure dict,
+    `nnx.to_pure_dict`) -> the scanned layout {"blocks": tree of [L, ...]}."""
+    blocks = pure["blocks"]
+    layers = [blocks[i] for i in range(len(blocks))]
+    stack = lambda *xs: np.stack(xs) if isinstance(xs[0], np.ndarray) else jnp.stack(xs)
+    return {**pure, "blocks": jax.tree.map(stack, *layers)}
+
+
+def unstack_layers(pure: dict) -> dict:
+    """The inverse of `stack_layers`."""
+    L = jax.tree.leaves(pure["blocks"])[0].shape[0]
+    return {**pure, "blocks": {i: jax.tree.map(lambda x: x[i], pure["blocks"])
+                               for i in range(L)}}

@@ -8,6 +8,9 @@ without touching the model.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -48,6 +51,34 @@ def spec(*logical: str | None, rules: dict[str, str | None] | None = None) -> P:
             "a tensor can be split over a mesh axis only once"
         )
     return P(*axes)
+
+
+# FSDP-style: parameters (and so the optimizer state, which mirrors them) are
+# also split over dp along their model dim. Only parameters: an activation's
+# model dim stays whole, its batch is what dp splits.
+FSDP_PARAM_RULES = {**RULES, "embed": "dp"}
+_param_rules: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "jaxtp_param_rules", default=None)
+
+
+@contextlib.contextmanager
+def param_layout(fsdp: bool):
+    """Parameters created inside take FSDP_PARAM_RULES if `fsdp`, else RULES."""
+    token = _param_rules.set(FSDP_PARAM_RULES if fsdp else None)
+    try:
+        yield
+    finally:
+        _param_rules.reset(token)
+
+
+def param_spec(*logical: str | None) -> P:
+    """PartitionSpec of a parameter: `spec` under the current `param_layout`."""
+    return spec(*logical, rules=_param_rules.get())
+
+
+def tp_only(s: P) -> P:
+    """The tp part of a PartitionSpec (what a shard_map manual over tp sees)."""
+    return P(*(a if a == "tp" else None for a in s))
 
 
 def make_mesh(dp: int = 1, tp: int = 1, devices=None) -> Mesh:
@@ -123,5 +154,6 @@ def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec(*logical))
 
 
-__all__ = ["MESH_AXES", "RULES", "spec", "make_mesh", "ensure_devices", "named",
+__all__ = ["MESH_AXES", "RULES", "FSDP_PARAM_RULES", "spec", "param_spec", "param_layout",
+           "tp_only", "make_mesh", "ensure_devices", "named",
            "constrain", "check_device_count"]

@@ -9,6 +9,7 @@ donates the parameter and optimizer buffers.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -20,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import Config, TrainConfig
 from .model import Transformer
-from .sharding import mesh_axis_size, named
+from .sharding import constrain, mesh_axis_size, named, param_layout
 
 
 def lr_schedule(t: TrainConfig) -> optax.Schedule:
@@ -53,26 +54,33 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
 def global_norm(grads, specs):
     """sqrt of the sum of squares of all gradients, with one scalar all-reduce.
 
-    Each rank sums the squares of its shards of the tp-sharded gradients, the
-    partial sums are added locally and reduced over tp once (as Megatron-LM
-    does); replicated gradients are counted once, after the reduction. Left
-    to GSPMD, each sharded tensor's sum would be a separate all-reduce.
+    Each rank sums the squares of its shards, weighting a gradient that is
+    replicated over a mesh axis by 1/size of that axis, and the weighted sums
+    are reduced once over the axes the gradients are split on (tp; and dp
+    under FSDP), as Megatron-LM reduces its norm once. Left to GSPMD, each
+    sharded tensor's sum would be a separate all-reduce. (The weights are
+    powers of two for the usual tp/dp, so exact.)
     """
     leaves = jax.tree.leaves(grads)
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    sharded = ["tp" in jax.tree.leaves(tuple(s)) for s in spec_leaves]
-    if not any(sharded) or mesh_axis_size("tp") == 1:
+    split = [set(a for a in jax.tree.leaves(tuple(s)) if a in ("dp", "tp"))
+             for s in spec_leaves]
+    axes = tuple(a for a in ("dp", "tp")
+                 if mesh_axis_size(a) > 1 and any(a in s for s in split))
+    if not axes:
         return optax.tree.norm(grads)
-    tp_only = [P(*(a if a == "tp" else None for a in s)) for s in spec_leaves]
+    size = {a: mesh_axis_size(a) for a in axes}
+    in_specs = tuple(P(*(a if a in axes else None for a in s)) for s in spec_leaves)
 
     def local(*leaves):
-        sq = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves]
-        part = sum(v for v, sh in zip(sq, sharded) if sh)
-        full = sum((v for v, sh in zip(sq, sharded) if not sh), jnp.float32(0))
-        return jnp.sqrt(jax.lax.psum(part, "tp") + full)
+        total = jnp.float32(0)
+        for x, s in zip(leaves, split):
+            weight = math.prod(size[a] for a in axes if a not in s)
+            total += jnp.sum(jnp.square(x.astype(jnp.float32))) / weight
+        return jnp.sqrt(jax.lax.psum(total, axes))
 
-    return jax.shard_map(local, in_specs=tuple(tp_only), out_specs=P(), axis_names={"tp"},
-                         check_vma=True)(*leaves)
+    return jax.shard_map(local, in_specs=in_specs, out_specs=P(), axis_names=set(axes),
+                         check_vma=False)(*leaves)
 
 
 def clip_by_global_norm(grads, max_norm: float, specs):
@@ -102,12 +110,18 @@ class TrainState:
     grad_clip: float
 
 
+def build_model(cfg: Config, seed: int = 0) -> Transformer:
+    """The model of `cfg`, its parameters laid out by the config's rules (FSDP or not).
+    Call under `jax.set_mesh` (the kv layout depends on tp), or inside eval_shape."""
+    with param_layout(cfg.parallel.fsdp):
+        return Transformer(cfg.model, impl=cfg.parallel.impl, sp=cfg.parallel.sp,
+                           rngs=nnx.Rngs(seed))
+
+
 def abstract_model(cfg: Config, mesh: Mesh):
     """(graphdef, abstract params) without allocating anything."""
     with jax.set_mesh(mesh):
-        model = nnx.eval_shape(
-            lambda: Transformer(cfg.model, impl=cfg.parallel.impl, sp=cfg.parallel.sp,
-                                rngs=nnx.Rngs(0)))
+        model = nnx.eval_shape(lambda: build_model(cfg))
     graphdef, params = nnx.split(model)
     return graphdef, params
 
@@ -121,9 +135,7 @@ def init_params(cfg: Config, mesh: Mesh):
     shardings = nnx.get_named_sharding(abstract, mesh)
 
     def create():
-        model = Transformer(cfg.model, impl=cfg.parallel.impl, sp=cfg.parallel.sp,
-                            rngs=nnx.Rngs(cfg.train.seed))
-        return nnx.split(model)[1]
+        return nnx.split(build_model(cfg, cfg.train.seed))[1]
 
     with jax.set_mesh(mesh):
         params = jax.jit(create, out_shardings=shardings)()
@@ -195,27 +207,78 @@ def cross_entropy_of(model, tokens_BT1):
     return jax.jit(lambda p, t: loss_fn(graphdef, p, t))(params, tokens_BT1)
 
 
-def make_train_step(state: TrainState, use_dropout: bool) -> Callable:
-    """jitted (params, opt_state, tokens, key) -> (params, opt_state, metrics)."""
+def grads_of(graphdef, params, tokens_BT1, key, microbatches: int = 1):
+    """(mean loss, gradients) of a batch [B, T+1], in `microbatches` sequential
+    slices of B/M rows whose gradients are summed in fp32: the same result as
+    one batch (the loss is a mean over equal-sized slices), with the
+    activation memory of B/M rows. The dropout key is folded per slice.
+
+    Slice m holds rows m, M+m, 2M+m, ...: reshaping [B] -> [B/M, M] keeps
+    each dp rank's rows on that rank (the dp split is on the leading B/M), so
+    slicing needs no communication.
+    """
+    value_and_grad = jax.value_and_grad(lambda p, t, k: loss_fn(graphdef, p, t, k))
+    if microbatches == 1:
+        return value_and_grad(params, tokens_BT1, key)
+    B, T1 = tokens_BT1.shape
+    tokens_MBT = constrain(tokens_BT1.reshape(B // microbatches, microbatches, T1),
+                           "batch", None, None).transpose(1, 0, 2)
+    tokens_MBT = constrain(tokens_MBT, None, "batch", None)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+    def body(carry, xs):
+        loss_sum, grad_sum = carry
+        m, tokens = xs
+        loss, grads = value_and_grad(params, tokens,
+                                     None if key is None else jax.random.fold_in(key, m))
+        grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
+        return (loss_sum + loss, grad_sum), None
+
+    (loss_sum, grad_sum), _ = jax.lax.scan(
+        body, (jnp.float32(0), zeros), (jnp.arange(microbatches), tokens_MBT))
+    grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grad_sum, params)
+    return loss_sum / microbatches, grads
+
+
+def make_train_step(state: TrainState, use_dropout: bool, microbatches: int = 1) -> Callable:
+    """jitted (params, opt_state, tokens, key, controls) -> (params, opt_state, metrics).
+
+    `controls` = f32[2] (see `step_controls`): [max_loss, grad_scale]. The
+    update is applied only if the loss and the gradient norm are finite and
+    the loss is at most max_loss (the spike guard; inf turns it off);
+    otherwise parameters and optimizer state come back unchanged and
+    metrics["skipped"] is true. grad_scale multiplies the gradients (1.0; NaN
+    injects a non-finite gradient, to drill the skip path).
+    """
     graphdef, tx, clip = state.graphdef, state.tx, state.grad_clip
     specs = jax.tree.map(lambda s: s.spec, state.param_shardings)
 
-    def step(params, opt_state, tokens_BT1, key):
-        loss, grads = jax.value_and_grad(
-            lambda p: loss_fn(graphdef, p, tokens_BT1, key if use_dropout else None))(params)
+    def step(params, opt_state, tokens_BT1, key, controls):
+        max_loss, grad_scale = controls[0], controls[1]
+        loss, grads = grads_of(graphdef, params, tokens_BT1, key if use_dropout else None,
+                               microbatches)
+        grads = jax.tree.map(lambda g: (g * grad_scale).astype(g.dtype), grads)
         grads, grad_norm = clip_by_global_norm(grads, clip, specs)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (loss <= max_loss)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+        return (keep(new_params, params), keep(new_opt_state, opt_state),
+                {"loss": loss, "grad_norm": grad_norm, "skipped": ~ok})
 
     replicated = NamedSharding(state.mesh, P())
     return jax.jit(
         step,
         in_shardings=(state.param_shardings, state.opt_shardings,
-                      named(state.mesh, "batch", None), replicated),
+                      named(state.mesh, "batch", None), replicated, replicated),
         out_shardings=(state.param_shardings, state.opt_shardings, replicated),
         donate_argnums=(0, 1),
     )
+
+
+def step_controls(max_loss: float = float("inf"), grad_scale: float = 1.0) -> np.ndarray:
+    """The `controls` argument of a train step: no spike guard, gradients as they are."""
+    return np.array([max_loss, grad_scale], np.float32)
 
 
 def make_eval_step(state: TrainState) -> Callable:
@@ -225,17 +288,18 @@ def make_eval_step(state: TrainState) -> Callable:
 
 
 def compile_train_step(state: TrainState, batch_size: int, seq_len: int,
-                       use_dropout: bool = False):
+                       use_dropout: bool = False, microbatches: int = 1):
     """Ahead-of-time compiled train step for [batch, seq+1] tokens.
 
     Callable like the jitted step; `.as_text()` is the post-partitioning HLO
     whose collectives `jaxtp.hlo` reads. Works on an abstract state too.
     """
-    step = make_train_step(state, use_dropout)
+    step = make_train_step(state, use_dropout, microbatches)
     tokens = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32,
                                   sharding=named(state.mesh, "batch", None))
     with jax.set_mesh(state.mesh):
-        return step.lower(state.params, state.opt_state, tokens, jax.random.key(0)).compile()
+        return step.lower(state.params, state.opt_state, tokens, jax.random.key(0),
+                          step_controls()).compile()
 
 
 def single_device_check(cfg: Config, params0, batches, keys, loss: float, grad_norm: float,
@@ -254,11 +318,12 @@ def single_device_check(cfg: Config, params0, batches, keys, loss: float, grad_n
                                                                 impl="gspmd"))
     mesh = make_mesh(1, 1, devices=jax.devices()[:1])
     state = init_train_state(one, mesh, params=params0)
-    step = make_train_step(state, use_dropout=cfg.model.dropout > 0)
+    step = make_train_step(state, use_dropout=cfg.model.dropout > 0,
+                           microbatches=cfg.train.microbatches)
     params, opt_state = state.params, state.opt_state
     with jax.set_mesh(mesh):
         for tokens, key in zip(batches, keys):
-            params, opt_state, metrics = step(params, opt_state, tokens, key)
+            params, opt_state, metrics = step(params, opt_state, tokens, key, step_controls())
     sq = lambda a, b: sum(float(np.sum(np.square(np.asarray(x) - np.asarray(y))))
                           for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
     ref = jax.device_get(params)

@@ -56,7 +56,15 @@ def test_overrides_are_typed():
 @pytest.mark.parametrize("overrides, match", [
     (["model.n_heads=6", "model.d_model=96", "parallel.tp=4"], r"model.n_heads=6 is not divisible by tp=4.*\[1, 2, 3, 6\]"),
     (["model.d_ff=100", "parallel.tp=8"], r"model.d_ff=100 is not divisible by tp=8"),
-    (["train.batch_size=6", "parallel.dp=4"], r"train.batch_size=6 is not divisible by dp=4"),
+    (["train.batch_size=6", "parallel.dp=4"],
+     r"train.batch_size=6 is not divisible by dp\*microbatches=4\*1"),
+    (["train.batch_size=8", "parallel.dp=2", "train.microbatches=3"],
+     r"train.batch_size=8 is not divisible by dp\*microbatches=2\*3; .* multiple of 6"),
+    (["model.remat=some"], r"model.remat='some'; choose one of \('none', 'full', 'dots'\)"),
+    (["parallel.fsdp=true", "parallel.dp=3", "train.batch_size=6"],
+     r"parallel.fsdp splits model.d_model=128 over dp=3"),
+    (["train.spike_factor=-1"], r"train.spike_factor=-1.0 must be finite and >= 0"),
+    (["train.max_skipped_steps=0"], r"train.max_skipped_steps=0 must be positive"),
     (["model.n_layers=0"], r"model.n_layers=0 must be positive"),
     (["model.d_model=-8"], r"model.d_model=-8 must be positive"),
     (["parallel.tp=0"], r"parallel.tp=0 must be positive"),
@@ -113,7 +121,7 @@ def test_bad_files_are_rejected(tmp_path):
 @pytest.mark.parametrize("argv, match", [
     (["--tp", "3"], "model.n_heads=8 is not divisible by tp=3"),
     (["--tp", "8", "model.d_ff=12"], "model.d_ff=12 is not divisible by tp=8"),
-    (["--dp", "3"], "train.batch_size=16 is not divisible by dp=3"),
+    (["--dp", "3"], "train.batch_size=16 is not divisible by dp*microbatches=3*1"),
     (["model.heads=4"], "unknown config key 'model.heads'"),
     (["--tp", "8", "--dp", "2"], "16 devices requested but this machine has 8 cpu device"),
 ])

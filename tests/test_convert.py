@@ -136,6 +136,20 @@ def test_save_then_load_is_identical_at_tp1_and_tp8(checkpoint, tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
+def test_scanned_layers_load_and_save(checkpoint, tmp_path):
+    """The per-layer HF tensors stack onto the scanned layout and back."""
+    path, tensors, tokens, want = checkpoint
+    model = load_hf(path, tp=4, scan_layers=True)
+    assert model.blocks.attn.q.kernel.shape[0] == HF["num_hidden_layers"]
+    with jax.set_mesh(model.mesh):
+        logits = np.asarray(jax.jit(lambda m, t: m(t))(model, tokens))
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
+    save_hf(model, tmp_path / "saved")
+    back = safetensors_numpy.load_file(str(tmp_path / "saved" / "model.safetensors"))
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(back[name], value, err_msg=name)
+
+
 def test_bad_checkpoints_fail_with_the_name(checkpoint, tmp_path):
     _, tensors, _, _ = checkpoint
     missing = dict(tensors)

@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxtp.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from jaxtp.sharding import make_mesh
-from jaxtp.train_lib import init_train_state, loss_fn, make_train_step
+from jaxtp.train_lib import init_train_state, loss_fn, make_train_step, step_controls
 from jaxtp.trainer import train
 
 MODEL = ModelConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=8, d_ff=64, seq_len=16)
@@ -26,7 +26,8 @@ def run_steps(cfg, n):
     with jax.set_mesh(mesh):
         for i in range(n):
             toks = rng.integers(0, MODEL.vocab_size, (8, MODEL.seq_len + 1)).astype(np.int32)
-            params, opt_state, metrics = step(params, opt_state, toks, jax.random.key(i))
+            params, opt_state, metrics = step(params, opt_state, toks, jax.random.key(i),
+                                              step_controls())
     return jax.tree.map(np.asarray, jax.device_get(params)), metrics
 
 
