@@ -15,6 +15,13 @@ from jaxtp.config import (IMPLS, Config, apply_overrides, load_config, preset_na
                           validate)
 
 
+def _steps(text: str) -> set[int]:
+    try:
+        return {int(s) for s in text.split(",")}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected step numbers like 3 or 3,7")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -28,11 +35,49 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sp", action="store_true", default=None,
                     help="sequence parallelism: split the residual stream over tp along the "
                          "sequence (all-gather / reduce-scatter instead of all-reduce)")
+    ap.add_argument("--fsdp", action="store_true", default=None,
+                    help="also split parameters and optimizer state over dp (FSDP-style)")
+    ap.add_argument("--microbatches", type=int,
+                    help="gradient accumulation: run the batch in this many sequential slices")
+    ap.add_argument("--bf16", action="store_true",
+                    help="mixed precision: bf16 compute, fp32 master weights and optimizer "
+                         "state, fp32 loss/softmax (sets model.dtype=bfloat16)")
+    ap.add_argument("--scan", action="store_true", default=None,
+                    help="the blocks as one scan over stacked parameters (compile time "
+                         "independent of depth)")
+    ap.add_argument("--remat", choices=["none", "full", "dots"],
+                    help="rematerialise each block in the backward pass: full, or keep "
+                         "only the weight-matmul outputs (dots)")
     ap.add_argument("--steps", type=int, help="training steps")
     ap.add_argument("--seed", type=int, help="init, data and dropout seed")
     ap.add_argument("--out", help="output directory (default: runs/<config>-dp<dp>-tp<tp>-<time>)")
     ap.add_argument("--data", help="UTF-8 text file (byte-level) or .bin of uint16 token ids "
                                    "(default: the Python standard library's source)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the run in --out from its latest complete checkpoint "
+                         "(at any tp/dp)")
+    ap.add_argument("--until", type=int, metavar="STEP",
+                    help="stop with a checkpoint after this step (the schedule still spans "
+                         "--steps); continue later with --resume")
+    ap.add_argument("--checkpoint-every", type=int, metavar="N",
+                    help="save a checkpoint every N steps (always: at the end and on "
+                         "SIGTERM/SIGINT)")
+    ap.add_argument("--inject-nan-at", type=_steps, default=(), metavar="STEP[,STEP...]",
+                    help="fault drill: make the gradients of these steps NaN (they are "
+                         "skipped and logged)")
+    ap.add_argument("--peak-tflops", type=float,
+                    help="per-device peak TFLOP/s for MFU, where the device is not known")
+    ap.add_argument("--tensorboard", action="store_true",
+                    help="also write TensorBoard scalars to --out/tensorboard (needs "
+                         "tensorboardX)")
+    ap.add_argument("--coordinator", metavar="HOST:PORT",
+                    help="multi-process: process 0's address (else JAX_COORDINATOR_ADDRESS "
+                         "or a launcher such as srun/mpirun)")
+    ap.add_argument("--num-processes", type=int, help="multi-process: how many")
+    ap.add_argument("--process-id", type=int, help="multi-process: this one (0..n-1)")
+    ap.add_argument("--local-devices", type=int,
+                    help="CPU only: fake devices per process (default: enough for dp*tp "
+                         "in one process)")
     ap.add_argument("--init-from-hf", metavar="PATH",
                     help="fine-tune a Hugging Face Llama checkpoint (save_pretrained dir); "
                          "its config.json replaces the model section, then overrides apply")
@@ -61,7 +106,11 @@ def resolve_config(args: argparse.Namespace) -> Config:
 
         cfg = dataclasses.replace(cfg, model=hf_model_config(args.init_from_hf))
     flags = {"parallel.tp": args.tp, "parallel.dp": args.dp, "parallel.impl": args.impl,
-             "parallel.sp": args.sp,
+             "parallel.sp": args.sp, "parallel.fsdp": args.fsdp,
+             "train.microbatches": args.microbatches,
+             "train.checkpoint_every": args.checkpoint_every,
+             "model.dtype": "bfloat16" if args.bf16 else None,
+             "model.scan_layers": args.scan, "model.remat": args.remat,
              "train.steps": args.steps, "train.seed": args.seed}
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + args.overrides
     return validate(apply_overrides(cfg, overrides))
@@ -80,11 +129,26 @@ def main(argv=None) -> int:
     from jaxtp.sharding import ensure_devices
 
     p = cfg.parallel
-    print(ensure_devices(p.dp * (max(p.tp, 8) if args.plan else p.tp)))  # before JAX starts
+    multi = args.coordinator or args.num_processes or args.process_id is not None
+    try:
+        if multi:
+            from jaxtp.distributed import initialize
+
+            n = args.num_processes
+            print(initialize(args.coordinator, n, args.process_id,
+                             args.local_devices or (p.dp * p.tp // n if n else None)))
+        else:  # before JAX starts
+            print(ensure_devices(args.local_devices or
+                                 p.dp * (max(p.tp, 8) if args.plan else p.tp)))
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     uses_shard_map = p.impl == "shard_map" or args.compare_hlo
     if uses_shard_map and cfg.model.dtype == "bfloat16" and jax.default_backend() == "cpu":
         print(f"error: {BF16_CPU_SHARD_MAP}", file=sys.stderr)
         return 2
+    from jaxtp.trainer import TrainingStopped
+
     out = args.out or (f"runs/{args.config.split('/')[-1].removesuffix('.json')}"
                        f"-dp{p.dp}-tp{p.tp}-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
@@ -104,7 +168,20 @@ def main(argv=None) -> int:
             from jaxtp.convert import read_hf
 
             init = read_hf(args.init_from_hf, **dataclasses.asdict(cfg.model))[1]
-        train(cfg, out, data_path=args.data, check=args.check, init_params=init)
+        if args.resume and not args.out:
+            raise ValueError("--resume needs --out: the run directory to continue")
+        summary = train(cfg, out, data_path=args.data, check=args.check, init_params=init,
+                        resume=args.resume, inject_nan_at=args.inject_nan_at,
+                        peak_tflops=args.peak_tflops, tensorboard=args.tensorboard,
+                        until=args.until)
+        if summary["interrupted"]:
+            print(f"stopped by {summary['interrupted']} after step {summary['last_step']}")
+        elif not summary["finished"]:
+            print(f"stopped after step {summary['last_step']} (--until); continue with "
+                  f"--resume --out {out}")
+    except TrainingStopped as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except (ValueError, OSError, KeyError, ImportError) as e:  # before compiling
         print(f"error: {e}", file=sys.stderr)
         return 2

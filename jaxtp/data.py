@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from .distributed import global_batch
 from .sharding import named
 
 BUILTIN_MAX_BYTES = 8 * 2**20
@@ -77,10 +78,14 @@ class Dataset:
         idx = starts[:, None] + np.arange(self.seq_len + 1)[None]
         return split[idx].astype(np.int32)
 
-    def train_batches(self, batch_size: int, seed: int):
-        """Endless random windows [B, T+1] from the train split."""
+    def train_batches(self, batch_size: int, seed: int, skip: int = 0):
+        """Endless random windows [B, T+1] from the train split; `skip`: start
+        after that many batches (a resumed run sees the batches a straight run
+        would, as the window starts are drawn ahead without reading tokens)."""
         rng = np.random.default_rng(seed)
         last = len(self.train) - self.seq_len - 1  # the last window that fits
+        for _ in range(skip):
+            rng.integers(0, last + 1, batch_size)
         while True:
             yield self._windows(self.train, rng.integers(0, last + 1, batch_size))
 
@@ -92,5 +97,9 @@ class Dataset:
 
 
 def to_mesh(batch: np.ndarray, mesh: Mesh) -> jax.Array:
-    """Place a host batch [B, ...] on the mesh: split over dp, replicated over tp."""
-    return jax.device_put(batch, named(mesh, "batch", *([None] * (batch.ndim - 1))))
+    """Place a host batch [B, ...] on the mesh: split over dp, replicated over tp.
+
+    `batch` is the global batch, the same in every process (it is drawn from
+    the seed); each process transfers only the rows its own devices hold.
+    """
+    return global_batch(batch, mesh, named(mesh, "batch", *([None] * (batch.ndim - 1))))

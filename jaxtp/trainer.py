@@ -1,22 +1,37 @@
-"""The training loop: data onto the mesh, jitted steps, logs and run files.
+"""The training loop: data onto the mesh, jitted steps, faults, checkpoints, logs.
 
-Every run writes into its output directory (which must not already hold a
-run: nothing saved is overwritten):
+Every run writes into its output directory (a new run refuses a directory
+that already holds one; `resume=True` continues the run in it):
 - `config.json`: the resolved config;
 - `metrics.jsonl`: one JSON object per logged step (step 1, then every
-  `log_every`): `step`, `loss` (mean train loss since the previous row),
-  `grad_norm` (pre-clip, this step), `lr` (this step's), `tokens_per_sec`
-  (null for step 1, which includes compilation), and `eval_loss` on
-  evaluation steps;
-- `run.json`: the TP record (`jaxtp.record.run_record`): mesh and device order,
-  shapes, the layout of every linear, the collectives per layer read from the
-  compiled step, and with `check=True` the comparison against a single
-  device after the first step that updates the parameters.
+  `log_every`): `step`, `loss` (mean train loss of the applied steps since the
+  previous row), `grad_norm` (pre-clip, this step), `lr` (this step's),
+  `skipped` (steps skipped since the previous row), `step_time_s`,
+  `tokens_per_sec`, `model_tflops_per_device` and `mfu` (null for step 1,
+  which includes compilation; mfu null where the peak is unknown), and
+  `eval_loss` on evaluation steps;
+- `run.json`: the TP record (`jaxtp.record.run_record`);
+- `checkpoints/<step>/`: orbax checkpoints (`jaxtp.checkpoint`) every
+  `train.checkpoint_every` steps, at the end, and on SIGTERM/SIGINT.
+
+Faults: a step whose loss or gradient norm is not finite (or, with
+`train.spike_factor`, whose loss exceeds that factor times the mean of the
+last 20 applied losses) leaves parameters and optimizer state unchanged, is
+logged with its step, and `train.max_skipped_steps` of them in a row stop the
+run with `TrainingStopped` (after saving the last good state).
+
+Multi-process: every process runs this loop over the same global batches
+(each transfers only its own rows); only process 0 logs and writes files;
+all processes take part in checkpoints.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -25,12 +40,31 @@ import jax
 import numpy as np
 from flax import nnx
 
+from .checkpoint import Checkpointer
 from .config import Config
 from .data import Dataset, load_tokens, to_mesh
+from .plan import model_flops_per_token
 from .record import run_record
 from .sharding import make_mesh
-from .train_lib import (abstract_model, compile_train_step, init_train_state, lr_schedule,
-                        make_eval_step, single_device_check)
+from .train_lib import (abstract_model, abstract_train_state, compile_train_step,
+                        init_train_state, lr_schedule, make_eval_step, single_device_check,
+                        step_controls)
+
+# Peak dense bf16 FLOP/s per chip, by a substring of `device.device_kind`
+# (vendor datasheets: NVIDIA A100 312 TFLOP/s, H100/H200 SXM 989; Google Cloud
+# TPU v4 275, v5e 197, v5p 459). fp32 runs measure MFU against the bf16 peak too.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "TPU v5p": 459e12,
+              "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12}
+SPIKE_WINDOW = 20  # applied losses the spike guard averages over
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (too many skipped steps in a row)."""
+
+
+def peak_flops(device) -> float | None:
+    kind = getattr(device, "device_kind", "")
+    return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
 
 
 def count_params(params) -> int:
@@ -45,35 +79,103 @@ def evaluate(eval_step, params, batches, mesh) -> float:
 def prepare_out_dir(out_dir: str | Path) -> Path:
     """Create `out_dir`, refusing one that already holds a run."""
     out = Path(out_dir)
-    taken = [n for n in ("metrics.jsonl", "config.json", "run.json") if (out / n).exists()]
+    taken = [n for n in ("metrics.jsonl", "config.json", "run.json", "checkpoints")
+             if (out / n).exists()]
     if taken:
         raise FileExistsError(f"--out {out} already holds a run ({', '.join(taken)}); "
-                              "choose a new directory")
+                              "choose a new directory, or --resume to continue it")
     out.mkdir(parents=True, exist_ok=True)
     return out
 
 
+class _Signals:
+    """SIGTERM/SIGINT set a flag the loop checks after each step (main thread only)."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._old = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, _frame):
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def _tensorboard(out: Path):
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        raise ImportError("--tensorboard needs the tensorboardX package: "
+                          "pip install tensorboardX") from None
+    return SummaryWriter(str(out / "tensorboard"))
+
+
 def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
           log: Callable[[str], None] = print, check: bool = False,
-          init_params=None) -> dict:
+          init_params=None, resume: bool = False, inject_nan_at=(),
+          peak_tflops: float | None = None, tensorboard: bool = False,
+          until: int | None = None) -> dict:
     """Train `cfg` and return a summary; see the module docstring for the files.
 
     `init_params`: starting values (an nnx.State or nested dict, e.g. from
-    `jaxtp.convert.read_hf`) instead of a fresh initialisation.
+    `jaxtp.convert.read_hf`) instead of a fresh initialisation. `resume`:
+    continue from the latest complete checkpoint in `out_dir` (any tp/dp).
+    `inject_nan_at`: steps whose gradients are made NaN (a fault drill).
+    `peak_tflops`: per-device peak for MFU, where the device is not in PEAK_FLOPS.
+    `until`: stop after this step with a checkpoint (the schedule still spans
+    `train.steps`): a run split into jobs of fixed length.
     """
     m, t, p = cfg.model, cfg.train, cfg.parallel
+    main = jax.process_index() == 0
+    log = log if main else (lambda _: None)
+    if check and jax.process_count() > 1:
+        raise ValueError("--check replays on one device; run it single-process")
     data = Dataset(load_tokens(data_path), m.seq_len, m.vocab_size)  # fail before writing
     mesh = make_mesh(p.dp, p.tp)
-    out = prepare_out_dir(out_dir)
-    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    out = Path(out_dir)
+    if resume:
+        if not (out / "checkpoints").is_dir():
+            raise FileNotFoundError(f"--resume: no checkpoints under {out}/checkpoints")
+    elif main:
+        prepare_out_dir(out)
+    writer = _tensorboard(out) if tensorboard and main else None
+    ckpt = Checkpointer(out / "checkpoints", keep=t.keep_checkpoints, log=log)
 
-    state = init_train_state(cfg, mesh, params=init_params)
-    log(f"model: {m.style}, {count_params(state.params):,} params, {m.n_layers} layers, "
-        f"d_model={m.d_model}, heads={m.n_heads}/{m.kv_heads} kv, d_ff={m.d_ff}, "
-        f"seq={m.seq_len} | mesh dp={p.dp} x tp={p.tp}, impl={p.impl} | "
+    start, meta = 0, {}
+    if resume:
+        target = abstract_train_state(cfg, mesh)
+        start, params, opt_state, meta = ckpt.restore(target.params, target.opt_state,
+                                                      model=dataclasses.asdict(m))
+        if meta.get("seed") != t.seed:
+            raise ValueError(f"--resume: the checkpoint was trained with train.seed="
+                             f"{meta.get('seed')}, this config has {t.seed}; the data order "
+                             "and dropout depend on it")
+        state = dataclasses.replace(target, params=params, opt_state=opt_state)
+        log(f"resumed from {out}/checkpoints step {start} (saved at dp={meta['dp']} x "
+            f"tp={meta['tp']}; now dp={p.dp} x tp={p.tp})")
+    else:
+        state = init_train_state(cfg, mesh, params=init_params)
+    if main:
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    n_params = count_params(state.params)
+    log(f"model: {m.style}, {n_params:,} params, {m.n_layers} layers"
+        f"{' (scanned)' if m.scan_layers else ''}, d_model={m.d_model}, heads={m.n_heads}/"
+        f"{m.kv_heads} kv, d_ff={m.d_ff}, seq={m.seq_len}, {m.dtype} compute / "
+        f"{m.param_dtype} params | mesh dp={p.dp} x tp={p.tp}, impl={p.impl}"
+        f"{', fsdp' if p.fsdp else ''}{', sp' if p.sp else ''} | batch {t.batch_size}"
+        f"{f' in {t.microbatches} microbatches' if t.microbatches > 1 else ''} | "
         f"data: {len(data.train):,} train / {len(data.val):,} val tokens")
     t0 = time.perf_counter()
-    train_step = compile_train_step(state, t.batch_size, m.seq_len, use_dropout=m.dropout > 0)
+    train_step = compile_train_step(state, t.batch_size, m.seq_len, use_dropout=m.dropout > 0,
+                                    microbatches=t.microbatches)
     log(f"compiled the train step in {time.perf_counter() - t0:.1f}s")
     structure = nnx.merge(*abstract_model(cfg, mesh))  # no buffers: step 1 donates them
     record = run_record(cfg, mesh, structure, train_step.as_text())
@@ -81,67 +183,167 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
     eval_step = make_eval_step(state)
     eval_set = data.eval_batches(t.batch_size, t.eval_batches)
     schedule = lr_schedule(t)
-    batches = data.train_batches(t.batch_size, t.seed)
+    batches = data.train_batches(t.batch_size, t.seed, skip=start)
     base_key = jax.random.key(t.seed)
     tokens_per_step = t.batch_size * m.seq_len
+    flops_per_token = model_flops_per_token(cfg, n_params)
+    peak = peak_tflops * 1e12 if peak_tflops else peak_flops(mesh.devices.flat[0])
 
     params, opt_state = state.params, state.opt_state
     params0 = jax.device_get(params) if check else None
     # the check replays up to the first step that moves the parameters (step 1
     # runs at lr 0 when there is a warmup)
     check_at = next((s for s in range(1, t.steps + 1) if schedule(s - 1) > 0), t.steps)
-    replay = []
-    pending, history, rates = [], [], []
-    eval_loss = None
+    replay, history, rates = [], [], []
+    # carried across a resume, so a resumed run logs exactly what a straight one does
+    pending = [np.float32(x) for x in meta.get("pending_losses", [])]
+    recent = [float(x) for x in meta.get("recent_losses", [])]
+    bad_in_a_row = meta.get("skipped_in_a_row", 0)
+    skipped_since_row = meta.get("skipped_since_row", 0)
+    eval_loss, interrupted, step = None, None, start
+    if main:
+        _truncate_metrics(out / "metrics.jsonl", start)
     t_start = time.perf_counter()
-    t_last, last_logged = t_start, 0
-    with open(out / "metrics.jsonl", "w") as f, jax.set_mesh(mesh):
-        for step in range(1, t.steps + 1):
-            tokens = to_mesh(next(batches), mesh)
-            key = jax.random.fold_in(base_key, step)
-            params, opt_state, metrics = train_step(params, opt_state, tokens, key)
-            pending.append(metrics["loss"])
-            if check and step <= check_at:
-                replay.append((jax.device_get(tokens), key))
-            if check and step == check_at:
-                record["check"] = single_device_check(
-                    cfg, params0, *zip(*replay), float(metrics["loss"]),
-                    float(metrics["grad_norm"]), jax.device_get(params))
-                log(f"check against one device after step {step}: " + ", ".join(
-                    f"{k} {v:.2e}" for k, v in record["check"].items() if k != "after_step"))
-            is_eval = step % t.eval_every == 0 or step == t.steps
-            if step > 1 and step % t.log_every and not is_eval:
-                continue
-            loss = float(np.mean(jax.device_get(pending)))
-            now = time.perf_counter()
-            rate = None if step == 1 else tokens_per_step * (step - last_logged) / (now - t_last)
-            row = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
-                   "lr": float(schedule(step - 1)), "tokens_per_sec": rate}
-            if is_eval:
-                eval_loss = row["eval_loss"] = evaluate(eval_step, params, eval_set, mesh)
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            history.append(row)
-            if rate is not None:
-                rates.append(rate)
-            log(f"step {step:>5}/{t.steps} | loss {loss:.4f} | grad_norm "
-                f"{row['grad_norm']:.3f} | lr {row['lr']:.2e} | "
-                + (f"{rate:,.0f} tok/s" if rate else "first step")
-                + (f" | eval_loss {eval_loss:.4f}" if is_eval else ""))
-            pending, last_logged = [], step
-            t_last = time.perf_counter()  # eval time is not counted in tok/s
+    t_last, last_logged = t_start, start
 
-    (out / "run.json").write_text(json.dumps(record, indent=2) + "\n")
+    def save(at_step: int):
+        ckpt.save(at_step, params, opt_state, {
+            "model": dataclasses.asdict(m), "dp": p.dp, "tp": p.tp, "seed": t.seed,
+            "data_position": at_step, "pending_losses": [float(x) for x in pending],
+            "recent_losses": recent, "skipped_in_a_row": bad_in_a_row,
+            "skipped_since_row": skipped_since_row})
+
+    f = open(out / "metrics.jsonl", "a") if main else None
+    try:
+        with jax.set_mesh(mesh), _Signals() as signals:
+            for step in range(start + 1, min(t.steps, until or t.steps) + 1):
+                tokens = to_mesh(next(batches), mesh)
+                key = jax.random.fold_in(base_key, step)
+                max_loss = (t.spike_factor * float(np.mean(recent[-SPIKE_WINDOW:]))
+                            if t.spike_factor and len(recent) >= 5 else math.inf)
+                controls = step_controls(max_loss, math.nan if step in inject_nan_at else 1.0)
+                params, opt_state, metrics = train_step(params, opt_state, tokens, key,
+                                                        controls)
+                metrics = jax.device_get(metrics)  # one host sync per step
+                if metrics["skipped"]:
+                    bad_in_a_row += 1
+                    skipped_since_row += 1
+                    log(f"step {step}: skipped (loss {float(metrics['loss']):.4g}, grad_norm "
+                        f"{float(metrics['grad_norm']):.4g}"
+                        + (f", spike limit {max_loss:.4g}" if max_loss < math.inf else "")
+                        + f"): parameters and optimizer state unchanged "
+                        f"[{bad_in_a_row} in a row of max {t.max_skipped_steps}]")
+                    if bad_in_a_row >= t.max_skipped_steps:
+                        save(step)
+                        ckpt.wait()
+                        raise TrainingStopped(
+                            f"stopping at step {step}: {bad_in_a_row} steps in a row had a "
+                            "non-finite or spiking loss/gradient (train.max_skipped_steps="
+                            f"{t.max_skipped_steps}); the last good state is checkpointed "
+                            f"in {out}/checkpoints as step {step}")
+                else:
+                    bad_in_a_row = 0
+                    pending.append(metrics["loss"])
+                    recent = (recent + [float(metrics["loss"])])[-SPIKE_WINDOW:]
+                if check and step <= check_at:
+                    replay.append((jax.device_get(tokens), key))
+                if check and step == check_at:
+                    record["check"] = single_device_check(
+                        cfg, params0, *zip(*replay), float(metrics["loss"]),
+                        float(metrics["grad_norm"]), jax.device_get(params))
+                    log(f"check against one device after step {step}: " + ", ".join(
+                        f"{k} {v:.2e}" for k, v in record["check"].items()
+                        if k != "after_step"))
+                is_eval = step % t.eval_every == 0 or step == t.steps
+                if step == 1 or step % t.log_every == 0 or is_eval:
+                    now = time.perf_counter()
+                    timed = step > 1 and step - 1 != start  # not the compiling step
+                    dt = (now - t_last) / (step - last_logged) if timed else None
+                    row = {"step": step,
+                           "loss": float(np.mean(pending)) if pending else None,
+                           "grad_norm": float(metrics["grad_norm"]),
+                           "lr": float(schedule(step - 1)), "skipped": skipped_since_row,
+                           "step_time_s": dt,
+                           "tokens_per_sec": tokens_per_step / dt if dt else None}
+                    tflops = (row["tokens_per_sec"] * flops_per_token / mesh.size
+                              if dt else None)
+                    row["model_tflops_per_device"] = tflops / 1e12 if dt else None
+                    row["mfu"] = tflops / peak if dt and peak else None
+                    if is_eval:
+                        eval_loss = row["eval_loss"] = evaluate(eval_step, params, eval_set,
+                                                                mesh)
+                    if main:
+                        f.write(json.dumps(row) + "\n")
+                        f.flush()
+                        if writer is not None:
+                            for k, v in row.items():
+                                if k != "step" and v is not None:
+                                    writer.add_scalar(k, v, step)
+                    history.append(row)
+                    if row["tokens_per_sec"]:
+                        rates.append(row["tokens_per_sec"])
+                    log(f"step {step:>5}/{t.steps} | loss "
+                        + (f"{row['loss']:.4f}" if row["loss"] is not None else "-")
+                        + f" | grad_norm {row['grad_norm']:.3f} | lr {row['lr']:.2e} | "
+                        + (f"{row['tokens_per_sec']:,.0f} tok/s, {dt * 1e3:.0f} ms/step"
+                           if dt else "first step")
+                        + (f", MFU {row['mfu']:.1%}" if row["mfu"] else "")
+                        + (f" | {skipped_since_row} skipped" if skipped_since_row else "")
+                        + (f" | eval_loss {eval_loss:.4f}" if is_eval else ""))
+                    pending, skipped_since_row, last_logged = [], 0, step
+                    t_last = time.perf_counter()  # eval time is not counted in tok/s
+                if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps \
+                        or step == until:
+                    save(step)
+                if _any_process(signals.received is not None):
+                    interrupted = signal.Signals(signals.received or signal.SIGTERM).name
+                    if not (t.checkpoint_every and step % t.checkpoint_every == 0):
+                        save(step)
+                    ckpt.wait()
+                    log(f"{interrupted} received: saved a checkpoint at step {step} in "
+                        f"{out}/checkpoints; continue with --resume --out {out}")
+                    break
+            ckpt.wait()
+    finally:
+        ckpt.close()
+        if f is not None:
+            f.close()
+        if writer is not None:
+            writer.close()
+
+    if main:
+        (out / "run.json").write_text(json.dumps(record, indent=2) + "\n")
     summary = {
-        "first_loss": history[0]["loss"],
-        "final_loss": history[-1]["loss"],
+        "first_loss": history[0]["loss"] if history else None,
+        "final_loss": history[-1]["loss"] if history else None,
         "final_eval_loss": eval_loss,
         "tokens_per_sec": float(np.median(rates)) if rates else None,
         "wall_s": time.perf_counter() - t_start,
+        "last_step": step,
+        "interrupted": interrupted,
+        "finished": step == t.steps,
         "out_dir": str(out),
     }
-    log(f"done: loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, eval_loss "
-        f"{eval_loss:.4f}, median {summary['tokens_per_sec'] or 0:,.0f} tok/s, "
-        f"{summary['wall_s']:.0f}s; wrote {out}")
+    if interrupted is None and history and step == t.steps:
+        log(f"done: loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
+            f"eval_loss {eval_loss:.4f}, median {summary['tokens_per_sec'] or 0:,.0f} tok/s, "
+            f"{summary['wall_s']:.0f}s; wrote {out}")
     return summary | {"params": params, "history": history}
 
+
+def _any_process(flag: bool) -> bool:
+    """True if `flag` is set in any process: every process must stop after the
+    same step, or the next step's collectives would wait forever."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop rows logged after `step` (a resumed run logs them again)."""
+    if not path.exists():
+        return
+    rows = [r for r in path.read_text().splitlines() if r.strip()]
+    path.write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= step))
