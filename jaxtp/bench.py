@@ -31,7 +31,8 @@ import jax
 import numpy as np
 
 from . import bench_collectives as bc
-from .bench_report import RATIO_COLUMNS, format_section, header, machine_info, section, write_report
+from .bench_report import (RATIO_COLUMNS, format_section, header, machine_info, section,
+                           readme_parts, splice_readme, write_report)
 from .config import Config, apply_overrides, load_config, validate
 from .sharding import ensure_devices, make_mesh, named
 from .train_lib import (abstract_train_state, compile_train_step, init_train_state,
@@ -301,6 +302,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny preset, few steps (~1 min on CPU)")
     ap.add_argument("--out", help="output directory (default: runs/bench-<time>)")
     ap.add_argument("--only", help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument("--readme", metavar="PATH",
+                    help="also put bench.md into PATH between its bench:begin/end markers")
     ap.add_argument("--gpu", action="store_true",
                     help="train --gpu-config on one device at tp=1; tokens/s, TFLOP/s, MFU")
     ap.add_argument("--gpu-config", default="llama-1b", help="preset for --gpu")
@@ -314,13 +317,15 @@ def main(argv=None) -> int:
     out = args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}"
     try:  # bad arguments fail here, before anything is compiled
         only = _check_only(args.only.split(",") if args.only else None)
+        if args.readme:
+            readme_parts(args.readme)  # the markers are there, before hours of benchmarks
         if args.overrides and not args.gpu:
             raise ValueError("config overrides apply to --gpu only")
         if args.gpu:
             from .bench_gpu import gpu_config
 
             cfg = gpu_config(args.gpu_config, args.overrides)
-    except ValueError as e:  # a ConfigError too
+    except (ValueError, OSError) as e:  # a ConfigError too
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.gpu:
@@ -333,6 +338,9 @@ def main(argv=None) -> int:
     print(f"\n{header(report['meta'])}")
     paths = write_report(report, out)
     print(f"wrote {paths[0]} and {paths[1]} ({report['meta']['wall_s']:.0f} s)")
+    if args.readme:
+        splice_readme(args.readme, paths[1].read_text())
+        print(f"updated the results in {args.readme}")
     return 0
 
 

@@ -98,3 +98,26 @@ def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:
         md += [format_section(s, markdown=True), ""]
     (out / "bench.md").write_text("\n".join(md))
     return out / "bench.json", out / "bench.md"
+
+
+README_BEGIN = "<!-- bench:begin (python -m jaxtp.bench --readme README.md writes this) -->"
+README_END = "<!-- bench:end -->"
+
+
+def splice_readme(readme: str | Path, markdown: str) -> None:
+    """Replace what lies between README_BEGIN and README_END in `readme` with
+    `markdown` (a bench.md), so the README's results are the benchmark's output."""
+    head, _, tail = readme_parts(readme)
+    # bench.md's ### sections sit one level below the README section that holds them
+    body = markdown.strip().replace("\n### ", "\n#### ")
+    Path(readme).write_text(f"{head}{README_BEGIN}\n{body}\n{README_END}{tail}")
+
+
+def readme_parts(readme: str | Path) -> tuple[str, str, str]:
+    """(before the begin marker, between the markers, after the end marker)."""
+    text = Path(readme).read_text()
+    begin, end = text.find(README_BEGIN), text.find(README_END)
+    if text.count(README_BEGIN) != 1 or text.count(README_END) != 1 or end < begin:
+        raise ValueError(f"{readme} needs one line {README_BEGIN!r} and, after it, one line "
+                         f"{README_END!r}, to mark where the results go")
+    return text[:begin], text[begin + len(README_BEGIN):end], text[end + len(README_END):]

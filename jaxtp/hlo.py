@@ -197,6 +197,28 @@ def collectives(text: str) -> list[Collective]:
                 op = _OP_NAME.search(rest)
                 if m and op:
                     gte_meta[(m.group(1), int(m.group(2)))] = op.group(1)
+    # XLA passes that create a collective (the GPU pipeline's reduce-scatter
+    # creator) may drop its metadata; it then takes the op_name of the value it
+    # reduces, followed through a few unnamed bitcasts/copies
+    op_names, operands = {}, {}
+    for instrs in comps.values():
+        for name, _, _, rest in instrs:
+            op = _OP_NAME.search(rest)
+            if op:
+                op_names[name] = op.group(1)
+            first = re.match(r"[^%]*%([\w.\-]+)", rest)
+            if first:
+                operands[name] = first.group(1)
+
+    def inherited(name: str) -> str:
+        for _ in range(8):
+            name = operands.get(name)
+            if name is None:
+                return ""
+            if name in op_names:
+                return op_names[name]
+        return ""
+
     starts = {}
     out = []
     for comp, instrs in comps.items():
@@ -215,7 +237,7 @@ def collectives(text: str) -> list[Collective]:
                 src = re.match(r"%?([\w.\-]+)", rest)
                 attrs = starts.get(src.group(1), rest) if src else rest
             op = _OP_NAME.search(attrs)
-            op_name = op.group(1) if op else ""
+            op_name = op.group(1) if op else inherited(name)
             group = _group_size(attrs, num_partitions)
             arrays = _arrays(type_text)
             for i, (dtype, shape) in enumerate(arrays):

@@ -145,6 +145,12 @@ def tp_region(module, x_BTD):
             return run_sharded(module, lambda m, x: g_sp(m.region(x, f_sp)), x_BTD,
                                arg_specs=(SEQ_SPLIT,), out_specs=SEQ_SPLIT)
         return run_sharded(module, lambda m, x: g(m.region(x, f)), x_BTD)
+    if module.sp:
+        # pin the input (the norm's output) to its sequence shard: else GSPMD may
+        # gather first and apply the norm's scale and bias to the full-length
+        # tensor, whose gradient then needs the full dX (an all-reduce, not the
+        # reduce-scatter of Megatron-SP; seen in XLA's GPU pipeline)
+        x_BTD = constrain(x_BTD, *residual_axes(True))
     y = module.region(x_BTD, gather_seq if module.sp else _identity)
     if module.sp:
         # pin the output full-length first: its transpose pins the incoming

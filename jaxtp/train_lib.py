@@ -288,7 +288,8 @@ def make_eval_step(state: TrainState) -> Callable:
 
 
 def compile_train_step(state: TrainState, batch_size: int, seq_len: int,
-                       use_dropout: bool = False, microbatches: int = 1):
+                       use_dropout: bool = False, microbatches: int = 1,
+                       compiler_options: dict | None = None):
     """Ahead-of-time compiled train step for [batch, seq+1] tokens.
 
     Callable like the jitted step; `.as_text()` is the post-partitioning HLO
@@ -297,9 +298,15 @@ def compile_train_step(state: TrainState, batch_size: int, seq_len: int,
     step = make_train_step(state, use_dropout, microbatches)
     tokens = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32,
                                   sharding=named(state.mesh, "batch", None))
+    # every argument abstract, so a mesh of compile-only devices works too
+    # (jaxtp.plan and ahead-of-time compiles for another platform)
+    replicated = NamedSharding(state.mesh, P())
+    key = jax.eval_shape(jax.random.key, 0)
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
+    controls = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=replicated)
     with jax.set_mesh(state.mesh):
-        return step.lower(state.params, state.opt_state, tokens, jax.random.key(0),
-                          step_controls()).compile()
+        return step.lower(state.params, state.opt_state, tokens, key, controls).compile(
+            compiler_options)
 
 
 def single_device_check(cfg: Config, params0, batches, keys, loss: float, grad_norm: float,

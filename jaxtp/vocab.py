@@ -92,7 +92,8 @@ class VocabEmbed(nnx.Module):
                 specs = (SEQ_SPLIT if self.sp else P(), P())
                 return run_sharded(self, fn, x_BTD, targets_BT, arg_specs=specs)
             same = lambda v: v
-            x_BTD = gather_seq(x_BTD) if self.sp else x_BTD
+            if self.sp:  # the final norm stays on its shard (see manual.tp_region)
+                x_BTD = gather_seq(constrain(x_BTD, *residual_axes(True)))
             return self._token_losses(x_BTD, targets_BT, 0, same, same)
 
     def logits(self, x_BTD):

@@ -137,3 +137,17 @@ def test_cli_rejects_bad_arguments_before_compiling(capsys, tmp_path):
     assert bench.main(["--quick", "model.n_layers=2", "--out", str(out)]) == 2
     assert "--gpu only" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_readme_results_are_spliced_between_the_markers(tmp_path):
+    from jaxtp.bench_report import README_BEGIN, README_END, splice_readme
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n## Results\n\n{README_BEGIN}\nold table\n{README_END}\n\n## More\n")
+    splice_readme(readme, "**header**\n\n### Section\n\n| a |\n|---|\n| 1 |\n")
+    text = readme.read_text()
+    assert "old table" not in text and "#### Section" in text and "| 1 |" in text
+    assert text.startswith("# x\n\n## Results\n\n") and text.endswith(f"{README_END}\n\n## More\n")
+    readme.write_text("# no markers\n")
+    with pytest.raises(ValueError, match="needs one line"):
+        splice_readme(readme, "x")

@@ -155,3 +155,22 @@ def test_calls_and_async_wrappers_count_once():
     assert set(colls) == {"r", "t"}
     assert (colls["r"].kind, colls["r"].count, colls["r"].scope) == ("all-reduce", 1, "mlp")
     assert (colls["t"].kind, colls["t"].count, colls["t"].group_size) == ("all-to-all", 1, 4)
+
+
+CREATED = """HloModule m, num_partitions=8
+
+ENTRY %main (p: f32[16,128,128]) -> f32[16,16,128] {
+  %p = f32[16,128,128]{2,1,0} parameter(0)
+  %fusion.3 = f32[16,128,128]{2,1,0} fusion(%p), kind=kOutput, calls=%f, metadata={op_name="jit(step)/transpose(jvp(mlp))/dot_general"}
+  %bitcast.9 = f32[16,128,128]{2,1,0} bitcast(%fusion.3)
+  %reduce-scatter-start = ((f32[16,128,128]), f32[16,16,128]) reduce-scatter-start(%bitcast.9), channel_id=3, replica_groups=[1,8]<=[8], dimensions={1}, to_apply=%add
+  ROOT %reduce-scatter-done = f32[16,16,128]{2,1,0} reduce-scatter-done(%reduce-scatter-start)
+}
+"""
+
+
+def test_a_collective_without_metadata_takes_its_operands():
+    """XLA's GPU reduce-scatter creator drops op_name: the collective is then
+    attributed to the value it reduces (here through a bitcast)."""
+    (c,) = hlo.collectives(CREATED)
+    assert (c.kind, c.pass_, c.scope, c.group_size) == ("reduce-scatter", "backward", "mlp", 8)
