@@ -174,7 +174,9 @@ def main(argv=None) -> int:
                         resume=args.resume, inject_nan_at=args.inject_nan_at,
                         peak_tflops=args.peak_tflops, tensorboard=args.tensorboard,
                         until=args.until)
-        if summary["interrupted"]:
+        if jax.process_index() != 0:
+            pass  # process 0 reports
+        elif summary["interrupted"]:
             print(f"stopped by {summary['interrupted']} after step {summary['last_step']}")
         elif not summary["finished"]:
             print(f"stopped after step {summary['last_step']} (--until); continue with "

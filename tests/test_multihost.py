@@ -174,3 +174,37 @@ def test_initialize_errors(no_cluster, monkeypatch):
         distributed.initialize()
     with pytest.raises(RuntimeError, match="must run before any other JAX call"):
         distributed.initialize("localhost:1234", 2, 0)  # pytest started the backend
+
+
+def test_two_train_py_processes_checkpoint_and_resume_in_one(tmp_path):
+    """The CLI end to end: two processes (dp=2 x tp=4 over both) train 3 steps
+    and checkpoint together; only process 0 logs and writes files; one process
+    at tp=8 resumes and logs what a straight one-process run logs."""
+    small = ["model.n_layers=2", "model.d_model=64", "model.d_ff=128", "model.seq_len=32",
+             "train.batch_size=8", "train.log_every=1", "train.eval_every=4",
+             "train.eval_batches=1"]
+    train_py = str(Path(__file__).resolve().parent.parent / "train.py")
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    coordinator = f"localhost:{_free_port()}"
+    logs = [tmp_path / f"process{i}.log" for i in range(2)]
+    procs = []
+    for i, log in enumerate(logs):
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen(
+                [sys.executable, train_py, "--dp", "2", "--tp", "4", "--steps", "6",
+                 "--until", "3", "--out", str(run), "--coordinator", coordinator,
+                 "--num-processes", "2", "--process-id", str(i), *small],
+                stdout=f, stderr=subprocess.STDOUT, env=_worker_env()))
+    _wait(procs, logs, time.monotonic() + TIMEOUT_S)
+    assert "step     3/6" in logs[0].read_text() and "step " not in _tail(logs[1])
+    assert (run / "checkpoints" / "3").is_dir()
+    for args, out in ((["--resume"], run), ([], straight)):
+        r = subprocess.run([sys.executable, train_py, "--tp", "8", "--steps", "6", "--out",
+                            str(out), *args, *small], capture_output=True, text=True,
+                           env=_worker_env(), timeout=TIMEOUT_S)
+        assert r.returncode == 0, r.stderr[-2000:]
+    rows = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    got, want = rows(run), rows(straight)
+    assert [r["step"] for r in got] == list(range(1, 7))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g["loss"], w["loss"], rtol=RTOL)
