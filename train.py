@@ -128,15 +128,20 @@ def main(argv=None) -> int:
     from jaxtp.manual import BF16_CPU_SHARD_MAP
     from jaxtp.sharding import ensure_devices
 
-    p = cfg.parallel
-    multi = args.coordinator or args.num_processes or args.process_id is not None
-    try:
-        if multi:
-            from jaxtp.distributed import initialize
+    from jaxtp import distributed
 
-            n = args.num_processes
-            print(initialize(args.coordinator, n, args.process_id,
-                             args.local_devices or (p.dp * p.tp // n if n else None)))
+    p = cfg.parallel
+    if args.compare_hlo and (p.fsdp or cfg.train.microbatches > 1):
+        print("error: --compare-hlo budgets the step of one batch without FSDP; drop --fsdp "
+              "and use train.microbatches=1 (FSDP's gathers are not budgeted)", file=sys.stderr)
+        return 2
+    # flags, JAX's environment variables or a launcher (srun, mpirun) make a multi-process run
+    try:
+        multi, n = distributed.requested(args.coordinator, args.num_processes, args.process_id)
+        if multi:
+            print(distributed.initialize(
+                args.coordinator, args.num_processes, args.process_id,
+                args.local_devices or (p.dp * p.tp // n if n else None)))
         else:  # before JAX starts
             print(ensure_devices(args.local_devices or
                                  p.dp * (max(p.tp, 8) if args.plan else p.tp)))
@@ -147,6 +152,7 @@ def main(argv=None) -> int:
     if uses_shard_map and cfg.model.dtype == "bfloat16" and jax.default_backend() == "cpu":
         print(f"error: {BF16_CPU_SHARD_MAP}", file=sys.stderr)
         return 2
+    from jaxtp.checkpoint import CheckpointError
     from jaxtp.trainer import TrainingStopped
 
     out = args.out or (f"runs/{args.config.split('/')[-1].removesuffix('.json')}"
@@ -181,7 +187,7 @@ def main(argv=None) -> int:
         elif not summary["finished"]:
             print(f"stopped after step {summary['last_step']} (--until); continue with "
                   f"--resume --out {out}")
-    except TrainingStopped as e:
+    except (TrainingStopped, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except (ValueError, OSError, KeyError, ImportError) as e:  # before compiling

@@ -91,8 +91,8 @@ class TrainConfig:
     # applied steps) is skipped; the run stops after this many in a row
     max_skipped_steps: int = 5
     spike_factor: float = 0.0
-    # checkpoints (with --ckpt-dir): every this many steps (0: only at the end
-    # and on SIGTERM/SIGINT), keeping the last `keep_checkpoints`
+    # checkpoints (in <out>/checkpoints): every this many steps (0: only at the
+    # end, at --until and on SIGTERM/SIGINT), keeping the last `keep_checkpoints`
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
 

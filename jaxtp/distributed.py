@@ -62,6 +62,16 @@ def _launcher() -> str | None:
     return None
 
 
+def requested(coordinator: str | None = None, num_processes: int | None = None,
+              process_id: int | None = None) -> tuple[bool, int | None]:
+    """(whether these arguments, JAX's environment variables or a launcher ask
+    for a multi-process run, the number of processes where known)."""
+    n = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
+    multi = bool(coordinator or os.environ.get(ENV_COORDINATOR) or (n or 1) > 1
+                 or process_id is not None or _launcher() not in (None, "Cloud TPU"))
+    return multi, n
+
+
 def describe() -> str:
     """One line: this process, its devices and the global device count (starts the backend)."""
     local = jax.local_devices()
@@ -169,4 +179,4 @@ def global_batch(batch: np.ndarray, mesh: Mesh | None,
     return jax.make_array_from_process_local_data(sharding, batch, batch.shape)
 
 
-__all__ = ["initialize", "describe", "is_main", "global_batch"]
+__all__ = ["initialize", "requested", "describe", "is_main", "global_batch"]

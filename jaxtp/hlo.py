@@ -199,24 +199,31 @@ def collectives(text: str) -> list[Collective]:
                     gte_meta[(m.group(1), int(m.group(2)))] = op.group(1)
     # XLA passes that create a collective (the GPU pipeline's reduce-scatter
     # creator) may drop its metadata; it then takes the op_name of the value it
-    # reduces, followed through a few unnamed bitcasts/copies
-    op_names, operands = {}, {}
+    # reduces: its operand, followed through unnamed layout-only ops
+    op_names, operands, opcodes = {}, {}, {}
     for instrs in comps.values():
-        for name, _, _, rest in instrs:
+        for name, _, opcode, rest in instrs:
+            opcodes[name] = opcode
             op = _OP_NAME.search(rest)
             if op:
                 op_names[name] = op.group(1)
             first = re.match(r"[^%]*%([\w.\-]+)", rest)
             if first:
                 operands[name] = first.group(1)
+    passthrough = {"bitcast", "copy", "reshape", "transpose"}
 
     def inherited(name: str) -> str:
-        for _ in range(8):
+        name = operands.get(name)  # a -done's operand is its -start
+        if name is not None and opcodes.get(name, "").endswith("-start"):
             name = operands.get(name)
+        for _ in range(8):
             if name is None:
                 return ""
             if name in op_names:
                 return op_names[name]
+            if opcodes.get(name) not in passthrough:
+                return ""
+            name = operands.get(name)
         return ""
 
     starts = {}

@@ -31,10 +31,13 @@ def linear_layouts(model) -> dict[str, str]:
 def run_record(cfg: Config, mesh, model, hlo_text: str, check: dict | None = None) -> dict:
     """What an engineer records for a TP experiment (written as run.json)."""
     m, p = cfg.model, cfg.parallel
-    b = cfg.train.batch_size // p.dp
+    M = cfg.train.microbatches
+    b = cfg.train.batch_size // (p.dp * M)
     colls = hlo.collectives(hlo_text)
     rows = hlo.summarize(colls)
-    per_layer = [{**r, "count_per_layer": r["count"] / m.n_layers, "payload_bytes": r["bytes"]}
+    # per layer and microbatch (a step runs every layer once per microbatch)
+    per_layer = [{**r, "count_per_layer": r["count"] / (m.n_layers * M),
+                  "payload_bytes": r["bytes"]}
                  for r in rows if r["scope"] in ("attention", "mlp")]
     outside = [r for r in rows if r["scope"] not in ("attention", "mlp")]
     return {
@@ -44,7 +47,7 @@ def run_record(cfg: Config, mesh, model, hlo_text: str, check: dict | None = Non
         "model": {"d_model": m.d_model, "d_ff": m.d_ff, "n_heads": m.n_heads,
                   "n_kv_heads": m.kv_heads, "n_layers": m.n_layers, "vocab_size": m.vocab_size,
                   "padded_vocab": m.padded_vocab, "style": m.style, "dtype": m.dtype},
-        "microbatch": {"b": b, "s": m.seq_len, "tokens": b * m.seq_len},
+        "microbatch": {"b": b, "s": m.seq_len, "tokens": b * m.seq_len, "microbatches": M},
         "linear_layouts": linear_layouts(model),
         "collectives_per_layer": per_layer,
         "collectives_outside_blocks": outside,

@@ -53,8 +53,9 @@ from .train_lib import (abstract_model, abstract_train_state, compile_train_step
 # Peak dense bf16 FLOP/s per chip, by a substring of `device.device_kind`
 # (vendor datasheets: NVIDIA A100 312 TFLOP/s, H100/H200 SXM 989; Google Cloud
 # TPU v4 275, v5e 197, v5p 459). fp32 runs measure MFU against the bf16 peak too.
+# First match wins: "TPU v5" (what a v5p VM reports) after the v5e names.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "TPU v5p": 459e12,
-              "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12}
+              "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5": 459e12, "TPU v4": 275e12}
 SPIKE_WINDOW = 20  # applied losses the spike guard averages over
 
 
@@ -134,19 +135,30 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
     `train.steps`): a run split into jobs of fixed length.
     """
     m, t, p = cfg.model, cfg.train, cfg.parallel
+    if until is not None and until < 1:
+        raise ValueError(f"--until {until}: the step to stop after must be >= 1")
+    if any(s < 1 for s in inject_nan_at):
+        raise ValueError(f"--inject-nan-at {sorted(inject_nan_at)}: steps start at 1")
     main = jax.process_index() == 0
     log = log if main else (lambda _: None)
-    if check and jax.process_count() > 1:
-        raise ValueError("--check replays on one device; run it single-process")
+    if check and (jax.process_count() > 1 or resume):
+        raise ValueError("--check replays the first steps on one device: run it "
+                         "single-process and not with --resume")
     data = Dataset(load_tokens(data_path), m.seq_len, m.vocab_size)  # fail before writing
     mesh = make_mesh(p.dp, p.tp)
     out = Path(out_dir)
-    if resume:
-        if not (out / "checkpoints").is_dir():
+    # a refusal must stop every process, not leave the others waiting in a barrier
+    refused = None
+    try:
+        if resume and not (out / "checkpoints").is_dir():
             raise FileNotFoundError(f"--resume: no checkpoints under {out}/checkpoints")
-    elif main:
-        prepare_out_dir(out)
-    writer = _tensorboard(out) if tensorboard and main else None
+        if main and not resume:
+            prepare_out_dir(out)
+        writer = _tensorboard(out) if tensorboard and main else None
+    except (OSError, ImportError) as e:
+        refused = e
+    if _any_process(refused is not None):
+        raise refused or FileExistsError(f"process 0 refused --out {out}: see its log")
     ckpt = Checkpointer(out / "checkpoints", keep=t.keep_checkpoints, log=log)
 
     start, meta = 0, {}
@@ -154,10 +166,16 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
         target = abstract_train_state(cfg, mesh)
         start, params, opt_state, meta = ckpt.restore(target.params, target.opt_state,
                                                       model=dataclasses.asdict(m))
-        if meta.get("seed") != t.seed:
-            raise ValueError(f"--resume: the checkpoint was trained with train.seed="
-                             f"{meta.get('seed')}, this config has {t.seed}; the data order "
-                             "and dropout depend on it")
+        data_id = _data_id(data_path, data)
+        for key, now in (("seed", t.seed), ("batch_size", t.batch_size), ("data", data_id)):
+            if meta.get(key) != now:
+                raise ValueError(f"--resume: the checkpoint was trained with {key}="
+                                 f"{meta.get(key)!r}, this run has {now!r}; the data order "
+                                 "depends on it")
+        changed = {k: (meta["schedule"][k], v) for k, v in _schedule(t).items()
+                   if meta.get("schedule", {}).get(k, v) != v}
+        if changed:
+            log(f"warning: --resume with a different schedule: {changed} (saved, now)")
         state = dataclasses.replace(target, params=params, opt_state=opt_state)
         log(f"resumed from {out}/checkpoints step {start} (saved at dp={meta['dp']} x "
             f"tp={meta['tp']}; now dp={p.dp} x tp={p.tp})")
@@ -199,6 +217,10 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
     pending = [np.float32(x) for x in meta.get("pending_losses", [])]
     recent = [float(x) for x in meta.get("recent_losses", [])]
     bad_in_a_row = meta.get("skipped_in_a_row", 0)
+    # optax's step count, which a skipped step does not advance: the lr it applies
+    applied = meta.get("applied_steps", start)
+    if until is not None and until <= start:
+        log(f"--until {until}: the run is already at step {start}; nothing to do")
     skipped_since_row = meta.get("skipped_since_row", 0)
     eval_loss, interrupted, step = None, None, start
     if main:
@@ -206,12 +228,19 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
     t_start = time.perf_counter()
     t_last, last_logged = t_start, start
 
+    saved = []
+
     def save(at_step: int):
+        if saved and saved[-1] == at_step:
+            return  # e.g. a signal during the last step, already saved
+        saved.append(at_step)
         ckpt.save(at_step, params, opt_state, {
             "model": dataclasses.asdict(m), "dp": p.dp, "tp": p.tp, "seed": t.seed,
             "data_position": at_step, "pending_losses": [float(x) for x in pending],
             "recent_losses": recent, "skipped_in_a_row": bad_in_a_row,
-            "skipped_since_row": skipped_since_row})
+            "skipped_since_row": skipped_since_row, "applied_steps": applied,
+            "batch_size": t.batch_size, "data": _data_id(data_path, data),
+            "schedule": _schedule(t)})
 
     f = open(out / "metrics.jsonl", "a") if main else None
     try:
@@ -222,6 +251,7 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
                 max_loss = (t.spike_factor * float(np.mean(recent[-SPIKE_WINDOW:]))
                             if t.spike_factor and len(recent) >= 5 else math.inf)
                 controls = step_controls(max_loss, math.nan if step in inject_nan_at else 1.0)
+                lr = float(schedule(applied))
                 params, opt_state, metrics = train_step(params, opt_state, tokens, key,
                                                         controls)
                 metrics = jax.device_get(metrics)  # one host sync per step
@@ -243,6 +273,7 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
                             f"in {out}/checkpoints as step {step}")
                 else:
                     bad_in_a_row = 0
+                    applied += 1
                     pending.append(metrics["loss"])
                     recent = (recent + [float(metrics["loss"])])[-SPIKE_WINDOW:]
                 if check and step <= check_at:
@@ -261,8 +292,8 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
                     dt = (now - t_last) / (step - last_logged) if timed else None
                     row = {"step": step,
                            "loss": float(np.mean(pending)) if pending else None,
-                           "grad_norm": float(metrics["grad_norm"]),
-                           "lr": float(schedule(step - 1)), "skipped": skipped_since_row,
+                           "grad_norm": _finite(metrics["grad_norm"]),
+                           "lr": lr, "skipped": skipped_since_row,
                            "step_time_s": dt,
                            "tokens_per_sec": tokens_per_step / dt if dt else None}
                     tflops = (row["tokens_per_sec"] * flops_per_token / mesh.size
@@ -284,7 +315,7 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
                         rates.append(row["tokens_per_sec"])
                     log(f"step {step:>5}/{t.steps} | loss "
                         + (f"{row['loss']:.4f}" if row["loss"] is not None else "-")
-                        + f" | grad_norm {row['grad_norm']:.3f} | lr {row['lr']:.2e} | "
+                        + f" | grad_norm {float(metrics['grad_norm']):.3f} | lr {lr:.2e} | "
                         + (f"{row['tokens_per_sec']:,.0f} tok/s, {dt * 1e3:.0f} ms/step"
                            if dt else "first step")
                         + (f", MFU {row['mfu']:.1%}" if row["mfu"] else "")
@@ -297,8 +328,7 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
                     save(step)
                 if _any_process(signals.received is not None):
                     interrupted = signal.Signals(signals.received or signal.SIGTERM).name
-                    if not (t.checkpoint_every and step % t.checkpoint_every == 0):
-                        save(step)
+                    save(step)
                     ckpt.wait()
                     log(f"{interrupted} received: saved a checkpoint at step {step} in "
                         f"{out}/checkpoints; continue with --resume --out {out}")
@@ -329,6 +359,20 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
             f"eval_loss {eval_loss:.4f}, median {summary['tokens_per_sec'] or 0:,.0f} tok/s, "
             f"{summary['wall_s']:.0f}s; wrote {out}")
     return summary | {"params": params, "history": history}
+
+
+def _finite(x) -> float | None:
+    """A float for metrics.jsonl; NaN and inf (not JSON) become null."""
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _data_id(path: str | None, data: Dataset) -> str:
+    return f"{path or 'builtin'} ({len(data.train) + len(data.val)} tokens)"
+
+
+def _schedule(t) -> dict:
+    return {k: getattr(t, k) for k in ("steps", "lr", "warmup_steps", "min_lr_ratio")}
 
 
 def _any_process(flag: bool) -> bool:

@@ -160,7 +160,7 @@ def test_run_json_records_the_experiment(tmp_path):
                        "train.eval_batches=1"]) == 0
     run = json.loads((out / "run.json").read_text())
     assert (run["tp"], run["impl"], run["mesh_device_ids"]) == (4, "shard_map", [[0, 1, 2, 3]])
-    assert run["microbatch"] == {"b": 4, "s": 32, "tokens": 128}
+    assert run["microbatch"] == {"b": 4, "s": 32, "tokens": 128, "microbatches": 1}
     assert (run["model"]["n_heads"], run["model"]["n_kv_heads"]) == (8, 2)
     assert run["linear_layouts"] == {
         **{f"blocks.{i}.{name}": kind for i in range(2) for name, kind in (

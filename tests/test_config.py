@@ -124,9 +124,18 @@ def test_bad_files_are_rejected(tmp_path):
     (["--dp", "3"], "train.batch_size=16 is not divisible by dp*microbatches=3*1"),
     (["model.heads=4"], "unknown config key 'model.heads'"),
     (["--tp", "8", "--dp", "2"], "16 devices requested but this machine has 8 cpu device"),
+    (["--tp", "4", "--dp", "2", "--fsdp", "--compare-hlo"], "FSDP's gathers are not budgeted"),
+    (["--tp", "2", "--until", "0"], "--until 0: the step to stop after must be >= 1"),
+    (["--tp", "2", "--inject-nan-at", "3,x"], "expected step numbers like 3 or 3,7"),
+    (["--tp", "2", "--resume"], "--resume needs --out"),
 ])
 def test_cli_rejects_bad_input_before_compiling(argv, match, tmp_path, capsys):
-    assert train.main(argv + ["--out", str(tmp_path / "run")]) == 2
+    if "--resume" not in argv:
+        argv = argv + ["--out", str(tmp_path / "run")]
+    try:
+        assert train.main(argv) == 2
+    except SystemExit as e:  # argparse's own errors
+        assert e.code == 2
     assert match in capsys.readouterr().err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
