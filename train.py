@@ -164,7 +164,7 @@ def main(argv=None) -> int:
             plan(cfg, [args.tp] if args.tp else [1, 2, 4, 8], args.hardware)
             return 0
         if args.compare_hlo:
-            from jaxtp.comm import compare_hlo
+            from jaxtp.compare import compare_hlo
 
             return 0 if compare_hlo(cfg, out)["ok"] else 1
         from jaxtp.trainer import train

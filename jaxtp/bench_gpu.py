@@ -4,7 +4,7 @@ Trains a preset at tp=1 for a fixed number of steps on the first device and
 reports tokens/s, step time, model TFLOP/s and MFU: model flops per token
 6N + 12*L*h*s (`jaxtp.plan.model_flops_per_token`, recomputation not
 counted, as in PaLM's MFU) against the device's dense bf16 peak
-(`jaxtp.trainer.PEAK_FLOPS`). jaxtp's attention is plain XLA (einsum, fp32
+(`jaxtp.metrics.PEAK_FLOPS`). jaxtp's attention is plain XLA (einsum, fp32
 softmax, einsum); a second section times `jax.nn.dot_product_attention` with
 implementation="xla" and "cudnn" (flash attention, where JAX offers it) on the
 same shapes, to show what a fused kernel would change.
@@ -49,7 +49,7 @@ def gpu_config(preset: str = "llama-1b", overrides=()) -> Config:
 def gpu_bench(cfg: Config, steps: int = 40, warmup: int = 3, peak_tflops: float | None = None,
               name: str = "", log=print) -> dict:
     """Train `cfg` (see `gpu_config`) on jax.devices()[0] and time it."""
-    from .trainer import peak_flops
+    from .metrics import peak_flops
 
     t_start = time.perf_counter()
     m, t = cfg.model, cfg.train

@@ -148,6 +148,17 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     return describe()
 
 
+def any_process(flag: bool) -> bool:
+    """True if `flag` is set in any process (one host allgather when there are
+    several): every process must stop after the same step, or the next step's
+    collectives would wait forever."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
+
+
 def is_main() -> bool:
     """True in the process that logs and writes files (process 0)."""
     return jax.process_index() == 0
@@ -179,4 +190,4 @@ def global_batch(batch: np.ndarray, mesh: Mesh | None,
     return jax.make_array_from_process_local_data(sharding, batch, batch.shape)
 
 
-__all__ = ["initialize", "requested", "describe", "is_main", "global_batch"]
+__all__ = ["initialize", "requested", "describe", "any_process", "is_main", "global_batch"]

@@ -43,6 +43,8 @@ from flax import nnx
 from .checkpoint import Checkpointer
 from .config import Config
 from .data import Dataset, load_tokens, to_mesh
+from .distributed import any_process
+from .metrics import MetricsLog, finite, peak_flops, speed
 from .plan import model_flops_per_token
 from .record import run_record
 from .sharding import make_mesh
@@ -50,22 +52,11 @@ from .train_lib import (abstract_model, abstract_train_state, compile_train_step
                         init_train_state, lr_schedule, make_eval_step, single_device_check,
                         step_controls)
 
-# Peak dense bf16 FLOP/s per chip, by a substring of `device.device_kind`
-# (vendor datasheets: NVIDIA A100 312 TFLOP/s, H100/H200 SXM 989; Google Cloud
-# TPU v4 275, v5e 197, v5p 459). fp32 runs measure MFU against the bf16 peak too.
-# First match wins: "TPU v5" (what a v5p VM reports) after the v5e names.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "TPU v5p": 459e12,
-              "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5": 459e12, "TPU v4": 275e12}
 SPIKE_WINDOW = 20  # applied losses the spike guard averages over
 
 
 class TrainingStopped(RuntimeError):
     """The run cannot go on (too many skipped steps in a row)."""
-
-
-def peak_flops(device) -> float | None:
-    kind = getattr(device, "device_kind", "")
-    return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
 
 
 def count_params(params) -> int:
@@ -110,15 +101,6 @@ class _Signals:
             signal.signal(s, h)
 
 
-def _tensorboard(out: Path):
-    try:
-        from tensorboardX import SummaryWriter
-    except ImportError:
-        raise ImportError("--tensorboard needs the tensorboardX package: "
-                          "pip install tensorboardX") from None
-    return SummaryWriter(str(out / "tensorboard"))
-
-
 def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
           log: Callable[[str], None] = print, check: bool = False,
           init_params=None, resume: bool = False, inject_nan_at=(),
@@ -130,7 +112,7 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
     `jaxtp.convert.read_hf`) instead of a fresh initialisation. `resume`:
     continue from the latest complete checkpoint in `out_dir` (any tp/dp).
     `inject_nan_at`: steps whose gradients are made NaN (a fault drill).
-    `peak_tflops`: per-device peak for MFU, where the device is not in PEAK_FLOPS.
+    `peak_tflops`: per-device peak for MFU, where `jaxtp.metrics.PEAK_FLOPS` lacks it.
     `until`: stop after this step with a checkpoint (the schedule still spans
     `train.steps`): a run split into jobs of fixed length.
     """
@@ -154,10 +136,11 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
             raise FileNotFoundError(f"--resume: no checkpoints under {out}/checkpoints")
         if main and not resume:
             prepare_out_dir(out)
-        writer = _tensorboard(out) if tensorboard and main else None
+        if tensorboard and main:
+            MetricsLog.check_tensorboard()
     except (OSError, ImportError) as e:
         refused = e
-    if _any_process(refused is not None):
+    if any_process(refused is not None):
         raise refused or FileExistsError(f"process 0 refused --out {out}: see its log")
     ckpt = Checkpointer(out / "checkpoints", keep=t.keep_checkpoints, log=log)
 
@@ -223,8 +206,6 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
         log(f"--until {until}: the run is already at step {start}; nothing to do")
     skipped_since_row = meta.get("skipped_since_row", 0)
     eval_loss, interrupted, step = None, None, start
-    if main:
-        _truncate_metrics(out / "metrics.jsonl", start)
     t_start = time.perf_counter()
     t_last, last_logged = t_start, start
 
@@ -242,7 +223,7 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
             "batch_size": t.batch_size, "data": _data_id(data_path, data),
             "schedule": _schedule(t)})
 
-    f = open(out / "metrics.jsonl", "a") if main else None
+    metrics_log = MetricsLog(out, start, tensorboard) if main else None
     try:
         with jax.set_mesh(mesh), _Signals() as signals:
             for step in range(start + 1, min(t.steps, until or t.steps) + 1):
@@ -287,29 +268,18 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
                         if k != "after_step"))
                 is_eval = step % t.eval_every == 0 or step == t.steps
                 if step == 1 or step % t.log_every == 0 or is_eval:
-                    now = time.perf_counter()
-                    timed = step > 1 and step - 1 != start  # not the compiling step
-                    dt = (now - t_last) / (step - last_logged) if timed else None
+                    timed = step > 1 and step - 1 != start  # not the first step run
+                    dt = (time.perf_counter() - t_last) / (step - last_logged) if timed else None
                     row = {"step": step,
                            "loss": float(np.mean(pending)) if pending else None,
-                           "grad_norm": _finite(metrics["grad_norm"]),
+                           "grad_norm": finite(metrics["grad_norm"]),
                            "lr": lr, "skipped": skipped_since_row,
-                           "step_time_s": dt,
-                           "tokens_per_sec": tokens_per_step / dt if dt else None}
-                    tflops = (row["tokens_per_sec"] * flops_per_token / mesh.size
-                              if dt else None)
-                    row["model_tflops_per_device"] = tflops / 1e12 if dt else None
-                    row["mfu"] = tflops / peak if dt and peak else None
+                           **speed(dt, tokens_per_step, flops_per_token, mesh.size, peak)}
                     if is_eval:
                         eval_loss = row["eval_loss"] = evaluate(eval_step, params, eval_set,
                                                                 mesh)
                     if main:
-                        f.write(json.dumps(row) + "\n")
-                        f.flush()
-                        if writer is not None:
-                            for k, v in row.items():
-                                if k != "step" and v is not None:
-                                    writer.add_scalar(k, v, step)
+                        metrics_log.write(row)
                     history.append(row)
                     if row["tokens_per_sec"]:
                         rates.append(row["tokens_per_sec"])
@@ -326,7 +296,7 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
                 if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps \
                         or step == until:
                     save(step)
-                if _any_process(signals.received is not None):
+                if any_process(signals.received is not None):
                     interrupted = signal.Signals(signals.received or signal.SIGTERM).name
                     save(step)
                     ckpt.wait()
@@ -336,10 +306,8 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
             ckpt.wait()
     finally:
         ckpt.close()
-        if f is not None:
-            f.close()
-        if writer is not None:
-            writer.close()
+        if metrics_log is not None:
+            metrics_log.close()
 
     if main:
         (out / "run.json").write_text(json.dumps(record, indent=2) + "\n")
@@ -361,33 +329,9 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
     return summary | {"params": params, "history": history}
 
 
-def _finite(x) -> float | None:
-    """A float for metrics.jsonl; NaN and inf (not JSON) become null."""
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
 def _data_id(path: str | None, data: Dataset) -> str:
     return f"{path or 'builtin'} ({len(data.train) + len(data.val)} tokens)"
 
 
 def _schedule(t) -> dict:
     return {k: getattr(t, k) for k in ("steps", "lr", "warmup_steps", "min_lr_ratio")}
-
-
-def _any_process(flag: bool) -> bool:
-    """True if `flag` is set in any process: every process must stop after the
-    same step, or the next step's collectives would wait forever."""
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
-
-    return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop rows logged after `step` (a resumed run logs them again)."""
-    if not path.exists():
-        return
-    rows = [r for r in path.read_text().splitlines() if r.strip()]
-    path.write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= step))
