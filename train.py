@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
-from jaxtp.config import (IMPLS, Config, apply_overrides, load_config, preset_names,
-                          validate)
+from jaxtp.config import (ATTENTIONS, IMPLS, REMATS, Config, apply_overrides, load_config,
+                          preset_names, validate)
+
+HARDWARE = ("h100", "h200", "tpu-v5p")  # jaxtp.targets.TARGETS
 
 
 def _steps(text: str) -> set[int]:
@@ -45,9 +48,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--scan", action="store_true", default=None,
                     help="the blocks as one scan over stacked parameters (compile time "
                          "independent of depth)")
-    ap.add_argument("--remat", choices=["none", "full", "dots"],
-                    help="rematerialise each block in the backward pass: full, or keep "
-                         "only the weight-matmul outputs (dots)")
+    ap.add_argument("--remat", choices=REMATS,
+                    help="what each block keeps for the backward pass: none (everything), "
+                         "full (only the block input and the reduced region outputs), dots "
+                         "(the weight-matmul outputs), minimal (q/k/v, MLP up and the region "
+                         "outputs; recompute norms, activations and the attention core)")
+    ap.add_argument("--attention", choices=ATTENTIONS,
+                    help="attention kernel: auto (default: cudnn on NVIDIA GPUs in bf16, else "
+                         "blockwise for long sequences, else xla), xla (einsum/softmax), "
+                         "blockwise (memory-efficient exact, plain JAX), cudnn (flash "
+                         "attention, NVIDIA GPUs)")
     ap.add_argument("--steps", type=int, help="training steps")
     ap.add_argument("--seed", type=int, help="init, data and dropout seed")
     ap.add_argument("--out", help="output directory (default: runs/<config>-dp<dp>-tp<tp>-<time>)")
@@ -89,8 +99,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="no training: compile the train step at tp in {1,2,4,8} (or --tp) on "
                          "abstract shapes and print per-device memory, collectives, flops, "
                          "redundancy and whether tp is compute- or communication-bound")
-    ap.add_argument("--hardware", choices=["h100", "h200", "tpu-v5p"], default="h100",
-                    help="accelerator for --plan's roofline (default: h100)")
+    ap.add_argument("--hardware", choices=HARDWARE,
+                    help="--plan and --compare-hlo: compile for this accelerator without "
+                         "having it, where its compiler is installed (jax[cuda12] or "
+                         "jax[tpu]), else plan on CPU; --plan's memory verdict and roofline "
+                         "use it (default: h100, planned on CPU)")
     ap.add_argument("--check", action="store_true",
                     help="after step 1, replay it on one device and record loss, grad-norm "
                          "and parameter-update differences in run.json")
@@ -111,6 +124,7 @@ def resolve_config(args: argparse.Namespace) -> Config:
              "train.checkpoint_every": args.checkpoint_every,
              "model.dtype": "bfloat16" if args.bf16 else None,
              "model.scan_layers": args.scan, "model.remat": args.remat,
+             "model.attention": args.attention,
              "train.steps": args.steps, "train.seed": args.seed}
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + args.overrides
     return validate(apply_overrides(cfg, overrides))
@@ -122,6 +136,13 @@ def main(argv=None) -> int:
         cfg = resolve_config(args)
     except (ValueError, OSError, KeyError, ImportError) as e:  # ConfigError is a ValueError
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.hardware in ("h100", "h200"):
+        # compiling for a GPU this machine lacks: the CUDA plugin must not insist
+        # on finding one when JAX starts (jaxtp.targets)
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    if args.hardware and not (args.plan or args.compare_hlo):
+        print("error: --hardware applies to --plan and --compare-hlo", file=sys.stderr)
         return 2
     import jax
 
@@ -149,10 +170,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     uses_shard_map = p.impl == "shard_map" or args.compare_hlo
-    if uses_shard_map and cfg.model.dtype == "bfloat16" and jax.default_backend() == "cpu":
+    on_cpu = jax.default_backend() == "cpu" and not args.hardware
+    if uses_shard_map and cfg.model.dtype == "bfloat16" and on_cpu:
         print(f"error: {BF16_CPU_SHARD_MAP}", file=sys.stderr)
         return 2
     from jaxtp.checkpoint import CheckpointError
+    from jaxtp.targets import TargetUnavailable
     from jaxtp.trainer import TrainingStopped
 
     out = args.out or (f"runs/{args.config.split('/')[-1].removesuffix('.json')}"
@@ -161,12 +184,19 @@ def main(argv=None) -> int:
         if args.plan:
             from jaxtp.plan import plan
 
-            plan(cfg, [args.tp] if args.tp else [1, 2, 4, 8], args.hardware)
+            plan(cfg, [args.tp] if args.tp else [1, 2, 4, 8], args.hardware or "h100",
+                 compile_for_target=args.hardware is not None,
+                 out_dir=args.out)
             return 0
         if args.compare_hlo:
             from jaxtp.compare import compare_hlo
 
-            return 0 if compare_hlo(cfg, out)["ok"] else 1
+            mesh = None
+            if args.hardware:
+                from jaxtp.targets import target_mesh
+
+                mesh = target_mesh(args.hardware, p.dp, p.tp)  # or TargetUnavailable
+            return 0 if compare_hlo(cfg, out, mesh=mesh)["ok"] else 1
         from jaxtp.trainer import train
 
         init = None
@@ -187,7 +217,7 @@ def main(argv=None) -> int:
         elif not summary["finished"]:
             print(f"stopped after step {summary['last_step']} (--until); continue with "
                   f"--resume --out {out}")
-    except (TrainingStopped, CheckpointError) as e:
+    except (TrainingStopped, CheckpointError, TargetUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except (ValueError, OSError, KeyError, ImportError) as e:  # before compiling

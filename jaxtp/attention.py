@@ -6,7 +6,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
+from . import kernels
 from .config import ModelConfig
 from .layers import ColumnParallelLinear, RowParallelLinear, init_std_out, rope, rope_inv_freq
 from .manual import in_shard_map, tp_rank, tp_region
@@ -49,6 +51,8 @@ class Attention(nnx.Module):
         self.rope_theta = cfg.rope_theta if cfg.style == "llama" else None
         self.cfg = cfg
         self.impl, self.sp = impl, sp
+        self.kernel, self.block = cfg.attention, cfg.attention_block
+        self.tag = "attn_out"  # the region's reduced output, for remat policies
 
     def _project(self, x_BTD, enter):
         """q [B, T, k, G', H], k and v [B, T, k, H]: k groups of G' query heads
@@ -66,7 +70,8 @@ class Attention(nnx.Module):
             if bias:
                 y_BTKCH += jnp.concatenate([self.q.bias[...].reshape(K, G, H),
                                             self.kv.bias[...].transpose(1, 0, 2)], 1).astype(dt)
-            y_BTKCH = constrain(y_BTKCH, "batch", "seq", "kv_heads", None, "head_dim")
+            y_BTKCH = checkpoint_name(
+                constrain(y_BTKCH, "batch", "seq", "kv_heads", None, "head_dim"), "qkv")
             return y_BTKCH[:, :, :, :G], y_BTKCH[:, :, :, G], y_BTKCH[:, :, :, G + 1]
         x_in = enter(x_BTD)
         q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_in.astype(dt), wq_DNH)
@@ -76,6 +81,7 @@ class Attention(nnx.Module):
         if bias:
             q_BTNH += self.q.bias[...].astype(dt)
             kv_BTCKH += self.kv.bias[...].astype(dt)
+        q_BTNH, kv_BTCKH = checkpoint_name(q_BTNH, "qkv"), checkpoint_name(kv_BTCKH, "qkv")
         B, T = q_BTNH.shape[:2]
         if in_shard_map():  # this rank's N/tp query heads all use one kv head
             kv_BTCKH = jax.lax.dynamic_slice_in_dim(kv_BTCKH, tp_rank() * N // self.group, 1, 3)
@@ -103,12 +109,11 @@ class Attention(nnx.Module):
             pos_T, inv_freq = jnp.arange(T), rope_inv_freq(H, self.cfg)
             q_BTKGH = rope(q_BTKGH, pos_T, self.rope_theta, inv_freq)
             k_BTKH = rope(k_BTKH, pos_T, self.rope_theta, inv_freq)
-        logits_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BTKH,
-                                  preferred_element_type=jnp.float32) / jnp.sqrt(H)
-        causal_TS = jnp.tril(jnp.ones((T, T), bool))
-        logits_BKGTS = jnp.where(causal_TS, logits_BKGTS, jnp.finfo(jnp.float32).min)
-        probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(v_BTKH.dtype)
-        o_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BTKH)
+        kernel = self.kernel
+        if kernel == "auto":  # a module used on its own; a model resolves it when built
+            kernel = kernels.choose(kernel, q_BTKGH.dtype, H, T, jax.devices()[0])
+        o_BTKGH = kernels.attend(q_BTKGH, k_BTKH, v_BTKH, kernel, self.block)
+        o_BTKGH = checkpoint_name(o_BTKGH, "attn_core")
         return self.out.partial(o_BTKGH.reshape(B, T, K * G, H))
 
     def __call__(self, x_BTD):

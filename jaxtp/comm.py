@@ -31,6 +31,7 @@ import numpy as np
 
 from . import hlo
 from .config import Config
+from .vocab import loss_chunks
 
 HLO_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
@@ -89,6 +90,7 @@ class Expected:
     dtype: str
     group: int
     count: int
+    role: str = ""  # what the row is for, so a backend's rules can find it
 
     @property
     def key(self) -> tuple:
@@ -122,10 +124,12 @@ def budget_for(cfg: Config) -> Budget:
 ANY_SCOPE = "(any)"  # a budget row matched by total elements, whatever the scopes
 
 
-def expected_collectives(cfg: Config, impl: str) -> list[Expected]:
+def expected_collectives(cfg: Config, impl: str, platform: str = "") -> list[Expected]:
     """Every collective the train step of `cfg` needs under `impl`: over tp,
-    and with dp > 1 over dp (`_expected_dp`)."""
-    return _expected_tp(cfg, impl) + _expected_dp(cfg)
+    and with dp > 1 over dp (`_expected_dp`); as the compiler for `platform`
+    ("cpu", "gpu", "tpu"; "" for none) carries it out (`_on_backend`)."""
+    rows = _expected_tp(cfg, impl) + _expected_dp(cfg)
+    return _on_backend(rows, cfg, impl, platform) if platform else rows
 
 
 def param_shard_elements(cfg: Config) -> list[int]:
@@ -138,8 +142,9 @@ def param_shard_elements(cfg: Config) -> list[int]:
 
     p = cfg.parallel
     mesh = AbstractMesh((p.dp, p.tp), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    shapes_only = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="xla"))
     with jax.sharding.use_abstract_mesh(mesh):
-        params = nnx.state(nnx.eval_shape(lambda: build_model(cfg)), nnx.Param)
+        params = nnx.state(nnx.eval_shape(lambda: build_model(shapes_only)), nnx.Param)
     out = []
     for v in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
         spec = v.get_metadata().get("out_sharding") or ()
@@ -176,33 +181,54 @@ def _expected_tp(cfg: Config, impl: str) -> list[Expected]:
     b, s, L, dt = cfg.train.batch_size // cfg.parallel.dp, m.seq_len, m.n_layers, \
         HLO_DTYPES[m.dtype]
     act = b * s * m.d_model
-    E = lambda name, kind, pass_, scope, n, count, dtype=dt, group=tp: \
-        Expected(name, kind, pass_, scope, n, dtype, group, count)
-    if cfg.parallel.sp:
+    E = lambda name, kind, pass_, scope, n, count, dtype=dt, group=tp, role="": \
+        Expected(name, kind, pass_, scope, n, dtype, group, count, role)
+    if cfg.parallel.sequence_parallel:
         return _expected_sp(cfg, impl, E, b, s, L, act)
+    n, c = loss_chunks(m.loss_chunk, b, s)
     rows = [
-        E("g: vocab-parallel embedding lookup", "all-reduce", "forward", "embed", act, 1),
+        E("g: vocab-parallel embedding lookup", "all-reduce", "forward", "embed", act, 1,
+          role="embed"),
         E("g: attention out-proj output", "all-reduce", "forward", "attention", act, L),
         E("g: MLP down-proj output", "all-reduce", "forward", "mlp", act, L),
-        E("cross-entropy: max, sum of exp, target logit", "all-reduce", "forward",
-          "cross_entropy", b * s, 3, "f32"),
+        *_cross_entropy(E, b, n, c),
         E("f: dX entering the q/kv projection", "all-reduce", "backward", "attention", act, L),
         E("f: dX entering the MLP up-proj", "all-reduce", "backward", "mlp", act, L),
-        E("f: dX entering the LM head", "all-reduce", "backward", "cross_entropy", act, 1),
+        E("f: dX entering the LM head", "all-reduce", "backward", "cross_entropy", act, 1,
+          role="head_dx")
+        if impl == "shard_map" or n == 1 else
+        E("f: dX entering the LM head, per loss chunk (GSPMD reduces each chunk's partial "
+          "dX; shard_map once after the loop)", "all-reduce", "backward", "cross_entropy",
+          b * c * m.d_model, n, role="head_dx"),
         E("gradient norm: one sum of squares", "all-reduce", "other", "", 1, 1, "f32"),
     ]
-    K, H = m.kv_heads, m.head_dim
-    if K < tp:  # kv projection replicated: sum its gradient over the sharing ranks
-        kv = b * s * 2 * K * H
-        if impl == "shard_map" or K == 1:
-            rows.append(E("kv gradient: sum over the ranks sharing a kv head", "all-reduce",
-                          "backward", "attention", kv, L))
-        else:  # GSPMD splits the same sum: within each kv group, then gathered
-            rows += [E("kv gradient: sum within each group of tp/K ranks", "all-reduce",
-                       "backward", "attention", kv // K, L, group=tp // K),
-                     E("kv gradient: gathered across the K groups", "all-gather", "backward",
-                       "attention", kv, L, group=K)]
-    return rows
+    return rows + _kv_rows(cfg, impl, E, b * s * 2 * m.kv_heads * m.head_dim)
+
+
+def _kv_rows(cfg: Config, impl: str, E, kv: int) -> list[Expected]:
+    """With fewer kv heads than tp the kv projection is replicated, and the kv
+    activation gradient (kv = b*s*2*K*H elements) is summed over the ranks that
+    share each kv head (`jaxtp.attention`)."""
+    m, tp, L = cfg.model, cfg.parallel.tp, cfg.model.n_layers
+    K = m.kv_heads
+    if K >= tp:
+        return []
+    if impl == "shard_map" or K == 1:
+        return [E("kv gradient: sum over the ranks sharing a kv head", "all-reduce",
+                  "backward", "attention", kv, L, role="kv_grad")]
+    # GSPMD splits the same sum: within each kv group, then gathered
+    return [E("kv gradient: sum within each group of tp/K ranks", "all-reduce", "backward",
+              "attention", kv // K, L, group=tp // K, role="kv_grad"),
+            E("kv gradient: gathered across the K groups", "all-gather", "backward",
+              "attention", kv, L, group=K, role="kv_grad")]
+
+
+def _cross_entropy(E, b: int, n: int, c: int) -> list[Expected]:
+    """The vocab-parallel loss's three reductions, per loss chunk (jaxtp.vocab:
+    n chunks of c positions; a recomputed chunk reuses them)."""
+    return [E("cross-entropy: max, sum of exp, target logit"
+              + (f" (x {n} loss chunks)" if n > 1 else ""), "all-reduce", "forward",
+              "cross_entropy", b * c, 3 * n, "f32")]
 
 
 def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int):
@@ -211,44 +237,113 @@ def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int):
     (their mirrors in the backward pass), the same ring bytes. Elements count
     the result: a reduce-scatter returns b*s*h/tp. Replicated parameters used
     on sequence shards (norm scales, row-parallel biases, learned positions)
-    get partial gradients, all-reduced over tp."""
+    get partial gradients, all-reduced over tp (a bias's in the compute dtype:
+    it is summed from the output gradient).
+
+    With a remat policy, the backward pass gathers each region's input again
+    for its weight gradient instead of keeping the gathered copy, as
+    Megatron-SP does (Korthikanti et al. 2022, Sec. 4.2.2): one more
+    all-gather per region and layer.
+
+    With fewer kv heads than tp, GSPMD sums the kv gradient as it does without
+    SP (`_kv_rows`), so the kv branch's dX is whole while the queries' is
+    partial: the attention's backward entry stays an all-reduce of b*s*h."""
     m, tp = cfg.model, cfg.parallel.tp
     shard, pd = act // tp, HLO_DTYPES[m.param_dtype]  # parameter gradients: param dtype
+    n, c = loss_chunks(m.loss_chunk, b, s)
+    regather = m.remat != "none"
+    gspmd_kv = impl == "gspmd" and m.kv_heads < tp
     rows = []
     for scope in ("attention", "mlp"):
-        rows += [E(f"SP entry: all-gather into {scope}", "all-gather", "forward", scope, act, L),
+        rows += [E(f"SP entry: all-gather into {scope}", "all-gather", "forward", scope, act, L,
+                   role="gather_in"),
                  E(f"SP exit: reduce-scatter out of {scope}", "reduce-scatter", "forward",
                    scope, shard, L),
                  E(f"SP exit, backward: all-gather of the {scope} output gradient",
-                   "all-gather", "backward", scope, act, L),
+                   "all-gather", "backward", scope, act, L, role=f"gather_grad_{scope}"),
+                 E(f"SP entry, backward: all-reduce of dX into {scope} (the kv branch's dX "
+                   "is whole)", "all-reduce", "backward", scope, act, L)
+                 if scope == "attention" and gspmd_kv else
                  E(f"SP entry, backward: reduce-scatter of dX into {scope}",
                    "reduce-scatter", "backward", scope, shard, L)]
+        if regather:
+            rows.append(E(f"SP remat: {scope}'s input gathered again in the backward pass",
+                          "all-gather", "backward", scope, act, L, role="gather_in"))
     norm_params = (2 * L + 1) * (1 if m.style == "llama" else 2)
     rows += [
         E("SP embedding: reduce-scatter of the looked-up rows", "reduce-scatter", "forward",
-          "embed", shard, 1),
+          "embed", shard, 1, role="embed"),
         E("SP embedding, backward: all-gather", "all-gather", "backward", "embed", act, 1),
-        E("SP LM head entry: all-gather", "all-gather", "forward", "cross_entropy", act, 1),
+        E("SP LM head entry: all-gather", "all-gather", "forward", "cross_entropy", act, 1,
+          role="gather_in"),
         E("SP LM head, backward: reduce-scatter of dX", "reduce-scatter", "backward",
-          "cross_entropy", shard, 1),
-        E("cross-entropy: max, sum of exp, target logit", "all-reduce", "forward",
-          "cross_entropy", b * s, 3, "f32"),
+          "cross_entropy", shard, 1, role="head_dx")
+        if impl == "shard_map" or n == 1 else
+        E("SP LM head, backward: dX per loss chunk (GSPMD reduces each chunk)",
+          "all-reduce", "backward", "cross_entropy", b * c * m.d_model, n, role="head_dx"),
+        *_cross_entropy(E, b, n, c),
         E("gradient norm: one sum of squares", "all-reduce", "other", "", 1, 1, "f32"),
         E("norm weights used on sequence shards: gradient sum", "all-reduce", "backward", "",
           m.d_model, norm_params, pd),
     ]
     if m.use_bias:
+        # GSPMD sums the attention's from the output gradient it gathered anyway
         rows += [E(f"{scope} row-parallel bias on sequence shards: gradient sum",
-                   "all-reduce", "backward", scope, m.d_model, L, pd)
-                 for scope in ("attention", "mlp")]
+                   "all-reduce", "backward", scope, m.d_model, L)
+                 for scope in ("attention", "mlp") if impl == "shard_map" or scope == "mlp"]
     if m.style != "llama":
         rows.append(E("learned positions on sequence shards: gradient sum", "all-reduce",
-                      "backward", "", s * m.d_model, 1, pd))
+                      "backward", "", s * m.d_model, 1, pd, role="positions"))
     K, H = m.kv_heads, m.head_dim
-    if K < tp:  # replicated kv projection fed the gathered x: its weight gradient
+    if gspmd_kv:
+        rows += _kv_rows(cfg, impl, E, b * s * 2 * K * H)
+    elif K < tp:  # replicated kv projection fed the gathered x: its weight gradient,
+        # summed as the compute-dtype weight it multiplied
         rows.append(E("replicated kv weight gradient: sum over tp", "all-reduce", "backward",
-                      "attention", m.d_model * 2 * K * H, L, pd))
+                      "attention", m.d_model * 2 * K * H, L))
     return rows
+
+
+def _on_backend(rows: list[Expected], cfg: Config, impl: str, platform: str) -> list[Expected]:
+    """The budget as each compiler carries it out: what XLA's CPU and GPU
+    pipelines and libtpu do differently from the rows above (measured with
+    jaxlib 0.10.2 and libtpu 0.0.42, compiling tiny and llama-tiny at tp=8)."""
+    m, tp = cfg.model, cfg.parallel.tp
+    sixteen = m.dtype in ("bfloat16", "float16")
+    out = []
+    for r in rows:
+        whole = lambda r: dataclasses.replace(r, kind="all-reduce", elements=r.elements * tp,
+                                              name=r.name + " [as all-reduce + slice]")
+        if platform == "cpu":
+            # no reduce-scatter creator: GSPMD's stays an all-reduce of the
+            # full buffer and a slice (shard_map's psum_scatter is kept)
+            if r.kind == "reduce-scatter" and impl == "gspmd":
+                r = whole(r)
+            # the CPU runtime carries 16-bit collectives in fp32
+            if r.dtype in ("bf16", "f16"):
+                r = dataclasses.replace(r, dtype="f32")
+        elif platform == "tpu":
+            if r.kind == "reduce-scatter":  # libtpu: all-reduce + slice, both impls
+                r = whole(r)
+            # fp32 activations and gradients on their way into a matmul travel
+            # in bf16, the precision a default-precision TPU matmul reads them in
+            if r.dtype == "f32" and (r.role in ("gather_in", "gather_grad_mlp", "kv_grad") or
+                                     (r.role == "gather_grad_attention" and
+                                      impl == "shard_map")):
+                r = dataclasses.replace(r, dtype="bf16")
+        if platform in ("gpu", "cuda", "tpu") and r.role == "positions":
+            # each rank's position rows are its own sequence shard's: the
+            # gradient rows are gathered, not summed (half the ring bytes)
+            r = dataclasses.replace(r, kind="all-gather")
+        if platform in ("gpu", "cuda"):
+            if r.role == "head_dx" and impl == "gspmd" and sixteen:
+                # GSPMD reduces the LM head's dX in the fp32 of the logits'
+                # gradient, before the cast (and so no reduce-scatter under SP)
+                r = dataclasses.replace(r, dtype="f32")
+                if r.kind == "reduce-scatter":
+                    r = whole(r)
+        out.append(r)
+    return out
 
 
 def collective_key(c: hlo.Collective) -> tuple:
@@ -260,6 +355,14 @@ def check(colls: list[hlo.Collective], expected: list[Expected]) -> str | None:
     got = Counter()
     for c in colls:
         got[collective_key(c)] += c.count
+    merged: dict[tuple, Expected] = {}  # rows of one key (e.g. after _on_backend) add up
+    for e in expected:
+        if e.scope != ANY_SCOPE and e.key in merged:
+            merged[e.key] = dataclasses.replace(merged[e.key],
+                                                count=merged[e.key].count + e.count)
+        else:
+            merged[e.key if e.scope != ANY_SCOPE else id(e)] = e
+    expected = list(merged.values())
     for e in expected:
         if e.scope == ANY_SCOPE:
             continue

@@ -18,7 +18,8 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DTYPES = ("float32", "bfloat16", "float16")
 IMPLS = ("gspmd", "shard_map")
 STYLES = ("gpt2", "llama")
-REMATS = ("none", "full", "dots")
+REMATS = ("none", "full", "dots", "minimal")
+ATTENTIONS = ("auto", "xla", "blockwise", "cudnn")  # jaxtp.kernels
 
 
 class ConfigError(ValueError):
@@ -55,7 +56,20 @@ class ModelConfig:
     # the block stack as one scan over parameters stacked on a leading layer
     # axis: compile time does not grow with depth
     scan_layers: bool = False
-    remat: str = "none"  # none | full | dots (save weight-matmul outputs only)
+    # what each block keeps for the backward pass (jaxtp.model.REMAT_POLICIES):
+    # none | full | dots | minimal
+    remat: str = "none"
+    # attention kernel (jaxtp.kernels): auto | xla | blockwise | cudnn; auto
+    # picks cudnn on NVIDIA GPUs in bf16/fp16, else blockwise for long sequences
+    attention: str = "auto"
+    attention_block: int = 512  # blockwise: query and key block length
+    # the LM head and cross-entropy over chunks of this many tokens (per dp
+    # rank), each recomputed in the backward pass, so no device holds the
+    # whole [tokens, vocab/tp] fp32 logits; 0: one chunk. 4096: below it
+    # llama-1b's step (tp=1, 8 x 4096, H100 compile) needs no less memory,
+    # above it more (8192: +5.7 GiB, 16384: +18.5 GiB). Batches of at most
+    # this many tokens per rank are not chunked.
+    loss_chunk: int = 4096
 
     @property
     def head_dim(self) -> int:
@@ -102,10 +116,16 @@ class ParallelConfig:
     dp: int = 1
     tp: int = 1
     impl: str = "gspmd"  # "gspmd": XLA inserts collectives; "shard_map": written out
-    sp: bool = False  # sequence parallelism: residual stream split over tp along T
+    sp: bool = False  # sequence parallelism: residual stream split over tp along T (tp > 1)
     # FSDP-style: also split parameters and optimizer state over dp (their
     # "embed" dim), gathered for use and reduce-scattered as gradients
     fsdp: bool = False
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """SP as it runs: on when asked for and there is a tp axis to split over
+        (a preset asks for it at any tp)."""
+        return self.sp and self.tp > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +253,7 @@ def validate(cfg: Config) -> Config:
     positive = {
         **{f"model.{k}": getattr(m, k) for k in
            ("vocab_size", "vocab_multiple", "n_layers", "d_model", "n_heads", "d_ff",
-            "seq_len", "rope_theta")},
+            "seq_len", "rope_theta", "attention_block")},
         **{f"train.{k}": getattr(t, k) for k in
            ("steps", "batch_size", "microbatches", "log_every", "eval_every",
             "eval_batches", "lr", "max_skipped_steps", "keep_checkpoints")},
@@ -261,6 +281,10 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"model.{k}={getattr(m, k)!r}; choose one of {DTYPES}")
     if m.remat not in REMATS:
         raise ConfigError(f"model.remat={m.remat!r}; choose one of {REMATS}")
+    if m.attention not in ATTENTIONS:
+        raise ConfigError(f"model.attention={m.attention!r}; choose one of {ATTENTIONS}")
+    if m.loss_chunk < 0:
+        raise ConfigError(f"model.loss_chunk={m.loss_chunk} must be >= 0 (0: no chunking)")
     if m.style not in STYLES:
         raise ConfigError(f"model.style={m.style!r}; choose one of {STYLES}")
     if p.impl not in IMPLS:

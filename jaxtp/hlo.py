@@ -153,6 +153,20 @@ def _parse(text: str):
     return comps, entry
 
 
+def _loop_bound(cond: list) -> int:
+    """Trip count of a while loop from its condition `counter < N` (a scan's
+    counter starts at 0, steps by 1), for HLO without known_trip_count; 1 if
+    the condition has another form."""
+    consts = {name: int(m.group(1)) for name, _, opcode, rest in cond
+              if opcode == "constant" and (m := re.match(r"(-?\d+)\)", rest))}
+    for _, _, opcode, rest in cond:
+        if opcode == "compare" and "direction=LT" in rest:
+            args = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
+            if len(args) == 2 and args[1] in consts:
+                return consts[args[1]]
+    return 1
+
+
 def _multipliers(comps: dict, entry: str) -> dict[str, int]:
     """How many times each computation runs per call of the entry."""
     calls = defaultdict(list)  # caller -> [(callee, factor)]
@@ -161,11 +175,15 @@ def _multipliers(comps: dict, entry: str) -> dict[str, int]:
             trip = _TRIP.search(rest)
             if opcode.endswith("-done"):
                 continue  # an async pair names its wrapped computation twice
+            found = dict((k, c) for k, c in _CALLS.findall(rest))
+            if opcode == "while" and not trip:  # libtpu drops known_trip_count
+                bound = _loop_bound(comps.get(found.get("condition"), []))
+            else:
+                bound = int(trip.group(1)) if trip else 1
             for key, callee in _CALLS.findall(rest):
                 if key == "to_apply" and opcode != "call":
                     continue  # reducers and comparators hold no collectives
-                factor = int(trip.group(1)) if (key == "body" and trip) else 1
-                calls[comp].append((callee, factor))
+                calls[comp].append((callee, bound if key == "body" else 1))
             for group in _BRANCHES.findall(rest):
                 calls[comp] += [(c.strip().lstrip("%"), 1) for c in group.split(",")]
     mult = Counter({entry: 1})

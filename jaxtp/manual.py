@@ -24,6 +24,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from .sharding import constrain, residual_axes, tp_only
@@ -93,6 +94,11 @@ def tp_rank():
 def run_sharded(module, fn: Callable, *args, arg_specs=None, out_specs=P()):
     """Run `fn(local_module, *args)` per tp shard, inside jax.shard_map.
 
+    A module whose `kernel` is cudnn runs manual over every mesh axis, which
+    must then all be size 1 but tp: in jax 0.10.2 cuDNN attention's custom
+    partitioning fails inside a shard_map that leaves an axis to GSPMD
+    (`kernels.cudnn_problem` refuses cudnn for shard_map at dp > 1).
+
     The module's parameters enter with the PartitionSpecs their metadata
     carries; `args` enter replicated over tp unless `arg_specs` says
     otherwise (`SEQ_SPLIT` under sequence parallelism). The shard_map is manual over tp
@@ -110,7 +116,8 @@ def run_sharded(module, fn: Callable, *args, arg_specs=None, out_specs=P()):
                              "`with jax.set_mesh(mesh):`")
         mesh = placed[0]
     dtypes = [a.dtype for a in args] + [jnp.dtype(getattr(module, "dtype", "float32"))]
-    if jnp.dtype(jnp.bfloat16) in dtypes and jax.default_backend() == "cpu":
+    platform = _platform(mesh)
+    if jnp.dtype(jnp.bfloat16) in dtypes and platform == "cpu":
         # jax/jaxlib 0.10.2: a bf16 psum in a shard_map manual over a subset of
         # the mesh axes aborts XLA's CPU compiler ("Invalid binary instruction
         # opcode copy"); float16 and float32 compile. (train.py refuses this
@@ -125,8 +132,22 @@ def run_sharded(module, fn: Callable, *args, arg_specs=None, out_specs=P()):
     param_specs = jax.tree.map(tp_only, nnx.get_partition_spec(params),
                                is_leaf=lambda x: isinstance(x, P))
     in_specs = (param_specs,) + tuple(arg_specs or (P(),) * len(args))
+    axes = {"tp"}
+    if getattr(module, "kernel", None) == "cudnn":
+        axes = set(mesh.axis_names)
+        if any(size > 1 for name, size in dict(mesh.shape).items() if name != "tp"):
+            raise ValueError("attention='cudnn' under impl='shard_map' needs dp=1 (jax 0.10.2)")
     return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         axis_names={"tp"}, check_vma=True)(params, *args)
+                         axis_names=axes, check_vma=True)(params, *args)
+
+
+def _platform(mesh) -> str:
+    """The platform a (concrete or abstract) mesh compiles for: a compile-only
+    GPU mesh (jaxtp.targets) is not this machine's CPU."""
+    device = getattr(mesh, "abstract_device", None)
+    if device is None and hasattr(mesh, "devices"):
+        device = mesh.devices.flat[0]
+    return getattr(device, "platform", jax.default_backend())
 
 
 def tp_region(module, x_BTD):
@@ -137,7 +158,15 @@ def tp_region(module, x_BTD):
     Under sequence parallelism (`module.sp`) x and the output are split along
     T over tp, and f/g become all-gather/reduce-scatter (f_sp, g_sp).
     The row-parallel bias is added by the caller, after this sum.
+
+    The summed output carries the remat name `module.tag`: every remat policy
+    keeps it (jaxtp.model.REMAT_POLICIES), so recomputing a block in the
+    backward pass never repeats g's collective.
     """
+    return checkpoint_name(_tp_region(module, x_BTD), module.tag)
+
+
+def _tp_region(module, x_BTD):
     if module.impl == "shard_map":
         # x_BTD: [B, T, D] replicated over tp (SP: [B, T/tp, D]); kernels hold
         # N/tp heads or F/tp

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from .config import ModelConfig
 from .layers import ColumnParallelLinear, RowParallelLinear, gelu, init_std_out
@@ -32,14 +33,15 @@ class MLP(nnx.Module):
         self.down = RowParallelLinear((cfg.d_ff,), ("mlp",), cfg.d_model,
                                       std=init_std_out(cfg.init_std, cfg.n_layers), **kw)
         self.impl, self.sp = impl, sp
+        self.tag = "mlp_out"  # the region's reduced output, for remat policies
 
     def region(self, x_BTD, enter):
         """Local math from replicated x to the partial (pre-reduction) output."""
+        h_BTCF = checkpoint_name(self.up(enter(x_BTD)), "mlp_up")  # sharded over F
         if self.swiglu:
-            h_BTCF = self.up(enter(x_BTD))
             h_BTF = jax.nn.silu(h_BTCF[:, :, 0]) * h_BTCF[:, :, 1]
         else:
-            h_BTF = gelu(self.up(enter(x_BTD)))  # sharded over F
+            h_BTF = gelu(h_BTCF)
         h_BTF = constrain(h_BTF, "batch", "seq", "mlp")
         return self.down.partial(h_BTF)
 

@@ -40,12 +40,25 @@ class Block(nnx.Module):
         return constrain(x_BTD, *residual_axes(self.sp))
 
 
+_names = jax.checkpoint_policies.save_only_these_names
+# The reduced outputs of the attention and MLP regions (after g). Every policy
+# keeps them: recomputing one would repeat its forward all-reduce (or SP
+# reduce-scatter) in the backward pass. Kept or not, a policy keeps only what
+# the backward pass reads: the MLP's output is not read, the attention's is
+# (the second norm's input).
+REGION_OUTPUTS = ("attn_out", "mlp_out")
 REMAT_POLICIES = {
     "none": None,  # keep every activation the backward pass needs
-    "full": jax.checkpoint_policies.nothing_saveable,  # recompute the block in backward
-    # save the outputs of the weight matmuls (no batch dims in the dot), recompute
-    # the cheap rest: norms, activations, attention probabilities
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # recompute the whole block but the region outputs
+    "full": _names(*REGION_OUTPUTS),
+    # the outputs of the weight matmuls (dots without batch dims); recompute
+    # the rest: norms, activations, the attention core
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _names(*REGION_OUTPUTS)),
+    # the tagged projection outputs only (q/k/v, MLP up, the region outputs:
+    # under SP, their sequence shards); recompute norms, activations and the
+    # attention core
+    "minimal": _names("qkv", "mlp_up", *REGION_OUTPUTS),
 }
 
 
@@ -95,7 +108,9 @@ class Transformer(nnx.Module):
         keys = (None if dropout_key is None else jax.random.split(dropout_key, L + 1))
         x_BTD = self.wte(tokens_BT)
         if self.wpe is not None:
-            x_BTD = x_BTD + self.wpe(jnp.arange(T))[None]
+            # on the same (sequence) shard as the token rows, so GSPMD adds
+            # them after the embedding's reduce-scatter, not before it
+            x_BTD = x_BTD + constrain(self.wpe(jnp.arange(T))[None], *residual_axes(self.sp))
         x_BTD = constrain(dropout(x_BTD, self.cfg.dropout, None if keys is None else keys[0]),
                           *residual_axes(self.sp))
         block_fn = _block_fn(self.cfg.remat)

@@ -37,17 +37,12 @@ import numpy as np
 from . import hlo
 from .config import Config
 
-# peak dense bf16 FLOP/s, and W: bytes/s one chip moves along the tp axis.
-HARDWARE = {
-    # NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense; NVLink 4: 900 GB/s
-    # bidirectional, so 450 GB/s each way.
-    "h100": (989e12, 450e9),
-    # NVIDIA H200 SXM datasheet: same compute and NVLink as H100.
-    "h200": (989e12, 450e9),
-    # Google Cloud TPU v5p: 459 TFLOP/s bf16; ICI 9e10 B/s per link each way,
-    # a ring along one torus axis uses both directions: 1.8e11 (Austin et al.).
-    "tpu-v5p": (459e12, 1.8e11),
-}
+# Planning on CPU: XLA's CPU scheduler orders work for speed, and keeps more
+# live than the memory-aware schedulers of the GPU and TPU compilers; its
+# memory-optimized scheduler brings the CPU plan closer to them (llama3-8b,
+# tp=8, SP, blockwise, minimal remat: 68.3 -> 50.5 GiB of temporaries; the
+# H100 compile: 27.9).
+CPU_PLAN_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 
 def _per_device_bytes(tree) -> int:
@@ -63,7 +58,7 @@ def activation_bytes(cfg: Config) -> float:
     """Korthikanti et al. 2022 activation memory of all layers, per device."""
     m, t = cfg.model, cfg.parallel.tp
     s, b, h, a = m.seq_len, cfg.train.batch_size // cfg.parallel.dp, m.d_model, m.n_heads
-    if cfg.parallel.sp:
+    if cfg.parallel.sequence_parallel:
         per_layer = s * b * h / t * (34 + 5 * a * s / h)
     else:
         per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
@@ -91,27 +86,36 @@ def model_flops_per_token(cfg: Config, n_params: int) -> float:
     return 6 * (n_params - lookup) + 12 * m.n_layers * m.d_model * m.seq_len
 
 
-def analyze(cfg: Config) -> dict:
-    """Compile the train step of `cfg` (abstract shapes) and account for it."""
+def analyze(cfg: Config, mesh=None) -> dict:
+    """Compile the train step of `cfg` (abstract shapes) on `mesh` (default: this
+    machine's CPU devices; or compile-only devices of an accelerator,
+    `jaxtp.targets`) and account for it."""
     from .sharding import make_mesh
-    from .train_lib import abstract_train_state, compile_train_step
+    from .train_lib import abstract_train_state, compile_train_step, resolve_attention
 
     m, p, t = cfg.model, cfg.parallel, cfg.train
     t0 = time.perf_counter()
     # fake CPU devices: planning needs no accelerator, nor as many as tp
-    state = abstract_train_state(cfg, make_mesh(p.dp, p.tp, devices=jax.devices("cpu")))
-    compiled = compile_train_step(state, t.batch_size, m.seq_len)
+    mesh = make_mesh(p.dp, p.tp, devices=jax.devices("cpu")) if mesh is None else mesh
+    cfg = resolve_attention(cfg, mesh.devices.flat[0])
+    state = abstract_train_state(cfg, mesh)
+    on_cpu = mesh.devices.flat[0].platform == "cpu"
+    compiled = compile_train_step(state, t.batch_size, m.seq_len,
+                                  compiler_options=CPU_PLAN_OPTIONS if on_cpu else None)
     mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    cost = compiled.cost_analysis()  # None for a compile-only GPU
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
     colls = hlo.collectives(compiled.as_text())
     params = _per_device_bytes(state.params)
     opt = _per_device_bytes(state.opt_state)
     batch = (t.batch_size // p.dp) * (m.seq_len + 1) * 4
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
+    device = mesh.devices.flat[0]
     return {
-        "tp": p.tp, "sp": p.sp, "impl": p.impl, "compile_s": time.perf_counter() - t0,
-        "n_params": n_params,
+        "tp": p.tp, "sp": p.sequence_parallel, "impl": p.impl, "compile_s": time.perf_counter() - t0,
+        "n_params": n_params, "attention": cfg.model.attention, "remat": m.remat,
+        "dtype": m.dtype, "loss_chunk": m.loss_chunk,
+        "compiled_for": f"{device.platform} ({device.device_kind})",
         "memory": {
             "params": params, "optimizer": opt, "batch": batch,
             "arguments": mem.argument_size_in_bytes, "temporaries": mem.temp_size_in_bytes,
@@ -129,14 +133,30 @@ def analyze(cfg: Config) -> dict:
     }
 
 
-def plan(cfg: Config, tps, hardware: str = "h100",
-         log: Callable[[str], None] = print) -> list[dict]:
-    """Analyze `cfg` at each tp; print the table; return the rows."""
-    from .config import ConfigError, validate
+def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = False,
+         log: Callable[[str], None] = print, out_dir=None) -> list[dict]:
+    """Analyze `cfg` at each tp; print the table with a fits / does not fit
+    verdict against `hardware`'s memory; return the rows (and, with
+    `out_dir`, write them to plan.json).
 
-    peak, link = HARDWARE[hardware]
+    `compile_for_target`: compile for `hardware` itself (`jaxtp.targets`)
+    where its compiler is installed; otherwise, or when it is not, compile for
+    this machine's CPU, whose temporaries overstate an accelerator's."""
+    from .config import ConfigError, validate
+    from .targets import CPU_OVERSTATES, TARGETS, TargetUnavailable, target_mesh
+
+    target = TARGETS[hardware]
+    peak, link = target.peak_flops, target.link
+    on_target = compile_for_target
+    if on_target:
+        try:
+            target_mesh(hardware, 1, 1)
+        except TargetUnavailable as e:
+            log(f"{e}: planning on CPU instead")
+            on_target = False
     rows, base = [], None
-    for tp in sorted(set(tps) | {1}):
+    cases = sorted(set(tps) | {1})  # tp=1: the base of the redundancy
+    for i, tp in enumerate(cases):
         c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp,
                                                                   sp=cfg.parallel.sp and tp > 1))
         try:
@@ -144,38 +164,75 @@ def plan(cfg: Config, tps, hardware: str = "h100",
         except ConfigError as e:
             log(f"tp={tp}: skipped ({e})")
             continue
-        log(f"compiling the train step at tp={tp} (abstract shapes) ...")
-        r = analyze(c)
+        where = hardware if on_target else "CPU"
+        log(f"[{i + 1}/{len(cases)}] compiling the train step at tp={tp} for {where} "
+            "(abstract shapes) ...")
+        mesh = target_mesh(hardware, c.parallel.dp, tp) if on_target else None
+        r = analyze(c, mesh)
         base = r["flops_per_device"] if tp == 1 else base
-        r["redundancy"] = tp * r["flops_per_device"] / base
+        r["redundancy"] = tp * r["flops_per_device"] / base if base else float("nan")
         r["f_over_tp"] = cfg.model.d_ff / tp
         r["bound"] = ("-" if tp == 1 else
                       "compute" if cfg.model.d_ff / tp > peak / link else "communication")
+        r["target"] = hardware
+        r["target_memory"] = target.memory
+        r["fits"] = r["memory"]["total"] <= target.memory
         if tp in tps:
             rows.append(r)
     if not rows:
         log(f"no valid tp among {sorted(tps)}")
         return rows
+    _print(cfg, rows, target, on_target, log)
+    if not on_target:
+        log("compiled for CPU: XLA's CPU temporaries overstate a GPU compile's (measured "
+            + ", ".join(f"{v:g}x for {k}" for k, v in CPU_OVERSTATES.items())
+            + f"); --hardware {hardware} compiles for it where "
+            + ("jax[tpu]" if target.platform == "tpu" else "jax[cuda12]") + " is installed")
+    if out_dir is not None:
+        import json
+        from pathlib import Path
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "plan.json").write_text(json.dumps(rows, indent=2) + "\n")
+        log(f"wrote {out / 'plan.json'}")
+    return rows
+
+
+def _print(cfg: Config, rows: list[dict], target, on_target: bool, log) -> None:
     gib = lambda b: f"{b / 2**30:,.2f} G" if b >= 2**30 else f"{b / 2**20:,.1f} M"
-    head = ["tp", "params B", "optim B", "temps B", "total B", "acts est. B",
+    num = lambda x, f: "-" if x != x else f.format(x)  # NaN: no cost analysis
+    head = ["tp", "params B", "optim B", "temps B", "total B", "fits", "acts est. B",
             "collectives", "coll. B", "GFLOP/dev", "redundancy", "F/tp", "bound"]
     table = [head] + [[
         str(r["tp"]), gib(r["memory"]["params"]), gib(r["memory"]["optimizer"]),
         gib(r["memory"]["temporaries"]), gib(r["memory"]["total"]),
+        "yes" if r["fits"] else "NO",
         gib(r["analytic_memory"]["activations_korthikanti"]), str(r["collectives_per_step"]),
-        gib(r["collective_bytes_per_step"]), f"{r['flops_per_device'] / 1e9:,.1f}",
-        f"{r['redundancy']:.3f}", f"{r['f_over_tp']:,.0f}", r["bound"]] for r in rows]
+        gib(r["collective_bytes_per_step"]), num(r["flops_per_device"] / 1e9, "{:,.1f}"),
+        num(r["redundancy"], "{:.3f}"), f"{r['f_over_tp']:,.0f}", r["bound"]] for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     m = cfg.model
-    log(f"plan: {m.style} {rows[0]['n_params']:,} params, L={m.n_layers} h={m.d_model} "
+    r0 = rows[0]
+    log(f"plan: {m.style} {r0['n_params']:,} params, L={m.n_layers} h={m.d_model} "
         f"F={m.d_ff} heads={m.n_heads}/{m.kv_heads} kv, batch {cfg.train.batch_size} x seq "
-        f"{m.seq_len}, {m.dtype}, sp={cfg.parallel.sp}, impl={cfg.parallel.impl}")
+        f"{m.seq_len}, {m.dtype}, sp={cfg.parallel.sp}, impl={cfg.parallel.impl}, "
+        f"attention={r0['attention']}, remat={m.remat}"
+        + (f", loss_chunk={m.loss_chunk}" if m.loss_chunk else "")
+        + f"; compiled for {r0['compiled_for']}")
     for row in table:
         log("  ".join(c.rjust(w) for c, w in zip(row, widths)))
     log("B: bytes per device (M = MiB, G = GiB); temps from memory_analysis, acts est. "
         "from Korthikanti et al. 2022; collectives counted per step from the HLO")
     log(korthikanti_terms(cfg))
-    log(f"{hardware}: C = {peak / 1e12:g} TFLOP/s, W = {link / 1e9:g} GB/s along tp, "
-        f"C/W = {peak / link:,.0f}: tp is compute-bound while F/tp > C/W. Model flops "
-        f"per token 6N + 12Lhs = {rows[0]['model_flops_per_token']:.3e}.")
-    return rows
+    verdicts = ", ".join(f"tp={r['tp']} {r['memory']['total'] / 2**30:,.1f} GiB "
+                         + ("fits" if r["fits"] else "does not fit") for r in rows)
+    log(f"{target.name}: {target.memory / 2**30:,.1f} GiB per device: {verdicts}")
+    if target.platform == "cuda" and any(r["fits"] and r["memory"]["total"] > 0.75 *
+                                         target.memory for r in rows):
+        log("note: JAX's GPU allocator takes 75% of the memory by default; above that set "
+            "XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. 0.95)")
+    log(f"{target.name}: C = {target.peak_flops / 1e12:g} TFLOP/s, W = {target.link / 1e9:g} "
+        f"GB/s along tp, C/W = {target.peak_flops / target.link:,.0f}: tp is compute-bound "
+        f"while F/tp > C/W. Model flops per token 6N + 12Lhs = "
+        f"{r0['model_flops_per_token']:.3e}.")

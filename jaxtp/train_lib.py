@@ -9,6 +9,7 @@ donates the parameter and optimizer buffers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -19,6 +20,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from . import kernels
 from .config import Config, TrainConfig
 from .model import Transformer
 from .sharding import constrain, mesh_axis_size, named, param_layout
@@ -110,18 +112,31 @@ class TrainState:
     grad_clip: float
 
 
-def build_model(cfg: Config, seed: int = 0) -> Transformer:
-    """The model of `cfg`, its parameters laid out by the config's rules (FSDP or not).
-    Call under `jax.set_mesh` (the kv layout depends on tp), or inside eval_shape."""
+def resolve_attention(cfg: Config, device=None) -> Config:
+    """`cfg` with model.attention resolved for `device` (default: the first
+    device): `auto` becomes a kernel; `cudnn` where it cannot run is a
+    `kernels.KernelError` naming the reason."""
+    m = cfg.model
+    device = jax.devices()[0] if device is None else device
+    kernel = kernels.choose(m.attention, m.dtype, m.head_dim, m.seq_len, device,
+                            cfg.parallel.impl, cfg.parallel.dp)
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, attention=kernel))
+
+
+def build_model(cfg: Config, seed: int = 0, device=None) -> Transformer:
+    """The model of `cfg`, its parameters laid out by the config's rules (FSDP or not),
+    its attention kernel resolved for `device`. Call under `jax.set_mesh` (the kv
+    layout depends on tp), or inside eval_shape."""
+    cfg = resolve_attention(cfg, device)
     with param_layout(cfg.parallel.fsdp):
-        return Transformer(cfg.model, impl=cfg.parallel.impl, sp=cfg.parallel.sp,
+        return Transformer(cfg.model, impl=cfg.parallel.impl, sp=cfg.parallel.sequence_parallel,
                            rngs=nnx.Rngs(seed))
 
 
 def abstract_model(cfg: Config, mesh: Mesh):
     """(graphdef, abstract params) without allocating anything."""
     with jax.set_mesh(mesh):
-        model = nnx.eval_shape(lambda: build_model(cfg))
+        model = nnx.eval_shape(lambda: build_model(cfg, device=mesh.devices.flat[0]))
     graphdef, params = nnx.split(model)
     return graphdef, params
 
@@ -135,7 +150,7 @@ def init_params(cfg: Config, mesh: Mesh):
     shardings = nnx.get_named_sharding(abstract, mesh)
 
     def create():
-        return nnx.split(build_model(cfg, cfg.train.seed))[1]
+        return nnx.split(build_model(cfg, cfg.train.seed, mesh.devices.flat[0]))[1]
 
     with jax.set_mesh(mesh):
         params = jax.jit(create, out_shardings=shardings)()
@@ -240,16 +255,7 @@ def grads_of(graphdef, params, tokens_BT1, key, microbatches: int = 1):
     return loss_sum / microbatches, grads
 
 
-def make_train_step(state: TrainState, use_dropout: bool, microbatches: int = 1) -> Callable:
-    """jitted (params, opt_state, tokens, key, controls) -> (params, opt_state, metrics).
-
-    `controls` = f32[2] (see `step_controls`): [max_loss, grad_scale]. The
-    update is applied only if the loss and the gradient norm are finite and
-    the loss is at most max_loss (the spike guard; inf turns it off);
-    otherwise parameters and optimizer state come back unchanged and
-    metrics["skipped"] is true. grad_scale multiplies the gradients (1.0; NaN
-    injects a non-finite gradient, to drill the skip path).
-    """
+def _step_fn(state: TrainState, use_dropout: bool, microbatches: int) -> Callable:
     graphdef, tx, clip = state.graphdef, state.tx, state.grad_clip
     specs = jax.tree.map(lambda s: s.spec, state.param_shardings)
 
@@ -266,9 +272,23 @@ def make_train_step(state: TrainState, use_dropout: bool, microbatches: int = 1)
         return (keep(new_params, params), keep(new_opt_state, opt_state),
                 {"loss": loss, "grad_norm": grad_norm, "skipped": ~ok})
 
+    return step
+
+
+def make_train_step(state: TrainState, use_dropout: bool, microbatches: int = 1) -> Callable:
+    """jitted (params, opt_state, tokens, key, controls) -> (params, opt_state, metrics).
+
+    `controls` = f32[2] (see `step_controls`): [max_loss, grad_scale]. The
+    update is applied only if the loss and the gradient norm are finite and
+    the loss is at most max_loss (the spike guard; inf turns it off);
+    otherwise parameters and optimizer state come back unchanged and
+    metrics["skipped"] is true. grad_scale multiplies the gradients (1.0; NaN
+    injects a non-finite gradient, to drill the skip path). The training loop
+    runs this inside `make_loop_step`.
+    """
     replicated = NamedSharding(state.mesh, P())
     return jax.jit(
-        step,
+        _step_fn(state, use_dropout, microbatches),
         in_shardings=(state.param_shardings, state.opt_shardings,
                       named(state.mesh, "batch", None), replicated, replicated),
         out_shardings=(state.param_shardings, state.opt_shardings, replicated),
@@ -279,6 +299,127 @@ def make_train_step(state: TrainState, use_dropout: bool, microbatches: int = 1)
 def step_controls(max_loss: float = float("inf"), grad_scale: float = 1.0) -> np.ndarray:
     """The `controls` argument of a train step: no spike guard, gradients as they are."""
     return np.array([max_loss, grad_scale], np.float32)
+
+
+SPIKE_WINDOW = 20  # applied losses the spike guard averages over
+_LOOP_INTS = ("step", "applied", "in_a_row", "stop_at", "row_applied", "row_skipped",
+              "skip_step")
+_LOOP_FLOATS = ("row_loss", "skip_loss", "skip_grad_norm")
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=[*_LOOP_INTS, *_LOOP_FLOATS, "recent", "key"], meta_fields=[])
+@dataclasses.dataclass
+class LoopState:
+    """The loop's bookkeeping, kept on the devices and updated inside the step
+    (`make_loop_step`), so the host reads it only when it logs or saves.
+
+    step: the last step run; applied: steps whose update was applied (optax's
+    count, which sets the lr); in_a_row: skipped steps in a row; stop_at: the
+    step that reached train.max_skipped_steps (0: running); row_*: applied
+    losses summed, applied and skipped steps since the last logged row;
+    skip_*: the last skipped step and its loss and gradient norm; recent: the
+    last SPIKE_WINDOW applied losses (a ring, by `applied`); key: the run's
+    base PRNG key (step n's dropout key is fold_in(key, n)).
+    """
+
+    step: Any
+    applied: Any
+    in_a_row: Any
+    stop_at: Any
+    row_applied: Any
+    row_skipped: Any
+    skip_step: Any
+    row_loss: Any
+    skip_loss: Any
+    skip_grad_norm: Any
+    recent: Any
+    key: Any
+
+    @classmethod
+    def start(cls, seed: int, mesh: Mesh, saved: dict | None = None) -> "LoopState":
+        """A fresh run's state, or the one `to_json` saved, replicated on `mesh`
+        (built by a jitted function: in a multi-process run no process can
+        place an array on the others' devices)."""
+        saved = saved or {}
+        host = {k: np.int32(saved.get(k, 0)) for k in _LOOP_INTS}
+        host |= {k: np.float32(saved.get(k, 0.0)) for k in _LOOP_FLOATS}
+        host["recent"] = np.asarray(saved.get("recent", [0.0] * SPIKE_WINDOW), np.float32)
+        build = lambda h: cls(**h, key=jax.random.key(seed))
+        return jax.jit(build, out_shardings=NamedSharding(mesh, P()))(host)
+
+    def to_json(self) -> dict:
+        """Host values of every field but the key (it follows from the seed)."""
+        host = jax.device_get({k: getattr(self, k) for k in (*_LOOP_INTS, *_LOOP_FLOATS,
+                                                              "recent")})
+        out = {k: int(host[k]) for k in _LOOP_INTS}
+        out |= {k: float(host[k]) for k in _LOOP_FLOATS}
+        return out | {"recent": [float(x) for x in host["recent"]]}
+
+
+def is_row_step(n, t: TrainConfig):
+    """Whether step n ends a logged row: step 1, every log_every, every
+    eval_every and the last (works on ints and on traced values)."""
+    return (n == 1) | (n % t.log_every == 0) | (n % t.eval_every == 0) | (n == t.steps)
+
+
+def make_loop_step(state: TrainState, cfg: Config, inject_nan_at=()) -> Callable:
+    """jitted (params, opt_state, loop, tokens) -> (params, opt_state, loop, metrics):
+    one step of the training loop with everything the host used to do per step
+    moved inside (the dropout key, the lr, the spike guard's limit, NaN
+    injection, the skip and row bookkeeping of `LoopState`), so consecutive
+    steps dispatch without the host waiting for the device.
+
+    metrics: this step's loss, grad_norm, lr and skipped. Once `stop_at` is
+    set, further steps change nothing (a host that reads the state only when
+    it logs may have dispatched a few more).
+    """
+    t, m = cfg.train, cfg.model
+    core = _step_fn(state, m.dropout > 0, t.microbatches)
+    schedule = lr_schedule(t)
+    nan_steps = np.asarray(sorted(inject_nan_at) or [-1], np.int32)
+
+    def step(params, opt_state, loop: LoopState, tokens_BT1):
+        n = loop.step + 1
+        stopped = loop.stop_at > 0
+        window = jnp.arange(SPIKE_WINDOW) < loop.applied
+        mean = jnp.sum(jnp.where(window, loop.recent, 0)) / jnp.maximum(
+            jnp.minimum(loop.applied, SPIKE_WINDOW), 1)
+        max_loss = jnp.where((t.spike_factor > 0) & (loop.applied >= 5),
+                             t.spike_factor * mean, jnp.inf)
+        max_loss = jnp.where(stopped, -jnp.inf, max_loss)  # a stopped run applies nothing
+        grad_scale = jnp.where(jnp.any(nan_steps == n), jnp.nan, 1.0)
+        params, opt_state, metrics = core(params, opt_state, tokens_BT1,
+                                          jax.random.fold_in(loop.key, n),
+                                          jnp.stack([max_loss, grad_scale]).astype(jnp.float32))
+        ok = ~metrics["skipped"]
+        bad = metrics["skipped"] & ~stopped
+        fresh = is_row_step(loop.step, t) | (loop.step == 0)  # a new row starts here
+        zero = lambda x: jnp.where(fresh, jnp.zeros_like(x), x)
+        in_a_row = jnp.where(ok, 0, loop.in_a_row + bad)
+        loss = metrics["loss"]
+        new = LoopState(
+            step=n, applied=loop.applied + ok, in_a_row=in_a_row,
+            stop_at=jnp.where(~stopped & (in_a_row >= t.max_skipped_steps), n, loop.stop_at),
+            row_applied=zero(loop.row_applied) + ok, row_skipped=zero(loop.row_skipped) + bad,
+            skip_step=jnp.where(bad, n, loop.skip_step),
+            row_loss=zero(loop.row_loss) + jnp.where(ok, loss, 0.0),
+            skip_loss=jnp.where(bad, loss, loop.skip_loss),
+            skip_grad_norm=jnp.where(bad, metrics["grad_norm"], loop.skip_grad_norm),
+            recent=jnp.where(ok, loop.recent.at[loop.applied % SPIKE_WINDOW].set(loss),
+                             loop.recent),
+            key=loop.key)
+        # the lr this step applied (or would have): optax's count before it
+        return params, opt_state, new, metrics | {"lr": schedule(loop.applied)}
+
+    replicated = NamedSharding(state.mesh, P())
+    return jax.jit(
+        step,
+        in_shardings=(state.param_shardings, state.opt_shardings, replicated,
+                      named(state.mesh, "batch", None)),
+        out_shardings=(state.param_shardings, state.opt_shardings, replicated, replicated),
+        donate_argnums=(0, 1, 2),
+    )
 
 
 def make_eval_step(state: TrainState) -> Callable:

@@ -14,22 +14,32 @@ that already holds one; `resume=True` continues the run in it):
 - `checkpoints/<step>/`: orbax checkpoints (`jaxtp.checkpoint`) every
   `train.checkpoint_every` steps, at the end, and on SIGTERM/SIGINT.
 
+The device stays busy: the step's key, lr, spike limit and skip counts are
+computed inside the jitted step (`train_lib.make_loop_step`, `LoopState`), a
+background thread puts the next batches on the mesh (`data.Prefetch`), and
+the host reads anything back only on logged rows, evaluations and
+checkpoints, so it dispatches step n+1 while step n runs. The median host
+time per step outside the step call is logged at the end and kept in
+run.json (`host_ms_per_step`).
+
 Faults: a step whose loss or gradient norm is not finite (or, with
 `train.spike_factor`, whose loss exceeds that factor times the mean of the
-last 20 applied losses) leaves parameters and optimizer state unchanged, is
-logged with its step, and `train.max_skipped_steps` of them in a row stop the
-run with `TrainingStopped` (after saving the last good state).
+last 20 applied losses) leaves parameters and optimizer state unchanged and
+is logged at the next row with its step; `train.max_skipped_steps` of them
+in a row stop the run with `TrainingStopped` (after saving the last good
+state, the one at the step that reached the limit: later steps the host had
+already dispatched change nothing).
 
 Multi-process: every process runs this loop over the same global batches
 (each transfers only its own rows); only process 0 logs and writes files;
-all processes take part in checkpoints.
+all processes take part in checkpoints, and agree on a stop signal at rows
+and checkpoints (one host allgather there, none per step).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import signal
 import threading
 import time
@@ -40,19 +50,17 @@ import jax
 import numpy as np
 from flax import nnx
 
-from .checkpoint import Checkpointer
+from .checkpoint import CheckpointError, Checkpointer
 from .config import Config
-from .data import Dataset, load_tokens, to_mesh
+from .data import Dataset, Prefetch, load_tokens, to_mesh
 from .distributed import any_process
 from .metrics import MetricsLog, finite, peak_flops, speed
 from .plan import model_flops_per_token
 from .record import run_record
-from .sharding import make_mesh
-from .train_lib import (abstract_model, abstract_train_state, compile_train_step,
-                        init_train_state, lr_schedule, make_eval_step, single_device_check,
-                        step_controls)
-
-SPIKE_WINDOW = 20  # applied losses the spike guard averages over
+from .sharding import make_mesh, named
+from .train_lib import (LoopState, abstract_model, abstract_train_state, init_train_state,
+                        is_row_step, lr_schedule, make_eval_step, make_loop_step,
+                        resolve_attention, single_device_check)
 
 
 class TrainingStopped(RuntimeError):
@@ -128,6 +136,8 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
                          "single-process and not with --resume")
     data = Dataset(load_tokens(data_path), m.seq_len, m.vocab_size)  # fail before writing
     mesh = make_mesh(p.dp, p.tp)
+    cfg = resolve_attention(cfg, mesh.devices.flat[0])  # a KernelError before writing
+    m = cfg.model
     out = Path(out_dir)
     # a refusal must stop every process, not leave the others waiting in a barrier
     refused = None
@@ -146,22 +156,7 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
 
     start, meta = 0, {}
     if resume:
-        target = abstract_train_state(cfg, mesh)
-        start, params, opt_state, meta = ckpt.restore(target.params, target.opt_state,
-                                                      model=dataclasses.asdict(m))
-        data_id = _data_id(data_path, data)
-        for key, now in (("seed", t.seed), ("batch_size", t.batch_size), ("data", data_id)):
-            if meta.get(key) != now:
-                raise ValueError(f"--resume: the checkpoint was trained with {key}="
-                                 f"{meta.get(key)!r}, this run has {now!r}; the data order "
-                                 "depends on it")
-        changed = {k: (meta["schedule"][k], v) for k, v in _schedule(t).items()
-                   if meta.get("schedule", {}).get(k, v) != v}
-        if changed:
-            log(f"warning: --resume with a different schedule: {changed} (saved, now)")
-        state = dataclasses.replace(target, params=params, opt_state=opt_state)
-        log(f"resumed from {out}/checkpoints step {start} (saved at dp={meta['dp']} x "
-            f"tp={meta['tp']}; now dp={p.dp} x tp={p.tp})")
+        state, start, meta = _restore(cfg, mesh, ckpt, out, data_path, data, log)
     else:
         state = init_train_state(cfg, mesh, params=init_params)
     if main:
@@ -171,12 +166,20 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
         f"{' (scanned)' if m.scan_layers else ''}, d_model={m.d_model}, heads={m.n_heads}/"
         f"{m.kv_heads} kv, d_ff={m.d_ff}, seq={m.seq_len}, {m.dtype} compute / "
         f"{m.param_dtype} params | mesh dp={p.dp} x tp={p.tp}, impl={p.impl}"
-        f"{', fsdp' if p.fsdp else ''}{', sp' if p.sp else ''} | batch {t.batch_size}"
+        f"{', fsdp' if p.fsdp else ''}{', sp' if p.sequence_parallel else ''} | batch {t.batch_size}"
         f"{f' in {t.microbatches} microbatches' if t.microbatches > 1 else ''} | "
         f"data: {len(data.train):,} train / {len(data.val):,} val tokens")
+    log(f"attention: {m.attention}"
+        + (f" (block {m.attention_block})" if m.attention == "blockwise" else "")
+        + f", remat: {m.remat}"
+        + (f", loss in chunks of {m.loss_chunk} tokens" if m.loss_chunk else ""))
+    loop = LoopState.start(t.seed, mesh, meta.get("loop"))
     t0 = time.perf_counter()
-    train_step = compile_train_step(state, t.batch_size, m.seq_len, use_dropout=m.dropout > 0,
-                                    microbatches=t.microbatches)
+    tokens_spec = jax.ShapeDtypeStruct((t.batch_size, m.seq_len + 1), np.int32,
+                                       sharding=named(mesh, "batch", None))
+    with jax.set_mesh(mesh):
+        train_step = make_loop_step(state, cfg, inject_nan_at).lower(
+            state.params, state.opt_state, loop, tokens_spec).compile()
     log(f"compiled the train step in {time.perf_counter() - t0:.1f}s")
     structure = nnx.merge(*abstract_model(cfg, mesh))  # no buffers: step 1 donates them
     record = run_record(cfg, mesh, structure, train_step.as_text())
@@ -184,42 +187,32 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
     eval_step = make_eval_step(state)
     eval_set = data.eval_batches(t.batch_size, t.eval_batches)
     schedule = lr_schedule(t)
-    batches = data.train_batches(t.batch_size, t.seed, skip=start)
-    base_key = jax.random.key(t.seed)
+    batches = Prefetch(data.train_batches(t.batch_size, t.seed, skip=start), mesh)
     tokens_per_step = t.batch_size * m.seq_len
     flops_per_token = model_flops_per_token(cfg, n_params)
     peak = peak_tflops * 1e12 if peak_tflops else peak_flops(mesh.devices.flat[0])
+    multi = jax.process_count() > 1
 
     params, opt_state = state.params, state.opt_state
     params0 = jax.device_get(params) if check else None
     # the check replays up to the first step that moves the parameters (step 1
     # runs at lr 0 when there is a warmup)
     check_at = next((s for s in range(1, t.steps + 1) if schedule(s - 1) > 0), t.steps)
-    replay, history, rates = [], [], []
-    # carried across a resume, so a resumed run logs exactly what a straight one does
-    pending = [np.float32(x) for x in meta.get("pending_losses", [])]
-    recent = [float(x) for x in meta.get("recent_losses", [])]
-    bad_in_a_row = meta.get("skipped_in_a_row", 0)
-    # optax's step count, which a skipped step does not advance: the lr it applies
-    applied = meta.get("applied_steps", start)
+    replay, history, rates, host_s = [], [], [], []
     if until is not None and until <= start:
         log(f"--until {until}: the run is already at step {start}; nothing to do")
-    skipped_since_row = meta.get("skipped_since_row", 0)
     eval_loss, interrupted, step = None, None, start
     t_start = time.perf_counter()
     t_last, last_logged = t_start, start
-
     saved = []
 
-    def save(at_step: int):
+    def save(at_step: int, loop_json: dict):
         if saved and saved[-1] == at_step:
             return  # e.g. a signal during the last step, already saved
         saved.append(at_step)
         ckpt.save(at_step, params, opt_state, {
             "model": dataclasses.asdict(m), "dp": p.dp, "tp": p.tp, "seed": t.seed,
-            "data_position": at_step, "pending_losses": [float(x) for x in pending],
-            "recent_losses": recent, "skipped_in_a_row": bad_in_a_row,
-            "skipped_since_row": skipped_since_row, "applied_steps": applied,
+            "data_position": at_step, "loop": loop_json | {"step": at_step},
             "batch_size": t.batch_size, "data": _data_id(data_path, data),
             "schedule": _schedule(t)})
 
@@ -227,54 +220,47 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
     try:
         with jax.set_mesh(mesh), _Signals() as signals:
             for step in range(start + 1, min(t.steps, until or t.steps) + 1):
-                tokens = to_mesh(next(batches), mesh)
-                key = jax.random.fold_in(base_key, step)
-                max_loss = (t.spike_factor * float(np.mean(recent[-SPIKE_WINDOW:]))
-                            if t.spike_factor and len(recent) >= 5 else math.inf)
-                controls = step_controls(max_loss, math.nan if step in inject_nan_at else 1.0)
-                lr = float(schedule(applied))
-                params, opt_state, metrics = train_step(params, opt_state, tokens, key,
-                                                        controls)
-                metrics = jax.device_get(metrics)  # one host sync per step
-                if metrics["skipped"]:
-                    bad_in_a_row += 1
-                    skipped_since_row += 1
-                    log(f"step {step}: skipped (loss {float(metrics['loss']):.4g}, grad_norm "
-                        f"{float(metrics['grad_norm']):.4g}"
-                        + (f", spike limit {max_loss:.4g}" if max_loss < math.inf else "")
-                        + f"): parameters and optimizer state unchanged "
-                        f"[{bad_in_a_row} in a row of max {t.max_skipped_steps}]")
-                    if bad_in_a_row >= t.max_skipped_steps:
-                        save(step)
-                        ckpt.wait()
-                        raise TrainingStopped(
-                            f"stopping at step {step}: {bad_in_a_row} steps in a row had a "
-                            "non-finite or spiking loss/gradient (train.max_skipped_steps="
-                            f"{t.max_skipped_steps}); the last good state is checkpointed "
-                            f"in {out}/checkpoints as step {step}")
-                else:
-                    bad_in_a_row = 0
-                    applied += 1
-                    pending.append(metrics["loss"])
-                    recent = (recent + [float(metrics["loss"])])[-SPIKE_WINDOW:]
+                t_iter = time.perf_counter()
+                host_tokens, tokens = next(batches)
+                t_call = time.perf_counter()
+                params, opt_state, loop, metrics = train_step(params, opt_state, loop, tokens)
+                t_back = time.perf_counter()
+                row_step = bool(is_row_step(step, t))
+                ckpt_step = (t.checkpoint_every and step % t.checkpoint_every == 0) \
+                    or step == t.steps or step == until
                 if check and step <= check_at:
-                    replay.append((jax.device_get(tokens), key))
+                    replay.append((host_tokens, jax.random.fold_in(jax.random.key(t.seed), step)))
                 if check and step == check_at:
+                    host = jax.device_get(metrics)
                     record["check"] = single_device_check(
-                        cfg, params0, *zip(*replay), float(metrics["loss"]),
-                        float(metrics["grad_norm"]), jax.device_get(params))
+                        cfg, params0, *zip(*replay), float(host["loss"]),
+                        float(host["grad_norm"]), jax.device_get(params))
                     log(f"check against one device after step {step}: " + ", ".join(
                         f"{k} {v:.2e}" for k, v in record["check"].items()
                         if k != "after_step"))
-                is_eval = step % t.eval_every == 0 or step == t.steps
-                if step == 1 or step % t.log_every == 0 or is_eval:
+                if row_step:  # the host waits for the device only here
+                    host, state_now = jax.device_get(metrics), loop.to_json()
+                    is_eval = step % t.eval_every == 0 or step == t.steps
                     timed = step > 1 and step - 1 != start  # not the first step run
                     dt = (time.perf_counter() - t_last) / (step - last_logged) if timed else None
-                    row = {"step": step,
-                           "loss": float(np.mean(pending)) if pending else None,
-                           "grad_norm": finite(metrics["grad_norm"]),
-                           "lr": lr, "skipped": skipped_since_row,
-                           **speed(dt, tokens_per_step, flops_per_token, mesh.size, peak)}
+                    row = _row(step, host, state_now, speed(
+                        dt, tokens_per_step, flops_per_token, mesh.size, peak))
+                    if state_now["row_skipped"]:
+                        log(f"step {state_now['skip_step']}: skipped (loss "
+                            f"{state_now['skip_loss']:.4g}, grad_norm "
+                            f"{state_now['skip_grad_norm']:.4g}): parameters and optimizer "
+                            f"state unchanged [{state_now['row_skipped']} skipped since the "
+                            f"last row; {state_now['in_a_row']} in a row of max "
+                            f"{t.max_skipped_steps}]")
+                    if state_now["stop_at"]:
+                        save(state_now["stop_at"], state_now)
+                        ckpt.wait()
+                        raise TrainingStopped(
+                            f"stopping at step {state_now['stop_at']}: "
+                            f"{t.max_skipped_steps} steps in a row had a non-finite or "
+                            "spiking loss/gradient (train.max_skipped_steps="
+                            f"{t.max_skipped_steps}); the last good state is checkpointed "
+                            f"in {out}/checkpoints as step {state_now['stop_at']}")
                     if is_eval:
                         eval_loss = row["eval_loss"] = evaluate(eval_step, params, eval_set,
                                                                 mesh)
@@ -283,32 +269,34 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
                     history.append(row)
                     if row["tokens_per_sec"]:
                         rates.append(row["tokens_per_sec"])
-                    log(f"step {step:>5}/{t.steps} | loss "
-                        + (f"{row['loss']:.4f}" if row["loss"] is not None else "-")
-                        + f" | grad_norm {float(metrics['grad_norm']):.3f} | lr {lr:.2e} | "
-                        + (f"{row['tokens_per_sec']:,.0f} tok/s, {dt * 1e3:.0f} ms/step"
-                           if dt else "first step")
-                        + (f", MFU {row['mfu']:.1%}" if row["mfu"] else "")
-                        + (f" | {skipped_since_row} skipped" if skipped_since_row else "")
-                        + (f" | eval_loss {eval_loss:.4f}" if is_eval else ""))
-                    pending, skipped_since_row, last_logged = [], 0, step
+                    log(_progress(row, t.steps, dt, eval_loss if is_eval else None))
+                    last_logged = step
                     t_last = time.perf_counter()  # eval time is not counted in tok/s
-                if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps \
-                        or step == until:
-                    save(step)
-                if any_process(signals.received is not None):
+                if ckpt_step:
+                    save(step, loop.to_json())
+                stop = signals.received is not None
+                if multi and not (row_step or ckpt_step):
+                    stop = False  # processes agree on a stop at rows: one host allgather
+                elif multi:
+                    stop = any_process(stop)
+                if stop:
                     interrupted = signal.Signals(signals.received or signal.SIGTERM).name
-                    save(step)
+                    save(step, loop.to_json())
                     ckpt.wait()
                     log(f"{interrupted} received: saved a checkpoint at step {step} in "
                         f"{out}/checkpoints; continue with --resume --out {out}")
                     break
+                if not (row_step or ckpt_step or check):
+                    host_s.append((t_call - t_iter) + (time.perf_counter() - t_back))
             ckpt.wait()
     finally:
+        batches.close()
         ckpt.close()
         if metrics_log is not None:
             metrics_log.close()
 
+    host_ms = float(np.median(host_s)) * 1e3 if host_s else None
+    record["host_ms_per_step"] = host_ms
     if main:
         (out / "run.json").write_text(json.dumps(record, indent=2) + "\n")
     summary = {
@@ -316,6 +304,7 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
         "final_loss": history[-1]["loss"] if history else None,
         "final_eval_loss": eval_loss,
         "tokens_per_sec": float(np.median(rates)) if rates else None,
+        "host_ms_per_step": host_ms,
         "wall_s": time.perf_counter() - t_start,
         "last_step": step,
         "interrupted": interrupted,
@@ -325,8 +314,55 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
     if interrupted is None and history and step == t.steps:
         log(f"done: loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
             f"eval_loss {eval_loss:.4f}, median {summary['tokens_per_sec'] or 0:,.0f} tok/s, "
-            f"{summary['wall_s']:.0f}s; wrote {out}")
+            + (f"host {host_ms:.2f} ms/step outside the step call, " if host_ms else "")
+            + f"{summary['wall_s']:.0f}s; wrote {out}")
     return summary | {"params": params, "history": history}
+
+
+def _restore(cfg, mesh, ckpt, out, data_path, data, log):
+    """(train state, step, meta) of the latest usable checkpoint, after checking
+    that it belongs to this run (seed, batch size and data fix the data order)."""
+    t, p = cfg.train, cfg.parallel
+    target = abstract_train_state(cfg, mesh)
+    start, params, opt_state, meta = ckpt.restore(target.params, target.opt_state,
+                                                  model=dataclasses.asdict(cfg.model))
+    data_id = _data_id(data_path, data)
+    for key, now in (("seed", t.seed), ("batch_size", t.batch_size), ("data", data_id)):
+        if meta.get(key) != now:
+            raise ValueError(f"--resume: the checkpoint was trained with {key}="
+                             f"{meta.get(key)!r}, this run has {now!r}; the data order "
+                             "depends on it")
+    if "loop" not in meta:
+        raise CheckpointError(f"{out}/checkpoints step {start} was written by an older jaxtp "
+                              "(no loop state in its meta); resume it with that version")
+    changed = {k: (meta["schedule"][k], v) for k, v in _schedule(t).items()
+               if meta.get("schedule", {}).get(k, v) != v}
+    if changed:
+        log(f"warning: --resume with a different schedule: {changed} (saved, now)")
+    log(f"resumed from {out}/checkpoints step {start} (saved at dp={meta['dp']} x "
+        f"tp={meta['tp']}; now dp={p.dp} x tp={p.tp})")
+    return dataclasses.replace(target, params=params, opt_state=opt_state), start, meta
+
+
+def _row(step: int, metrics: dict, loop: dict, speed_fields: dict) -> dict:
+    """A metrics.jsonl row from the step's metrics and the loop's row totals."""
+    return {"step": step,
+            "loss": loop["row_loss"] / loop["row_applied"] if loop["row_applied"] else None,
+            "grad_norm": finite(metrics["grad_norm"]), "lr": float(metrics["lr"]),
+            "skipped": loop["row_skipped"], **speed_fields}
+
+
+def _progress(row: dict, steps: int, dt: float | None, eval_loss: float | None) -> str:
+    return (f"step {row['step']:>5}/{steps} | loss "
+            + (f"{row['loss']:.4f}" if row["loss"] is not None else "-")
+            + " | grad_norm " + (f"{row['grad_norm']:.3f}" if row["grad_norm"] is not None
+                                 else "nan")
+            + f" | lr {row['lr']:.2e} | "
+            + (f"{row['tokens_per_sec']:,.0f} tok/s, {dt * 1e3:.0f} ms/step"
+               if dt else "first step")
+            + (f", MFU {row['mfu']:.1%}" if row["mfu"] else "")
+            + (f" | {row['skipped']} skipped" if row["skipped"] else "")
+            + (f" | eval_loss {eval_loss:.4f}" if eval_loss is not None else ""))
 
 
 def _data_id(path: str | None, data: Dataset) -> str:
