@@ -1,26 +1,31 @@
 #!/usr/bin/env bash
-# GPU benchmark for one NVIDIA GPU; needs only `pip install -e .` on a machine
-# whose jax already has CUDA. About 3-5 minutes on an H100/H200, compilation
-# included (budget: under 8).
+# GPU benchmark for one NVIDIA GPU; needs only `pip install -e ".[test]"` on a
+# machine whose jax already has CUDA. About 5-6 minutes on an H100/H200,
+# compilation included.
 #
-#   1. python -m jaxtp.bench --gpu: the llama-1b preset at tp=1, bf16 compute
-#      (fp32 master weights and Adam), batch 4 x 2048, scanned layers, "dots"
-#      remat, 3 warm-up + 40 timed steps: tokens/s, step time, model TFLOP/s
-#      and MFU against the device's dense bf16 peak; then the attention of
-#      those shapes with jax.nn.dot_product_attention, XLA vs cuDNN.
-#   2. train.py --plan: the llama3-8b preset planned for tp=8 on the roofline
-#      of this GPU model (h200 or h100), on CPU with abstract shapes.
+#   1. the GPU-only tests (tests/test_gpu.py: cuDNN and blockwise attention
+#      against XLA in bf16, three cuDNN train steps against XLA ones);
+#   2. python -m jaxtp.bench --gpu: the llama-1b preset at tp=1, bf16 compute
+#      (fp32 master weights and Adam), batch 8 x 4096, scanned layers, the
+#      "minimal" remat policy, attention=auto (cuDNN flash attention), the
+#      loss in 4096-token chunks, 3 warm-up + 40 timed steps: tokens/s, step
+#      time, model TFLOP/s and MFU against the device's dense bf16 peak; then
+#      4 x 4096 with cuDNN against XLA attention in the step (XLA's does not
+#      fit 8 x 4096: 91 GiB planned); then the attention kernels alone;
+#   3. train.py --plan: the llama3-8b preset planned for tp=8, compiled for
+#      this GPU model (h200 or h100) without using the device.
 #
-# Writes $OUT/bench.json and $OUT/bench.md (the plan appended), and
-# $OUT/plan-llama3-8b-tp8.txt. Extra arguments go to step 1, e.g.
-#   bench/gpu.sh --steps 20 train.batch_size=2
+# Writes $OUT/bench.json and $OUT/bench.md (the plan appended), $OUT/tests.txt
+# and $OUT/plan-llama3-8b-tp8.txt. Extra arguments go to step 2, e.g.
+#   bench/gpu.sh --steps 20 train.batch_size=4
 # (JAXTP_BENCH_ANY_DEVICE=1 runs it without a GPU: a dry run of the script.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 OUT=${OUT:-runs/bench-gpu-$(date +%Y%m%d-%H%M%S)}
-# fp32 master weights + Adam + activations: ~48 GB (CPU memory_analysis of
-# this step); let JAX take more than its default 75% of the device
+mkdir -p "$OUT"
+# planned at 44.6 GiB for an H100 (jaxtp.targets compile): above JAX's
+# default 75% pool on smaller cards; let it take 90%
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 
 KIND=$("$PY" -c 'import jax; d = jax.devices()[0]; print(d.platform, d.device_kind)')
@@ -37,9 +42,12 @@ case "$KIND" in
   *) HW=h100 ;;  # the planner knows h100, h200, tpu-v5p; other GPUs are planned as an H100
 esac
 
+JAXTP_GPU_TESTS=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 \
+  | tee "$OUT/tests.txt" || true
+
 "$PY" -m jaxtp.bench --gpu --gpu-config llama-1b --out "$OUT" "$@"
 
-# planning compiles for fake CPU devices: keep it off the GPU
+# compile-only devices of the GPU model (jaxtp.targets): the device stays free
 JAX_PLATFORMS=cpu "$PY" train.py --config llama3-8b --plan --tp 8 --hardware "$HW" \
   | tee "$OUT/plan-llama3-8b-tp8.txt"
 {
@@ -50,4 +58,4 @@ JAX_PLATFORMS=cpu "$PY" train.py --config llama3-8b --plan --tp 8 --hardware "$H
   cat "$OUT/plan-llama3-8b-tp8.txt"
   echo '```'
 } >> "$OUT/bench.md"
-echo "wrote $OUT/bench.json, $OUT/bench.md"
+echo "wrote $OUT/bench.json, $OUT/bench.md, $OUT/tests.txt"

@@ -1,6 +1,6 @@
 """Benchmarks: what tensor parallelism costs, measured side by side.
 
-    python -m jaxtp.bench [--quick] [--out DIR] [--only impl,tp,compile,collectives,profile]
+    python -m jaxtp.bench [--quick] [--out DIR] [--only impl,tp,compile,...,loop]
     python -m jaxtp.bench --gpu [--gpu-config llama-1b] [--steps 40] [section.key=value ...]
 
 The suite times train steps as *ratios* measured in one process: the variants
@@ -10,7 +10,10 @@ noisy machine then hits both sides alike). Sections: GSPMD vs shard_map at
 the largest tp <= 8 a preset allows; tp in {1, 2, 4, 8} with and without
 sequence parallelism against tp=1; compile time against depth; collectives
 over the tp axis (`jaxtp.bench_collectives`); the share of step time in
-collectives, read from a profiler trace. Each section is printed, and the
+collectives, read from a profiler trace; jaxtp against a plain JAX step of
+the same model (`jaxtp.bench_peer`); blockwise against xla attention as the
+sequence grows; the training loop's host time per step. Each section is
+printed, and the
 report goes to DIR/bench.json and DIR/bench.md (`jaxtp.bench_report`).
 
 On CPU the tp ranks are fake devices sharing the host's cores: the ratios
@@ -38,14 +41,16 @@ from .sharding import ensure_devices, make_mesh, named
 from .train_lib import (abstract_train_state, compile_train_step, init_train_state,
                         step_controls)
 
-SECTIONS = ("impl", "tp", "compile", "collectives", "profile")
-# quick: for CI, about a minute on 2 CPU cores; full: ~8 minutes there
+SECTIONS = ("impl", "tp", "compile", "collectives", "profile", "peer", "attention", "loop")
+# quick: for CI, about a minute on 2 CPU cores; full: ~10 minutes there
 PLANS = {
     "quick": dict(presets=("tiny",), tps=(1, 8), impls=("gspmd",), warmup=1, steps=3,
-                  depths=(2, 8), unscanned=(), payloads=("tiny",), samples=5),
+                  depths=(2, 8), unscanned=(), payloads=("tiny",), samples=5,
+                  attention_seqs=(128,), loop_steps=6, small=("model.n_layers=1",)),
     "full": dict(presets=("tiny", "gpt2-small"), tps=(1, 2, 4, 8), impls=("gspmd", "shard_map"),
                  warmup=2, steps=7, depths=(2, 8, 32), unscanned=(2, 8),
-                 payloads=("tiny", "gpt2-small", "llama-1b"), samples=10),
+                 payloads=("tiny", "gpt2-small", "llama-1b"), samples=10,
+                 attention_seqs=(256, 512, 1024, 2048), loop_steps=60, small=()),
 }
 # A full GPT-2-small step (8 x 1024 tokens) takes minutes on a few CPU cores.
 CPU_REDUCED = {"gpt2-small": ("model.n_layers=2", "train.batch_size=2", "model.seq_len=256")}
@@ -267,6 +272,93 @@ def bench_profile(cache: dict) -> dict:
         rows, notes)
 
 
+def bench_peer(plan: dict) -> dict:
+    """jaxtp's tiny train step at tp=1 against the same model written in plain
+    JAX (`jaxtp.bench_peer`), timed alternately in one process."""
+    from . import bench_peer as bp
+
+    cfg, cut = preset("tiny", "parallel.tp=1", *plan["small"])
+    run = build("jaxtp tiny tp=1", cfg)
+    step, params, opt_state = bp.make_step(cfg)
+    tokens = jax.device_put(np.asarray(run.tokens), jax.devices()[0])
+    state = {"params": params, "opt_state": opt_state}
+
+    class Peer:
+        name = "plain JAX"
+
+        def __call__(self):
+            state["params"], state["opt_state"], loss = step(state["params"],
+                                                             state["opt_state"], tokens)
+            return jax.block_until_ready(loss)
+
+    t = time_alternating([run, Peer()], plan["warmup"], plan["steps"] + 2)
+    ratio, lo, hi = paired_ratio(t, run.name, Peer.name)
+    rows = [{"case": _case("tiny tp=1", cfg, cut), "measured": "train step time, jaxtp / plain "
+             "JAX", "value": ratio, "unit": "ratio", "ratio_min": lo, "ratio_max": hi,
+             "jaxtp_ms": np.median(t[run.name]) * 1e3,
+             "peer_ms": np.median(t[Peer.name]) * 1e3, "attention": run.cfg.model.attention}]
+    return section("peer", "jaxtp against a plain JAX GPT-2 step of the same shape", PAIRED + [
+        ("jaxtp_ms", "jaxtp ms (median)"), ("peer_ms", "plain JAX ms (median)"),
+        ("attention", "jaxtp attention")], rows, [
+        "the peer (jaxtp/bench_peer.py): a dict of arrays, 2-D matmuls, 4-D [B, N, T, S] "
+        "attention, full-vocabulary cross-entropy, optax clip + AdamW; jaxtp adds the "
+        "guarded update, the vocab-parallel loss and its logged gradient norm",
+        "timed alternately in one process; value: median over rounds of the paired ratio"])
+
+
+def bench_attention(plan: dict) -> dict:
+    """The tiny train step with blockwise attention against xla attention, at
+    growing sequence lengths (batch 2), timed alternately."""
+    rows = []
+    for T in plan["attention_seqs"]:
+        runs = []
+        for kernel in ("xla", "blockwise"):
+            cfg, _ = preset("tiny", "parallel.tp=1", f"model.seq_len={T}", "train.batch_size=2",
+                            f"model.attention={kernel}", *plan["small"])
+            runs.append(build(f"T={T} {kernel}", cfg))
+        t = time_alternating(runs, plan["warmup"], plan["steps"])
+        ratio, lo, hi = paired_ratio(t, runs[1].name, runs[0].name)
+        rows.append({"case": f"tiny tp=1 (L={runs[1].cfg.model.n_layers} B=2 T={T}, block "
+                             f"{runs[1].cfg.model.attention_block})",
+                     "measured": "train step time, blockwise / xla", "value": ratio,
+                     "unit": "ratio", "ratio_min": lo, "ratio_max": hi,
+                     "xla_ms": np.median(t[runs[0].name]) * 1e3,
+                     "blockwise_ms": np.median(t[runs[1].name]) * 1e3})
+        del runs
+    return section("attention", "Attention kernels: blockwise against xla", PAIRED + [
+        ("xla_ms", "xla ms (median)"), ("blockwise_ms", "blockwise ms (median)")], rows, [
+        "same parameters' shapes, both compiled in one process and timed alternately; "
+        "< 1: blockwise faster", "model.attention=auto picks blockwise from "
+        "model.seq_len >= 1024 (jaxtp.kernels.BLOCKWISE_FROM_SEQ) where cuDNN is not "
+        "available"])
+
+
+def bench_loop(plan: dict, log=print) -> dict:
+    """The training loop at tp=8: host time per step outside the step call
+    (data, bookkeeping, dispatch of nothing else), from the loop's own record."""
+    import tempfile
+
+    from .trainer import train
+
+    tp = min(8, jax.device_count())
+    n = plan["loop_steps"]
+    cfg, cut = preset("tiny", f"parallel.tp={tp}", f"train.steps={n}", "train.warmup_steps=1",
+                      f"train.log_every={n // 3}", f"train.eval_every={n}",
+                      "train.eval_batches=1", *plan["small"])
+    with tempfile.TemporaryDirectory() as out:
+        summary = train(cfg, out, log=lambda _: None)
+    rows = [{"case": _case(f"tiny tp={tp} gspmd", cfg, cut),
+             "measured": "host time per step outside the step call (median)",
+             "value": summary["host_ms_per_step"], "unit": "ms",
+             "steps": n, "tokens_per_sec": summary["tokens_per_sec"]}]
+    return section("loop", "The training loop: host time per step", RATIO_COLUMNS + [
+        ("steps", "steps"), ("tokens_per_sec", "tokens/s (median)")], rows, [
+        "measured by the loop (jaxtp.trainer) on steps that neither log, evaluate nor save: "
+        "from the top of the iteration to the step call and from its return to the end; "
+        "the key, lr, spike guard and skip counts are computed inside the jitted step; "
+        "the host draws and places the next batch"])
+
+
 def _check_only(only) -> list[str]:
     only = list(only or SECTIONS)
     bad = sorted(set(only) - set(SECTIONS))
@@ -283,7 +375,8 @@ def run_suite(quick: bool = False, only=None, log: Callable[[str], None] = print
     jobs = {"impl": lambda: bench_impl(plan, cache), "tp": lambda: bench_tp(plan, cache),
             "compile": lambda: bench_compile(plan),
             "collectives": lambda: bench_collectives(plan),
-            "profile": lambda: bench_profile(cache)}
+            "profile": lambda: bench_profile(cache), "peer": lambda: bench_peer(plan),
+            "attention": lambda: bench_attention(plan), "loop": lambda: bench_loop(plan)}
     for sid in SECTIONS:
         if sid in only:
             t1 = time.perf_counter()

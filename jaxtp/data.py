@@ -8,9 +8,7 @@ bytes is the validation split.
 
 from __future__ import annotations
 
-import queue
 import sysconfig
-import threading
 from pathlib import Path
 
 import jax
@@ -106,43 +104,3 @@ def to_mesh(batch: np.ndarray, mesh: Mesh) -> jax.Array:
     """
     return global_batch(batch, mesh, named(mesh, "batch", *([None] * (batch.ndim - 1))))
 
-
-class Prefetch:
-    """Iterates (host batch, device batch) pairs, placed on the mesh by a
-    background thread `depth` batches ahead, so the loop's thread only
-    dispatches steps. The order is the iterator's; an error in the thread is
-    raised by `next`."""
-
-    def __init__(self, batches, mesh: Mesh, depth: int = 2):
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._work, args=(batches, mesh), daemon=True)
-        self._thread.start()
-
-    def _work(self, batches, mesh):
-        try:
-            for batch in batches:
-                item = (batch, to_mesh(batch, mesh))
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        pass
-                if self._stop.is_set():
-                    return
-        except BaseException as e:  # handed to the consumer
-            self._queue.put(e)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        item = self._queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)

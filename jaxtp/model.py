@@ -108,9 +108,11 @@ class Transformer(nnx.Module):
         keys = (None if dropout_key is None else jax.random.split(dropout_key, L + 1))
         x_BTD = self.wte(tokens_BT)
         if self.wpe is not None:
-            # on the same (sequence) shard as the token rows, so GSPMD adds
-            # them after the embedding's reduce-scatter, not before it
-            x_BTD = x_BTD + constrain(self.wpe(jnp.arange(T))[None], *residual_axes(self.sp))
+            pos_1TD = self.wpe(jnp.arange(T))[None]
+            if self.sp:  # on the token rows' sequence shard, so GSPMD adds them
+                # after the embedding's reduce-scatter, not before it
+                pos_1TD = constrain(pos_1TD, None, *residual_axes(True)[1:])
+            x_BTD = x_BTD + pos_1TD
         x_BTD = constrain(dropout(x_BTD, self.cfg.dropout, None if keys is None else keys[0]),
                           *residual_axes(self.sp))
         block_fn = _block_fn(self.cfg.remat)

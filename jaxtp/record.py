@@ -46,7 +46,9 @@ def run_record(cfg: Config, mesh, model, hlo_text: str, check: dict | None = Non
         "mesh_device_ids": mesh.device_ids.tolist(),  # [dp][tp]
         "model": {"d_model": m.d_model, "d_ff": m.d_ff, "n_heads": m.n_heads,
                   "n_kv_heads": m.kv_heads, "n_layers": m.n_layers, "vocab_size": m.vocab_size,
-                  "padded_vocab": m.padded_vocab, "style": m.style, "dtype": m.dtype},
+                  "padded_vocab": m.padded_vocab, "style": m.style, "dtype": m.dtype,
+                  "attention": m.attention, "attention_block": m.attention_block,
+                  "remat": m.remat, "loss_chunk": m.loss_chunk},
         "microbatch": {"b": b, "s": m.seq_len, "tokens": b * m.seq_len, "microbatches": M},
         "linear_layouts": linear_layouts(model),
         "collectives_per_layer": per_layer,

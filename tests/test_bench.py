@@ -27,6 +27,7 @@ def _check_sections(report, ids):
             assert set(keys) <= set(row), (s["id"], set(keys) - set(row))
 
 
+@pytest.mark.slow
 def test_quick_suite_end_to_end(tmp_path):
     report = bench.run_suite(quick=True, log=lambda _: None)
     _check_sections(report, bench.SECTIONS)
@@ -105,25 +106,32 @@ def test_collective_names_from_hlo():
 def test_gpu_defaults_are_a_valid_llama_1b_config():
     cfg = gpu_config("llama-1b")
     assert (cfg.model.dtype, cfg.model.scan_layers, cfg.parallel.tp) == ("bfloat16", True, 1)
-    assert (cfg.train.batch_size, cfg.model.seq_len, cfg.model.n_layers) == (4, 2048, 16)
+    assert (cfg.train.batch_size, cfg.model.seq_len, cfg.model.n_layers) == (8, 4096, 16)
+    assert (cfg.model.remat, cfg.model.attention, cfg.model.loss_chunk) == ("minimal", "auto",
+                                                                          4096)
 
 
+@pytest.mark.slow
 def test_gpu_mode_code_path_on_cpu(tmp_path):
     # the GPU defaults (bf16, scanned, remat) on a tiny Llama, one CPU device
     overrides = [*GPU_PRESET_OVERRIDES["llama-1b"], "model.seq_len=64", "train.batch_size=2",
                  "model.n_layers=2"]
     report = gpu_bench(gpu_config("llama-tiny", overrides), steps=2, warmup=1, peak_tflops=1.0,
                        name="llama-tiny", log=lambda _: None)
-    train, attn = report["sections"]
+    train, ab, attn = report["sections"]
     rows = {r["measured"].split(" (")[0]: r for r in train["rows"]}
     for k in ("throughput", "step time", "model TFLOP/s", "MFU", "compile", "loss, last step"):
         assert _positive(rows[k]["value"]), k
     assert rows["MFU"]["value"] == pytest.approx(100 * rows["model TFLOP/s"]["value"] / 1.0)
-    assert report["meta"]["config"]["model"]["remat"] == "dots"
-    xla, cudnn, ratio = attn["rows"]
-    assert _positive(xla["value"])
+    config = report["meta"]["config"]["model"]
+    assert config["remat"] == "minimal" and config["attention"] == "xla"  # auto, resolved
+    assert [r["case"].split("attention=")[1] for r in ab["rows"]] == ["xla"] * 2 + ["xla"] * 2
+    assert all(_positive(r["value"]) for r in ab["rows"])
+    xla, blockwise, cudnn, b_ratio, c_ratio = attn["rows"]
+    assert _positive(xla["value"]) and _positive(blockwise["value"]) and _positive(b_ratio["value"])
     if jax.default_backend() == "cpu":
         assert cudnn["value"] is None and "unavailable" in cudnn["detail"]
+        assert c_ratio["value"] is None
     json_path, _ = bench.write_report(report, tmp_path)
     assert json.loads(json_path.read_text())["meta"]["mode"] == "gpu"
 

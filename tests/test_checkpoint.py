@@ -95,6 +95,9 @@ def test_tp8_restores_exactly_into_other_layouts(tmp_path, gpt2_tp8, model, layo
     ckpt.close()
 
 
+test_tp8_restores_exactly_into_other_layouts.fast_cases = set()
+
+
 def test_keep_prunes_to_the_last_steps(tmp_path, gpt2_tp8):
     params, opt_state, _ = gpt2_tp8
     ckpt = Checkpointer(tmp_path, keep=2, async_save=False)
@@ -199,6 +202,9 @@ def test_corrupt_latest_step_falls_back(tmp_path, gpt2_tp8, damage, reason):
     assert step == 2
     check_restored(p, o, target, values)
     ckpt.close()
+
+
+test_corrupt_latest_step_falls_back.fast_cases = set()
 
 
 def test_only_step_corrupt_raises(tmp_path, gpt2_tp8):

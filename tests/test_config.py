@@ -143,6 +143,7 @@ def test_cli_rejects_bad_input_before_compiling(argv, match, tmp_path, capsys):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_cli_trains_and_writes_run_files(tmp_path, capsys):
     out = tmp_path / "run"
     argv = ["--tp", "2", "--steps", "4", "--out", str(out), "model.n_layers=1",

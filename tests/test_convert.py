@@ -120,6 +120,9 @@ def test_load_hf_logits_match_an_hf_layout_reference(checkpoint, tp, impl):
     np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
 
 
+test_load_hf_logits_match_an_hf_layout_reference.fast_cases = {'8-shard_map'}
+
+
 def test_save_then_load_is_identical_at_tp1_and_tp8(checkpoint, tmp_path):
     path, tensors, _, _ = checkpoint
     saved = tmp_path / "saved"
@@ -136,6 +139,7 @@ def test_save_then_load_is_identical_at_tp1_and_tp8(checkpoint, tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow
 def test_scanned_layers_load_and_save(checkpoint, tmp_path):
     """The per-layer HF tensors stack onto the scanned layout and back."""
     path, tensors, tokens, want = checkpoint
@@ -190,6 +194,7 @@ def test_llama31_rope_scaling_and_transformers5_config(tmp_path, checkpoint):
     assert load_hf(tmp_path / "back").cfg == model.cfg
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hf", [HF, HF_LLAMA31], ids=["plain", "llama3-rope"])
 def test_transformers_agrees(checkpoint, hf, tmp_path):
     """Only where torch and transformers are installed (never downloaded by CI)."""
@@ -205,6 +210,7 @@ def test_transformers_agrees(checkpoint, hf, tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # measured 4.1e-6
 
 
+@pytest.mark.slow
 def test_fine_tune_from_hf(checkpoint, tmp_path):
     """train.py --init-from-hf starts from the checkpoint: its step-1 loss is
     the loaded model's loss on the same first batch."""

@@ -69,6 +69,10 @@ def test_every_weight_has_its_layers_sharding(model, tp):
     assert seen == per_block * model.n_layers + 2  # + embedding and LM head
 
 
+test_every_weight_has_its_layers_sharding.fast_cases = set()
+
+
+@pytest.mark.slow
 def test_replicated_kv_costs_the_full_projection_per_device():
     """With 4 kv heads at tp=8 every device holds all of W_kv (2*D*K*H floats)
     but only 1/8 of W_q; at tp=4 W_kv is split like W_q."""

@@ -71,6 +71,9 @@ def test_module_matches_gspmd_and_reference(name, tp, style):
     np.testing.assert_allclose(y_sm, y_g, rtol=RTOL, atol=ATOL)
 
 
+test_module_matches_gspmd_and_reference.fast_cases = {'8-attention-llama', '8-mlp-gpt2'}
+
+
 # --- f and g against hand-derived gradients ---------------------------------
 # y = (x A) B with A: [D, F] column-parallel and B: [F, D] row-parallel;
 # L = sum(y * C). Then dL/dx = C B^T A^T, dL/dA = x^T C B^T, dL/dB = (x A)^T C.

@@ -88,6 +88,9 @@ def test_matches_single_device_reference(variant, tp, impl):
     assert_trees_close(grads, ref_grads)
 
 
+test_matches_single_device_reference.fast_cases = {'llama-gqa-8-shard_map', 'gpt2-8-gspmd'}
+
+
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
 @pytest.mark.parametrize("tp", [2, 4, 8])
 @pytest.mark.parametrize("variant", ["gpt2", "llama-gqa"])
@@ -98,6 +101,9 @@ def test_sequence_parallel_matches_single_device_reference(variant, tp, impl):
     _, _, loss, grads, _ = run_model(make_cfg(tp, impl, model=VARIANTS[variant], sp=True))
     np.testing.assert_allclose(loss, ref_l, rtol=RTOL, atol=ATOL)
     assert_trees_close(grads, ref_grads)
+
+
+test_sequence_parallel_matches_single_device_reference.fast_cases = {'llama-gqa-8-gspmd'}
 
 
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
@@ -117,6 +123,9 @@ def test_untied_head_no_bias_dropout_keys(impl):
     np.testing.assert_array_equal(a, b)
     assert not np.allclose(a, c)  # a different key drops different units
     assert not np.allclose(a, logits)
+
+
+test_untied_head_no_bias_dropout_keys.fast_cases = set()
 
 
 def test_sequence_longer_than_model_is_rejected():
@@ -140,3 +149,42 @@ def test_dropout_masks_do_not_depend_on_tp(impl):
             out.append(np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(
                 t, dropout_key=jax.random.key(7)))(params, toks)))
     np.testing.assert_allclose(out[1], out[0], rtol=RTOL, atol=ATOL)
+
+
+test_dropout_masks_do_not_depend_on_tp.fast_cases = set()
+
+
+# --- attention kernels and the chunked loss inside the whole model -----------
+BLOCKWISE = dataclasses.replace(VARIANTS["llama-gqa"], attention="blockwise",
+                                attention_block=6)  # T=16: 3 blocks, the last padded
+
+
+@pytest.mark.parametrize("tp, sp, impl", [
+    (1, False, "gspmd"), (2, True, "gspmd"), (2, False, "shard_map"), (8, False, "gspmd"),
+    (8, True, "shard_map")])
+def test_blockwise_attention_in_the_model_matches_the_reference(tp, sp, impl):
+    """Heads split over tp (kv sharded at tp=2, replicated at tp=8), with and
+    without SP: the logits, the loss and every gradient as on one device."""
+    ref_params, ref_logits, ref_l, ref_grads = reference("llama-gqa")
+    params, logits, loss, grads, _ = run_model(make_cfg(tp, impl, model=BLOCKWISE, sp=sp))
+    np.testing.assert_allclose(logits, ref_logits, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(loss, ref_l, rtol=RTOL, atol=ATOL)
+    assert_trees_close(grads, ref_grads)
+
+
+test_blockwise_attention_in_the_model_matches_the_reference.fast_cases = {'8-True-shard_map'}
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("tp", [1, 8])
+def test_chunked_loss_matches_the_reference(tp, impl):
+    """loss_chunk=24 tokens of 4 rows: chunks of 6 positions, T=16 padded to 18
+    (24 does not divide the 64 tokens): the same loss and every gradient."""
+    model = dataclasses.replace(VARIANTS["gpt2"], loss_chunk=24)
+    _, _, ref_l, ref_grads = reference("gpt2")
+    _, _, loss, grads, _ = run_model(make_cfg(tp, impl, model=model))
+    np.testing.assert_allclose(loss, ref_l, rtol=RTOL, atol=ATOL)
+    assert_trees_close(grads, ref_grads)
+
+
+test_chunked_loss_matches_the_reference.fast_cases = {'8-shard_map'}

@@ -27,6 +27,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+
+pytestmark = pytest.mark.slow  # processes of their own: tens of seconds each
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import multihost_worker

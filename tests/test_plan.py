@@ -2,6 +2,7 @@
 counts derived by hand."""
 
 import dataclasses
+import importlib.util
 
 import pytest
 
@@ -34,6 +35,10 @@ def test_sequence_parallelism_shrinks_activations_and_redundancy(impl):
     assert plain["memory"]["params"] == sp["memory"]["params"] < one["memory"]["params"] / 4
 
 
+test_sequence_parallelism_shrinks_activations_and_redundancy.fast_cases = set()
+
+
+@pytest.mark.slow
 def test_llama3_8b_at_tp8_matches_the_analytic_parameter_count():
     """Compiles the 8B step on fake devices without allocating it (~15 s)."""
     cfg = apply_overrides(load_config("llama3-8b"), ["parallel.tp=8", "train.batch_size=1",
@@ -51,6 +56,7 @@ def test_llama3_8b_at_tp8_matches_the_analytic_parameter_count():
     assert args <= r["memory"]["arguments"] <= args + 1024  # + the dropout key
 
 
+@pytest.mark.slow
 def test_plan_cli_prints_the_table(capsys):
     import train
 
@@ -61,3 +67,93 @@ def test_plan_cli_prints_the_table(capsys):
     assert "attention dropout" in out and "SwiGLU" in out  # which Korthikanti terms apply
     row = next(line.split() for line in out.splitlines() if line.strip().startswith("8 "))
     assert row[-1] == "communication"  # F/tp = 352/8 = 44, far below C/W
+
+
+@pytest.mark.slow
+def test_plan_out_writes_plan_json_with_the_verdict(tmp_path, capsys):
+    """--plan --out DIR: one object per tp with the table's fields, the memory
+    total in bytes and whether it fits the target (llama3-8b's fp32 weights
+    and Adam state alone, 90 GiB, do not fit one H100)."""
+    import json
+
+    import train
+    from jaxtp.targets import TARGETS
+
+    assert train.main(["--config", "llama3-8b", "--plan", "--tp", "1", "--out", str(tmp_path),
+                       "model.seq_len=256", "train.batch_size=1"]) == 0
+    out = capsys.readouterr().out
+    (row,) = json.loads((tmp_path / "plan.json").read_text())
+    assert row["tp"] == 1 and row["target"] == "h100" and row["remat"] == "minimal"
+    assert row["attention"] == "xla"  # auto on CPU at 256 positions
+    assert row["memory"]["total"] > row["memory"]["params"] + row["memory"]["optimizer"]
+    assert row["fits"] is False and row["memory"]["total"] > TARGETS["h100"].memory
+    assert "tp=1" in out and "does not fit" in out and "compiled for CPU" in out
+
+
+@pytest.mark.slow
+def test_llama3_8b_done_criterion_fits_64_gib_on_the_cpu_plan():
+    """The issue's target: llama3-8b at tp=8, SP, bf16, blockwise attention,
+    minimal remat, batch 8 x 8192: at most 64 GiB per device on the CPU plan
+    (measured 61.7; the H100 compile 39.1)."""
+    cfg = apply_overrides(load_config("llama3-8b"), [
+        "parallel.tp=8", "parallel.sp=true", "model.attention=blockwise",
+        "model.remat=minimal"])
+    r = analyze(cfg)
+    assert r["memory"]["total"] <= 64 * 2**30 and r["attention"] == "blockwise"
+
+
+@pytest.mark.slow
+def test_blockwise_keeps_a_quarter_of_xla_temporaries_for_llama_1b_at_8192():
+    """llama-1b, seq 8192, batch 1, tp=8, every activation kept (remat none),
+    on abstract shapes: the XLA kernel's [B, N/tp, T, T] scores and
+    probabilities dominate; blockwise holds at most 1/4 of its temporaries.
+    (With the preset's minimal remat the scores live one layer at a time:
+    2.5 against 5.4 GB.)"""
+    temps = {}
+    for kernel in ("xla", "blockwise"):
+        cfg = apply_overrides(load_config("llama-1b"), [
+            "parallel.tp=8", "model.seq_len=8192", "train.batch_size=1",
+            "model.remat=none", f"model.attention={kernel}"])
+        temps[kernel] = analyze(cfg)["memory"]["temporaries"]
+    assert temps["blockwise"] <= temps["xla"] / 4, temps
+
+
+@pytest.mark.slow
+def test_remat_policies_keep_less_in_the_order_they_promise():
+    """Temporaries of one compiled step (memory_analysis), scanned blocks:
+    none keeps every activation, dots the weight-matmul outputs, minimal the
+    named projections (in this model the same tensors as dots), full only
+    each block's input and the reduced attention output."""
+    temps = {}
+    for remat in ("none", "dots", "minimal", "full"):
+        cfg = apply_overrides(load_config("llama-tiny"), [
+            "model.seq_len=512", "model.d_model=256", "train.batch_size=4",
+            "model.scan_layers=true", f"model.remat={remat}"])
+        temps[remat] = analyze(cfg)["memory"]["temporaries"]
+    assert temps["none"] > temps["dots"] >= temps["minimal"] > temps["full"], temps
+
+
+CUDA = importlib.util.find_spec("jax_cuda12_plugin") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CUDA, reason="the CUDA plugin is installed: --hardware h100 compiles")
+def test_hardware_without_its_compiler_plans_on_cpu_and_says_so(capsys):
+    import train
+
+    assert train.main(["--config", "llama-tiny", "--plan", "--tp", "2", "--hardware",
+                       "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "cannot compile for h100 here" in out and 'pip install "jax[cuda12]"' in out
+    assert "compiled for cpu" in out
+
+
+@pytest.mark.skipif(not CUDA, reason="the CUDA plugin (pip install 'jax[cuda12]') is not "
+                    "installed: cannot compile for an H100 here")
+def test_hardware_h100_compiles_for_the_gpu_without_one(capsys):
+    import train
+
+    assert train.main(["--config", "llama-tiny", "--plan", "--tp", "8", "--bf16",
+                       "--hardware", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "compiled for gpu (NVIDIA H100 80GB HBM3)" in out and "attention=cudnn" in out

@@ -67,6 +67,10 @@ def test_dp2_tp4_and_fsdp_equal_one_device(model, impl):
     assert_same(loss_and_grads(cfg_of(model, dp=2, tp=4, impl=impl, fsdp=True)), ref)
 
 
+test_dp2_tp4_and_fsdp_equal_one_device.fast_cases = {'llama-gqa-shard_map'}
+
+
+@pytest.mark.slow
 def test_grad_norm_and_update_at_dp_tp_fsdp_equal_one_device():
     """The one-all-reduce gradient norm (weights 1/size over unsplit axes) and
     the clipped AdamW step, against one device."""
@@ -94,6 +98,7 @@ def test_fsdp_splits_parameters_and_adam_state_over_dp():
     assert norm.addressable_shards[0].data.shape == (32 // 2,)
 
 
+@pytest.mark.slow
 def test_four_microbatches_equal_one_batch():
     values = host_values(cfg_of())
     ref = loss_and_grads(cfg_of(), values)
@@ -101,7 +106,7 @@ def test_four_microbatches_equal_one_batch():
     assert_same(loss_and_grads(cfg_of(dp=2, tp=2, microbatches=2, fsdp=True), values), ref)
 
 
-@pytest.mark.parametrize("remat", ["none", "full", "dots"])
+@pytest.mark.parametrize("remat", ["none", "full", "dots", "minimal"])
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
 def test_scanned_stack_equals_unscanned(impl, remat):
     """Same parameters, stacked on a layer axis: same loss and every gradient,
@@ -120,6 +125,9 @@ def test_scanned_stack_equals_unscanned(impl, remat):
         else:
             unstacked[k] = g
     assert_same((loss, unstacked), ref)
+
+
+test_scanned_stack_equals_unscanned.fast_cases = set()
 
 
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
@@ -142,6 +150,9 @@ def test_scanned_collectives_per_layer_and_compile_time(impl):
     print(f"\ncompile time, scanned, {impl}: 2 layers {times[2]:.1f}s, 8 layers {times[8]:.1f}s")
 
 
+test_scanned_collectives_per_layer_and_compile_time.fast_cases = set()
+
+
 def run(cfg, n, controls):
     mesh = make_mesh(cfg.parallel.dp, cfg.parallel.tp)
     state = init_train_state(cfg, mesh)
@@ -154,6 +165,7 @@ def run(cfg, n, controls):
     return out
 
 
+@pytest.mark.slow
 def test_nan_gradient_skips_exactly_that_step():
     cfg = cfg_of(tp=4, warmup_steps=0)
     steps = run(cfg, 4, lambda s: step_controls(grad_scale=np.nan if s == 3 else 1.0))
@@ -166,6 +178,7 @@ def test_nan_gradient_skips_exactly_that_step():
     assert np.isnan(steps[2][1]["grad_norm"]) and np.isfinite(steps[2][1]["loss"])
 
 
+@pytest.mark.slow
 def test_spike_guard_skips_a_loss_above_the_limit():
     cfg = cfg_of(tp=2, warmup_steps=0)
     steps = run(cfg, 2, lambda s: step_controls(max_loss=1.0 if s == 2 else np.inf))
@@ -175,6 +188,7 @@ def test_spike_guard_skips_a_loss_above_the_limit():
                                                      jax.tree.leaves(steps[0][0])))
 
 
+@pytest.mark.slow
 def test_mixed_precision_keeps_fp32_master_weights_and_loss():
     """bf16 compute: parameters, Adam moments and the loss stay fp32; the
     bf16 loss is the fp32 one to bf16 accuracy (8 mantissa bits over 2
@@ -196,6 +210,7 @@ def test_mixed_precision_keeps_fp32_master_weights_and_loss():
     assert not bool(metrics["skipped"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [MODEL, GQA], ids=["gpt2", "llama-gqa"])
 def test_dp_gradient_collectives_are_in_the_budget(model):
     """dp=2 x tp=4: the tp budget per dp rank (b = B/dp) plus the dp rows: one

@@ -66,6 +66,7 @@ def final_params(out: Path, step: int) -> dict:
     return {keystr(k): np.asarray(v) for k, v in tree_flatten_with_path((params, opt))[0]}
 
 
+@pytest.mark.slow
 def test_resume_in_a_new_process_is_bit_identical(tmp_path):
     a, b = tmp_path / "straight", tmp_path / "split"
     r = cli("--tp", "4", "--steps", "8", "--out", str(a))
@@ -83,6 +84,7 @@ def test_resume_in_a_new_process_is_bit_identical(tmp_path):
         assert np.array_equal(pa[k], pb[k]), k
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_that_resumes(tmp_path):
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
@@ -109,6 +111,7 @@ def test_sigterm_saves_a_checkpoint_that_resumes(tmp_path):
     assert [x["step"] for x in rows(out)] == list(range(1, step + 3))
 
 
+@pytest.mark.slow
 def test_nan_steps_are_skipped_logged_and_too_many_stop_the_run(tmp_path):
     cfg = Config(ModelConfig(n_layers=1, d_model=32, n_heads=4, d_ff=64, seq_len=16),
                  TrainConfig(steps=8, batch_size=8, warmup_steps=0, log_every=1,

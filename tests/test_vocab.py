@@ -48,6 +48,9 @@ def test_loss_is_the_unsharded_cross_entropy_and_ignores_padding(tp, impl):
     np.testing.assert_allclose(logits, x @ table[: CFG.vocab_size].T, rtol=1e-5, atol=1e-5)
 
 
+test_loss_is_the_unsharded_cross_entropy_and_ignores_padding.fast_cases = {'8-shard_map', '8-gspmd'}
+
+
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
 @pytest.mark.parametrize("tp", [1, 8])
 def test_lookup_and_untouched_rows_get_exactly_zero_gradient(tp, impl):
@@ -65,3 +68,6 @@ def test_lookup_and_untouched_rows_get_exactly_zero_gradient(tp, impl):
     untouched = np.setdiff1d(np.arange(len(table)), ids)
     assert np.all(grad[untouched] == 0.0)  # exactly, not approximately
     np.testing.assert_allclose(grad, want, rtol=1e-6, atol=1e-7)
+
+
+test_lookup_and_untouched_rows_get_exactly_zero_gradient.fast_cases = {'8-shard_map'}
