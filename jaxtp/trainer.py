@@ -241,29 +241,23 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
                     log(f"check against one device after step {step}: " + ", ".join(
                         f"{k} {v:.2e}" for k, v in record["check"].items()
                         if k != "after_step"))
-                if row_step:  # the host waits for the device only here
-                    host, state_now = jax.device_get(metrics), loop.to_json()
+                # the host waits for the device only on rows and checkpoints
+                state_now = loop.to_json() if row_step or ckpt_step else None
+                if row_step and state_now["row_skipped"]:
+                    log(f"step {state_now['skip_step']}: skipped (loss "
+                        f"{state_now['skip_loss']:.4g}, grad_norm "
+                        f"{state_now['skip_grad_norm']:.4g}): parameters and optimizer state "
+                        f"unchanged [{state_now['row_skipped']} skipped since the last row; "
+                        f"{state_now['in_a_row']} in a row of max {t.max_skipped_steps}]")
+                if state_now and state_now["stop_at"]:
+                    _stop(state_now, t, out, save, ckpt)
+                if row_step:
+                    host = jax.device_get(metrics)
                     is_eval = step % t.eval_every == 0 or step == t.steps
                     timed = step > 1 and step - 1 != start  # not the first step run
                     dt = (time.perf_counter() - t_last) / (step - last_logged) if timed else None
                     row = _row(step, host, state_now, speed(
                         dt, tokens_per_step, flops_per_token, mesh.size, peak))
-                    if state_now["row_skipped"]:
-                        log(f"step {state_now['skip_step']}: skipped (loss "
-                            f"{state_now['skip_loss']:.4g}, grad_norm "
-                            f"{state_now['skip_grad_norm']:.4g}): parameters and optimizer "
-                            f"state unchanged [{state_now['row_skipped']} skipped since the "
-                            f"last row; {state_now['in_a_row']} in a row of max "
-                            f"{t.max_skipped_steps}]")
-                    if state_now["stop_at"]:
-                        save(state_now["stop_at"], state_now)
-                        ckpt.wait()
-                        raise TrainingStopped(
-                            f"stopping at step {state_now['stop_at']}: "
-                            f"{t.max_skipped_steps} steps in a row had a non-finite or "
-                            "spiking loss/gradient (train.max_skipped_steps="
-                            f"{t.max_skipped_steps}); the last good state is checkpointed "
-                            f"in {out}/checkpoints as step {state_now['stop_at']}")
                     if is_eval:
                         eval_loss = row["eval_loss"] = evaluate(eval_step, params, eval_set,
                                                                 mesh)
@@ -276,7 +270,7 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
                     last_logged = step
                     t_last = time.perf_counter()  # eval time is not counted in tok/s
                 if ckpt_step:
-                    save(step, loop.to_json())
+                    save(step, state_now)
                 stop = signals.received is not None
                 if multi and not (row_step or ckpt_step):
                     stop = False  # processes agree on a stop at rows: one host allgather
@@ -319,6 +313,18 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None,
             + (f"host {host_ms:.2f} ms/step outside the step call, " if host_ms else "")
             + f"{summary['wall_s']:.0f}s; wrote {out}")
     return summary | {"params": params, "history": history}
+
+
+def _stop(loop: dict, t, out: Path, save, ckpt) -> None:
+    """train.max_skipped_steps in a row: save the state of the step that
+    reached it (the steps dispatched after it changed nothing) and stop."""
+    at = loop["stop_at"]
+    save(at, loop)
+    ckpt.wait()
+    raise TrainingStopped(
+        f"stopping at step {at}: {t.max_skipped_steps} steps in a row had a non-finite or "
+        f"spiking loss/gradient (train.max_skipped_steps={t.max_skipped_steps}); the last "
+        f"good state is checkpointed in {out}/checkpoints as step {at}")
 
 
 def _restore(cfg, mesh, ckpt, out, data_path, data, log):
