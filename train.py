@@ -14,8 +14,7 @@ import time
 
 from jaxtp.config import (ATTENTIONS, IMPLS, REMATS, Config, apply_overrides, load_config,
                           preset_names, validate)
-
-HARDWARE = ("h100", "h200", "tpu-v5p")  # jaxtp.targets.TARGETS
+from jaxtp.train.metrics import HARDWARE, TARGET_NAMES
 
 
 def _steps(text: str) -> set[int]:
@@ -99,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="no training: compile the train step at tp in {1,2,4,8} (or --tp) on "
                          "abstract shapes and print per-device memory, collectives, flops, "
                          "redundancy and whether tp is compute- or communication-bound")
-    ap.add_argument("--hardware", choices=HARDWARE,
+    ap.add_argument("--hardware", choices=TARGET_NAMES,
                     help="--plan and --compare-hlo: compile for this accelerator without "
                          "having it, where its compiler is installed (jax[cuda12] or "
                          "jax[tpu]), else plan on CPU; --plan's memory verdict and roofline "
@@ -115,7 +114,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def resolve_config(args: argparse.Namespace) -> Config:
     cfg = load_config(args.config)
     if args.init_from_hf:
-        from jaxtp.convert import hf_model_config
+        from jaxtp.hf import hf_model_config
 
         cfg = dataclasses.replace(cfg, model=hf_model_config(args.init_from_hf))
     flags = {"parallel.tp": args.tp, "parallel.dp": args.dp, "parallel.impl": args.impl,
@@ -137,25 +136,45 @@ def main(argv=None) -> int:
     except (ValueError, OSError, KeyError, ImportError) as e:  # ConfigError is a ValueError
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    if args.hardware in ("h100", "h200"):
-        # compiling for a GPU this machine lacks: the CUDA plugin must not insist
-        # on finding one when JAX starts (jaxtp.targets)
-        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    if args.hardware and not (args.plan or args.compare_hlo):
-        print("error: --hardware applies to --plan and --compare-hlo", file=sys.stderr)
+    refusal = start_jax(args, cfg)
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
         return 2
+    from jaxtp.analysis.targets import TargetUnavailable
+    from jaxtp.train.checkpoint import CheckpointError
+    from jaxtp.train.loop import TrainingStopped
+
+    try:
+        if args.plan:
+            return plan(args, cfg)
+        if args.compare_hlo:
+            return compare(args, cfg)
+        return run(args, cfg)
+    except (TrainingStopped, CheckpointError, TargetUnavailable) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError, KeyError, ImportError) as e:  # before compiling
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def start_jax(args, cfg: Config) -> str | None:
+    """Start JAX as the run needs it (fake CPU devices, or jax.distributed for
+    several processes); the reason to refuse the run, or None."""
+    p = cfg.parallel
+    if args.hardware and not (args.plan or args.compare_hlo):
+        return "--hardware applies to --plan and --compare-hlo"
+    if args.compare_hlo and (p.fsdp or cfg.train.microbatches > 1):
+        return ("--compare-hlo budgets the step of one batch without FSDP; drop --fsdp and "
+                "use train.microbatches=1 (FSDP's gathers are not budgeted)")
+    if args.hardware and HARDWARE[args.hardware].platform == "cuda":
+        # compiling for a GPU this machine lacks: the CUDA plugin must not insist
+        # on finding one when JAX starts (jaxtp.analysis.targets)
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     import jax
 
-    from jaxtp.manual import BF16_CPU_SHARD_MAP
-    from jaxtp.sharding import ensure_devices
+    from jaxtp.parallel import BF16_CPU_SHARD_MAP, distributed, ensure_devices
 
-    from jaxtp import distributed
-
-    p = cfg.parallel
-    if args.compare_hlo and (p.fsdp or cfg.train.microbatches > 1):
-        print("error: --compare-hlo budgets the step of one batch without FSDP; drop --fsdp "
-              "and use train.microbatches=1 (FSDP's gathers are not budgeted)", file=sys.stderr)
-        return 2
     # flags, JAX's environment variables or a launcher (srun, mpirun) make a multi-process run
     try:
         multi, n = distributed.requested(args.coordinator, args.num_processes, args.process_id)
@@ -167,63 +186,64 @@ def main(argv=None) -> int:
             print(ensure_devices(args.local_devices or
                                  p.dp * (max(p.tp, 8) if args.plan else p.tp)))
     except (ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return str(e)
     uses_shard_map = p.impl == "shard_map" or args.compare_hlo
     on_cpu = jax.default_backend() == "cpu" and not args.hardware
     if uses_shard_map and cfg.model.dtype == "bfloat16" and on_cpu:
-        print(f"error: {BF16_CPU_SHARD_MAP}", file=sys.stderr)
-        return 2
-    from jaxtp.checkpoint import CheckpointError
-    from jaxtp.targets import TargetUnavailable
-    from jaxtp.trainer import TrainingStopped
+        return BF16_CPU_SHARD_MAP
+    return None
 
-    out = args.out or (f"runs/{args.config.split('/')[-1].removesuffix('.json')}"
-                       f"-dp{p.dp}-tp{p.tp}-{time.strftime('%Y%m%d-%H%M%S')}")
-    try:
-        if args.plan:
-            from jaxtp.plan import plan
 
-            plan(cfg, [args.tp] if args.tp else [1, 2, 4, 8], args.hardware or "h100",
-                 compile_for_target=args.hardware is not None,
-                 out_dir=args.out)
-            return 0
-        if args.compare_hlo:
-            from jaxtp.compare import compare_hlo
+def plan(args, cfg: Config) -> int:
+    from jaxtp.analysis.plan import plan
 
-            mesh = None
-            if args.hardware:
-                from jaxtp.targets import target_mesh
-
-                mesh = target_mesh(args.hardware, p.dp, p.tp)  # or TargetUnavailable
-            return 0 if compare_hlo(cfg, out, mesh=mesh)["ok"] else 1
-        from jaxtp.trainer import train
-
-        init = None
-        if args.init_from_hf:
-            from jaxtp.convert import read_hf
-
-            init = read_hf(args.init_from_hf, **dataclasses.asdict(cfg.model))[1]
-        if args.resume and not args.out:
-            raise ValueError("--resume needs --out: the run directory to continue")
-        summary = train(cfg, out, data_path=args.data, check=args.check, init_params=init,
-                        resume=args.resume, inject_nan_at=args.inject_nan_at,
-                        peak_tflops=args.peak_tflops, tensorboard=args.tensorboard,
-                        until=args.until)
-        if jax.process_index() != 0:
-            pass  # process 0 reports
-        elif summary["interrupted"]:
-            print(f"stopped by {summary['interrupted']} after step {summary['last_step']}")
-        elif not summary["finished"]:
-            print(f"stopped after step {summary['last_step']} (--until); continue with "
-                  f"--resume --out {out}")
-    except (TrainingStopped, CheckpointError, TargetUnavailable) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except (ValueError, OSError, KeyError, ImportError) as e:  # before compiling
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    plan(cfg, [args.tp] if args.tp else [1, 2, 4, 8], args.hardware or "h100",
+         compile_for_target=args.hardware is not None, out_dir=args.out)
     return 0
+
+
+def compare(args, cfg: Config) -> int:
+    from jaxtp.analysis.compare import compare_hlo
+
+    p, mesh = cfg.parallel, None
+    if args.hardware:
+        from jaxtp.analysis.targets import target_mesh
+
+        mesh = target_mesh(args.hardware, p.dp, p.tp)  # or TargetUnavailable
+    return 0 if compare_hlo(cfg, default_out(args, cfg), mesh=mesh)["ok"] else 1
+
+
+def run(args, cfg: Config) -> int:
+    import jax
+
+    from jaxtp.train.loop import train
+
+    init = None
+    if args.init_from_hf:
+        from jaxtp.hf import read_hf
+
+        init = read_hf(args.init_from_hf, **dataclasses.asdict(cfg.model))[1]
+    if args.resume and not args.out:
+        raise ValueError("--resume needs --out: the run directory to continue")
+    out = default_out(args, cfg)
+    summary = train(cfg, out, data_path=args.data, check=args.check, init_params=init,
+                    resume=args.resume, inject_nan_at=args.inject_nan_at,
+                    peak_tflops=args.peak_tflops, tensorboard=args.tensorboard,
+                    until=args.until)
+    if jax.process_index() != 0:
+        pass  # process 0 reports
+    elif summary["interrupted"]:
+        print(f"stopped by {summary['interrupted']} after step {summary['last_step']}")
+    elif not summary["finished"]:
+        print(f"stopped after step {summary['last_step']} (--until); continue with "
+              f"--resume --out {out}")
+    return 0
+
+
+def default_out(args, cfg: Config) -> str:
+    p = cfg.parallel
+    return args.out or (f"runs/{args.config.split('/')[-1].removesuffix('.json')}"
+                        f"-dp{p.dp}-tp{p.tp}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 OUT=${OUT:-runs/bench-gpu-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
-# planned at 44.6 GiB for an H100 (jaxtp.targets compile): above JAX's
+# planned at 44.6 GiB for an H100 (jaxtp.analysis.targets compile): above JAX's
 # default 75% pool on smaller cards; let it take 90%
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 
@@ -47,7 +47,7 @@ JAXTP_GPU_TESTS=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 
 
 "$PY" -m jaxtp.bench --gpu --gpu-config llama-1b --out "$OUT" "$@"
 
-# compile-only devices of the GPU model (jaxtp.targets): the device stays free
+# compile-only devices of the GPU model (jaxtp.analysis.targets): the device stays free
 JAX_PLATFORMS=cpu "$PY" train.py --config llama3-8b --plan --tp 8 --hardware "$HW" \
   | tee "$OUT/plan-llama3-8b-tp8.txt"
 {

@@ -1,22 +1,38 @@
-"""jaxtp: Megatron-style tensor parallelism in JAX/Flax NNX, with proof from HLO."""
+"""jaxtp: Megatron-style tensor parallelism in JAX/Flax NNX, with proof from HLO.
 
-from . import comm, hlo
-from .config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, load_config
-from .layers import ColumnParallelLinear, Embed, LayerNorm, RMSNorm, RowParallelLinear
-from .attention import Attention
-from .mlp import MLP
-from .model import Block, Transformer, stack_layers, unstack_layers
-from .sharding import RULES, constrain, make_mesh, spec
-from .train_lib import (abstract_train_state, compile_train_step, grads_of, init_train_state,
-                        loss_fn, make_eval_step, make_optimizer, make_train_step,
-                        step_controls)
-from .vocab import VocabEmbed
+    config.py   frozen dataclasses, presets, overrides, validation
+    parallel/   the mesh and Layout; f, g and regions per impl; multi-process start-up
+    model/      layers, attention and its kernels, MLP, vocab-parallel embedding, Transformer
+    train/      optimizer, state, jitted steps, the loop, checkpoints, data, metrics, run record
+    analysis/   the communication budget, --compare-hlo, the planner, compile-only targets
+    hlo.py      collectives read from compiled HLO text
+    hf.py       Hugging Face Llama checkpoints in and out
+    bench/      the benchmark suite (python -m jaxtp.bench)
 
-__all__ = [
-    "Config", "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "load_config",
-    "ColumnParallelLinear", "RowParallelLinear", "Embed", "LayerNorm", "RMSNorm", "Attention", "MLP",
-    "Block", "Transformer", "RULES", "constrain", "make_mesh", "spec",
-    "init_train_state", "abstract_train_state", "compile_train_step", "loss_fn",
-    "make_eval_step", "make_optimizer", "make_train_step", "step_controls", "grads_of",
-    "stack_layers", "unstack_layers", "VocabEmbed", "comm", "hlo",
-]
+Importing jaxtp (or jaxtp.config) loads nothing else; the names below load
+their module on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Config": "config", "ConfigError": "config", "ModelConfig": "config",
+    "ParallelConfig": "config", "TrainConfig": "config", "load_config": "config",
+    "Layout": "parallel", "make_mesh": "parallel", "constrain": "parallel", "spec": "parallel",
+    "Transformer": "model", "Block": "model", "stack_layers": "model",
+    "unstack_layers": "model", "init_train_state": "train.state",
+    "abstract_train_state": "train.state", "make_optimizer": "train.optim",
+    "make_train_step": "train.step", "compile_train_step": "train.step",
+    "make_eval_step": "train.step", "loss_fn": "train.step", "grads_of": "train.step",
+    "step_controls": "train.step",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'jaxtp' has no attribute {name!r}")

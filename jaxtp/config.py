@@ -18,8 +18,8 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DTYPES = ("float32", "bfloat16", "float16")
 IMPLS = ("gspmd", "shard_map")
 STYLES = ("gpt2", "llama")
-REMATS = ("none", "full", "dots", "minimal")
-ATTENTIONS = ("auto", "xla", "blockwise", "cudnn")  # jaxtp.kernels
+REMATS = ("none", "full", "dots", "minimal")  # jaxtp.model.transformer.REMAT_POLICIES
+ATTENTIONS = ("auto", "xla", "blockwise", "cudnn")  # jaxtp.model.kernels (auto: per device)
 
 
 class ConfigError(ValueError):
@@ -59,7 +59,7 @@ class ModelConfig:
     # what each block keeps for the backward pass (jaxtp.model.REMAT_POLICIES):
     # none | full | dots | minimal
     remat: str = "none"
-    # attention kernel (jaxtp.kernels): auto | xla | blockwise | cudnn; auto
+    # attention kernel (jaxtp.model.kernels): auto | xla | blockwise | cudnn; auto
     # picks cudnn on NVIDIA GPUs in bf16/fp16, else blockwise for long sequences
     attention: str = "auto"
     attention_block: int = 512  # blockwise: query and key block length
@@ -249,6 +249,14 @@ def _divisible(name: str, value: int, tp: int) -> None:
 
 def validate(cfg: Config) -> Config:
     """Check sizes and layout; raises ConfigError naming the value and the fix."""
+    _check_ranges(cfg)
+    _check_choices(cfg)
+    _check_shapes(cfg.model)
+    _check_layout(cfg)
+    return cfg
+
+
+def _check_ranges(cfg: Config) -> None:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     positive = {
         **{f"model.{k}": getattr(m, k) for k in
@@ -276,19 +284,23 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
-    for k in ("dtype", "param_dtype"):
-        if getattr(m, k) not in DTYPES:
-            raise ConfigError(f"model.{k}={getattr(m, k)!r}; choose one of {DTYPES}")
-    if m.remat not in REMATS:
-        raise ConfigError(f"model.remat={m.remat!r}; choose one of {REMATS}")
-    if m.attention not in ATTENTIONS:
-        raise ConfigError(f"model.attention={m.attention!r}; choose one of {ATTENTIONS}")
     if m.loss_chunk < 0:
         raise ConfigError(f"model.loss_chunk={m.loss_chunk} must be >= 0 (0: no chunking)")
-    if m.style not in STYLES:
-        raise ConfigError(f"model.style={m.style!r}; choose one of {STYLES}")
-    if p.impl not in IMPLS:
-        raise ConfigError(f"parallel.impl={p.impl!r}; choose one of {IMPLS}")
+
+
+def _check_choices(cfg: Config) -> None:
+    m = cfg.model
+    for name, value, choices in (("model.dtype", m.dtype, DTYPES),
+                                 ("model.param_dtype", m.param_dtype, DTYPES),
+                                 ("model.remat", m.remat, REMATS),
+                                 ("model.attention", m.attention, ATTENTIONS),
+                                 ("model.style", m.style, STYLES),
+                                 ("parallel.impl", cfg.parallel.impl, IMPLS)):
+        if value not in choices:
+            raise ConfigError(f"{name}={value!r}; choose one of {choices}")
+
+
+def _check_shapes(m: "ModelConfig") -> None:
     if m.d_model % m.n_heads:
         raise ConfigError(
             f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}"
@@ -304,6 +316,11 @@ def validate(cfg: Config) -> Config:
     if m.style == "llama" and m.head_dim % 2:
         raise ConfigError(f"rotary embeddings need an even head dim, got "
                           f"d_model/n_heads = {m.head_dim}")
+
+
+def _check_layout(cfg: Config) -> None:
+    """What the (dp, tp) mesh must divide."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
     _divisible("model.n_heads", m.n_heads, p.tp)
     _divisible("model.d_ff", m.d_ff, p.tp)
     k = m.kv_heads
@@ -331,4 +348,3 @@ def validate(cfg: Config) -> Config:
     if p.fsdp and m.d_model % p.dp:
         raise ConfigError(f"parallel.fsdp splits model.d_model={m.d_model} over dp={p.dp}; "
                           f"choose a dp that divides it")
-    return cfg

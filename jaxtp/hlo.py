@@ -206,44 +206,7 @@ def collectives(text: str) -> list[Collective]:
     np_m = _NUM_PARTITIONS.search(text)
     num_partitions = int(np_m.group(1)) if np_m else None
     mult = _multipliers(comps, entry)
-    # get-tuple-element users carry per-element metadata of combined collectives
-    gte_meta = {}
-    for instrs in comps.values():
-        for name, _, opcode, rest in instrs:
-            if opcode == "get-tuple-element":
-                m = re.match(r"%?([\w.\-]+)\),\s*index=(\d+)", rest)
-                op = _OP_NAME.search(rest)
-                if m and op:
-                    gte_meta[(m.group(1), int(m.group(2)))] = op.group(1)
-    # XLA passes that create a collective (the GPU pipeline's reduce-scatter
-    # creator) may drop its metadata; it then takes the op_name of the value it
-    # reduces: its operand, followed through unnamed layout-only ops
-    op_names, operands, opcodes = {}, {}, {}
-    for instrs in comps.values():
-        for name, _, opcode, rest in instrs:
-            opcodes[name] = opcode
-            op = _OP_NAME.search(rest)
-            if op:
-                op_names[name] = op.group(1)
-            first = re.match(r"[^%]*%([\w.\-]+)", rest)
-            if first:
-                operands[name] = first.group(1)
-    passthrough = {"bitcast", "copy", "reshape", "transpose"}
-
-    def inherited(name: str) -> str:
-        name = operands.get(name)  # a -done's operand is its -start
-        if name is not None and opcodes.get(name, "").endswith("-start"):
-            name = operands.get(name)
-        for _ in range(8):
-            if name is None:
-                return ""
-            if name in op_names:
-                return op_names[name]
-            if opcodes.get(name) not in passthrough:
-                return ""
-            name = operands.get(name)
-        return ""
-
+    names = _OpNames(comps)
     starts = {}
     out = []
     for comp, instrs in comps.items():
@@ -261,18 +224,66 @@ def collectives(text: str) -> list[Collective]:
             if opcode.endswith("-done"):
                 src = re.match(r"%?([\w.\-]+)", rest)
                 attrs = starts.get(src.group(1), rest) if src else rest
+            if base == "collective-permute" and "source_target_pairs={}" in attrs:
+                continue  # no pairs, moves nothing (XLA's GPU pipeline leaves some)
             op = _OP_NAME.search(attrs)
-            op_name = op.group(1) if op else inherited(name)
+            op_name = op.group(1) if op else names.inherited(name)
             group = _group_size(attrs, num_partitions)
+            if group == 1:
+                continue  # over one device (a psum over a mesh axis of size 1): moves nothing
             arrays = _arrays(type_text)
             for i, (dtype, shape) in enumerate(arrays):
-                elem_op = gte_meta.get((name, i), op_name) if len(arrays) > 1 else op_name
+                elem_op = names.of_element(name, i, op_name) if len(arrays) > 1 else op_name
                 out.append(Collective(
                     kind=base, dtype=dtype, shape=shape, group_size=group,
                     pass_=pass_of(elem_op), scope=scope_of(elem_op), op_name=elem_op,
                     name=name if len(arrays) == 1 else f"{name}#{i}",
                     count=count, combined=len(arrays)))
     return out
+
+
+class _OpNames:
+    """Where a collective's op_name comes from when it has none of its own."""
+
+    PASSTHROUGH = {"bitcast", "copy", "reshape", "transpose"}
+
+    def __init__(self, comps: dict):
+        # get-tuple-element users carry per-element metadata of combined collectives
+        self.elements, self.op_names, self.operands, self.opcodes = {}, {}, {}, {}
+        for instrs in comps.values():
+            for name, _, opcode, rest in instrs:
+                self.opcodes[name] = opcode
+                op = _OP_NAME.search(rest)
+                if op:
+                    self.op_names[name] = op.group(1)
+                first = re.match(r"[^%]*%([\w.\-]+)", rest)
+                if first:
+                    self.operands[name] = first.group(1)
+                if opcode == "get-tuple-element":
+                    m = re.match(r"%?([\w.\-]+)\),\s*index=(\d+)", rest)
+                    if m and op:
+                        self.elements[(m.group(1), int(m.group(2)))] = op.group(1)
+
+    def of_element(self, name: str, i: int, default: str) -> str:
+        """The op_name of element i of a combined (tuple) collective."""
+        return self.elements.get((name, i), default)
+
+    def inherited(self, name: str) -> str:
+        """XLA passes that create a collective (the GPU pipeline's reduce-scatter
+        creator) may drop its metadata; it then takes the op_name of the value
+        it reduces: its operand, followed through unnamed layout-only ops."""
+        name = self.operands.get(name)  # a -done's operand is its -start
+        if name is not None and self.opcodes.get(name, "").endswith("-start"):
+            name = self.operands.get(name)
+        for _ in range(8):
+            if name is None:
+                return ""
+            if name in self.op_names:
+                return self.op_names[name]
+            if self.opcodes.get(name) not in self.PASSTHROUGH:
+                return ""
+            name = self.operands.get(name)
+        return ""
 
 
 def compiled_text(fn, *args, **kwargs) -> str:

@@ -4,14 +4,43 @@
 tests on the machine's GPU instead (everything else assumes 8 CPU devices)."""
 
 import os
+import sys
 
-# compile-only GPU devices (jaxtp.targets) where the CUDA plugin is installed:
+# tests in subfolders import the shared single-device reference as `reference`
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# compile-only GPU devices (jaxtp.analysis.targets) where the CUDA plugin is installed:
 # the plugin must not insist on a GPU when JAX starts
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
+# The suite compiles a few hundred small programs for 8 CPU devices. Two
+# settings cut that time and change nothing a test checks (the HLO, and so
+# every collective and every number, is the same):
+# - LLVM's optimisation of the generated CPU code is most of each compile;
+#   these programs run for milliseconds, so -O0 code is fine;
+# - one compilation cache for this session, shared with the train.py
+#   processes the tests start (env), so a program compiled twice (a
+#   reference, an init, a resumed run's step) is compiled once. It starts
+#   empty every session: the suite's time is a cold start's.
+# (Not for the GPU tests, which time real kernels.)
+_cpu = not os.environ.get("JAXTP_GPU_TESTS")
+if _cpu and "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_backend_optimization_level=0").strip()
+if _cpu and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="jaxtp-test-xla-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
 import jax  # noqa: E402
 
-if not os.environ.get("JAXTP_GPU_TESTS"):
+if _cpu:
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 8)
     assert jax.device_count() == 8  # start the backend now, so no test can change it

@@ -30,8 +30,8 @@ PUBLISHED = {"gpt2-small": 124_475_904, "llama-1b": 1_235_814_400,
 def test_large_presets_have_their_published_parameter_counts(name):
     import jax
 
-    from jaxtp.sharding import make_mesh
-    from jaxtp.train_lib import abstract_model
+    from jaxtp.parallel import make_mesh
+    from jaxtp.train.state import abstract_model
 
     _, abstract = abstract_model(load_config(name), make_mesh(1, 1))  # nothing allocated
     assert sum(x.size for x in jax.tree.leaves(abstract)) == PUBLISHED[name]

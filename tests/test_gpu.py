@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtp import kernels
+from jaxtp.model import kernels
 
 pytestmark = pytest.mark.skipif(
     not os.environ.get("JAXTP_GPU_TESTS") or jax.default_backend() != "gpu"
@@ -50,8 +50,9 @@ def test_train_steps_with_cudnn_follow_xla_on_the_gpu():
     """Three bf16 train steps of a small Llama at tp=1, cuDNN against XLA
     attention: the same losses to bf16 accuracy."""
     from jaxtp.config import apply_overrides, load_config, validate
-    from jaxtp.sharding import make_mesh
-    from jaxtp.train_lib import init_train_state, make_train_step, step_controls
+    from jaxtp.parallel import make_mesh
+    from jaxtp.train.state import init_train_state
+    from jaxtp.train.step import make_train_step, step_controls
 
     losses = {}
     tokens = np.random.default_rng(0).integers(0, 256, (4, 257)).astype(np.int32)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxtp import hlo
-from jaxtp.sharding import make_mesh
+from jaxtp.parallel import make_mesh
 
 SNIPPET = """HloModule jit_step, is_scheduled=true, num_partitions=8
 
@@ -41,6 +41,9 @@ ENTRY %main (a: f32[16,32], b: bf16[2,8]) -> f32[16,32] {
   %combined = (f32[16,32]{1,0}, f32[]) all-reduce(%a, %s1), channel_id=4, replica_groups={}, to_apply=%add, metadata={op_name="jit(step)/transpose(jvp(mlp))/dot_general"}
   %g0 = f32[16,32]{1,0} get-tuple-element(%combined), index=0, metadata={op_name="jit(step)/transpose(jvp(mlp))/dot_general"}
   %g1 = f32[] get-tuple-element(%combined), index=1, metadata={op_name="jit(step)/reduce_sum"}
+  %cp = f32[16,32]{1,0} collective-permute(%a), channel_id=6, source_target_pairs={{0,1},{1,0}}, metadata={op_name="jit(step)/ppermute"}
+  %nop = f32[16,32]{1,0} collective-permute(%a), channel_id=7, source_target_pairs={}, metadata={op_name="jit(step)/transpose(jvp())/add_any"}
+  %one = f32[16,32]{1,0} all-reduce(%a), channel_id=8, replica_groups=[8,1]<=[8], to_apply=%add, metadata={op_name="jit(step)/psum"}
   %init = (s32[], f32[4,8]{1,0}) tuple(%s1, %a)
   %loop = (s32[], f32[4,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"6"}}
   ROOT %out = f32[16,32]{1,0} add(%all-reduce, %g0)
@@ -54,8 +57,11 @@ def by_name(colls):
 
 def test_every_form_in_a_snippet():
     colls = by_name(hlo.collectives(SNIPPET))
+    # a collective-permute without pairs and an all-reduce over one device move
+    # nothing and are not listed
     assert set(colls) == {"all-reduce", "all-gather", "reduce-scatter", "combined#0",
-                          "combined#1", "ar-done"}
+                          "combined#1", "ar-done", "cp"}
+    assert colls["cp"].group_size == 2
     ar = colls["all-reduce"]
     assert (ar.kind, ar.dtype, ar.shape, ar.group_size) == ("all-reduce", "f32", (16, 32), 4)
     assert (ar.pass_, ar.scope, ar.elements, ar.bytes, ar.count) == (
@@ -82,7 +88,7 @@ def test_summarize_counts_trip_counts():
     assert loop == [{"kind": "all-reduce", "pass": "forward", "scope": "mlp",
                      "count": 6, "shape": [4, 8], "dtype": "f32", "bytes": 128,
                      "group_size": 4}]
-    assert sum(r["count"] for r in rows) == 6 + 5
+    assert sum(r["count"] for r in rows) == 6 + 6  # 6 loop iterations, 6 in the entry
 
 
 def test_no_collectives_in_plain_text():

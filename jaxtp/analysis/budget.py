@@ -1,0 +1,430 @@
+"""The analytic Megatron communication budget, and the check of compiled HLO
+against it (the side-by-side report is `jaxtp.analysis.compare`).
+
+Tensor parallelism per Shoeybi et al. 2019 ("Megatron-LM", Sec. 3, Fig. 4):
+each Transformer block has two column -> row regions (attention, MLP), each
+with one all-reduce forward (g) and one backward (f), so per block and
+microbatch 2 + 2 all-reduces of the activation, b*s*h elements. Narayanan et
+al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters",
+Sec. 3.3) price each with a ring all-reduce: every rank sends and receives
+2(t-1)/t of the payload ((t-1)/t for an all-gather or reduce-scatter).
+
+Outside the blocks this model needs, per train step (`expected_collectives`):
+- vocab-parallel embedding: the lookup's partial rows are summed over tp,
+  one forward all-reduce of b*s*h;
+- LM head: column-parallel over the vocabulary, so its input gradient is
+  all-reduced backward (f), b*s*h;
+- vocab-parallel cross-entropy: max, sum of exponentials and target logit,
+  three forward all-reduces of b*s fp32 values;
+- the global gradient norm: one scalar all-reduce of the partial sums of
+  squares of the tp-sharded gradients;
+- with fewer kv heads than tp (replicated kv projection): the kv gradient,
+  b*s*2*K*H per block, is summed over the ranks that share each kv head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import numpy as np
+
+from .. import hlo
+from ..config import Config
+from ..model.vocab import loss_chunks
+from ..parallel import Layout, split_over_tp
+
+HLO_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """Megatron's per-block TP communication for one train step, per tp rank."""
+
+    tp: int
+    layers: int
+    batch: int  # microbatch size on one dp rank
+    seq: int
+    d_model: int
+    dtype_bytes: int
+    microbatches: int = 1
+    all_reduce_per_layer_fwd: int = 2
+    all_reduce_per_layer_bwd: int = 2
+
+    @property
+    def ring_factor(self) -> float:
+        """Bytes each rank sends per payload byte in a ring all-reduce: 2(t-1)/t."""
+        return 2 * (self.tp - 1) / self.tp
+
+    @property
+    def elements_per_all_reduce(self) -> int:
+        return self.batch * self.seq * self.d_model
+
+    @property
+    def bytes_per_all_reduce(self) -> int:
+        return self.elements_per_all_reduce * self.dtype_bytes
+
+    @property
+    def ring_bytes_per_all_reduce(self) -> float:
+        return self.ring_factor * self.bytes_per_all_reduce
+
+    @property
+    def ring_bytes_per_layer(self) -> float:
+        """Per block and microbatch, forward + backward."""
+        per_layer = self.all_reduce_per_layer_fwd + self.all_reduce_per_layer_bwd
+        return per_layer * self.ring_bytes_per_all_reduce
+
+    @property
+    def ring_bytes_blocks_per_step(self) -> float:
+        return self.layers * self.microbatches * self.ring_bytes_per_layer
+
+
+@dataclasses.dataclass(frozen=True)
+class Expected:
+    """One line of the budget: `count` collectives of `elements` each per step."""
+
+    name: str
+    kind: str
+    pass_: str
+    scope: str
+    elements: int
+    dtype: str
+    group: int
+    count: int
+    role: str = ""  # what the row is for, so a backend's rules can find it
+
+    @property
+    def key(self) -> tuple:
+        return (self.kind, self.pass_, self.scope, self.elements, self.dtype, self.group)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the full buffer, as `hlo.Collective.bytes`: a reduce-scatter
+        returns `elements` per rank from a group-times larger input."""
+        full = self.elements * (self.group if self.kind == "reduce-scatter" else 1)
+        return full * hlo.DTYPE_BYTES[self.dtype]
+
+    @property
+    def ring_bytes(self) -> float:
+        """Per rank, per collective: 2(g-1)/g x bytes for all-reduce, (g-1)/g else."""
+        share = (self.group - 1) / self.group
+        return (2 if self.kind == "all-reduce" else 1) * share * self.bytes
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["pass"] = d.pop("pass_")
+        return d | {"bytes": self.bytes}
+
+
+def budget_for(cfg: Config) -> Budget:
+    m, p = cfg.model, cfg.parallel
+    return Budget(tp=p.tp, layers=m.n_layers, batch=cfg.train.batch_size // p.dp,
+                  seq=m.seq_len, d_model=m.d_model, dtype_bytes=np.dtype(m.dtype).itemsize)
+
+
+ANY_SCOPE = "(any)"  # a budget row matched by total elements, whatever the scopes
+
+
+def expected_collectives(cfg: Config, impl: str, platform: str = "") -> list[Expected]:
+    """Every collective the train step of `cfg` needs under `impl`: over tp,
+    and with dp > 1 over dp (`_expected_dp`); as the compiler for `platform`
+    ("cpu", "gpu", "tpu"; "" for none) carries it out (`_on_backend`)."""
+    rows = _expected_tp(cfg, impl) + _expected_dp(cfg, impl)
+    return _on_backend(rows, cfg, impl, platform) if platform else rows
+
+
+def param_shard_elements(cfg: Config) -> list[int]:
+    """Elements of each parameter one tp rank holds (its shard), no allocation."""
+    import jax
+    from flax import nnx
+    from jax.sharding import AbstractMesh, AxisType
+
+    from ..model import Transformer
+    from ..parallel import MESH_AXES
+
+    p = cfg.parallel
+    mesh = AbstractMesh((p.dp, p.tp), MESH_AXES, axis_types=(AxisType.Auto,) * 2)
+    model = dataclasses.replace(cfg.model, attention="xla")  # shapes only
+    with jax.sharding.use_abstract_mesh(mesh):
+        params = nnx.state(nnx.eval_shape(
+            lambda: Transformer(model, Layout.of(cfg), rngs=nnx.Rngs(0))), nnx.Param)
+    out = []
+    for v in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        spec = v.get_metadata().get("out_sharding") or ()
+        out.append(int(np.prod(v.shape)) // (p.tp if split_over_tp(spec) else 1))
+    return out
+
+
+def _expected_dp(cfg: Config, impl: str) -> list[Expected]:
+    """Data parallelism: the loss is averaged over dp (one scalar all-reduce),
+    and every parameter gradient (each rank's tp shard) is all-reduced over dp
+    (a tied embedding twice: its lookup and LM-head gradients are reduced
+    before they are added). XLA may combine, split or loop these (a scanned
+    stack), so the budget is their total elements, whatever the scopes.
+    FSDP (parameters split over dp) is not budgeted: its gathers and
+    reduce-scatters are listed, not checked."""
+    m, p = cfg.model, cfg.parallel
+    if p.dp == 1 or p.fsdp:
+        return []
+    grads = sum(param_shard_elements(cfg))
+    if m.tie_embeddings:
+        grads += m.padded_vocab // p.tp * m.d_model
+    if p.sequence_parallel and m.style != "llama":
+        # learned positions used on sequence shards: each tp rank's gradient is
+        # non-zero only on its T/tp rows, and XLA reduces that slice over dp
+        # (the tp sum then assembles the table)
+        grads -= m.seq_len * m.d_model - m.seq_len // p.tp * m.d_model
+    if p.sequence_parallel and impl == "shard_map" and m.kv_heads < p.tp:
+        grads -= m.n_layers * m.d_model * 2 * m.kv_heads * m.head_dim  # over dp and tp at once
+    pd = HLO_DTYPES[m.param_dtype]
+    return [Expected("dp: mean of the loss over dp", "all-reduce", "forward", "", 1, "f32",
+                     p.dp, 1),
+            Expected("dp: every parameter gradient (tp shard), summed over dp", "all-reduce",
+                     "backward", ANY_SCOPE, grads, pd, p.dp, 1)]
+
+
+def _expected_tp(cfg: Config, impl: str) -> list[Expected]:
+    m, tp = cfg.model, cfg.parallel.tp
+    if tp == 1:
+        return []
+    b, s, L, dt = cfg.train.batch_size // cfg.parallel.dp, m.seq_len, m.n_layers, \
+        HLO_DTYPES[m.dtype]
+    act = b * s * m.d_model
+    E = lambda name, kind, pass_, scope, n, count, dtype=dt, group=tp, role="": \
+        Expected(name, kind, pass_, scope, n, dtype, group, count, role)
+    if cfg.parallel.sequence_parallel:
+        return _expected_sp(cfg, impl, E, b, s, L, act)
+    n, c = loss_chunks(m.loss_chunk, b, s)
+    rows = [
+        E("g: vocab-parallel embedding lookup", "all-reduce", "forward", "embed", act, 1,
+          role="embed"),
+        E("g: attention out-proj output", "all-reduce", "forward", "attention", act, L),
+        E("g: MLP down-proj output", "all-reduce", "forward", "mlp", act, L),
+        *_cross_entropy(E, b, n, c),
+        E("f: dX entering the q/kv projection", "all-reduce", "backward", "attention", act, L),
+        E("f: dX entering the MLP up-proj", "all-reduce", "backward", "mlp", act, L),
+        E("f: dX entering the LM head", "all-reduce", "backward", "cross_entropy", act, 1,
+          role="head_dx")
+        if impl == "shard_map" or n == 1 else
+        E("f: dX entering the LM head, per loss chunk (GSPMD reduces each chunk's partial "
+          "dX; shard_map once after the loop)", "all-reduce", "backward", "cross_entropy",
+          b * c * m.d_model, n, role="head_dx"),
+        E("gradient norm: one sum of squares", "all-reduce", "other", "", 1, 1, "f32"),
+    ]
+    return rows + _kv_rows(cfg, impl, E, b * s * 2 * m.kv_heads * m.head_dim)
+
+
+def _kv_rows(cfg: Config, impl: str, E, kv: int) -> list[Expected]:
+    """With fewer kv heads than tp the kv projection is replicated, and the kv
+    activation gradient (kv = b*s*2*K*H elements) is summed over the ranks that
+    share each kv head (`jaxtp.model.attention`)."""
+    m, tp, L = cfg.model, cfg.parallel.tp, cfg.model.n_layers
+    K = m.kv_heads
+    if K >= tp:
+        return []
+    if impl == "shard_map" or K == 1:
+        return [E("kv gradient: sum over the ranks sharing a kv head", "all-reduce",
+                  "backward", "attention", kv, L, role="kv_grad")]
+    # GSPMD splits the same sum: within each kv group, then gathered
+    return [E("kv gradient: sum within each group of tp/K ranks", "all-reduce", "backward",
+              "attention", kv // K, L, group=tp // K, role="kv_grad"),
+            E("kv gradient: gathered across the K groups", "all-gather", "backward",
+              "attention", kv, L, group=K, role="kv_grad")]
+
+
+def _cross_entropy(E, b: int, n: int, c: int) -> list[Expected]:
+    """The vocab-parallel loss's three reductions, per loss chunk (jaxtp.model.vocab:
+    n chunks of c positions; a recomputed chunk reuses them)."""
+    return [E("cross-entropy: max, sum of exp, target logit"
+              + (f" (x {n} loss chunks)" if n > 1 else ""), "all-reduce", "forward",
+              "cross_entropy", b * c, 3 * n, "f32")]
+
+
+def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int):
+    """Megatron-SP (Korthikanti et al. 2022, Sec. 4.2.2): each all-reduce of a
+    region becomes an all-gather at its entry and a reduce-scatter at its exit
+    (their mirrors in the backward pass), the same ring bytes. Elements count
+    the result: a reduce-scatter returns b*s*h/tp. Replicated parameters used
+    on sequence shards (norm scales, row-parallel biases, learned positions)
+    get partial gradients, all-reduced over tp (a bias's in the compute dtype:
+    it is summed from the output gradient).
+
+    With a remat policy, the backward pass gathers each region's input again
+    for its weight gradient instead of keeping the gathered copy, as
+    Megatron-SP does (Korthikanti et al. 2022, Sec. 4.2.2): one more
+    all-gather per region and layer.
+
+    With fewer kv heads than tp, GSPMD sums the kv gradient as it does without
+    SP (`_kv_rows`), so the kv branch's dX is whole while the queries' is
+    partial: the attention's backward entry stays an all-reduce of b*s*h."""
+    m, tp = cfg.model, cfg.parallel.tp
+    shard, pd = act // tp, HLO_DTYPES[m.param_dtype]  # parameter gradients: param dtype
+    n, c = loss_chunks(m.loss_chunk, b, s)
+    gspmd_kv = impl == "gspmd" and m.kv_heads < tp
+    rows = _sp_regions(cfg, E, act, shard, L, gspmd_kv)
+    norm_params = (2 * L + 1) * (1 if m.style == "llama" else 2)
+    rows += [
+        E("SP embedding: reduce-scatter of the looked-up rows", "reduce-scatter", "forward",
+          "embed", shard, 1, role="embed"),
+        E("SP embedding, backward: all-gather", "all-gather", "backward", "embed", act, 1),
+        E("SP LM head entry: all-gather", "all-gather", "forward", "cross_entropy", act, 1,
+          role="gather_in"),
+        E("SP LM head, backward: reduce-scatter of dX", "reduce-scatter", "backward",
+          "cross_entropy", shard, 1, role="head_dx")
+        if impl == "shard_map" or n == 1 else
+        E("SP LM head, backward: dX per loss chunk (GSPMD reduces each chunk)",
+          "all-reduce", "backward", "cross_entropy", b * c * m.d_model, n, role="head_dx"),
+        *_cross_entropy(E, b, n, c),
+        E("gradient norm: one sum of squares", "all-reduce", "other", "", 1, 1, "f32"),
+        E("norm weights used on sequence shards: gradient sum", "all-reduce", "backward", "",
+          m.d_model, norm_params, pd, role="seq_shard_param"),
+    ]
+    if m.use_bias:
+        # GSPMD sums the attention's from the output gradient it gathered anyway
+        rows += [E(f"{scope} row-parallel bias on sequence shards: gradient sum",
+                   "all-reduce", "backward", scope, m.d_model, L, role="seq_shard_param")
+                 for scope in ("attention", "mlp") if impl == "shard_map" or scope == "mlp"]
+    if m.style != "llama":
+        rows.append(E("learned positions on sequence shards: gradient sum", "all-reduce",
+                      "backward", "", s * m.d_model, 1, pd, role="positions"))
+    K, H = m.kv_heads, m.head_dim
+    if gspmd_kv:
+        rows += _kv_rows(cfg, impl, E, b * s * 2 * K * H)
+    elif K < tp:  # replicated kv projection fed the gathered x: its weight gradient,
+        # summed as the compute-dtype weight it multiplied; inside shard_map
+        # over dp and tp at once (one psum: `_expected_dp` leaves it out)
+        dp = cfg.parallel.dp
+        rows.append(E("replicated kv weight gradient: sum over tp"
+                      + (" and dp" if dp > 1 else ""), "all-reduce", "backward", "attention",
+                      m.d_model * 2 * K * H, L, group=tp * dp))
+    return rows
+
+
+def _sp_regions(cfg: Config, E, act: int, shard: int, L: int, gspmd_kv: bool) -> list:
+    """Each region's SP entry and exit, forward and backward (and a remat's regather)."""
+    rows = []
+    for scope in ("attention", "mlp"):
+        rows += [E(f"SP entry: all-gather into {scope}", "all-gather", "forward", scope, act, L,
+                   role="gather_in"),
+                 E(f"SP exit: reduce-scatter out of {scope}", "reduce-scatter", "forward",
+                   scope, shard, L),
+                 E(f"SP exit, backward: all-gather of the {scope} output gradient",
+                   "all-gather", "backward", scope, act, L, role=f"gather_grad_{scope}"),
+                 E(f"SP entry, backward: all-reduce of dX into {scope} (the kv branch's dX "
+                   "is whole)", "all-reduce", "backward", scope, act, L)
+                 if scope == "attention" and gspmd_kv else
+                 E(f"SP entry, backward: reduce-scatter of dX into {scope}",
+                   "reduce-scatter", "backward", scope, shard, L)]
+        if cfg.model.remat != "none":
+            rows.append(E(f"SP remat: {scope}'s input gathered again in the backward pass",
+                          "all-gather", "backward", scope, act, L, role="gather_in"))
+    return rows
+
+
+def _on_backend(rows: list[Expected], cfg: Config, impl: str, platform: str) -> list[Expected]:
+    """The budget as each compiler carries it out: what XLA's CPU and GPU
+    pipelines and libtpu do differently from the rows above (measured with
+    jaxlib 0.10.2 and libtpu 0.0.42, compiling tiny and llama-tiny at tp=8)."""
+    m, tp = cfg.model, cfg.parallel.tp
+    sixteen = m.dtype in ("bfloat16", "float16")
+    out = []
+    for r in rows:
+        whole = lambda r: dataclasses.replace(r, kind="all-reduce", elements=r.elements * tp,
+                                              name=r.name + " [as all-reduce + slice]")
+        if platform == "cpu":
+            # no reduce-scatter creator: GSPMD's stays an all-reduce of the
+            # full buffer and a slice (shard_map's psum_scatter is kept)
+            if r.kind == "reduce-scatter" and impl == "gspmd":
+                r = whole(r)
+            # the CPU runtime carries 16-bit collectives in fp32
+            if r.dtype in ("bf16", "f16"):
+                r = dataclasses.replace(r, dtype="f32")
+        elif platform == "tpu":
+            if r.kind == "reduce-scatter":  # libtpu: all-reduce + slice, both impls
+                r = whole(r)
+            # fp32 activations and gradients on their way into a matmul travel
+            # in bf16, the precision a default-precision TPU matmul reads them in
+            if r.dtype == "f32" and (r.role in ("gather_in", "gather_grad_mlp", "kv_grad") or
+                                     (r.role == "gather_grad_attention" and
+                                      impl == "shard_map")):
+                r = dataclasses.replace(r, dtype="bf16")
+        if platform in ("gpu", "cuda", "tpu") and r.role == "positions":
+            # each rank's position rows are its own sequence shard's: the
+            # gradient rows are gathered, not summed (half the ring bytes)
+            r = dataclasses.replace(r, kind="all-gather")
+        if platform in ("gpu", "cuda"):
+            if r.role == "head_dx" and impl == "gspmd" and sixteen:
+                # GSPMD reduces the LM head's dX in the fp32 of the logits'
+                # gradient, before the cast (and so no reduce-scatter under SP)
+                r = dataclasses.replace(r, dtype="f32")
+                if r.kind == "reduce-scatter":
+                    r = whole(r)
+        out.append(r)
+    if platform in ("gpu", "cuda") and cfg.parallel.dp > 1:
+        out = _gpu_dp(out, cfg, impl)
+    return out
+
+
+def _gpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
+    """At dp > 1, XLA's GPU pipeline reduces some gradients over dp and tp at
+    once, or once instead of twice; the dp total (`_expected_dp`) loses them.
+    - replicated weights used on sequence shards (norms, row-parallel biases):
+      one all-reduce over all dp * tp devices;
+    - shard_map, tied embeddings: the lookup's and the LM head's table
+      gradients, each summed over dp inside its region, are added first and
+      reduced once (XLA's all-reduce reassociation)."""
+    p, m = cfg.parallel, cfg.model
+    moved, out = 0, []
+    for r in rows:
+        if r.role == "seq_shard_param":
+            moved += r.elements * r.count
+            r = dataclasses.replace(r, group=p.dp * p.tp, name=r.name + " [over dp and tp]")
+        out.append(r)
+    if impl == "shard_map" and m.tie_embeddings:
+        moved += m.padded_vocab // p.tp * m.d_model
+    return [dataclasses.replace(r, elements=r.elements - moved)
+            if r.name.startswith("dp: every") else r for r in out]
+
+
+def collective_key(c: hlo.Collective) -> tuple:
+    return (c.kind, c.pass_, c.scope, c.elements, c.dtype, c.group_size)
+
+
+def check(colls: list[hlo.Collective], expected: list[Expected]) -> str | None:
+    """None if the collectives are exactly the budget, else the first difference."""
+    got = Counter()
+    for c in colls:
+        got[collective_key(c)] += c.count
+    merged: dict[tuple, Expected] = {}  # rows of one key (e.g. after _on_backend) add up
+    for e in expected:
+        if e.scope != ANY_SCOPE and e.key in merged:
+            merged[e.key] = dataclasses.replace(merged[e.key],
+                                                count=merged[e.key].count + e.count)
+        else:
+            merged[e.key if e.scope != ANY_SCOPE else id(e)] = e
+    expected = list(merged.values())
+    for e in expected:
+        if e.scope == ANY_SCOPE:
+            continue
+        have = got.pop(e.key, 0)
+        # a surplus of the same kind, size and group size may belong to an
+        # any-scope row (a dp gradient as big as a tp activation); if not, it is
+        # reported as unexpected below
+        if have > e.count and any(x.scope == ANY_SCOPE for x in expected):
+            got[e.key], have = have - e.count, e.count
+        if have != e.count:
+            return (f"{e.name}: expected {e.count} x {e.kind} of {e.elements} {e.dtype} over "
+                    f"{e.group} devices ({e.pass_}, {e.scope or '-'}), found {have}")
+    for e in expected:
+        if e.scope != ANY_SCOPE:
+            continue
+        same = [k for k in got if (k[0], k[1], k[4], k[5]) ==
+                (e.kind, e.pass_, e.dtype, e.group)]
+        have = sum(k[3] * got.pop(k) for k in same)
+        if have != e.elements * e.count:
+            return (f"{e.name}: expected {e.elements * e.count} {e.dtype} elements in "
+                    f"{e.kind}s over {e.group} devices ({e.pass_}), found {have}")
+    for (kind, pass_, scope, n, dt, group), count in got.items():
+        return (f"unexpected {kind} of {n} {dt} over {group} devices x{count} "
+                f"({pass_}, scope {scope or '-'})")
+    return None

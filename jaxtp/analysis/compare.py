@@ -1,0 +1,144 @@
+"""`--compare-hlo`: compile the train step under both implementations and hold
+each against the analytic budget of `jaxtp.analysis.budget`, side by side.
+
+Writes the optimized HLO of each and `comm_report.json`; the table lists every
+collective (kind, pass, scope, dtype[shape], devices, bytes) with its count
+per impl and in the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable
+
+from .. import hlo
+from ..config import IMPLS, Config
+from .budget import budget_for, check, collective_key, expected_collectives
+
+# XLA's GPU combiners concatenate small collectives into one flat buffer (the
+# CPU ones build tuples, which jaxtp.hlo splits again): the bytes stay, the
+# per-tensor labels go. The comparison compiles without them.
+GPU_UNCOMBINED = {"xla_gpu_all_reduce_combine_threshold_bytes": 0,
+                  "xla_gpu_all_gather_combine_threshold_bytes": 0,
+                  "xla_gpu_reduce_scatter_combine_threshold_bytes": 0}
+
+
+def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = print,
+                mesh=None) -> dict:
+    """Compile the train step under both impls, check each against the budget.
+
+    Writes `hlo_<impl>.txt` (optimized HLO) and `comm_report.json` into
+    `out_dir`; returns the report (its `ok` is False on any deviation).
+    `mesh`: a (dp, tp) mesh to compile for, e.g. of compile-only devices of
+    another platform (`jax.experimental.topologies`); default: this machine's.
+    """
+    from ..parallel import make_mesh
+
+    p = cfg.parallel
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mesh = make_mesh(p.dp, p.tp) if mesh is None else mesh
+    impls, colls_by_impl, expected_by_impl = {}, {}, {}
+    for impl in IMPLS:
+        colls_by_impl[impl], expected_by_impl[impl], impls[impl] = _compile_and_check(
+            dataclasses.replace(cfg, parallel=dataclasses.replace(p, impl=impl)), mesh, out, log)
+    budget = budget_for(cfg)
+    ring = {impl: sum(e.count * e.ring_bytes for e in rows)
+            for impl, rows in expected_by_impl.items()}
+    report = {
+        "platform": mesh.devices.flat[0].platform, "device_kind": mesh.devices.flat[0].device_kind,
+        **dict(tp=p.tp, dp=p.dp), "layers": cfg.model.n_layers, "batch": budget.batch,
+        "seq": cfg.model.seq_len, "d_model": cfg.model.d_model, "dtype_bytes": budget.dtype_bytes,
+        "analytic": {
+            "all_reduce_per_layer_fwd": budget.all_reduce_per_layer_fwd,
+            "all_reduce_per_layer_bwd": budget.all_reduce_per_layer_bwd,
+            "bytes_per_all_reduce": budget.bytes_per_all_reduce,
+            "ring_bytes_per_all_reduce": budget.ring_bytes_per_all_reduce,
+            "ring_bytes_per_layer": budget.ring_bytes_per_layer,
+            "ring_bytes_blocks_per_step": budget.ring_bytes_blocks_per_step,
+            # everything in the budget, blocks and outside them, per impl
+            "ring_bytes_per_rank_per_step": ring,
+        },
+        "impls": impls,
+        "ok": all(v["matches_budget"] for v in impls.values()),
+    }
+    (out / "comm_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    for line in format_table(colls_by_impl, expected_by_impl):
+        log(line)
+    log(_analytic_line(budget, p.sequence_parallel, ring))
+    for impl, r in impls.items():
+        log(f"{impl}: {r['verdict']}")
+    log(f"wrote {out / 'comm_report.json'} and hlo_<impl>.txt")
+    return report
+
+
+def _compile_and_check(cfg: Config, mesh, out: Path, log) -> tuple[list, list, dict]:
+    """(collectives, budget, report entry) of the train step of `cfg` (one impl)."""
+    from ..train.state import abstract_train_state
+    from ..train.step import compile_train_step
+
+    m, impl = cfg.model, cfg.parallel.impl
+    platform = mesh.devices.flat[0].platform
+    options = GPU_UNCOMBINED if platform in ("gpu", "cuda", "rocm") else None
+    log(f"compiling the {impl} train step (tp={cfg.parallel.tp}, {m.n_layers} layers) ...")
+    text = compile_train_step(abstract_train_state(cfg, mesh), cfg.train.batch_size, m.seq_len,
+                              compiler_options=options).as_text()
+    (out / f"hlo_{impl}.txt").write_text(text)
+    colls = hlo.collectives(text)
+    expected = expected_collectives(cfg, impl, platform)
+    diff = check(colls, expected)
+    return colls, expected, {"collectives": hlo.summarize(colls),
+                             "expected": [e.to_dict() for e in expected],
+                             "matches_budget": diff is None,
+                             "verdict": "matches budget" if diff is None else diff}
+
+
+def _analytic_line(budget, sp: bool, ring: dict) -> str:
+    per_block = ("2 all-gathers + 2 reduce-scatters forward and backward, priced as" if sp
+                 else "") + (f" {budget.all_reduce_per_layer_fwd} fwd + "
+                             f"{budget.all_reduce_per_layer_bwd} bwd all-reduces")
+    return (f"analytic (Megatron{'-SP' if sp else ''}): per block {per_block.strip()} "
+            f"of b*s*h = {budget.batch}*{budget.seq}*{budget.d_model} = "
+            f"{_size(budget.bytes_per_all_reduce)}; ring traffic per "
+            f"rank {_size(budget.ring_bytes_per_all_reduce)} each, "
+            f"{_size(budget.ring_bytes_per_layer)} per block, "
+            f"{_size(budget.ring_bytes_blocks_per_step)} for the blocks per step; with the "
+            "collectives outside the blocks: " + ", ".join(
+                f"{_size(v)} ({k})" for k, v in ring.items()))
+
+
+def _size(b: float) -> str:
+    return f"{b / 2**20:.3f} MiB" if b >= 2**10 else f"{b:.0f} B"
+
+
+def format_table(colls_by_impl: dict, expected_by_impl: dict) -> list[str]:
+    """Side by side: each collective (kind, pass, scope, dtype[shape], devices,
+    bytes) with its count per impl and in the budget."""
+    impls = list(colls_by_impl)
+    cells: dict[tuple, dict] = {}
+    for impl in impls:
+        for c in colls_by_impl[impl]:
+            cell = cells.setdefault(collective_key(c), {"shape": c.shape, "bytes": c.bytes})
+            cell[impl] = cell.get(impl, 0) + c.count
+        for e in expected_by_impl[impl]:
+            cell = cells.setdefault(e.key, {"shape": None, "bytes": e.bytes})
+            cell[f"budget {impl}"] = e.count
+    head = ["kind", "pass", "scope", "dtype[shape]", "devices", "bytes each"]
+    for impl in impls:
+        head += [impl, "budget"]
+    rows = [head]
+    order = {"forward": 0, "backward": 1, "other": 2}
+    for key in sorted(cells, key=lambda k: (order.get(k[1], 3), k[2], k[0], -k[3])):
+        kind, pass_, scope, n, dt, group = key
+        cell = cells[key]
+        shape = list(cell["shape"]) if cell["shape"] is not None else f"{n} elements"
+        row = [kind, pass_, scope or "-", f"{dt}{shape}", str(group), _size(cell["bytes"])]
+        for impl in impls:
+            row += [str(cell.get(impl, 0)), str(cell.get(f"budget {impl}", 0))]
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines

@@ -1,0 +1,231 @@
+"""Per-device memory and compute of a train step, and the planner.
+
+Everything is read from the train step compiled ahead of time on abstract
+shapes (nothing is allocated at full size), next to an analytic estimate:
+
+- memory: `compiled.memory_analysis()` per device (arguments = parameters,
+  optimizer state and batch; temporaries = activations and workspace;
+  outputs) against parameters and Adam state divided by tp where sharded,
+  and activations per layer from Korthikanti et al. 2022 (Eq. 2 and Table 2):
+  `s*b*h*(10 + 24/t + 5*a*s/(h*t))` bytes with tensor parallelism,
+  `s*b*h/t*(34 + 5*a*s/h)` with sequence parallelism. That count assumes
+  16-bit activations, stored dropout masks and GELU; for this model scale it
+  by bytes-per-activation/2 and read it as an estimate (no dropout masks
+  when dropout is 0, SwiGLU stores a little more, XLA may fuse or keep
+  more, e.g. the fp32 attention probabilities).
+- compute: per-device flops from `compiled.cost_analysis()`; the redundancy
+  factor `tp * flops(tp) / flops(tp=1)` (1.0 ideal: replicated norms,
+  embeddings and losses push it up, sequence parallelism brings it down); and
+  model flops per token, 6N + 12*L*h*s (`jaxtp.train.metrics`), for MFU.
+- the roofline rule for tensor parallelism (Austin et al. 2025, "How to
+  Scale Your Model", Training chapter): a matmul split over tp stays
+  compute-bound while F / tp > C / W, C the chip's peak flops and W the
+  bandwidth it drives along the tp axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+from .. import hlo
+from ..config import Config
+from ..parallel import IMPL_AXIS
+from ..train.metrics import HARDWARE, model_flops_per_token
+
+# Planning on CPU: XLA's CPU scheduler orders work for speed, and keeps more
+# live than the memory-aware schedulers of the GPU and TPU compilers; its
+# memory-optimized scheduler brings the CPU plan closer to them (llama3-8b,
+# tp=8, SP, blockwise, minimal remat: 68.3 -> 50.5 GiB of temporaries; the
+# H100 compile: 27.9).
+CPU_PLAN_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+
+
+def _per_device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded arrays or ShapeDtypeStructs."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape)
+        total += math.prod(shape) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def activation_bytes(cfg: Config) -> float:
+    """Korthikanti et al. 2022 activation memory of all layers, per device."""
+    m, t = cfg.model, cfg.parallel.tp
+    s, b, h, a = m.seq_len, cfg.train.batch_size // cfg.parallel.dp, m.d_model, m.n_heads
+    if cfg.parallel.sequence_parallel:
+        per_layer = s * b * h / t * (34 + 5 * a * s / h)
+    else:
+        per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    return m.n_layers * per_layer * np.dtype(m.dtype).itemsize / 2
+
+
+def korthikanti_terms(cfg: Config) -> str:
+    """Which terms of the Korthikanti et al. activation count apply to this model."""
+    m = cfg.model
+    return (f"Korthikanti terms for this model: activations {m.dtype} (estimate scaled by "
+            f"{np.dtype(m.dtype).itemsize / 2:g} from 16-bit); residual/MLP dropout masks "
+            f"(2sbh per block) {'kept' if m.dropout > 0 else 'absent (dropout=0)'}; attention "
+            "dropout (as^2b mask + 2as^2b output of the 5as^2b) absent: jaxtp has none; "
+            + ("SwiGLU keeps gate and up (more than the GELU count)" if m.style == "llama"
+               else "GELU MLP as counted"))
+
+
+def analyze(cfg: Config, mesh=None) -> dict:
+    """Compile the train step of `cfg` (abstract shapes) on `mesh` (default: this
+    machine's CPU devices; or compile-only devices of an accelerator,
+    `jaxtp.analysis.targets`) and account for it."""
+    from ..parallel import make_mesh
+    from ..train.state import abstract_train_state, resolve_attention
+    from ..train.step import compile_train_step
+
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    t0 = time.perf_counter()
+    # fake CPU devices: planning needs no accelerator, nor as many as tp
+    mesh = make_mesh(p.dp, p.tp, devices=jax.devices("cpu")) if mesh is None else mesh
+    cfg = resolve_attention(cfg, mesh.devices.flat[0])
+    state = abstract_train_state(cfg, mesh)
+    on_cpu = mesh.devices.flat[0].platform == "cpu"
+    compiled = compile_train_step(state, t.batch_size, m.seq_len,
+                                  compiler_options=CPU_PLAN_OPTIONS if on_cpu else None)
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()  # None for a compile-only GPU
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+    colls = hlo.collectives(compiled.as_text())
+    params = _per_device_bytes(state.params)
+    opt = _per_device_bytes(state.opt_state)
+    batch = (t.batch_size // p.dp) * (m.seq_len + 1) * 4
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
+    device = mesh.devices.flat[0]
+    return {
+        **dict(tp=p.tp), "sp": p.sequence_parallel, "impl": p.impl,
+        "compile_s": time.perf_counter() - t0,
+        "n_params": n_params, "attention": cfg.model.attention, "remat": m.remat,
+        "dtype": m.dtype, "loss_chunk": m.loss_chunk,
+        "compiled_for": f"{device.platform} ({device.device_kind})",
+        "memory": {
+            "params": params, "optimizer": opt, "batch": batch,
+            "arguments": mem.argument_size_in_bytes, "temporaries": mem.temp_size_in_bytes,
+            "outputs": mem.output_size_in_bytes, "aliased": mem.alias_size_in_bytes,
+            # outputs alias the donated parameters and optimizer state
+            "total": mem.argument_size_in_bytes + mem.temp_size_in_bytes
+            + mem.output_size_in_bytes - mem.alias_size_in_bytes,
+        },
+        "analytic_memory": {"params_plus_optimizer": params + opt,
+                            "activations_korthikanti": activation_bytes(cfg)},
+        "collectives_per_step": sum(c.count for c in colls),
+        "collective_bytes_per_step": sum(c.count * c.bytes for c in colls),
+        "flops_per_device": float(cost.get("flops", float("nan"))),
+        "model_flops_per_token": model_flops_per_token(cfg, n_params),
+    }
+
+
+def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = False,
+         log: Callable[[str], None] = print, out_dir=None) -> list[dict]:
+    """Analyze `cfg` at each tp; print the table with a fits / does not fit
+    verdict against `hardware`'s memory; return the rows (and, with
+    `out_dir`, write them to plan.json).
+
+    `compile_for_target`: compile for `hardware` itself (`jaxtp.analysis.targets`)
+    where its compiler is installed; otherwise, or when it is not, compile for
+    this machine's CPU, whose temporaries overstate an accelerator's."""
+    from ..config import ConfigError, validate
+    from .targets import CPU_OVERSTATES, TargetUnavailable, target_mesh
+
+    target = HARDWARE[hardware]
+    peak, link = target.peak_flops, target.link
+    on_target = compile_for_target
+    if on_target:
+        try:
+            target_mesh(hardware, 1, 1)
+        except TargetUnavailable as e:
+            log(f"{e}: planning on CPU instead")
+            on_target = False
+    rows, base = [], None
+    cases = sorted(set(tps) | {1})  # tp=1: the base of the redundancy
+    for i, tp in enumerate(cases):
+        c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp,
+                                                                  sp=cfg.parallel.sp and tp > 1))
+        try:
+            validate(c)
+        except ConfigError as e:
+            log(f"tp={tp}: skipped ({e})")
+            continue
+        where = hardware if on_target else "CPU"
+        log(f"[{i + 1}/{len(cases)}] compiling the train step at tp={tp} for {where} "
+            "(abstract shapes) ...")
+        mesh = target_mesh(hardware, c.parallel.dp, tp) if on_target else None
+        r = analyze(c, mesh)
+        base = r["flops_per_device"] if tp == 1 else base
+        r["redundancy"] = tp * r["flops_per_device"] / base if base else float("nan")
+        r["f_over_tp"] = cfg.model.d_ff / tp
+        r["bound"] = ("-" if tp == 1 else
+                      "compute" if cfg.model.d_ff / tp > peak / link else "communication")
+        r["target"] = hardware
+        r["target_memory"] = target.memory
+        r["fits"] = r["memory"]["total"] <= target.memory
+        if tp in tps:
+            rows.append(r)
+    if not rows:
+        log(f"no valid tp among {sorted(tps)}")
+        return rows
+    _print(cfg, rows, target, on_target, log)
+    if not on_target:
+        log("compiled for CPU: XLA's CPU temporaries overstate a GPU compile's (measured "
+            + ", ".join(f"{v:g}x for {k}" for k, v in CPU_OVERSTATES.items())
+            + f"); --hardware {hardware} compiles for it where "
+            + ("jax[tpu]" if target.platform == "tpu" else "jax[cuda12]") + " is installed")
+    if out_dir is not None:
+        import json
+        from pathlib import Path
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "plan.json").write_text(json.dumps(rows, indent=2) + "\n")
+        log(f"wrote {out / 'plan.json'}")
+    return rows
+
+
+def _print(cfg: Config, rows: list[dict], target, on_target: bool, log) -> None:
+    gib = lambda b: f"{b / 2**30:,.2f} G" if b >= 2**30 else f"{b / 2**20:,.1f} M"
+    num = lambda x, f: "-" if x != x else f.format(x)  # NaN: no cost analysis
+    head = [IMPL_AXIS, "params B", "optim B", "temps B", "total B", "fits", "acts est. B",
+            "collectives", "coll. B", "GFLOP/dev", "redundancy", "F/tp", "bound"]
+    table = [head] + [[
+        str(r[IMPL_AXIS]), gib(r["memory"]["params"]), gib(r["memory"]["optimizer"]),
+        gib(r["memory"]["temporaries"]), gib(r["memory"]["total"]),
+        "yes" if r["fits"] else "NO",
+        gib(r["analytic_memory"]["activations_korthikanti"]), str(r["collectives_per_step"]),
+        gib(r["collective_bytes_per_step"]), num(r["flops_per_device"] / 1e9, "{:,.1f}"),
+        num(r["redundancy"], "{:.3f}"), f"{r['f_over_tp']:,.0f}", r["bound"]] for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    m = cfg.model
+    r0 = rows[0]
+    log(f"plan: {m.style} {r0['n_params']:,} params, L={m.n_layers} h={m.d_model} "
+        f"F={m.d_ff} heads={m.n_heads}/{m.kv_heads} kv, batch {cfg.train.batch_size} x seq "
+        f"{m.seq_len}, {m.dtype}, sp={cfg.parallel.sp}, impl={cfg.parallel.impl}, "
+        f"attention={r0['attention']}, remat={m.remat}"
+        + (f", loss_chunk={m.loss_chunk}" if m.loss_chunk else "")
+        + f"; compiled for {r0['compiled_for']}")
+    for row in table:
+        log("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+    log("B: bytes per device (M = MiB, G = GiB); temps from memory_analysis, acts est. "
+        "from Korthikanti et al. 2022; collectives counted per step from the HLO")
+    log(korthikanti_terms(cfg))
+    verdicts = ", ".join(f"tp={r['tp']} {r['memory']['total'] / 2**30:,.1f} GiB "
+                         + ("fits" if r["fits"] else "does not fit") for r in rows)
+    log(f"{target.name}: {target.memory / 2**30:,.1f} GiB per device: {verdicts}")
+    if target.platform == "cuda" and any(r["fits"] and r["memory"]["total"] > 0.75 *
+                                         target.memory for r in rows):
+        log("note: JAX's GPU allocator takes 75% of the memory by default; above that set "
+            "XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. 0.95)")
+    log(f"{target.name}: C = {target.peak_flops / 1e12:g} TFLOP/s, W = {target.link / 1e9:g} "
+        f"GB/s along tp, C/W = {target.peak_flops / target.link:,.0f}: tp is compute-bound "
+        f"while F/tp > C/W. Model flops per token 6N + 12Lhs = "
+        f"{r0['model_flops_per_token']:.3e}.")

@@ -1,0 +1,382 @@
+"""The benchmark suite: what tensor parallelism costs, measured side by side.
+
+The suite times train steps as *ratios* measured in one process: the variants
+are compiled up front and timed alternately, round by round, and each ratio
+is the median over rounds of the two times of one round (a slow moment of a
+noisy machine then hits both sides alike). Sections: GSPMD vs shard_map at
+the largest tp <= 8 a preset allows; tp in {1, 2, 4, 8} with and without
+sequence parallelism against tp=1; compile time against depth; collectives
+over the tp axis (`collectives`); the share of step time in collectives,
+read from a profiler trace; jaxtp against a plain JAX step of the same model
+(`peer`); blockwise against xla attention as the sequence grows; the
+training loop's host time per step. Each section is printed; the report goes
+to DIR/bench.json and DIR/bench.md (`report`).
+
+On CPU the tp ranks are fake devices sharing the host's cores: the ratios
+there show partitioning overhead, not a speed-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from ..config import Config, apply_overrides, load_config, validate
+from ..parallel import make_mesh, named
+from ..train.state import abstract_train_state, init_train_state
+from ..train.step import compile_train_step, step_controls
+from . import collectives as bc
+from .report import RATIO_COLUMNS, format_section, machine_info, section
+
+SECTIONS = ("impl", "scaling", "compile", "collectives", "profile", "peer", "attention", "loop")
+# quick: for CI, about a minute on 2 CPU cores; full: ~10 minutes there
+PLANS = {
+    "quick": dict(presets=("tiny",), tps=(1, 8), impls=("gspmd",), warmup=1, steps=3,
+                  depths=(2, 8), unscanned=(), payloads=("tiny",), samples=5,
+                  attention_seqs=(128,), loop_steps=6, small=("model.n_layers=1",)),
+    "full": dict(presets=("tiny", "gpt2-small"), tps=(1, 2, 4, 8), impls=("gspmd", "shard_map"),
+                 warmup=2, steps=7, depths=(2, 8, 32), unscanned=(2, 8),
+                 payloads=("tiny", "gpt2-small", "llama-1b"), samples=10,
+                 attention_seqs=(256, 512, 1024, 2048), loop_steps=60, small=()),
+}
+# A full GPT-2-small step (8 x 1024 tokens) takes minutes on a few CPU cores.
+CPU_REDUCED = {"gpt2-small": ("model.n_layers=2", "train.batch_size=2", "model.seq_len=256")}
+# a timed ratio, with the spread of its per-round values
+PAIRED = RATIO_COLUMNS + [("ratio_min", "min ratio"), ("ratio_max", "max ratio")]
+
+
+@dataclasses.dataclass
+class _Run:
+    """A compiled train step and its live state; calling it runs one step."""
+
+    name: str
+    cfg: Config
+    mesh: Any
+    step: Callable
+    params: Any
+    opt_state: Any
+    tokens: Any
+    compile_s: float
+    key: Any
+    controls: Any
+
+    def __call__(self):
+        with jax.set_mesh(self.mesh):
+            self.params, self.opt_state, m = self.step(
+                self.params, self.opt_state, self.tokens, self.key, self.controls)
+        return jax.block_until_ready((self.params, self.opt_state, m))[2]
+
+
+def preset(name: str, *overrides: str) -> tuple[Config, list[str]]:
+    """(config, the CPU reductions applied): on CPU, CPU_REDUCED shrinks big presets."""
+    cut = list(CPU_REDUCED.get(name, ())) if jax.default_backend() == "cpu" else []
+    return validate(apply_overrides(load_config(name), cut + list(overrides))), cut
+
+
+def build(name: str, cfg: Config) -> _Run:
+    """Initialise `cfg` on its own (dp, tp) mesh, compile its train step, place a
+    batch of random tokens (the step's time does not depend on their values)."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    mesh = make_mesh(p.dp, p.tp, devices=jax.devices()[: p.dp * p.tp])
+    state = init_train_state(cfg, mesh)
+    t0 = time.perf_counter()
+    step = compile_train_step(state, t.batch_size, m.seq_len)
+    compile_s = time.perf_counter() - t0
+    tokens = np.random.default_rng(0).integers(0, m.vocab_size, (t.batch_size, m.seq_len + 1))
+    tokens = jax.device_put(tokens.astype(np.int32), named(mesh, "batch", None))
+    key, controls = jax.device_put((jax.random.key(0), step_controls()), named(mesh))
+    return _Run(name, cfg, mesh, step, state.params, state.opt_state, tokens, compile_s, key,
+                controls)
+
+
+def time_alternating(runs: list[_Run], warmup: int, steps: int) -> dict[str, list[float]]:
+    """Seconds per step of each run, the runs interleaved step by step (order
+    reversed every other round, so no run always follows the same one)."""
+    for r in runs:
+        for _ in range(warmup):
+            r()
+    times = {r.name: [] for r in runs}
+    for i in range(steps):
+        for r in (runs if i % 2 == 0 else runs[::-1]):
+            t0 = time.perf_counter()
+            r()
+            times[r.name].append(time.perf_counter() - t0)
+    return times
+
+
+def paired_ratio(times: dict, run: str, base: str) -> tuple[float, float, float]:
+    """(median, min, max) over rounds of time(run) / time(base), both timed in
+    the same round: a paired ratio, immune to the machine slowing between rounds."""
+    r = np.asarray(times[run]) / np.asarray(times[base])
+    return float(np.median(r)), float(r.min()), float(r.max())
+
+
+def _case(name: str, cfg: Config, cut: list[str]) -> str:
+    m, t = cfg.model, cfg.train
+    shape = f"L={m.n_layers} B={t.batch_size} T={m.seq_len}"
+    return f"{name} ({shape}{', reduced for CPU' if cut else ''})"
+
+
+def valid_tps(name: str, tps) -> tuple[list[int], list[str]]:
+    """The tps (up to the device count) that the preset's sizes allow, and why the others
+    are left out (GPT-2 small's 12 heads do not split over 8)."""
+    ok, why = [], []
+    for tp in tps:
+        try:
+            if tp > jax.device_count():
+                raise ValueError(f"only {jax.device_count()} devices")
+            preset(name, f"parallel.tp={tp}")
+            ok.append(tp)
+        except ValueError as e:  # ConfigError
+            why.append(f"{name} tp={tp} left out: {str(e).split(';')[0]}")
+    return ok, why
+
+
+def _get(plan: dict, cache: dict, preset_name: str, tp: int, impl: str = "gspmd",
+         sp: bool = False):
+    key = f"{preset_name} {impl} tp={tp}{' sp' if sp else ''}"
+    if key not in cache:
+        cfg, cut = preset(preset_name, f"parallel.tp={tp}", f"parallel.impl={impl}",
+                          f"parallel.sp={str(sp).lower()}", *plan["small"])
+        cache[key] = (build(key, cfg), cut)
+    return cache[key]
+
+
+def bench_impl(plan: dict, cache: dict) -> dict:
+    rows, notes = [], []
+    for name in plan["presets"]:
+        tps, why = valid_tps(name, (8, 4, 2, 1))
+        tp = max(tps)
+        notes += why[:1]
+        gs, cut = _get(plan, cache, name, tp, "gspmd")
+        sm, _ = _get(plan, cache, name, tp, "shard_map")
+        t = time_alternating([gs, sm], plan["warmup"], plan["steps"])
+        ratio, lo, hi = paired_ratio(t, sm.name, gs.name)
+        rows.append({"case": _case(f"{name} tp={tp}", gs.cfg, cut),
+                     "measured": "train step time, shard_map / gspmd", "value": ratio,
+                     "unit": "ratio", "ratio_min": lo, "ratio_max": hi,
+                     "gspmd_ms": np.median(t[gs.name]) * 1e3,
+                     "shard_map_ms": np.median(t[sm.name]) * 1e3,
+                     "gspmd_compile_s": gs.compile_s, "shard_map_compile_s": sm.compile_s,
+                     "steps": plan["steps"]})
+    return section("impl", "GSPMD vs shard_map: train step at the largest tp <= 8", PAIRED + [
+        ("gspmd_ms", "gspmd ms (median)"), ("shard_map_ms", "shard_map ms (median)"),
+        ("gspmd_compile_s", "gspmd compile s"), ("shard_map_compile_s", "shard_map compile s"),
+        ("steps", "timed steps")], rows, [
+        f"the two compiled in one process, warm-up {plan['warmup']} step(s) each, then timed "
+        "alternately; value: median over rounds of the paired ratio; < 1: shard_map faster",
+        *notes])
+
+
+def bench_scaling(plan: dict, cache: dict) -> dict:
+    rows, notes = [], []
+    for name in plan["presets"]:
+        tps, why = valid_tps(name, plan["tps"])
+        notes += why
+        for impl in plan["impls"] if name == "tiny" else ("gspmd",):
+            runs = [_get(plan, cache, name, tp, impl, sp) for tp in tps for sp in (False, True)
+                    if not (sp and tp == 1)]
+            t = time_alternating([r for r, _ in runs], plan["warmup"], plan["steps"])
+            for r, cut in runs:
+                p = r.cfg.parallel
+                ratio, lo, hi = paired_ratio(t, r.name, runs[0][0].name)
+                rows.append({"case": _case(f"{name} {impl} tp={p.tp} sp={'on' if p.sp else 'off'}",
+                                           r.cfg, cut),
+                             "measured": "train step time / tp=1", "value": ratio,
+                             "unit": "ratio", "ratio_min": lo, "ratio_max": hi,
+                             "step_ms": np.median(t[r.name]) * 1e3, "compile_s": r.compile_s,
+                             **dict(tp=p.tp, sp=p.sp, impl=impl)})
+    note = ("the tp ranks are fake CPU devices sharing the host's cores, no more compute "
+            "than tp=1 has: the ratios show partitioning overhead and how XLA's CPU runtime "
+            "spreads the work, not a speed-up" if jax.default_backend() == "cpu"
+            else "ideal scaling: 1/tp")
+    return section("scaling", "Train step time against tp, with and without sequence parallelism",
+                   PAIRED + [("step_ms", "step ms (median)"), ("compile_s", "compile s")], rows,
+                   [note, f"all runs of a preset and impl interleaved, {plan['steps']} rounds "
+                    "after warm-up; value: median over rounds of the paired ratio", *notes])
+
+
+def bench_compile(plan: dict) -> dict:
+    rows, base = [], None
+    tp = min(8, jax.device_count())
+    cases = [(d, True) for d in plan["depths"]] + [(d, False) for d in plan["unscanned"]]
+    for depth, scan in cases:
+        cfg, _ = preset("tiny", f"model.n_layers={depth}", f"model.scan_layers={str(scan).lower()}",
+                        f"parallel.tp={tp}")
+        state = abstract_train_state(cfg, make_mesh(1, tp, devices=jax.devices()[:tp]))
+        t0 = time.perf_counter()
+        compile_train_step(state, cfg.train.batch_size, cfg.model.seq_len)
+        s = time.perf_counter() - t0
+        base = base or s
+        rows.append({"case": f"tiny tp={tp} L={depth} {'scanned' if scan else 'unscanned'}",
+                     "measured": f"compile time / scanned L={cases[0][0]}", "value": s / base,
+                     "unit": "ratio", "compile_s": s})
+    return section("compile", "Compile time against depth", RATIO_COLUMNS + [
+        ("compile_s", "trace + compile s")], rows,
+        ["the train step traced, lowered and compiled on abstract shapes, once per row, in "
+         "this order (run alone, the first row also pays the process's first compile)"])
+
+
+def bench_collectives(plan: dict) -> dict:
+    rows, n = [], min(8, jax.device_count())
+    for name in plan["payloads"]:
+        cfg = load_config(name)
+        elements = cfg.train.batch_size * cfg.model.seq_len * cfg.model.d_model
+        for dtype in ("float32", "bfloat16"):
+            for op in bc.OPS:
+                r = bc.time_collective(op, n, elements, dtype, samples=plan["samples"])
+                rows.append({"payload": f"{name} b*s*h", **r, "MiB": r["bytes"] / 2**20})
+    cols = [("payload", "payload"), ("op", "op"), ("dtype", "dtype"), ("wire_dtype", "HLO dtype"),
+            ("ranks", "ranks"), ("MiB", "size MiB"), ("mean_us", "mean us"),
+            ("median_us", "median us"), ("p95_us", "p95 us"),
+            ("algbw_GBps", "algbw GB/s"), ("busbw_GBps", "busbw GB/s"), ("reps", "reps")]
+    notes = ["each sample: `reps` back-to-back collectives in one jitted shard_map loop, "
+             "divided; bandwidths from the median; size and busbw as nccl-tests define them "
+             "(all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n)",
+             "HLO dtype: what the compiled collective carries (XLA's CPU backend converts bf16 "
+             "to f32 around every collective, all-gather included, so bf16 is slower there)"]
+    return section("collectives", f"Collectives over the tp axis ({n} ranks)", cols, rows, notes)
+
+
+def bench_profile(plan: dict, cache: dict) -> dict:
+    rows, tp = [], min(8, jax.device_count())
+    for impl in ("gspmd", "shard_map"):
+        run, cut = _get(plan, cache, "tiny", tp, impl)
+        run()  # warm
+        r = bc.collective_share(run, run.step.as_text(), steps=2)
+        rows.append({"case": _case(f"tiny {impl} tp={tp}", run.cfg, cut),
+                     "measured": "share of step time in collectives (profiler)",
+                     "value": None if r["share"] is None else 100 * r["share"], "unit": "%",
+                     "collective_ms": r.get("collective_ms"), "step_ms": r.get("step_ms"),
+                     "reason": r["reason"]})
+    notes = ["per device and step: collective ops' durations over the span of the step's ops, "
+             "averaged over devices and 2 traced steps (jax.profiler XSpace)"]
+    if jax.default_backend() == "cpu":
+        notes.append("CPU: a collective's time includes waiting at the rendezvous for the "
+                     "slowest rank, and 8 fake devices share the cores: an upper bound on "
+                     "communication, not link time")
+    return section("profile", "Share of the train step in collectives", RATIO_COLUMNS + [
+        ("collective_ms", "collective ms"), ("step_ms", "traced step ms"), ("reason", "reason")],
+        rows, notes)
+
+
+def bench_peer(plan: dict) -> dict:
+    """jaxtp's tiny train step at tp=1 against the same model written in plain
+    JAX (`jaxtp.bench.peer`), timed alternately in one process."""
+    from . import peer as bp
+
+    cfg, cut = preset("tiny", "parallel.tp=1", *plan["small"])
+    run = build("jaxtp tiny tp=1", cfg)
+    step, params, opt_state = bp.make_step(cfg)
+    tokens = jax.device_put(np.asarray(run.tokens), jax.devices()[0])
+    state = {"params": params, "opt_state": opt_state}
+
+    class Peer:
+        name = "plain JAX"
+
+        def __call__(self):
+            state["params"], state["opt_state"], loss = step(state["params"],
+                                                             state["opt_state"], tokens)
+            return jax.block_until_ready(loss)
+
+    t = time_alternating([run, Peer()], plan["warmup"], plan["steps"] + 2)
+    ratio, lo, hi = paired_ratio(t, run.name, Peer.name)
+    rows = [{"case": _case("tiny tp=1", cfg, cut), "measured": "train step time, jaxtp / plain "
+             "JAX", "value": ratio, "unit": "ratio", "ratio_min": lo, "ratio_max": hi,
+             "jaxtp_ms": np.median(t[run.name]) * 1e3,
+             "peer_ms": np.median(t[Peer.name]) * 1e3, "attention": run.cfg.model.attention}]
+    return section("peer", "jaxtp against a plain JAX GPT-2 step of the same shape", PAIRED + [
+        ("jaxtp_ms", "jaxtp ms (median)"), ("peer_ms", "plain JAX ms (median)"),
+        ("attention", "jaxtp attention")], rows, [
+        "the peer (jaxtp/bench/peer.py): a dict of arrays, 2-D matmuls, 4-D [B, N, T, S] "
+        "attention, full-vocabulary cross-entropy, optax clip + AdamW; jaxtp adds the "
+        "guarded update, the vocab-parallel loss and its logged gradient norm",
+        "timed alternately in one process; value: median over rounds of the paired ratio"])
+
+
+def bench_attention(plan: dict) -> dict:
+    """The tiny train step with blockwise attention against xla attention, at
+    growing sequence lengths (batch 2), timed alternately."""
+    rows = []
+    for T in plan["attention_seqs"]:
+        runs = []
+        for kernel in ("xla", "blockwise"):
+            cfg, _ = preset("tiny", "parallel.tp=1", f"model.seq_len={T}", "train.batch_size=2",
+                            f"model.attention={kernel}", *plan["small"])
+            runs.append(build(f"T={T} {kernel}", cfg))
+        t = time_alternating(runs, plan["warmup"], plan["steps"])
+        ratio, lo, hi = paired_ratio(t, runs[1].name, runs[0].name)
+        rows.append({"case": f"tiny tp=1 (L={runs[1].cfg.model.n_layers} B=2 T={T}, block "
+                             f"{runs[1].cfg.model.attention_block})",
+                     "measured": "train step time, blockwise / xla", "value": ratio,
+                     "unit": "ratio", "ratio_min": lo, "ratio_max": hi,
+                     "xla_ms": np.median(t[runs[0].name]) * 1e3,
+                     "blockwise_ms": np.median(t[runs[1].name]) * 1e3})
+        del runs
+    return section("attention", "Attention kernels: blockwise against xla", PAIRED + [
+        ("xla_ms", "xla ms (median)"), ("blockwise_ms", "blockwise ms (median)")], rows, [
+        "same parameters' shapes, both compiled in one process and timed alternately; "
+        "< 1: blockwise faster", "model.attention=auto picks blockwise from "
+        "model.seq_len >= 1024 (jaxtp.model.kernels.BLOCKWISE_FROM_SEQ) where cuDNN is not "
+        "available"])
+
+
+def bench_loop(plan: dict, log=print) -> dict:
+    """The training loop at tp=8: host time per step outside the step call
+    (data, bookkeeping, dispatch of nothing else), from the loop's own record."""
+    import tempfile
+
+    from ..train.loop import train
+
+    tp = min(8, jax.device_count())
+    n = plan["loop_steps"]
+    cfg, cut = preset("tiny", f"parallel.tp={tp}", f"train.steps={n}", "train.warmup_steps=1",
+                      f"train.log_every={n // 3}", f"train.eval_every={n}",
+                      "train.eval_batches=1", *plan["small"])
+    with tempfile.TemporaryDirectory() as out:
+        summary = train(cfg, out, log=lambda _: None)
+    rows = [{"case": _case(f"tiny tp={tp} gspmd", cfg, cut),
+             "measured": "host time per step outside the step call (median)",
+             "value": summary["host_ms_per_step"], "unit": "ms",
+             "steps": n, "tokens_per_sec": summary["tokens_per_sec"]}]
+    return section("loop", "The training loop: host time per step", RATIO_COLUMNS + [
+        ("steps", "steps"), ("tokens_per_sec", "tokens/s (median)")], rows, [
+        "measured by the loop (jaxtp.train.loop) on steps that neither log, evaluate nor save: "
+        "from the top of the iteration to the step call and from its return to the end; "
+        "the key, lr, spike guard and skip counts are computed inside the jitted step; "
+        "the host draws and places the next batch"])
+
+
+def check_only(only) -> list[str]:
+    only = list(only or SECTIONS)
+    bad = sorted(set(only) - set(SECTIONS))
+    if bad:
+        raise ValueError(f"unknown benchmark(s) {bad}; choose from {','.join(SECTIONS)}")
+    return only
+
+
+def run_suite(quick: bool = False, only=None, log: Callable[[str], None] = print) -> dict:
+    """Run the benchmark suite (all SECTIONS, or `only` those); return the report."""
+    only = check_only(only)
+    plan, cache, sections = PLANS["quick" if quick else "full"], {}, []
+    t0 = time.perf_counter()
+    jobs = {"impl": lambda: bench_impl(plan, cache),
+            "scaling": lambda: bench_scaling(plan, cache),
+            "compile": lambda: bench_compile(plan),
+            "collectives": lambda: bench_collectives(plan),
+            "profile": lambda: bench_profile(plan, cache), "peer": lambda: bench_peer(plan),
+            "attention": lambda: bench_attention(plan), "loop": lambda: bench_loop(plan)}
+    for sid in SECTIONS:
+        if sid in only:
+            t1 = time.perf_counter()
+            sections.append(jobs[sid]())
+            sections[-1]["wall_s"] = time.perf_counter() - t1
+            log(format_section(sections[-1]))
+            for key in [k for k in cache if not k.startswith("tiny ")]:
+                del cache[key]  # free big presets' buffers
+    return {"meta": machine_info("quick" if quick else "full", time.perf_counter() - t0),
+            "sections": sections}

@@ -1,0 +1,6 @@
+"""The model as pure math over logical axes, handed a `Layout`: layers, attention
+and its kernels, the MLP, the vocab-parallel embedding and loss, the Transformer."""
+
+from .transformer import REMAT_POLICIES, Block, Transformer, stack_layers, unstack_layers
+
+__all__ = ["REMAT_POLICIES", "Block", "Transformer", "stack_layers", "unstack_layers"]

@@ -1,0 +1,93 @@
+"""Causal self-attention with heads split over tp: multi-head, grouped-query
+(GQA) and multi-query (MQA), optional RoPE, any kernel of `kernels`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from .. import parallel
+from ..config import ModelConfig
+from ..parallel import Layout
+from . import kernels
+from .layers import ColumnParallelLinear, RowParallelLinear, init_std_out, rope, rope_inv_freq
+
+
+class Attention(nnx.Module):
+    """Causal attention, Megatron layout; N query heads in K groups of G = N/K.
+
+    W_q: [D, N, H] and W_kv: [D, 2, K, H] are column-parallel by heads; every
+    rank attends over its own heads with no communication; W_out: [N, H, D] is
+    row-parallel. One all-reduce forward (g, after W_out) and one backward (f,
+    the gradient of x entering the projections). The layout says which of two
+    kv layouts a run has (`_grouped` when tp divides K, else `_shared`).
+    """
+
+    def __init__(self, cfg: ModelConfig, layout: Layout, *, rngs: nnx.Rngs):
+        kw = dict(use_bias=cfg.use_bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                  rngs=rngs)
+        N, K, H, D = cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_model
+        kv_axis = "kv_heads" if layout.kv_sharded else None
+        self.q = ColumnParallelLinear(D, (N, H), ("heads", "head_dim"), "NH", layout,
+                                      std=cfg.init_std, **kw)
+        self.kv = ColumnParallelLinear(D, (2, K, H), (None, kv_axis, "head_dim"), "CKH",
+                                       layout, std=cfg.init_std, **kw)
+        self.out = RowParallelLinear((N, H), ("heads", "head_dim"), "NH", D, layout,
+                                     std=init_std_out(cfg.init_std, cfg.n_layers), **kw)
+        self.rope_theta = cfg.rope_theta if cfg.style == "llama" else None
+        self.cfg, self.layout = cfg, layout
+        self.kernel, self.block = cfg.attention, cfg.attention_block
+        self.tag = "attn_out"  # the region's reduced output, for remat policies
+
+    def __call__(self, x_BTD):
+        with jax.named_scope("attention"):
+            return self.out.add_bias(parallel.region(self, x_BTD))
+
+    def region(self, x_BTD, local):
+        """Local math from x to the partial (pre-reduction) output."""
+        qkv = self._grouped if self.layout.kv_sharded else self._shared
+        q_BTKGH, k_BTKH, v_BTKH = qkv(x_BTD, local)
+        B, T, K, G, H = q_BTKGH.shape
+        if self.rope_theta is not None:
+            pos_T, inv_freq = jnp.arange(T), rope_inv_freq(H, self.cfg)
+            q_BTKGH = rope(q_BTKGH, pos_T, self.rope_theta, inv_freq)
+            k_BTKH = rope(k_BTKH, pos_T, self.rope_theta, inv_freq)
+        kernel = self.kernel
+        if kernel == "auto":  # a module used on its own; a model resolves it when built
+            kernel = kernels.choose(kernel, q_BTKGH.dtype, H, T, jax.devices()[0])
+        o_BTKGH = kernels.attend(q_BTKGH, k_BTKH, v_BTKH, kernel, self.block)
+        o_BTKGH = checkpoint_name(o_BTKGH, "attn_core")
+        return self.out.partial(o_BTKGH.reshape(B, T, K * G, H))
+
+    def _grouped(self, x_BTD, local):
+        """tp divides K: each rank holds K/tp kv heads and the N/tp query heads
+        of their groups. Per group the projections are one [D, K, G+2, H]
+        matmul (G queries, k, v, as Megatron-LM lays out its QKV), so x has one
+        consumer and the backward pass one f."""
+        (wq_DNH, bq_NH), (wkv_DCKH, bkv_CKH) = self.q.weights(), self.kv.weights()
+        D, N, H = wq_DNH.shape
+        K = wkv_DCKH.shape[2]
+        G = N // K
+        w_DKCH = jnp.concatenate([wq_DNH.reshape(D, K, G, H), wkv_DCKH.transpose(0, 2, 1, 3)], 2)
+        y_BTKCH = jnp.einsum("BTD,DKCH->BTKCH", local.enter(x_BTD).astype(w_DKCH.dtype), w_DKCH)
+        if bq_NH is not None:
+            y_BTKCH += jnp.concatenate([bq_NH.reshape(K, G, H), bkv_CKH.transpose(1, 0, 2)], 1)
+        y_BTKCH = checkpoint_name(
+            local.constrain(y_BTKCH, "batch", "seq", "kv_heads", None, "head_dim"), "qkv")
+        return y_BTKCH[:, :, :, :G], y_BTKCH[:, :, :, G], y_BTKCH[:, :, :, G + 1]
+
+    def _shared(self, x_BTD, local):
+        """K < tp (tp a multiple of K): the kv projection is replicated. Every
+        rank computes k, v from the replicated x (under SP the gathered one; no
+        partial dX, so no second f) and keeps the kv head its query heads use
+        (`local.kv_for_heads`); the kv gradient, which the ranks sharing a head
+        each hold a part of, is summed in the backward pass."""
+        x_in = local.enter(x_BTD)
+        q_BTNH = checkpoint_name(self.q(x_in), "qkv")
+        kv_BTCKH = checkpoint_name(self.kv(x_in if self.layout.sp else x_BTD), "qkv")
+        kv_BTCKH = local.kv_for_heads(kv_BTCKH, q_BTNH.shape[2])
+        B, T, N, H = q_BTNH.shape
+        K = kv_BTCKH.shape[3]  # kv heads this rank sees: one, or N copies under GSPMD
+        return q_BTNH.reshape(B, T, K, N // K, H), kv_BTCKH[:, :, 0], kv_BTCKH[:, :, 1]

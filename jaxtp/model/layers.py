@@ -1,0 +1,184 @@
+"""Tensor-parallel building blocks (Flax NNX).
+
+Every weight is created with its PartitionSpec in the metadata
+(`out_sharding=layout.param_spec(...)`), so the parameters themselves carry
+their split over the mesh. A layer's math is plain local math written as an
+einsum over shape letters: correct on global arrays (GSPMD partitions it) and
+on per-shard arrays inside `jax.shard_map` (`jaxtp.parallel.regions`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..parallel import Layout
+
+
+def param(rngs: nnx.Rngs | None, init, shape, axes, dtype, layout: Layout) -> nnx.Param:
+    """A parameter of `shape` laid out by `layout` (its dims named by `axes`)."""
+    value = init(rngs.params(), shape, dtype) if rngs is not None else init(shape, dtype)
+    return nnx.Param(value, out_sharding=layout.param_spec(*axes))
+
+
+class ColumnParallelLinear(nnx.Module):
+    """Y = X W + b with W: [D, *out] split over tp on its output dim.
+
+    Replicated in, sharded out: no forward collective. Backward, each rank's dX
+    is a partial sum over its output slice, so dX is all-reduced (Megatron f).
+    `letters` name the output dims ("F", "NH", "CKH"): the einsum is
+    "...D,D<letters>->...<letters>".
+    """
+
+    def __init__(self, d_in: int, out_shape: tuple[int, ...], out_axes: tuple, letters: str,
+                 layout: Layout, *, use_bias: bool, std: float, dtype, param_dtype,
+                 rngs: nnx.Rngs):
+        init = nnx.initializers.normal(std)
+        self.kernel = param(rngs, init, (d_in, *out_shape), ("embed", *out_axes),
+                            param_dtype, layout)
+        self.bias = (param(rngs, nnx.initializers.zeros, out_shape, out_axes, param_dtype,
+                           layout) if use_bias else None)
+        self.dtype, self.letters = dtype, letters
+
+    def weights(self):
+        """(kernel, bias or None) in the compute dtype."""
+        b = None if self.bias is None else self.bias[...].astype(self.dtype)
+        return self.kernel[...].astype(self.dtype), b
+
+    def __call__(self, x):
+        w, b = self.weights()
+        y = jnp.einsum(f"...D,D{self.letters}->...{self.letters}", x.astype(self.dtype), w)
+        return y if b is None else y + b
+
+
+class RowParallelLinear(nnx.Module):
+    """Y = g(X W) + b with W: [*in, D] split over tp on its input dim.
+
+    Sharded in, partial out: `partial` is each rank's X_i W_i; the sum over tp
+    (Megatron g, an all-reduce forward) happens between `partial` and
+    `add_bias`, so the replicated bias is added once, not tp times. `letters`
+    name the input dims: "...<letters>,<letters>D->...D".
+    """
+
+    def __init__(self, in_shape: tuple[int, ...], in_axes: tuple, letters: str, d_out: int,
+                 layout: Layout, *, use_bias: bool, std: float, dtype, param_dtype,
+                 rngs: nnx.Rngs):
+        init = nnx.initializers.normal(std)
+        self.kernel = param(rngs, init, (*in_shape, d_out), (*in_axes, "embed"), param_dtype,
+                            layout)
+        self.bias = (param(rngs, nnx.initializers.zeros, (d_out,), ("embed",), param_dtype,
+                           layout) if use_bias else None)
+        self.dtype, self.letters = dtype, letters
+
+    def partial(self, x):
+        return jnp.einsum(f"...{self.letters},{self.letters}D->...D", x.astype(self.dtype),
+                          self.kernel[...].astype(self.dtype))
+
+    def add_bias(self, y):
+        return y if self.bias is None else y + self.bias[...].astype(self.dtype)
+
+
+class Embed(nnx.Module):
+    """Lookup table [n, D], replicated over tp (learned positions)."""
+
+    def __init__(self, n: int, d: int, layout: Layout, *, std: float, dtype, param_dtype,
+                 rngs: nnx.Rngs):
+        self.embedding = param(rngs, nnx.initializers.normal(std), (n, d), (None, "embed"),
+                               param_dtype, layout)
+        self.dtype = dtype
+
+    def __call__(self, ids):
+        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm over the model dim, computed in fp32; scale and bias replicated."""
+
+    def __init__(self, d: int, layout: Layout, *, eps: float, dtype, param_dtype):
+        self.scale = param(None, jnp.ones, (d,), ("embed",), param_dtype, layout)
+        self.bias = param(None, jnp.zeros, (d,), ("embed",), param_dtype, layout)
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x):
+        x = x.astype(jnp.float32)
+        mean = x.mean(-1, keepdims=True)
+        var = jnp.square(x - mean).mean(-1, keepdims=True)
+        y = (x - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.scale[...] + self.bias[...]).astype(self.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * scale over the model dim, in fp32 (Zhang & Sennrich 2019); replicated."""
+
+    def __init__(self, d: int, layout: Layout, *, eps: float, dtype, param_dtype):
+        self.scale = param(None, jnp.ones, (d,), ("embed",), param_dtype, layout)
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x):
+        x = x.astype(jnp.float32)
+        y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.eps)
+        return (y * self.scale[...]).astype(self.dtype)
+
+
+def make_norm(cfg, layout: Layout):
+    cls = RMSNorm if cfg.style == "llama" else LayerNorm
+    return cls(cfg.d_model, layout, eps=cfg.ln_eps, dtype=cfg.dtype,
+               param_dtype=cfg.param_dtype)
+
+
+def rope_inv_freq(H: int, cfg) -> jax.Array:
+    """theta^(-2i/H), i < H/2, with Llama 3.1's frequency scaling when
+    cfg.rope_scaling_factor > 0 (Meta's reference code / HF
+    `_compute_llama3_parameters`)."""
+    inv_freq = 1.0 / cfg.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)
+    if not cfg.rope_scaling_factor:
+        return inv_freq
+    factor, lo, hi = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelen = 2 * jnp.pi / inv_freq
+    long_wave = cfg.rope_original_max_len / lo  # wavelengths above: divided by factor
+    short_wave = cfg.rope_original_max_len / hi  # below: kept
+    smooth = (cfg.rope_original_max_len / wavelen - lo) / (hi - lo)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return jnp.where(wavelen > long_wave, inv_freq / factor,
+                     jnp.where(wavelen < short_wave, inv_freq, blended))
+
+
+def rope(x_BTNH, positions_T, theta: float, inv_freq_F=None):
+    """Rotary position embedding (Su et al. 2021) in the "rotate half" layout of
+    Hugging Face's Llama: dim i is paired with dim i + H/2, frequency
+    theta^(-2i/H) (or `inv_freq_F`). Applied per head, so any subset of heads
+    (a tp rank's) works.
+    """
+    H = x_BTNH.shape[-1]
+    if inv_freq_F is None:
+        inv_freq_F = 1.0 / theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)
+    angle_TF = positions_T.astype(jnp.float32)[:, None] * inv_freq_F[None]
+    shape = (len(positions_T),) + (1,) * (x_BTNH.ndim - 3) + (H // 2,)  # any head dims
+    cos, sin = jnp.cos(angle_TF).reshape(shape), jnp.sin(angle_TF).reshape(shape)
+    x = x_BTNH.astype(jnp.float32)
+    x1, x2 = x[..., : H // 2], x[..., H // 2:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNH.dtype)
+
+
+def dropout(x, rate: float, key):
+    """Inverted dropout; identity when `key` is None (evaluation) or rate == 0."""
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def gelu(x):
+    # GPT-2's tanh approximation (Hendrycks & Gimpel 2016).
+    return jax.nn.gelu(x, approximate=True)
+
+
+def init_std_out(std: float, n_layers: int) -> float:
+    """GPT-2 scales residual-output projections by 1/sqrt(2 L) (Radford et al. 2019)."""
+    return std / math.sqrt(2 * n_layers)

@@ -1,0 +1,162 @@
+"""Decoder-only Transformer: pre-norm blocks of attention and MLP, GPT-2 or Llama style.
+
+Dimension alphabet used in variable names throughout jaxtp:
+B batch, T (and S) sequence, D model, N query heads, K kv heads (groups),
+G query heads per group, H head dim, F mlp hidden, V vocab, C a small stacked
+axis (gate/up, k/v, or per group the G queries, k and v).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..config import REMATS, ModelConfig
+from ..parallel import Layout, constrain
+from .attention import Attention
+from .layers import Embed, dropout, make_norm
+from .mlp import MLP
+from .vocab import VocabEmbed
+
+
+class Block(nnx.Module):
+    """x + attn(norm1(x)), then + mlp(norm2(x)); the residual stream is
+    replicated over tp, or split along the sequence under SP."""
+
+    def __init__(self, cfg: ModelConfig, layout: Layout, *, rngs: nnx.Rngs):
+        self.ln1 = make_norm(cfg, layout)
+        self.attn = Attention(cfg, layout, rngs=rngs)
+        self.ln2 = make_norm(cfg, layout)
+        self.mlp = MLP(cfg, layout, rngs=rngs)
+        self.rate = cfg.dropout
+        self.layout = layout
+
+    def __call__(self, x_BTD, key=None):
+        k1, k2 = jax.random.split(key) if key is not None else (None, None)
+        x_BTD = x_BTD + dropout(self.attn(self.ln1(x_BTD)), self.rate, k1)
+        x_BTD = x_BTD + dropout(self.mlp(self.ln2(x_BTD)), self.rate, k2)
+        return constrain(x_BTD, *self.layout.residual)
+
+
+_names = jax.checkpoint_policies.save_only_these_names
+# The reduced outputs of the attention and MLP regions (after g). Every policy
+# keeps them: recomputing one would repeat its forward all-reduce (or SP
+# reduce-scatter) in the backward pass. Kept or not, a policy keeps only what
+# the backward pass reads: the MLP's output is not read, the attention's is
+# (the second norm's input).
+REGION_OUTPUTS = ("attn_out", "mlp_out")
+REMAT_POLICIES = {
+    "none": None,  # keep every activation the backward pass needs
+    # recompute the whole block but the region outputs
+    "full": _names(*REGION_OUTPUTS),
+    # the outputs of the weight matmuls (dots without batch dims); recompute
+    # the rest: norms, activations, the attention core
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _names(*REGION_OUTPUTS)),
+    # the tagged projection outputs only (q/k/v, MLP up, the region outputs:
+    # under SP, their sequence shards); recompute norms, activations and the
+    # attention core
+    "minimal": _names("qkv", "mlp_up", *REGION_OUTPUTS),
+}
+assert tuple(REMAT_POLICIES) == REMATS  # the config's list of names is the one source
+
+
+def _block_fn(remat: str):
+    """(block, x, key) -> x, rematerialised by the named policy."""
+    call = lambda block, x, key: block(x, key)
+    if remat == "none":
+        return call
+    return nnx.remat(call, policy=REMAT_POLICIES[remat])
+
+
+class Transformer(nnx.Module):
+    """Vocab-parallel token embedding (+ learned positions for GPT-2), L blocks,
+    final norm, vocab-parallel LM head (tied to the embedding or not)."""
+
+    def __init__(self, cfg: ModelConfig, layout: Layout, *, rngs: nnx.Rngs):
+        self.wte = VocabEmbed(cfg, layout, rngs=rngs)
+        self.wpe = None if cfg.style == "llama" else Embed(
+            cfg.seq_len, cfg.d_model, layout, std=cfg.init_std, dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype, rngs=rngs)
+        if cfg.scan_layers:
+            # one Block whose every parameter has a leading layer axis [L, ...],
+            # replicated over the mesh (the None added to each PartitionSpec)
+            @nnx.split_rngs(splits=cfg.n_layers)
+            @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+            def stack(rngs):
+                return Block(cfg, layout, rngs=rngs)
+
+            self.blocks = stack(rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, layout, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.ln_f = make_norm(cfg, layout)
+        self.lm_head = None if cfg.tie_embeddings else VocabEmbed(cfg, layout, rngs=rngs)
+        self.cfg, self.layout = cfg, layout
+        self.mesh = None  # the mesh the parameters live on, where a loader knows it
+
+    def hidden(self, tokens_BT, *, dropout_key=None):
+        """int tokens [B, T] -> final-norm hidden states [B, T, D]."""
+        T = tokens_BT.shape[1]
+        if T > self.cfg.seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.seq_len={self.cfg.seq_len}")
+        L = self.cfg.n_layers
+        keys = (None if dropout_key is None else jax.random.split(dropout_key, L + 1))
+        x_BTD = self.wte(tokens_BT)
+        if self.wpe is not None:
+            pos_1TD = self.wpe(jnp.arange(T))[None]
+            if self.layout.sp:  # on the token rows' sequence shard, so GSPMD adds
+                # them after the embedding's reduce-scatter, not before it
+                pos_1TD = constrain(pos_1TD, None, *self.layout.residual[1:])
+            x_BTD = x_BTD + pos_1TD
+        x_BTD = constrain(dropout(x_BTD, self.cfg.dropout, None if keys is None else keys[0]),
+                          *self.layout.residual)
+        block_fn = _block_fn(self.cfg.remat)
+        if self.cfg.scan_layers:
+            # a while loop over the stacked parameters: compile time and HLO size
+            # do not grow with depth (jaxtp.hlo multiplies by the trip count)
+            xs = () if keys is None else (keys[1:],)
+
+            @nnx.scan(in_axes=(nnx.Carry, 0) + (0,) * len(xs), out_axes=nnx.Carry,
+                      transform_metadata={nnx.PARTITION_NAME: None})
+            def body(x_BTD, block, *key):
+                return block_fn(block, x_BTD, key[0] if key else None)
+
+            x_BTD = body(x_BTD, self.blocks, *xs)
+        else:
+            for i, block in enumerate(self.blocks):
+                x_BTD = block_fn(block, x_BTD, None if keys is None else keys[i + 1])
+        return self.ln_f(x_BTD)
+
+    @property
+    def head(self) -> VocabEmbed:
+        return self.wte if self.lm_head is None else self.lm_head
+
+    def __call__(self, tokens_BT, *, dropout_key=None):
+        """int tokens [B, T] -> fp32 logits [B, T, vocab_size], for inference.
+
+        Training uses `loss`, which never materialises the full logits.
+        """
+        return self.head.logits(self.hidden(tokens_BT, dropout_key=dropout_key))
+
+    def loss(self, tokens_BT, targets_BT, *, dropout_key=None):
+        """Mean next-token cross-entropy, from vocab-sharded logits."""
+        x_BTD = self.hidden(tokens_BT, dropout_key=dropout_key)
+        return self.head.token_losses(x_BTD, targets_BT).mean()
+
+
+def stack_layers(pure: dict) -> dict:
+    """Per-layer parameters {"blocks": {0: tree, 1: tree, ...}} (a pure dict,
+    `nnx.to_pure_dict`) -> the scanned layout {"blocks": tree of [L, ...]}."""
+    blocks = pure["blocks"]
+    layers = [blocks[i] for i in range(len(blocks))]
+    stack = lambda *xs: np.stack(xs) if isinstance(xs[0], np.ndarray) else jnp.stack(xs)
+    return {**pure, "blocks": jax.tree.map(stack, *layers)}
+
+
+def unstack_layers(pure: dict) -> dict:
+    """The inverse of `stack_layers`."""
+    L = jax.tree.leaves(pure["blocks"])[0].shape[0]
+    return {**pure, "blocks": {i: jax.tree.map(lambda x: x[i], pure["blocks"])
+                               for i in range(L)}}

@@ -1,0 +1,102 @@
+"""Megatron's conjugate operators and the one-reduction gradient norm.
+
+A *region* is a column-parallel linear, local math, and a row-parallel
+linear: replicated in, partial out. Megatron (Shoeybi et al. 2019, Sec. 3)
+brackets it with two operators:
+
+- **f** at the entry: identity forward, all-reduce backward. Each rank's dX
+  is a partial sum over its slice of the column-parallel output, so the input
+  gradient must be summed over tp.
+- **g** at the exit: all-reduce forward, identity backward. Each rank's
+  row-parallel product X_i W_i is a partial sum of the output.
+
+Sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2) splits each into
+an all-gather and a reduce-scatter of the same bytes (`f_sp`, `g_sp`).
+These are written out for the shard_map implementation; under GSPMD the
+partitioner derives them from the PartitionSpecs (`jaxtp.parallel.regions`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from .layout import IMPL_AXIS, MESH_AXES, mesh_size
+
+
+def f(x):
+    """Megatron f: identity forward, all-reduce over tp backward.
+
+    Under check_vma, x entering the region is tp-invariant (replicated) while
+    the weights are tp-varying. `pcast(..., to="varying")` declares that from
+    here on each rank's value may differ; its transpose is `psum` over tp, which
+    is exactly the backward all-reduce of dX. No psum of any gradient is written
+    by hand: that one would count it twice.
+    """
+    return jax.lax.pcast(x, IMPL_AXIS, to="varying")
+
+
+def g(y_partial):
+    """Megatron g: all-reduce over tp forward, identity backward.
+
+    psum turns the tp-varying partial sums into a tp-invariant total; its
+    transpose hands each rank the (invariant) output gradient unchanged.
+    """
+    return jax.lax.psum(y_partial, IMPL_AXIS)
+
+
+def f_sp(x_BTD):
+    """Megatron-SP entry: all-gather the sequence-split input forward (tiled
+    along T); the transpose is a reduce-scatter of dX. Same bytes as f's
+    all-reduce, split in two."""
+    return jax.lax.all_gather(x_BTD, IMPL_AXIS, axis=1, tiled=True)
+
+
+def g_sp(y_partial_BTD):
+    """Megatron-SP exit: reduce-scatter the partial output along the sequence;
+    the transpose all-gathers the output gradient."""
+    return jax.lax.psum_scatter(y_partial_BTD, IMPL_AXIS, scatter_dimension=1, tiled=True)
+
+
+def pmax(x):
+    """The maximum over tp (the vocab-parallel loss's running max)."""
+    return jax.lax.pmax(x, IMPL_AXIS)
+
+
+def rank():
+    """This shard's index on the tp axis (only inside shard_map)."""
+    return jax.lax.axis_index(IMPL_AXIS)
+
+
+def global_norm(grads, specs):
+    """sqrt of the sum of squares of all gradients, with one scalar all-reduce.
+
+    Each rank sums the squares of its shards, weighting a gradient that is
+    replicated over a mesh axis by 1/size of that axis, and the weighted sums
+    are reduced once over the axes the gradients are split on (tp; and dp
+    under FSDP), as Megatron-LM reduces its norm once. Left to GSPMD, each
+    sharded tensor's sum would be a separate all-reduce. (The weights are
+    powers of two for the usual tp/dp, so exact.)
+    """
+    leaves = jax.tree.leaves(grads)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    split = [set(a for a in jax.tree.leaves(tuple(s)) if a in MESH_AXES) for s in spec_leaves]
+    axes = tuple(a for a in MESH_AXES if mesh_size(a) > 1 and any(a in s for s in split))
+    if not axes:
+        return optax.tree.norm(grads)
+    size = {a: mesh_size(a) for a in axes}
+    in_specs = tuple(P(*(a if a in axes else None for a in s)) for s in spec_leaves)
+
+    def local(*leaves):
+        total = jnp.float32(0)
+        for x, s in zip(leaves, split):
+            weight = math.prod(size[a] for a in axes if a not in s)
+            total += jnp.sum(jnp.square(x.astype(jnp.float32))) / weight
+        return jnp.sqrt(jax.lax.psum(total, axes))
+
+    return jax.shard_map(local, in_specs=in_specs, out_specs=P(), axis_names=set(axes),
+                         check_vma=False)(*leaves)

@@ -1,0 +1,106 @@
+"""Token data: a built-in corpus, user files, and batches placed on the mesh.
+
+The built-in corpus is real text every Python has: the standard library's own
+top-level `.py` files, byte-level (vocab 256), sorted by name so every machine
+with the same Python builds the same corpus. The last `val_fraction` of the
+bytes is the validation split.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from ..parallel import named
+from ..parallel.distributed import global_batch
+
+BUILTIN_MAX_BYTES = 8 * 2**20
+
+
+def builtin_corpus(max_bytes: int = BUILTIN_MAX_BYTES) -> np.ndarray:
+    """Bytes of the Python standard library's top-level sources (uint8)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(stdlib.glob("*.py")):
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if not chunks:
+        raise FileNotFoundError(f"no .py files under {stdlib}; pass --data PATH")
+    return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
+
+
+def load_tokens(path: str | None) -> np.ndarray:
+    """None -> built-in corpus; `*.bin` -> flat uint16 token ids; else UTF-8 text as bytes."""
+    if path is None:
+        return builtin_corpus()
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"--data {path}: no such file")
+    if p.suffix == ".bin":
+        if p.stat().st_size % 2:
+            raise ValueError(f"--data {path}: a .bin file holds uint16 ids, but its size "
+                             f"{p.stat().st_size} is odd")
+        return np.fromfile(p, dtype=np.uint16)
+    raw = p.read_bytes()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--data {path} is not UTF-8 text ({e}); token ids go in a "
+                         ".bin file of uint16") from None
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
+class Dataset:
+    """Train/validation token arrays with random (train) and fixed (eval) windows."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, vocab_size: int,
+                 val_fraction: float = 0.1):
+        if tokens.size and int(tokens.max()) >= vocab_size:
+            raise ValueError(f"data has token id {int(tokens.max())} but model.vocab_size="
+                             f"{vocab_size}; raise model.vocab_size above it")
+        n_val = int(len(tokens) * val_fraction)
+        self.train, self.val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
+        need = seq_len + 2
+        for name, split in (("train", self.train), ("validation", self.val)):
+            if len(split) < need:
+                raise ValueError(f"{name} split has {len(split)} tokens, fewer than "
+                                 f"model.seq_len+2={need}; use more data or a shorter seq_len")
+        self.seq_len = seq_len
+
+    def _windows(self, split: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        idx = starts[:, None] + np.arange(self.seq_len + 1)[None]
+        return split[idx].astype(np.int32)
+
+    def train_batches(self, batch_size: int, seed: int, skip: int = 0):
+        """Endless random windows [B, T+1] from the train split; `skip`: start
+        after that many batches (a resumed run sees the batches a straight run
+        would, as the window starts are drawn ahead without reading tokens)."""
+        rng = np.random.default_rng(seed)
+        last = len(self.train) - self.seq_len - 1  # the last window that fits
+        for _ in range(skip):
+            rng.integers(0, last + 1, batch_size)
+        while True:
+            yield self._windows(self.train, rng.integers(0, last + 1, batch_size))
+
+    def eval_batches(self, batch_size: int, n: int) -> list[np.ndarray]:
+        """`n` fixed batches, evenly spaced over the validation split."""
+        hi = len(self.val) - self.seq_len - 1
+        starts = np.linspace(0, hi, n * batch_size).astype(np.int64)
+        return [self._windows(self.val, s) for s in starts.reshape(n, batch_size)]
+
+
+def to_mesh(batch: np.ndarray, mesh: Mesh) -> jax.Array:
+    """Place a host batch [B, ...] on the mesh: split over dp, replicated over tp.
+
+    `batch` is the global batch, the same in every process (it is drawn from
+    the seed); each process transfers only the rows its own devices hold.
+    """
+    return global_batch(batch, mesh, named(mesh, "batch", *([None] * (batch.ndim - 1))))
+

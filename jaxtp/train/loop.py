@@ -1,0 +1,417 @@
+"""The training loop: data onto the mesh, jitted steps, faults, checkpoints, logs.
+
+Every run writes into its output directory (a new run refuses a directory
+that already holds one; `resume=True` continues the run in it):
+- `config.json`: the resolved config;
+- `metrics.jsonl`: one JSON object per logged step (step 1, then every
+  `log_every`): `step`, `loss` (mean train loss of the applied steps since the
+  previous row), `grad_norm` (pre-clip, this step), `lr` (this step's),
+  `skipped` (steps skipped since the previous row), `step_time_s`,
+  `tokens_per_sec`, `model_tflops_per_device` and `mfu` (null for step 1,
+  which includes compilation; mfu null where the peak is unknown), and
+  `eval_loss` on evaluation steps;
+- `run.json`: the TP record (`jaxtp.train.record.run_record`);
+- `checkpoints/<step>/`: orbax checkpoints (`jaxtp.train.checkpoint`) every
+  `train.checkpoint_every` steps, at the end, and on SIGTERM/SIGINT.
+
+The device stays busy: the step's key, lr, spike limit and skip counts are
+computed inside the jitted step (`jaxtp.train.loopstep`),
+and the host reads anything back only on logged rows, evaluations and
+checkpoints, so it places batch n+1 and dispatches step n+1 while step n
+runs (on an accelerator; XLA's CPU runtime waits for the donated buffers of
+step n). A background thread placing the batches was slower on CPU: 2.8 ms
+per step outside the call at tp=8 against 0.85 ms inline (it competes with
+the step for the GIL). The median host time per step outside the step call
+is logged at the end and kept in run.json (`host_ms_per_step`).
+
+Faults: a step whose loss or gradient norm is not finite (or, with
+`train.spike_factor`, whose loss exceeds that factor times the mean of the
+last 20 applied losses) leaves parameters and optimizer state unchanged and
+is logged at the next row with its step; `train.max_skipped_steps` of them
+in a row stop the run with `TrainingStopped` (after saving the last good
+state, the one at the step that reached the limit: later steps the host had
+already dispatched change nothing).
+
+Multi-process: every process runs this loop over the same global batches
+(each transfers only its own rows); only process 0 logs and writes files;
+all processes take part in checkpoints, and agree on a stop signal at rows
+and checkpoints (one host allgather there, none per step).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from ..config import Config
+from ..parallel import make_mesh, named
+from ..parallel.distributed import any_process
+from .checkpoint import Checkpointer
+from .data import Dataset, load_tokens, to_mesh
+from .loopstep import LoopState, is_row_step, make_loop_step
+from .metrics import MetricsLog, finite, model_flops_per_token, peak_flops, speed
+from .optim import lr_schedule
+from .record import run_record
+from .runstate import RunState
+from .state import abstract_model, init_train_state, resolve_attention
+from .step import make_eval_step, single_device_check
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (too many skipped steps in a row)."""
+
+
+def count_params(params) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+def evaluate(eval_step, params, batches, mesh) -> float:
+    losses = [eval_step(params, to_mesh(b, mesh)) for b in batches]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def prepare_out_dir(out_dir: str | Path) -> Path:
+    """Create `out_dir`, refusing one that already holds a run."""
+    out = Path(out_dir)
+    taken = [n for n in ("metrics.jsonl", "config.json", "run.json", "checkpoints")
+             if (out / n).exists()]
+    if taken:
+        raise FileExistsError(f"--out {out} already holds a run ({', '.join(taken)}); "
+                              "choose a new directory, or --resume to continue it")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+class _Signals:
+    """SIGTERM/SIGINT set a flag the loop checks after each step (main thread only)."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._old = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, _frame):
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def train(cfg: Config, out_dir: str | Path, data_path: str | None = None, *,
+          log: Callable[[str], None] = print, check: bool = False, init_params=None,
+          resume: bool = False, inject_nan_at=(), peak_tflops: float | None = None,
+          tensorboard: bool = False, until: int | None = None) -> dict:
+    """Train `cfg` and return a summary; see the module docstring for the files.
+
+    `init_params`: starting values (an nnx.State or nested dict, e.g. from
+    `jaxtp.hf.read_hf`) instead of a fresh initialisation. `resume`:
+    continue from the latest complete checkpoint in `out_dir` (any tp/dp).
+    `check`: replay the first steps on one device and compare.
+    `inject_nan_at`: steps whose gradients are made NaN (a fault drill).
+    `peak_tflops`: per-device peak for MFU, where `jaxtp.train.metrics.HARDWARE` lacks it.
+    `tensorboard`: also write the rows as TensorBoard scalars.
+    `until`: stop after this step with a checkpoint (the schedule still spans
+    `train.steps`): a run split into jobs of fixed length.
+    """
+    _check_options(check, resume, until, inject_nan_at)
+    log = log if jax.process_index() == 0 else (lambda _: None)
+    data = Dataset(load_tokens(data_path), cfg.model.seq_len, cfg.model.vocab_size)
+    mesh = make_mesh(cfg.parallel.dp, cfg.parallel.tp)
+    cfg = resolve_attention(cfg, mesh.devices.flat[0])  # a KernelError before writing
+    out = Path(out_dir)
+    _claim(out, resume, tensorboard)
+    ckpt = Checkpointer(out / "checkpoints", keep=cfg.train.keep_checkpoints, log=log)
+    run = RunState.of(cfg, _data_id(data_path, data))
+    if resume:
+        state, run = run.resume(ckpt, cfg, mesh, log)
+    else:
+        state = init_train_state(cfg, mesh, params=init_params)
+    if jax.process_index() == 0:
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    loop = _Loop(cfg, mesh, out, ckpt, run, state, data, log, check, inject_nan_at,
+                 peak_tflops, tensorboard)
+    if until is not None and until <= run.step:
+        log(f"--until {until}: the run is already at step {run.step}; nothing to do")
+    loop.run(min(cfg.train.steps, until or cfg.train.steps), until)
+    return loop.summary()
+
+
+def _check_options(check: bool, resume: bool, until, inject_nan_at) -> None:
+    if until is not None and until < 1:
+        raise ValueError(f"--until {until}: the step to stop after must be >= 1")
+    if any(s < 1 for s in inject_nan_at):
+        raise ValueError(f"--inject-nan-at {sorted(inject_nan_at)}: steps start at 1")
+    if check and (jax.process_count() > 1 or resume):
+        raise ValueError("--check replays the first steps on one device: run it "
+                         "single-process and not with --resume")
+
+
+def _claim(out: Path, resume: bool, tensorboard: bool) -> None:
+    """Check (process 0) that `out` can take this run; a refusal stops every
+    process, not only process 0 while the others wait in a barrier."""
+    refused = None
+    try:
+        if resume and not (out / "checkpoints").is_dir():
+            raise FileNotFoundError(f"--resume: no checkpoints under {out}/checkpoints")
+        if jax.process_index() == 0 and not resume:
+            prepare_out_dir(out)
+        if tensorboard and jax.process_index() == 0:
+            MetricsLog.check_tensorboard()
+    except (OSError, ImportError) as e:
+        refused = e
+    if any_process(refused is not None):
+        raise refused or FileExistsError(f"process 0 refused --out {out}: see its log")
+
+
+def describe(cfg: Config, n_params: int, data: Dataset) -> list[str]:
+    """The two lines a run starts with: the model and mesh, then the kernels."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    return [
+        f"model: {m.style}, {n_params:,} params, {m.n_layers} layers"
+        f"{' (scanned)' if m.scan_layers else ''}, d_model={m.d_model}, heads={m.n_heads}/"
+        f"{m.kv_heads} kv, d_ff={m.d_ff}, seq={m.seq_len}, {m.dtype} compute / "
+        f"{m.param_dtype} params | mesh dp={p.dp} x tp={p.tp}, impl={p.impl}"
+        f"{', fsdp' if p.fsdp else ''}{', sp' if p.sequence_parallel else ''} | batch "
+        f"{t.batch_size}{f' in {t.microbatches} microbatches' if t.microbatches > 1 else ''}"
+        f" | data: {len(data.train):,} train / {len(data.val):,} val tokens",
+        f"attention: {m.attention}"
+        + (f" (block {m.attention_block})" if m.attention == "blockwise" else "")
+        + f", remat: {m.remat}"
+        + (f", loss in chunks of {m.loss_chunk} tokens" if m.loss_chunk else "")]
+
+
+class _Loop:
+    """One run's loop: the compiled step, the arrays it carries from step to
+    step, and the host's bookkeeping (rows, rates, host time, saves)."""
+
+    def __init__(self, cfg, mesh, out, ckpt, run, state, data, log, check, inject_nan_at,
+                 peak_tflops, tensorboard):
+        m, t = cfg.model, cfg.train
+        self.cfg, self.mesh, self.out, self.ckpt, self.run_state, self.log = (
+            cfg, mesh, out, ckpt, run, log)
+        self.n_params = count_params(state.params)
+        for line in describe(cfg, self.n_params, data):
+            log(line)
+        self.loop = LoopState.start(t.seed, mesh, run.loop)
+        self.step_fn, self.record = self._compile(state, inject_nan_at)
+        self.eval_step = make_eval_step(state)
+        self.eval_set = data.eval_batches(t.batch_size, t.eval_batches)
+        self.batches = data.train_batches(t.batch_size, t.seed, skip=run.step)
+        peak = peak_tflops * 1e12 if peak_tflops else peak_flops(mesh.devices.flat[0])
+        self.speed = functools.partial(speed, tokens_per_step=t.batch_size * m.seq_len,
+                                       flops_per_token=model_flops_per_token(cfg, self.n_params),
+                                       devices=mesh.size, peak=peak)
+        self.params, self.opt_state = state.params, state.opt_state
+        self.check = _Check(cfg, self.params, lr_schedule(t)) if check else None
+        self.metrics_log = MetricsLog(out, run.step, tensorboard) \
+            if jax.process_index() == 0 else None
+        self.history, self.rates, self.host_s = [], [], []
+        self.eval_loss, self.interrupted, self.step = None, None, run.step
+        self.saved_step = None
+        self.t_start = self.t_last = time.perf_counter()
+        self.last_logged = run.step
+
+    def _compile(self, state, inject_nan_at):
+        """The loop's step compiled ahead of time, and the run record read from its HLO."""
+        cfg, mesh, t0 = self.cfg, self.mesh, time.perf_counter()
+        tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
+                                      sharding=named(mesh, "batch", None))
+        with jax.set_mesh(mesh):
+            step = make_loop_step(state, cfg, inject_nan_at).lower(
+                state.params, state.opt_state, self.loop, tokens).compile()
+        self.log(f"compiled the train step in {time.perf_counter() - t0:.1f}s")
+        structure = nnx.merge(*abstract_model(cfg, mesh))  # no buffers: step 1 donates them
+        return step, run_record(cfg, mesh, structure, step.as_text())
+
+    def run(self, last: int, until: int | None) -> None:
+        """Steps run_state.step + 1 .. last, stopping early on a signal (saved)."""
+        try:
+            with jax.set_mesh(self.mesh), _Signals() as signals:
+                for step in range(self.run_state.step + 1, last + 1):
+                    self.step = step
+                    if self.one_step(step, until, signals):
+                        break
+                self.ckpt.wait()
+        finally:
+            self.ckpt.close()
+            if self.metrics_log is not None:
+                self.metrics_log.close()
+
+    def one_step(self, step: int, until: int | None, signals: "_Signals") -> bool:
+        """Run `step`; log, evaluate, check and save where due. True: stop here."""
+        t = self.cfg.train
+        t_iter = time.perf_counter()
+        host_tokens = next(self.batches)
+        tokens = to_mesh(host_tokens, self.mesh)
+        t_call = time.perf_counter()
+        self.params, self.opt_state, self.loop, metrics = self.step_fn(
+            self.params, self.opt_state, self.loop, tokens)
+        t_back = time.perf_counter()
+        row_step = bool(is_row_step(step, t))
+        ckpt_step = (t.checkpoint_every and step % t.checkpoint_every == 0) \
+            or step == t.steps or step == until
+        if self.check is not None:
+            self.check.after(step, host_tokens, metrics, self.params, self.record, self.log)
+        # the host waits for the device only on rows and checkpoints
+        loop = self.loop.to_json() if row_step or ckpt_step else None
+        if row_step and loop["row_skipped"]:
+            self.log(_skip_line(loop, t.max_skipped_steps))
+        if loop and loop["stop_at"]:
+            self._stop_skipping(loop)
+        if row_step:
+            self.log_row(step, metrics, loop)
+        if ckpt_step:
+            self.save(step, loop)
+        if self._signalled(signals, row_step or ckpt_step):
+            self.interrupted = signal.Signals(signals.received or signal.SIGTERM).name
+            self.save(step, self.loop.to_json())
+            self.ckpt.wait()
+            self.log(f"{self.interrupted} received: saved a checkpoint at step {step} in "
+                     f"{self.out}/checkpoints; continue with --resume --out {self.out}")
+            return True
+        if not (row_step or ckpt_step or self.check):
+            self.host_s.append((t_call - t_iter) + (time.perf_counter() - t_back))
+        return False
+
+    def log_row(self, step: int, metrics, loop: dict) -> None:
+        """A metrics.jsonl row (and an evaluation when due), and the progress line."""
+        t = self.cfg.train
+        host = jax.device_get(metrics)
+        is_eval = step % t.eval_every == 0 or step == t.steps
+        timed = step > 1 and step - 1 != self.run_state.step  # not the first step run
+        dt = (time.perf_counter() - self.t_last) / (step - self.last_logged) if timed else None
+        row = _row(step, host, loop, self.speed(dt))
+        if is_eval:
+            self.eval_loss = row["eval_loss"] = evaluate(self.eval_step, self.params,
+                                                         self.eval_set, self.mesh)
+        if self.metrics_log is not None:
+            self.metrics_log.write(row)
+        self.history.append(row)
+        if row["tokens_per_sec"]:
+            self.rates.append(row["tokens_per_sec"])
+        self.log(_progress(row, t.steps, dt, self.eval_loss if is_eval else None))
+        self.last_logged = step
+        self.t_last = time.perf_counter()  # eval time is not counted in tok/s
+
+    def save(self, step: int, loop: dict) -> None:
+        if self.saved_step == step:
+            return  # e.g. a signal during the last step, already saved
+        self.saved_step = step
+        self.run_state.save(self.ckpt, step, loop, self.params, self.opt_state)
+
+    def _signalled(self, signals: "_Signals", synced: bool) -> bool:
+        """Whether to stop for a signal: processes agree at rows and checkpoints
+        (one host allgather there), never between them."""
+        if jax.process_count() == 1:
+            return signals.received is not None
+        return synced and any_process(signals.received is not None)
+
+    def _stop_skipping(self, loop: dict) -> None:
+        """train.max_skipped_steps in a row: save the state of the step that
+        reached it (the steps dispatched after it changed nothing) and stop."""
+        at, limit = loop["stop_at"], self.cfg.train.max_skipped_steps
+        self.save(at, loop)
+        self.ckpt.wait()
+        raise TrainingStopped(
+            f"stopping at step {at}: {limit} steps in a row had a non-finite or "
+            f"spiking loss/gradient (train.max_skipped_steps={limit}); the last "
+            f"good state is checkpointed in {self.out}/checkpoints as step {at}")
+
+    def summary(self) -> dict:
+        """Write run.json; the run's summary (and its final parameters and rows)."""
+        host_ms = float(np.median(self.host_s)) * 1e3 if self.host_s else None
+        self.record["host_ms_per_step"] = host_ms
+        if jax.process_index() == 0:
+            (self.out / "run.json").write_text(json.dumps(self.record, indent=2) + "\n")
+        h, steps = self.history, self.cfg.train.steps
+        summary = {
+            "first_loss": h[0]["loss"] if h else None,
+            "final_loss": h[-1]["loss"] if h else None,
+            "final_eval_loss": self.eval_loss,
+            "tokens_per_sec": float(np.median(self.rates)) if self.rates else None,
+            "host_ms_per_step": host_ms,
+            "wall_s": time.perf_counter() - self.t_start,
+            "last_step": self.step,
+            "interrupted": self.interrupted,
+            "finished": self.step == steps,
+            "out_dir": str(self.out),
+        }
+        if self.interrupted is None and h and self.step == steps:
+            self.log(f"done: loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
+                     f"eval_loss {self.eval_loss:.4f}, median "
+                     f"{summary['tokens_per_sec'] or 0:,.0f} tok/s, "
+                     + (f"host {host_ms:.2f} ms/step outside the step call, " if host_ms else "")
+                     + f"{summary['wall_s']:.0f}s; wrote {self.out}")
+        return summary | {"params": self.params, "history": h}
+
+
+class _Check:
+    """--check: keep the first steps' batches and keys, then replay them on one
+    device from the initial parameters, up to the first step that moves the
+    parameters (step 1 runs at lr 0 when there is a warmup)."""
+
+    def __init__(self, cfg: Config, params, schedule):
+        t = cfg.train
+        self.cfg, self.params0, self.replay = cfg, jax.device_get(params), []
+        self.at = next((s for s in range(1, t.steps + 1) if schedule(s - 1) > 0), t.steps)
+
+    def after(self, step: int, host_tokens, metrics, params, record: dict, log) -> None:
+        if step > self.at:
+            return
+        self.replay.append((host_tokens,
+                            jax.random.fold_in(jax.random.key(self.cfg.train.seed), step)))
+        if step == self.at:
+            host = jax.device_get(metrics)
+            record["check"] = single_device_check(
+                self.cfg, self.params0, *zip(*self.replay), float(host["loss"]),
+                float(host["grad_norm"]), jax.device_get(params))
+            log(f"check against one device after step {step}: " + ", ".join(
+                f"{k} {v:.2e}" for k, v in record["check"].items() if k != "after_step"))
+
+
+def _skip_line(loop: dict, limit: int) -> str:
+    return (f"step {loop['skip_step']}: skipped (loss {loop['skip_loss']:.4g}, grad_norm "
+            f"{loop['skip_grad_norm']:.4g}): parameters and optimizer state unchanged "
+            f"[{loop['row_skipped']} skipped since the last row; {loop['in_a_row']} in a row "
+            f"of max {limit}]")
+
+
+def _row(step: int, metrics: dict, loop: dict, speed_fields: dict) -> dict:
+    """A metrics.jsonl row from the step's metrics and the loop's row totals."""
+    return {"step": step,
+            "loss": loop["row_loss"] / loop["row_applied"] if loop["row_applied"] else None,
+            "grad_norm": finite(metrics["grad_norm"]), "lr": float(metrics["lr"]),
+            "skipped": loop["row_skipped"], **speed_fields}
+
+
+def _progress(row: dict, steps: int, dt: float | None, eval_loss: float | None) -> str:
+    return (f"step {row['step']:>5}/{steps} | loss "
+            + (f"{row['loss']:.4f}" if row["loss"] is not None else "-")
+            + " | grad_norm " + (f"{row['grad_norm']:.3f}" if row["grad_norm"] is not None
+                                 else "nan")
+            + f" | lr {row['lr']:.2e} | "
+            + (f"{row['tokens_per_sec']:,.0f} tok/s, {dt * 1e3:.0f} ms/step"
+               if dt else "first step")
+            + (f", MFU {row['mfu']:.1%}" if row["mfu"] else "")
+            + (f" | {row['skipped']} skipped" if row["skipped"] else "")
+            + (f" | eval_loss {eval_loss:.4f}" if eval_loss is not None else ""))
+
+
+def _data_id(path: str | None, data: Dataset) -> str:
+    return f"{path or 'builtin'} ({len(data.train) + len(data.val)} tokens)"
+

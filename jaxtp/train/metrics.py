@@ -1,0 +1,136 @@
+"""What a run logs per row: speed, model FLOP/s and MFU (against the one
+hardware table), and where it goes (`metrics.jsonl`, optionally TensorBoard)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One accelerator: how to recognise it and what it offers per chip."""
+
+    name: str
+    kinds: tuple[str, ...]  # substrings of `device.device_kind` that name it
+    peak_flops: float  # dense bf16 FLOP/s
+    memory: int | None = None  # bytes one device offers
+    link: float | None = None  # bytes/s one chip moves along the tp axis, each way
+    platform: str = ""  # "cuda" or "tpu": what a compile-only topology takes
+    sms: int = 0  # GPUs: streaming multiprocessors
+    hbm_bandwidth: float = 0.0
+    topology: str = ""  # TPUs: the topology string for 8 chips
+    description: str = ""  # GPUs: the device kind the driver reports
+
+
+# The one hardware table: MFU's peak by device kind, the planner's memory and
+# link, the compile-only targets (jaxtp.analysis.targets). First match of a
+# device kind wins: "TPU v5" (what a v5p VM reports) after the v5e names.
+HARDWARE = {
+    # NVIDIA H100 SXM5 datasheet: 132 SMs, 80 GB HBM3 at 3.35 TB/s, 989 TFLOP/s
+    # dense bf16, NVLink 4 at 900 GB/s bidirectional (450 each way). Memory:
+    # what CUDA reports for an "NVIDIA H100 80GB HBM3" (79.1 GiB).
+    "h100": Hardware("h100", ("H100",), 989e12, 84_942_979_072, 450e9, "cuda", sms=132,
+                     hbm_bandwidth=3.35e12, description="NVIDIA H100 80GB HBM3"),
+    # NVIDIA H200 SXM datasheet: H100's compute and NVLink, 141 GB HBM3e at
+    # 4.8 TB/s (CUDA reports 141.0 GiB).
+    "h200": Hardware("h200", ("H200",), 989e12, 151_397_597_184, 450e9, "cuda", sms=132,
+                     hbm_bandwidth=4.8e12, description="NVIDIA H200 141GB HBM3e"),
+    # NVIDIA A100 datasheet: 312 TFLOP/s dense bf16.
+    "a100": Hardware("a100", ("A100",), 312e12),
+    # Google Cloud TPU v5e: 197 TFLOP/s bf16; v4: 275.
+    "tpu-v5e": Hardware("tpu-v5e", ("TPU v5 lite", "TPU v5e"), 197e12),
+    # Google Cloud TPU v5p: 95 GiB HBM2e, 459 TFLOP/s bf16; ICI 9e10 B/s per
+    # link each way, a ring along one torus axis uses both directions: 1.8e11
+    # (Austin et al. 2025, "How to Scale Your Model").
+    "tpu-v5p": Hardware("tpu-v5p", ("TPU v5p", "TPU v5"), 459e12, 95 * GiB, 1.8e11, "tpu",
+                        topology="v5p:2x2x2"),
+    "tpu-v4": Hardware("tpu-v4", ("TPU v4",), 275e12),
+}
+# the accelerators --plan and --compare-hlo can compile for (memory, link and
+# a compile-only topology known)
+TARGET_NAMES = tuple(k for k, h in HARDWARE.items() if h.memory and h.platform)
+
+
+def hardware_of(device) -> Hardware | None:
+    kind = getattr(device, "device_kind", "")
+    return next((h for h in HARDWARE.values() if any(k in kind for k in h.kinds)), None)
+
+
+def peak_flops(device) -> float | None:
+    """The device's dense bf16 peak (MFU's denominator), where it is known.
+    fp32 runs measure MFU against the bf16 peak too."""
+    hw = hardware_of(device)
+    return hw.peak_flops if hw else None
+
+
+def model_flops_per_token(cfg, n_params: int) -> float:
+    """6N + 12*L*h*s: matmul flops of forward and backward per token
+    (Chowdhery et al. 2022, App. B), recomputation not counted. N counts the
+    parameters that multiply: not the input lookup table (when untied from the
+    LM head) nor learned positions."""
+    m = cfg.model
+    lookup = (0 if m.tie_embeddings else m.padded_vocab * m.d_model) + \
+        (0 if m.style == "llama" else m.seq_len * m.d_model)
+    return 6 * (n_params - lookup) + 12 * m.n_layers * m.d_model * m.seq_len
+
+
+def finite(x) -> float | None:
+    """A float for metrics.jsonl; NaN and inf (not JSON) become null."""
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def speed(step_time_s: float | None, tokens_per_step: int, flops_per_token: float,
+          devices: int, peak: float | None) -> dict:
+    """step_time_s, tokens_per_sec, model_tflops_per_device and mfu (model
+    flops per second per device over the device's peak); all null untimed."""
+    if not step_time_s:
+        return dict.fromkeys(("step_time_s", "tokens_per_sec", "model_tflops_per_device",
+                              "mfu"))
+    tokens_per_sec = tokens_per_step / step_time_s
+    flops = tokens_per_sec * flops_per_token / devices
+    return {"step_time_s": step_time_s, "tokens_per_sec": tokens_per_sec,
+            "model_tflops_per_device": flops / 1e12, "mfu": flops / peak if peak else None}
+
+
+class MetricsLog:
+    """Appends rows to `metrics.jsonl` (dropping rows after `resumed_at`, which a
+    resumed run logs again) and, with `tensorboard`, writes them as scalars."""
+
+    def __init__(self, out: Path, resumed_at: int = 0, tensorboard: bool = False):
+        self.path = out / "metrics.jsonl"
+        if self.path.exists():
+            rows = [r for r in self.path.read_text().splitlines() if r.strip()]
+            self.path.write_text("".join(r + "\n" for r in rows
+                                         if json.loads(r)["step"] <= resumed_at))
+        self.writer = (self.check_tensorboard()(str(out / "tensorboard")) if tensorboard
+                       else None)
+        self.file = open(self.path, "a")
+
+    @staticmethod
+    def check_tensorboard():
+        """tensorboardX's SummaryWriter, or an ImportError that says what to install."""
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise ImportError("--tensorboard needs the tensorboardX package: "
+                              "pip install tensorboardX") from None
+        return SummaryWriter
+
+    def write(self, row: dict) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.writer is not None:
+            for k, v in row.items():
+                if k != "step" and v is not None:
+                    self.writer.add_scalar(k, v, row["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.writer is not None:
+            self.writer.close()

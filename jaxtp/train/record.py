@@ -1,0 +1,57 @@
+"""The run record (`run.json`): what an engineer writes down for a TP experiment."""
+
+from __future__ import annotations
+
+
+from .. import hlo
+from ..config import Config
+from ..parallel import split_over_tp
+
+
+def linear_layouts(model) -> dict[str, str]:
+    """'blocks.0.mlp.up' -> 'column', 'row', 'vocab-parallel' or 'replicated'
+    (a kv projection with fewer kv heads than tp), for every linear and table."""
+    from flax import nnx
+
+    from ..model.layers import ColumnParallelLinear, RowParallelLinear
+    from ..model.vocab import VocabEmbed
+
+    kinds = {ColumnParallelLinear: "column", RowParallelLinear: "row",
+             VocabEmbed: "vocab-parallel"}
+    out = {}
+    for path, mod in nnx.iter_modules(model):
+        if type(mod) in kinds:
+            w = mod.embedding if isinstance(mod, VocabEmbed) else mod.kernel
+            spec = w.get_metadata().get("out_sharding") or ()
+            split = split_over_tp(spec)
+            out[".".join(map(str, path))] = kinds[type(mod)] if split else "replicated"
+    return out
+
+
+def run_record(cfg: Config, mesh, model, hlo_text: str, check: dict | None = None) -> dict:
+    """What an engineer records for a TP experiment (written as run.json)."""
+    m, p = cfg.model, cfg.parallel
+    M = cfg.train.microbatches
+    b = cfg.train.batch_size // (p.dp * M)
+    colls = hlo.collectives(hlo_text)
+    rows = hlo.summarize(colls)
+    # per layer and microbatch (a step runs every layer once per microbatch)
+    per_layer = [{**r, "count_per_layer": r["count"] / (m.n_layers * M),
+                  "payload_bytes": r["bytes"]}
+                 for r in rows if r["scope"] in ("attention", "mlp")]
+    outside = [r for r in rows if r["scope"] not in ("attention", "mlp")]
+    return {
+        **dict(tp=p.tp, dp=p.dp), "impl": p.impl,
+        "platform": mesh.devices.flat[0].platform,
+        "mesh_device_ids": mesh.device_ids.tolist(),  # [dp][tp]
+        "model": {"d_model": m.d_model, "d_ff": m.d_ff, "n_heads": m.n_heads,
+                  "n_kv_heads": m.kv_heads, "n_layers": m.n_layers, "vocab_size": m.vocab_size,
+                  "padded_vocab": m.padded_vocab, "style": m.style, "dtype": m.dtype,
+                  "attention": m.attention, "attention_block": m.attention_block,
+                  "remat": m.remat, "loss_chunk": m.loss_chunk},
+        "microbatch": {"b": b, "s": m.seq_len, "tokens": b * m.seq_len, "microbatches": M},
+        "linear_layouts": linear_layouts(model),
+        "collectives_per_layer": per_layer,
+        "collectives_outside_blocks": outside,
+        "check": check,
+    }

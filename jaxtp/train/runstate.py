@@ -1,0 +1,79 @@
+"""`RunState`: what a checkpoint records beside the arrays, as one value.
+
+A run's identity (the model's shapes, the mesh it was saved at, the seed,
+batch size and data that fix the data order, the lr schedule) and its
+position (the step, and the loop's device-side counters read back at the
+save). Saving writes exactly its fields as the checkpoint's JSON meta;
+resuming reads them back and checks that they continue this run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from ..config import Config
+from .checkpoint import CheckpointError, Checkpointer
+from .state import TrainState, abstract_train_state
+
+# the schedule fields a resume warns about when they change (they do not
+# change the data order, so the run may go on)
+SCHEDULE_KEYS = ("steps", "lr", "warmup_steps", "min_lr_ratio")
+# the fields that fix the data order: a resume refuses a change
+ORDER_KEYS = ("seed", "batch_size", "data")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunState:
+    model: dict  # dataclasses.asdict(ModelConfig): the checkpoint's shapes
+    dp: int
+    tp: int
+    seed: int
+    batch_size: int
+    data: str  # where the tokens came from and how many (`data_id`)
+    schedule: dict
+    data_position: int = 0  # the step saved: batches 1..data_position were consumed
+    loop: dict | None = None  # LoopState.to_json() at that step
+
+    @classmethod
+    def of(cls, cfg: Config, data: str) -> "RunState":
+        """A new run of `cfg` on the data `data` (at step 0)."""
+        t = cfg.train
+        return cls(model=dataclasses.asdict(cfg.model), dp=cfg.parallel.dp, tp=cfg.parallel.tp,
+                   seed=t.seed, batch_size=t.batch_size, data=data,
+                   schedule={k: getattr(t, k) for k in SCHEDULE_KEYS})
+
+    @property
+    def step(self) -> int:
+        return self.data_position
+
+    def save(self, ckpt: Checkpointer, step: int, loop: dict, params, opt_state) -> "RunState":
+        """Checkpoint `params`, `opt_state` and this run at `step`; the saved state."""
+        saved = dataclasses.replace(self, data_position=step, loop=loop | {"step": step})
+        ckpt.save(step, params, opt_state, dataclasses.asdict(saved))
+        return saved
+
+    def resume(self, ckpt: Checkpointer, cfg: Config, mesh,
+               log: Callable[[str], None]) -> tuple[TrainState, "RunState"]:
+        """The train state and run of the latest usable checkpoint (at any dp/tp),
+        after checking that it continues this run."""
+        target = abstract_train_state(cfg, mesh)
+        step, params, opt_state, meta = ckpt.restore(target.params, target.opt_state,
+                                                     model=self.model)
+        if "loop" not in meta:
+            raise CheckpointError(f"{ckpt.directory} step {step} was written by an older jaxtp "
+                                  "(no loop state in its meta); resume it with that version")
+        saved = RunState(**{f.name: meta.get(f.name) for f in dataclasses.fields(RunState)})
+        for key in ORDER_KEYS:
+            if getattr(saved, key) != getattr(self, key):
+                raise ValueError(f"--resume: the checkpoint was trained with {key}="
+                                 f"{getattr(saved, key)!r}, this run has {getattr(self, key)!r}; "
+                                 "the data order depends on it")
+        changed = {k: (saved.schedule[k], v) for k, v in self.schedule.items()
+                   if (saved.schedule or {}).get(k, v) != v}
+        if changed:
+            log(f"warning: --resume with a different schedule: {changed} (saved, now)")
+        log(f"resumed from {ckpt.directory} step {step} (saved at dp={saved.dp} x "
+            f"tp={saved.tp}; now dp={self.dp} x tp={self.tp})")
+        state = dataclasses.replace(target, params=params, opt_state=opt_state)
+        return state, dataclasses.replace(self, data_position=step, loop=saved.loop)

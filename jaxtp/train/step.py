@@ -1,0 +1,174 @@
+"""The jitted train and eval steps.
+
+The model is split once (`nnx.split`) into a static graphdef and a pytree of
+parameters; the steps are pure functions of that pytree, jitted with explicit
+in/out shardings read from each parameter's PartitionSpec, and the train step
+donates the parameter and optimizer buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ..config import Config
+from ..parallel import constrain, make_mesh, named
+from .optim import clip_by_global_norm
+from .state import TrainState, init_train_state
+
+
+def loss_fn(graphdef, params, tokens_BT1, dropout_key=None):
+    """Next-token cross-entropy of tokens [B, T+1]."""
+    model = nnx.merge(graphdef, params)
+    return model.loss(tokens_BT1[:, :-1], tokens_BT1[:, 1:], dropout_key=dropout_key)
+
+
+def cross_entropy_of(model, tokens_BT1):
+    """Mean next-token loss of a merged model on tokens [B, T+1] (jitted)."""
+    graphdef, params = nnx.split(model)
+    return jax.jit(lambda p, t: loss_fn(graphdef, p, t))(params, tokens_BT1)
+
+
+def grads_of(graphdef, params, tokens_BT1, key, microbatches: int = 1):
+    """(mean loss, gradients) of a batch [B, T+1], in `microbatches` sequential
+    slices of B/M rows whose gradients are summed in fp32: the same result as
+    one batch (the loss is a mean over equal-sized slices), with the
+    activation memory of B/M rows. The dropout key is folded per slice.
+
+    Slice m holds rows m, M+m, 2M+m, ...: reshaping [B] -> [B/M, M] keeps
+    each dp rank's rows on that rank (the dp split is on the leading B/M), so
+    slicing needs no communication.
+    """
+    value_and_grad = jax.value_and_grad(lambda p, t, k: loss_fn(graphdef, p, t, k))
+    if microbatches == 1:
+        return value_and_grad(params, tokens_BT1, key)
+    B, T1 = tokens_BT1.shape
+    tokens_MBT = constrain(tokens_BT1.reshape(B // microbatches, microbatches, T1),
+                           "batch", None, None).transpose(1, 0, 2)
+    tokens_MBT = constrain(tokens_MBT, None, "batch", None)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+    def body(carry, xs):
+        loss_sum, grad_sum = carry
+        m, tokens = xs
+        loss, grads = value_and_grad(params, tokens,
+                                     None if key is None else jax.random.fold_in(key, m))
+        grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
+        return (loss_sum + loss, grad_sum), None
+
+    (loss_sum, grad_sum), _ = jax.lax.scan(
+        body, (jnp.float32(0), zeros), (jnp.arange(microbatches), tokens_MBT))
+    grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grad_sum, params)
+    return loss_sum / microbatches, grads
+
+
+def step_fn(state: TrainState, use_dropout: bool, microbatches: int) -> Callable:
+    graphdef, tx, clip = state.graphdef, state.tx, state.grad_clip
+    specs = jax.tree.map(lambda s: s.spec, state.param_shardings)
+
+    def step(params, opt_state, tokens_BT1, key, controls):
+        max_loss, grad_scale = controls[0], controls[1]
+        loss, grads = grads_of(graphdef, params, tokens_BT1, key if use_dropout else None,
+                               microbatches)
+        grads = jax.tree.map(lambda g: (g * grad_scale).astype(g.dtype), grads)
+        grads, grad_norm = clip_by_global_norm(grads, clip, specs)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (loss <= max_loss)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+        return (keep(new_params, params), keep(new_opt_state, opt_state),
+                {"loss": loss, "grad_norm": grad_norm, "skipped": ~ok})
+
+    return step
+
+
+def make_train_step(state: TrainState, use_dropout: bool, microbatches: int = 1) -> Callable:
+    """jitted (params, opt_state, tokens, key, controls) -> (params, opt_state, metrics).
+
+    `controls` = f32[2] (see `step_controls`): [max_loss, grad_scale]. The
+    update is applied only if the loss and the gradient norm are finite and
+    the loss is at most max_loss (the spike guard; inf turns it off);
+    otherwise parameters and optimizer state come back unchanged and
+    metrics["skipped"] is true. grad_scale multiplies the gradients (1.0; NaN
+    injects a non-finite gradient, to drill the skip path). The training loop
+    runs this inside `make_loop_step`.
+    """
+    replicated = NamedSharding(state.mesh, P())
+    return jax.jit(
+        step_fn(state, use_dropout, microbatches),
+        in_shardings=(state.param_shardings, state.opt_shardings,
+                      named(state.mesh, "batch", None), replicated, replicated),
+        out_shardings=(state.param_shardings, state.opt_shardings, replicated),
+        donate_argnums=(0, 1),
+    )
+
+
+def step_controls(max_loss: float = float("inf"), grad_scale: float = 1.0) -> np.ndarray:
+    """The `controls` argument of a train step: no spike guard, gradients as they are."""
+    return np.array([max_loss, grad_scale], np.float32)
+
+
+def make_eval_step(state: TrainState) -> Callable:
+    graphdef = state.graphdef
+    return jax.jit(lambda params, tokens: loss_fn(graphdef, params, tokens),
+                   in_shardings=(state.param_shardings, named(state.mesh, "batch", None)))
+
+
+def compile_train_step(state: TrainState, batch_size: int, seq_len: int,
+                       use_dropout: bool = False, microbatches: int = 1,
+                       compiler_options: dict | None = None):
+    """Ahead-of-time compiled train step for [batch, seq+1] tokens.
+
+    Callable like the jitted step; `.as_text()` is the post-partitioning HLO
+    whose collectives `jaxtp.hlo` reads. Works on an abstract state too.
+    """
+    step = make_train_step(state, use_dropout, microbatches)
+    tokens = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32,
+                                  sharding=named(state.mesh, "batch", None))
+    # every argument abstract, so a mesh of compile-only devices works too
+    # (jaxtp.analysis.plan and ahead-of-time compiles for another platform)
+    replicated = NamedSharding(state.mesh, P())
+    key = jax.eval_shape(jax.random.key, 0)
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
+    controls = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=replicated)
+    with jax.set_mesh(state.mesh):
+        return step.lower(state.params, state.opt_state, tokens, key, controls).compile(
+            compiler_options)
+
+
+def single_device_check(cfg: Config, params0, batches, keys, loss: float, grad_norm: float,
+                        params_n) -> dict:
+    """Replay the first steps on a single device (tp=1, dp=1) and compare.
+
+    `params0`/`params_n`: the parallel run's parameters before step 1 and
+    after step n = len(batches) (host copies); `loss`, `grad_norm`: its step-n
+    metrics. Parameter error: ||p_n - ref_n|| / ||ref_n||; update error:
+    ||p_n - ref_n|| / ||ref_n - p0||, far more sensitive, as Adam's first
+    updates are nearly lr * sign(g) and magnify round-off in small gradients.
+    """
+    one = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=1, tp=1,
+                                                                impl="gspmd"))
+    mesh = make_mesh(1, 1, devices=jax.devices()[:1])
+    state = init_train_state(one, mesh, params=params0)
+    step = make_train_step(state, use_dropout=cfg.model.dropout > 0,
+                           microbatches=cfg.train.microbatches)
+    params, opt_state = state.params, state.opt_state
+    with jax.set_mesh(mesh):
+        for tokens, key in zip(batches, keys):
+            params, opt_state, metrics = step(params, opt_state, tokens, key, step_controls())
+    sq = lambda a, b: sum(float(np.sum(np.square(np.asarray(x) - np.asarray(y))))
+                          for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    ref = jax.device_get(params)
+    zero = jax.tree.map(np.zeros_like, ref)
+    diff, upd, norm = sq(params_n, ref), sq(ref, params0), sq(ref, zero)
+    return {"after_step": len(batches), "loss_diff": abs(loss - float(metrics["loss"])),
+            "grad_norm_diff": abs(grad_norm - float(metrics["grad_norm"])),
+            "param_rel_error": (diff / norm) ** 0.5,
+            "param_update_rel_error": (diff / upd) ** 0.5 if upd else 0.0}

@@ -1,0 +1,159 @@
+"""Per-device memory and compute from the compiled step, against bounds and
+counts derived by hand."""
+
+import dataclasses
+import importlib.util
+
+import pytest
+
+from jaxtp.config import apply_overrides, load_config
+from jaxtp.analysis.plan import analyze
+
+TINY = load_config("tiny")  # 4 blocks, b=16, s=128, h=128, fp32
+
+
+def at(cfg, tp, sp, impl="gspmd"):
+    return analyze(dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, sp=sp, impl=impl)))
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+def test_sequence_parallelism_shrinks_activations_and_redundancy(impl):
+    one, plain, sp = at(TINY, 1, False), at(TINY, 8, False, impl), at(TINY, 8, True, impl)
+    # Conservative bound: whatever else XLA keeps, the inputs of the two norms
+    # of every block are saved for the backward pass; without SP each device
+    # holds them whole (b*s*h fp32), with SP only 1/tp of them. Korthikanti et
+    # al. predict far more (18 -> 9.25 sbh per layer at this shape).
+    b, s, h, L, tp = 16, 128, 128, 4, 8
+    saved_at_least = 2 * L * b * s * h * 4 * (1 - 1 / tp)
+    assert plain["memory"]["temporaries"] - sp["memory"]["temporaries"] >= saved_at_least
+    # replicated work (norms, residual adds, embedding, loss) is split by SP
+    red_plain = tp * plain["flops_per_device"] / one["flops_per_device"]
+    red_sp = tp * sp["flops_per_device"] / one["flops_per_device"]
+    assert red_plain > 1.05 and red_sp < red_plain - 0.05
+    # parameters and Adam state: sharded tensors / tp, the same with or without SP
+    assert plain["memory"]["params"] == sp["memory"]["params"] < one["memory"]["params"] / 4
+
+
+test_sequence_parallelism_shrinks_activations_and_redundancy.fast_cases = set()
+
+
+@pytest.mark.slow
+def test_llama3_8b_at_tp8_matches_the_analytic_parameter_count():
+    """Compiles the 8B step on fake devices without allocating it (~15 s)."""
+    cfg = apply_overrides(load_config("llama3-8b"), ["parallel.tp=8", "train.batch_size=1",
+                                                     "model.seq_len=512"])
+    r = analyze(cfg)
+    L, D, F, V, N, K = 32, 4096, 14336, 128256, 32, 8
+    H = D // N
+    sharded = 2 * V * D + L * (D * N * H + D * 2 * K * H + N * H * D + D * 2 * F + F * D)
+    replicated = L * 2 * D + D  # RMSNorm scales
+    assert r["n_params"] == sharded + replicated == 8_030_261_248
+    assert r["memory"]["params"] == 4 * (sharded // 8 + replicated)  # fp32 parameters
+    # mu and nu mirror the parameters; + two int32 step counts (Adam's, the schedule's)
+    assert r["memory"]["optimizer"] == 2 * r["memory"]["params"] + 8
+    args = r["memory"]["params"] + r["memory"]["optimizer"] + r["memory"]["batch"]
+    assert args <= r["memory"]["arguments"] <= args + 1024  # + the dropout key
+
+
+@pytest.mark.slow
+def test_plan_cli_prints_the_table(capsys):
+    import train
+
+    assert train.main(["--config", "llama-tiny", "--plan", "--tp", "8", "--sp",
+                       "--hardware", "tpu-v5p"]) == 0
+    out = capsys.readouterr().out
+    assert "redundancy" in out and "C/W = 2,550" in out
+    assert "attention dropout" in out and "SwiGLU" in out  # which Korthikanti terms apply
+    row = next(line.split() for line in out.splitlines() if line.strip().startswith("8 "))
+    assert row[-1] == "communication"  # F/tp = 352/8 = 44, far below C/W
+
+
+@pytest.mark.slow
+def test_plan_out_writes_plan_json_with_the_verdict(tmp_path, capsys):
+    """--plan --out DIR: one object per tp with the table's fields, the memory
+    total in bytes and whether it fits the target (llama3-8b's fp32 weights
+    and Adam state alone, 90 GiB, do not fit one H100)."""
+    import json
+
+    import train
+    from jaxtp.train.metrics import HARDWARE
+
+    assert train.main(["--config", "llama3-8b", "--plan", "--tp", "1", "--out", str(tmp_path),
+                       "model.seq_len=256", "train.batch_size=1"]) == 0
+    out = capsys.readouterr().out
+    (row,) = json.loads((tmp_path / "plan.json").read_text())
+    assert row["tp"] == 1 and row["target"] == "h100" and row["remat"] == "minimal"
+    assert row["attention"] == "xla"  # auto on CPU at 256 positions
+    assert row["memory"]["total"] > row["memory"]["params"] + row["memory"]["optimizer"]
+    assert row["fits"] is False and row["memory"]["total"] > HARDWARE["h100"].memory
+    assert "tp=1" in out and "does not fit" in out and "compiled for CPU" in out
+
+
+@pytest.mark.slow
+def test_llama3_8b_done_criterion_fits_64_gib_on_the_cpu_plan():
+    """The issue's target: llama3-8b at tp=8, SP, bf16, blockwise attention,
+    minimal remat, batch 8 x 8192: at most 64 GiB per device on the CPU plan
+    (measured 61.7; the H100 compile 39.1)."""
+    cfg = apply_overrides(load_config("llama3-8b"), [
+        "parallel.tp=8", "parallel.sp=true", "model.attention=blockwise",
+        "model.remat=minimal"])
+    r = analyze(cfg)
+    assert r["memory"]["total"] <= 64 * 2**30 and r["attention"] == "blockwise"
+
+
+@pytest.mark.slow
+def test_blockwise_keeps_a_quarter_of_xla_temporaries_for_llama_1b_at_8192():
+    """llama-1b, seq 8192, batch 1, tp=8, every activation kept (remat none),
+    on abstract shapes: the XLA kernel's [B, N/tp, T, T] scores and
+    probabilities dominate; blockwise holds at most 1/4 of its temporaries.
+    (With the preset's minimal remat the scores live one layer at a time:
+    2.5 against 5.4 GB.)"""
+    temps = {}
+    for kernel in ("xla", "blockwise"):
+        cfg = apply_overrides(load_config("llama-1b"), [
+            "parallel.tp=8", "model.seq_len=8192", "train.batch_size=1",
+            "model.remat=none", f"model.attention={kernel}"])
+        temps[kernel] = analyze(cfg)["memory"]["temporaries"]
+    assert temps["blockwise"] <= temps["xla"] / 4, temps
+
+
+@pytest.mark.slow
+def test_remat_policies_keep_less_in_the_order_they_promise():
+    """Temporaries of one compiled step (memory_analysis), scanned blocks:
+    none keeps every activation, dots the weight-matmul outputs, minimal the
+    named projections (in this model the same tensors as dots), full only
+    each block's input and the reduced attention output."""
+    temps = {}
+    for remat in ("none", "dots", "minimal", "full"):
+        cfg = apply_overrides(load_config("llama-tiny"), [
+            "model.seq_len=512", "model.d_model=256", "train.batch_size=4",
+            "model.scan_layers=true", f"model.remat={remat}"])
+        temps[remat] = analyze(cfg)["memory"]["temporaries"]
+    assert temps["none"] > temps["dots"] >= temps["minimal"] > temps["full"], temps
+
+
+CUDA = importlib.util.find_spec("jax_cuda12_plugin") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CUDA, reason="the CUDA plugin is installed: --hardware h100 compiles")
+def test_hardware_without_its_compiler_plans_on_cpu_and_says_so(capsys):
+    import train
+
+    assert train.main(["--config", "llama-tiny", "--plan", "--tp", "2", "--hardware",
+                       "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "cannot compile for h100 here" in out and 'pip install "jax[cuda12]"' in out
+    assert "compiled for cpu" in out
+
+
+@pytest.mark.skipif(not CUDA, reason="the CUDA plugin (pip install 'jax[cuda12]') is not "
+                    "installed: cannot compile for an H100 here")
+def test_hardware_h100_compiles_for_the_gpu_without_one(capsys):
+    import train
+
+    assert train.main(["--config", "llama-tiny", "--plan", "--tp", "8", "--bf16",
+                       "--hardware", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "compiled for gpu (NVIDIA H100 80GB HBM3)" in out and "attention=cudnn" in out

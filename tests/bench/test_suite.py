@@ -1,0 +1,176 @@
+"""jaxtp.bench: the quick suite end to end, the bandwidth arithmetic, the GPU mode's code path.
+
+No test asserts a wall-clock time: only that every number is there, finite
+and positive, and that the arithmetic is nccl-tests'.
+"""
+
+import json
+import math
+
+import jax
+import pytest
+
+from jaxtp.bench import collectives as bc, suite as bench
+from jaxtp.bench.__main__ import main as bench_main
+from jaxtp.bench.gpu import GPU_PRESET_OVERRIDES, gpu_bench, gpu_config
+from jaxtp.bench.report import write_report
+
+
+def _positive(x):
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def _check_sections(report, ids):
+    assert [s["id"] for s in report["sections"]] == list(ids)
+    for s in report["sections"]:
+        assert s["rows"] and s["title"] and s["notes"] and s["wall_s"] >= 0
+        keys = [k for k, _ in s["columns"]]
+        for row in s["rows"]:
+            assert set(keys) <= set(row), (s["id"], set(keys) - set(row))
+
+
+@pytest.mark.slow
+def test_quick_suite_end_to_end(tmp_path):
+    report = bench.run_suite(quick=True, log=lambda _: None)
+    _check_sections(report, bench.SECTIONS)
+    meta = report["meta"]
+    for k in ("mode", "machine", "platform", "device_kind", "device_count", "fake_devices",
+              "date", "python", "versions", "wall_s"):
+        assert meta[k] is not None, k
+    assert meta["mode"] == "quick" and meta["device_count"] == 8
+    assert set(meta["versions"]) >= {"jax", "jaxlib", "flax", "optax"}
+    by_id = {s["id"]: s for s in report["sections"]}
+
+    (impl,) = by_id["impl"]["rows"]
+    assert impl["unit"] == "ratio" and _positive(impl["value"])
+    assert impl["ratio_min"] <= impl["value"] <= impl["ratio_max"]  # a median of paired ratios
+    assert _positive(impl["gspmd_ms"]) and _positive(impl["shard_map_ms"])
+
+    tp_rows = by_id["scaling"]["rows"]
+    assert {(r["tp"], r["sp"]) for r in tp_rows} == {(1, False), (8, False), (8, True)}
+    base_ms = next(r for r in tp_rows if r["tp"] == 1)["step_ms"]
+    for r in tp_rows:
+        assert _positive(r["step_ms"]) and r["ratio_min"] <= r["value"] <= r["ratio_max"]
+        # every round's time(run) >= ratio_min * time(base), so the medians obey the
+        # same bounds: ties the ratios to the step times they were paired from
+        assert r["ratio_min"] * (1 - 1e-9) <= r["step_ms"] / base_ms <= r["ratio_max"] * (1 + 1e-9)
+
+    compile_rows = by_id["compile"]["rows"]
+    assert [r["case"].split()[2:] for r in compile_rows] == [
+        ["L=2", "scanned"], ["L=8", "scanned"]]
+    assert all(_positive(r["compile_s"]) for r in compile_rows)
+
+    coll = by_id["collectives"]["rows"]
+    assert {(r["op"], r["dtype"]) for r in coll} == {
+        (op, d) for op in bc.OPS for d in ("float32", "bfloat16")}
+    for r in coll:
+        for k in ("mean_us", "median_us", "p95_us", "algbw_GBps", "busbw_GBps"):
+            assert _positive(r[k]), (r["op"], k)
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * bc.bus_factor(r["op"], 8))
+        assert r["bytes"] == 16 * 128 * 128 * (4 if r["dtype"] == "float32" else 2)
+        assert r["wire_dtype"]  # read from the compiled HLO
+
+    for r in by_id["profile"]["rows"]:  # the CPU trace records XLA ops per device
+        assert r["reason"] is None and 0 < r["value"] <= 100, r
+
+    json_path, md_path = write_report(report, tmp_path)
+    assert json.loads(json_path.read_text())["sections"][0]["id"] == "impl"
+    md = md_path.read_text()
+    assert f"jax {meta['versions']['jax']}, jaxlib" in md.splitlines()[0]
+    assert md.count("\n| ") >= sum(len(s["rows"]) + 1 for s in report["sections"])
+
+
+def test_bandwidth_arithmetic_as_nccl_tests():
+    # 1 GiB in 10 ms: algbw = 2**30 / 0.01 = 107.374 GB/s
+    algbw, busbw = bc.bandwidths("all-reduce", 2**30, 0.010, 8)
+    assert algbw / 1e9 == pytest.approx(107.374, abs=1e-3)
+    assert busbw == pytest.approx(algbw * 14 / 8)  # 2(n-1)/n
+    for op in ("all-gather", "reduce-scatter"):
+        algbw, busbw = bc.bandwidths(op, 2**30, 0.010, 8)
+        assert busbw == pytest.approx(algbw * 7 / 8)  # (n-1)/n
+    assert bc.bus_factor("all-reduce", 2) == 1.0  # a 2-rank ring moves the buffer once
+    assert bc.bus_factor("all-gather", 1) == 0.0
+    with pytest.raises(ValueError, match="all-to-all"):
+        bc.bus_factor("all-to-all", 8)
+    s = bc.summary([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert (s["mean"], s["median"], s["n"]) == (22.0, 3.0, 5)
+    assert s["p95"] == pytest.approx(80.8)  # linear interpolation between 4 and 100
+
+
+def test_paired_ratio_pairs_the_rounds():
+    # the machine slows down in round 2: both runs take 10x. Paired, the ratio is
+    # 2 every round; unpaired medians would say 20 / 10 = 2 only by luck of the order
+    times = {"run": [2.0, 20.0, 2.2], "base": [1.0, 10.0, 1.0]}
+    assert bench.paired_ratio(times, "run", "base") == pytest.approx((2.0, 2.0, 2.2))
+    times = {"run": [3.0, 1.0, 10.0], "base": [1.0, 1.0, 10.0]}
+    assert bench.paired_ratio(times, "run", "base") == pytest.approx((1.0, 1.0, 3.0))
+    # the ratio of medians here would be 3.0 / 1.0 = 3: not what a paired bench reports
+
+
+def test_collective_names_from_hlo():
+    text = """HloModule jit_step, entry_computation_layout={...}
+  %psum_invariant.3 = f32[16,128,128]{2,1,0} all-reduce(%fusion.1), channel_id=1
+  %all-gather-start.2 = (f32[4]{0}, f32[32]{0}) all-gather-start(%p), dimensions={0}
+  ROOT %reduce-scatter.7 = f32[2]{0} reduce-scatter(%x), dimensions={0}
+  %fusion.1 = f32[16,128,128]{2,1,0} fusion(%a), kind=kLoop, calls=%all-reduce-like
+"""
+    assert bc.collective_names(text) == {"psum_invariant.3", "all-gather-start.2",
+                                         "reduce-scatter.7"}
+
+
+def test_gpu_defaults_are_a_valid_llama_1b_config():
+    cfg = gpu_config("llama-1b")
+    assert (cfg.model.dtype, cfg.model.scan_layers, cfg.parallel.tp) == ("bfloat16", True, 1)
+    assert (cfg.train.batch_size, cfg.model.seq_len, cfg.model.n_layers) == (8, 4096, 16)
+    assert (cfg.model.remat, cfg.model.attention, cfg.model.loss_chunk) == ("minimal", "auto",
+                                                                          4096)
+
+
+@pytest.mark.slow
+def test_gpu_mode_code_path_on_cpu(tmp_path):
+    # the GPU defaults (bf16, scanned, remat) on a tiny Llama, one CPU device
+    overrides = [*GPU_PRESET_OVERRIDES["llama-1b"], "model.seq_len=64", "train.batch_size=2",
+                 "model.n_layers=2"]
+    report = gpu_bench(gpu_config("llama-tiny", overrides), steps=2, warmup=1, peak_tflops=1.0,
+                       name="llama-tiny", log=lambda _: None)
+    train, ab, attn = report["sections"]
+    rows = {r["measured"].split(" (")[0]: r for r in train["rows"]}
+    for k in ("throughput", "step time", "model TFLOP/s", "MFU", "compile", "loss, last step"):
+        assert _positive(rows[k]["value"]), k
+    assert rows["MFU"]["value"] == pytest.approx(100 * rows["model TFLOP/s"]["value"] / 1.0)
+    config = report["meta"]["config"]["model"]
+    assert config["remat"] == "minimal" and config["attention"] == "xla"  # auto, resolved
+    assert [r["case"].split("attention=")[1] for r in ab["rows"]] == ["xla"] * 2 + ["xla"] * 2
+    assert all(_positive(r["value"]) for r in ab["rows"])
+    xla, blockwise, cudnn, b_ratio, c_ratio = attn["rows"]
+    assert _positive(xla["value"]) and _positive(blockwise["value"]) and _positive(b_ratio["value"])
+    if jax.default_backend() == "cpu":
+        assert cudnn["value"] is None and "unavailable" in cudnn["detail"]
+        assert c_ratio["value"] is None
+    json_path, _ = write_report(report, tmp_path)
+    assert json.loads(json_path.read_text())["meta"]["mode"] == "gpu"
+
+
+def test_cli_rejects_bad_arguments_before_compiling(capsys, tmp_path):
+    out = tmp_path / "never"
+    assert bench_main(["--only", "impl,nope", "--out", str(out)]) == 2
+    assert "nope" in capsys.readouterr().err
+    assert bench_main(["--gpu", "--gpu-config", "tiny", "model.n_heads=7", "--out", str(out)]) == 2
+    assert "model.d_model=128 is not divisible by model.n_heads=7" in capsys.readouterr().err
+    assert bench_main(["--quick", "model.n_layers=2", "--out", str(out)]) == 2
+    assert "--gpu only" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_readme_results_are_spliced_between_the_markers(tmp_path):
+    from jaxtp.bench.report import README_BEGIN, README_END, splice_readme
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n## Results\n\n{README_BEGIN}\nold table\n{README_END}\n\n## More\n")
+    splice_readme(readme, "**header**\n\n### Section\n\n| a |\n|---|\n| 1 |\n")
+    text = readme.read_text()
+    assert "old table" not in text and "#### Section" in text and "| 1 |" in text
+    assert text.startswith("# x\n\n## Results\n\n") and text.endswith(f"{README_END}\n\n## More\n")
+    readme.write_text("# no markers\n")
+    with pytest.raises(ValueError, match="needs one line"):
+        splice_readme(readme, "x")

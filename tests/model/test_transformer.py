@@ -1,0 +1,191 @@
+"""Every tp degree and both implementations compute what one device computes.
+
+The reference is tests/reference.py (plain jnp, one device), fed the same
+parameters; jaxtp at tp in {1, 2, 4, 8}, under gspmd and shard_map, must match
+its logits, loss and every gradient to fp32 tolerance.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtp.config import Config, ModelConfig, ParallelConfig
+from jaxtp.parallel import make_mesh
+from jaxtp.train.state import init_params
+from jaxtp.train.step import loss_fn
+from reference import forward, host_params, loss as ref_loss
+
+RTOL, ATOL = 1e-5, 1e-6
+MODEL = ModelConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=8, d_ff=64, seq_len=16)
+LLAMA = dict(style="llama", vocab_size=61, n_layers=2, d_model=64, n_heads=8, d_ff=64,
+             seq_len=16, tie_embeddings=False, use_bias=False, rope_theta=500.0)
+VARIANTS = {
+    "gpt2": MODEL,
+    "llama-mha": ModelConfig(**LLAMA, n_kv_heads=8),
+    # 4 kv heads: sharded at tp=2 and 4, replicated (2 ranks per kv head) at tp=8
+    "llama-gqa": ModelConfig(**LLAMA, n_kv_heads=4),
+    "llama-mqa": ModelConfig(**LLAMA, n_kv_heads=1),
+}
+
+
+def make_cfg(tp, impl="gspmd", model=MODEL, sp=False):
+    return Config(model=model, parallel=ParallelConfig(tp=tp, impl=impl, sp=sp))
+
+
+def tokens(cfg, batch=4, seed=1):
+    return np.random.default_rng(seed).integers(
+        0, cfg.model.vocab_size, (batch, cfg.model.seq_len + 1)).astype(np.int32)
+
+
+def run_model(cfg):
+    """(params on host, logits, loss, grads on host) from jaxtp at cfg's tp."""
+    mesh = make_mesh(1, cfg.parallel.tp)
+    graphdef, params, _ = init_params(cfg, mesh)
+    toks = tokens(cfg)
+    with jax.set_mesh(mesh):
+        logits = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, toks[:, :-1])
+        loss, grads = jax.jit(jax.value_and_grad(
+            lambda p, t: loss_fn(graphdef, p, t)))(params, toks)
+    return host_params(params), np.asarray(logits), float(loss), host_params(grads), toks
+
+
+_REFERENCES = {}
+
+
+def reference(variant):
+    """The single-device reference on tp=1 parameters (computed once per variant)."""
+    if variant not in _REFERENCES:
+        cfg = make_cfg(1, model=VARIANTS[variant])
+        params, _, _, _, toks = run_model(cfg)
+        logits = forward(params, toks[:, :-1], cfg.model)
+        loss, grads = jax.value_and_grad(ref_loss)(params, toks, cfg.model)
+        _REFERENCES[variant] = (params, np.asarray(logits), float(loss),
+                                jax.tree.map(np.asarray, grads))
+    return _REFERENCES[variant]
+
+
+def assert_trees_close(got, want):
+    paths = jax.tree_util.tree_flatten_with_path(want)[0]
+    got_leaves = jax.tree.leaves(got)
+    assert len(paths) == len(got_leaves)
+    for (path, w), g in zip(paths, got_leaves):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_matches_single_device_reference(variant, tp, impl):
+    ref_params, ref_logits, ref_l, ref_grads = reference(variant)
+    params, logits, loss, grads, _ = run_model(make_cfg(tp, impl, model=VARIANTS[variant]))
+    assert_trees_close(params, ref_params)  # init is identical at every tp
+    np.testing.assert_allclose(logits, ref_logits, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(loss, ref_l, rtol=RTOL, atol=ATOL)
+    assert_trees_close(grads, ref_grads)
+
+
+test_matches_single_device_reference.fast_cases = {'llama-gqa-8-shard_map', 'gpt2-8-gspmd'}
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("variant", ["gpt2", "llama-gqa"])
+def test_sequence_parallel_matches_single_device_reference(variant, tp, impl):
+    """Sequence parallelism changes where activations live, not what is
+    computed: loss and every gradient, norm weights included, as on one device."""
+    _, _, ref_l, ref_grads = reference(variant)
+    _, _, loss, grads, _ = run_model(make_cfg(tp, impl, model=VARIANTS[variant], sp=True))
+    np.testing.assert_allclose(loss, ref_l, rtol=RTOL, atol=ATOL)
+    assert_trees_close(grads, ref_grads)
+
+
+test_sequence_parallel_matches_single_device_reference.fast_cases = {'llama-gqa-8-gspmd'}
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+def test_untied_head_no_bias_dropout_keys(impl):
+    """Untied head and bias-free layers match the reference; dropout is seeded."""
+    model = ModelConfig(vocab_size=64, n_layers=1, d_model=32, n_heads=4, d_ff=64,
+                        seq_len=8, tie_embeddings=False, use_bias=False, dropout=0.5)
+    params, logits, _, _, toks = run_model(make_cfg(4, impl, model=model))
+    assert "lm_head" in params and "bias" not in params["blocks"][0]["mlp"]["up"]
+    np.testing.assert_allclose(logits, forward(params, toks[:, :-1], model),
+                               rtol=RTOL, atol=ATOL)
+    mesh = make_mesh(1, 4)
+    graphdef, p, _ = init_params(make_cfg(4, impl, model=model), mesh)
+    with jax.set_mesh(mesh):
+        f = jax.jit(lambda p, t, k: nnx.merge(graphdef, p)(t, dropout_key=k))
+        a, b, c = (f(p, toks[:, :-1], jax.random.key(s)) for s in (0, 0, 1))
+    np.testing.assert_array_equal(a, b)
+    assert not np.allclose(a, c)  # a different key drops different units
+    assert not np.allclose(a, logits)
+
+
+test_untied_head_no_bias_dropout_keys.fast_cases = set()
+
+
+def test_sequence_longer_than_model_is_rejected():
+    mesh = make_mesh(1, 1)
+    graphdef, params, _ = init_params(make_cfg(1), mesh)
+    with pytest.raises(ValueError, match="exceeds model.seq_len=16"):
+        nnx.merge(graphdef, params)(jnp.zeros((1, 17), jnp.int32))
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+def test_dropout_masks_do_not_depend_on_tp(impl):
+    """Dropout acts on the replicated residual stream with a partitionable
+    threefry key, so tp=8 drops exactly the units tp=1 drops."""
+    model = dataclasses.replace(MODEL, dropout=0.3)
+    toks = tokens(make_cfg(1, model=model))[:, :-1]
+    out = []
+    for tp in (1, 8):
+        mesh = make_mesh(1, tp)
+        graphdef, params, _ = init_params(make_cfg(tp, impl, model=model), mesh)
+        with jax.set_mesh(mesh):
+            out.append(np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(
+                t, dropout_key=jax.random.key(7)))(params, toks)))
+    np.testing.assert_allclose(out[1], out[0], rtol=RTOL, atol=ATOL)
+
+
+test_dropout_masks_do_not_depend_on_tp.fast_cases = set()
+
+
+# --- attention kernels and the chunked loss inside the whole model -----------
+BLOCKWISE = dataclasses.replace(VARIANTS["llama-gqa"], attention="blockwise",
+                                attention_block=6)  # T=16: 3 blocks, the last padded
+
+
+@pytest.mark.parametrize("tp, sp, impl", [
+    (1, False, "gspmd"), (2, True, "gspmd"), (2, False, "shard_map"), (8, False, "gspmd"),
+    (8, True, "shard_map")])
+def test_blockwise_attention_in_the_model_matches_the_reference(tp, sp, impl):
+    """Heads split over tp (kv sharded at tp=2, replicated at tp=8), with and
+    without SP: the logits, the loss and every gradient as on one device."""
+    ref_params, ref_logits, ref_l, ref_grads = reference("llama-gqa")
+    params, logits, loss, grads, _ = run_model(make_cfg(tp, impl, model=BLOCKWISE, sp=sp))
+    np.testing.assert_allclose(logits, ref_logits, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(loss, ref_l, rtol=RTOL, atol=ATOL)
+    assert_trees_close(grads, ref_grads)
+
+
+test_blockwise_attention_in_the_model_matches_the_reference.fast_cases = {'8-True-shard_map'}
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("tp", [1, 8])
+def test_chunked_loss_matches_the_reference(tp, impl):
+    """loss_chunk=24 tokens of 4 rows: chunks of 6 positions, T=16 padded to 18
+    (24 does not divide the 64 tokens): the same loss and every gradient."""
+    model = dataclasses.replace(VARIANTS["gpt2"], loss_chunk=24)
+    _, _, ref_l, ref_grads = reference("gpt2")
+    _, _, loss, grads, _ = run_model(make_cfg(tp, impl, model=model))
+    np.testing.assert_allclose(loss, ref_l, rtol=RTOL, atol=ATOL)
+    assert_trees_close(grads, ref_grads)
+
+
+test_chunked_loss_matches_the_reference.fast_cases = {'8-shard_map'}

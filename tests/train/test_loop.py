@@ -1,0 +1,152 @@
+"""The training loop as a user drives it: `train.py` in fresh processes.
+
+Resume equivalence (bit for bit on CPU), SIGTERM, fault handling and the
+metrics rows. (Resuming at another dp x tp, from two processes:
+tests/test_multihost.py; restoring into other layouts: tests/test_checkpoint.py.)"""
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxtp.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from jaxtp.train.loop import TrainingStopped, train
+from procs import child_env
+
+ROOT = Path(__file__).resolve().parents[2]
+# small enough for a few seconds per process; logged every step so that every
+# loss is compared
+SMALL = ["model.n_layers=2", "model.d_model=64", "model.d_ff=128", "model.seq_len=32",
+         "train.batch_size=8", "train.warmup_steps=2", "train.log_every=1",
+         "train.eval_every=4", "train.eval_batches=1"]
+
+
+def cli(*args, timeout=300):
+    env = child_env()
+    r = subprocess.run([sys.executable, "-u", str(ROOT / "train.py"), *args, *SMALL],
+                       capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    return r
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def logged(out: Path):
+    """Everything logged except timings."""
+    return [{k: v for k, v in r.items() if k in ("step", "loss", "grad_norm", "lr",
+                                                 "eval_loss", "skipped")} for r in rows(out)]
+
+
+def final_params(out: Path, step: int) -> dict:
+    """The parameters and Adam state of a run's checkpoint, on one device."""
+    import dataclasses
+
+    from jax.tree_util import keystr, tree_flatten_with_path
+
+    from jaxtp.train.checkpoint import Checkpointer
+    from jaxtp.config import apply_overrides, load_config
+    from jaxtp.parallel import make_mesh
+    from jaxtp.train.state import abstract_train_state
+
+    cfg = apply_overrides(load_config("tiny"), SMALL)
+    target = abstract_train_state(cfg, make_mesh(1, 1))
+    ckpt = Checkpointer(out / "checkpoints", log=lambda s: None)
+    try:
+        got, params, opt, _ = ckpt.restore(target.params, target.opt_state,
+                                           model=dataclasses.asdict(cfg.model), step=step)
+    finally:
+        ckpt.close()
+    assert got == step
+    return {keystr(k): np.asarray(v) for k, v in tree_flatten_with_path((params, opt))[0]}
+
+
+@pytest.mark.slow
+def test_resume_in_a_new_process_is_bit_identical(tmp_path):
+    a, b = tmp_path / "straight", tmp_path / "split"
+    r = cli("--tp", "4", "--steps", "8", "--out", str(a))
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = cli("--tp", "4", "--steps", "8", "--until", "3", "--out", str(b))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "stopped after step 3" in r.stdout and [x["step"] for x in rows(b)] == [1, 2, 3]
+    r = cli("--tp", "4", "--steps", "8", "--resume", "--out", str(b))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "resumed from" in r.stdout and "step 3" in r.stdout
+    assert logged(b) == logged(a)  # every loss, grad norm and eval loss, exactly
+    pa, pb = final_params(a, 8), final_params(b, 8)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert np.array_equal(pa[k], pb[k]), k
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_that_resumes(tmp_path):
+    out = tmp_path / "run"
+    env = child_env()
+    proc = subprocess.Popen([sys.executable, "-u", str(ROOT / "train.py"), "--tp", "2",
+                             "--steps", "100000", "--out", str(out), *SMALL],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=env)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step     2/"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-2000:]
+    assert "SIGTERM received: saved a checkpoint at step" in stdout
+    step = int(stdout.split("saved a checkpoint at step ")[1].split()[0])
+    assert (out / "checkpoints" / str(step)).is_dir()
+    r = cli("--tp", "2", "--steps", "100000", "--until", str(step + 2), "--resume",
+            "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [x["step"] for x in rows(out)] == list(range(1, step + 3))
+
+
+@pytest.mark.slow
+def test_nan_steps_are_skipped_logged_and_too_many_stop_the_run(tmp_path):
+    cfg = Config(ModelConfig(n_layers=1, d_model=32, n_heads=4, d_ff=64, seq_len=16),
+                 TrainConfig(steps=8, batch_size=8, warmup_steps=0, log_every=1,
+                             eval_every=100, eval_batches=1, max_skipped_steps=2),
+                 ParallelConfig(tp=2))
+    lines = []
+    summary = train(cfg, tmp_path / "a", log=lines.append, inject_nan_at={3})
+    assert summary["finished"]
+    skipped = [r["step"] for r in rows(tmp_path / "a") if r["skipped"]]
+    assert skipped == [3]
+    assert any(line.startswith("step 3: skipped") for line in lines)
+    row2, row3, row4 = rows(tmp_path / "a")[1:4]
+    assert row3["loss"] is None and row3["grad_norm"] is None  # NaN is not JSON: null
+    # the skipped step did not advance optax's count: step 4 runs at step 3's lr
+    assert row4["lr"] == row3["lr"] != row2["lr"]
+    with pytest.raises(TrainingStopped, match="2 steps in a row had a non-finite"):
+        train(cfg, tmp_path / "b", log=lines.append, inject_nan_at={4, 5})
+    assert (tmp_path / "b" / "checkpoints" / "5").is_dir()
+
+
+def test_metrics_rows_have_speed_and_mfu_fields(tmp_path):
+    cfg = Config(ModelConfig(n_layers=1, d_model=32, n_heads=4, d_ff=64, seq_len=16),
+                 TrainConfig(steps=3, batch_size=8, log_every=1, eval_every=100,
+                             eval_batches=1), ParallelConfig(tp=2))
+    train(cfg, tmp_path, log=lambda s: None, peak_tflops=1.0)
+    r = rows(tmp_path)
+    assert r[0]["tokens_per_sec"] is None and r[0]["mfu"] is None  # includes warm-up
+    # 6N + 12*L*h*s (Chowdhery et al. 2022, App. B), N by hand: the tied table
+    # (it is the LM head) and one block, not the learned positions
+    D, F, V = 32, 64, 256
+    block = 2 * D + (D * D + D) + (D * 2 * D + 2 * D) + (D * D + D) + 2 * D \
+        + (D * F + F) + (F * D + D)
+    flops_per_token = 6 * (V * D + block + 2 * D) + 12 * 1 * D * 16
+    for row in r[1:]:
+        assert row["model_tflops_per_device"] == pytest.approx(
+            row["tokens_per_sec"] * flops_per_token / 2 / 1e12)
+        assert row["step_time_s"] > 0
+        assert row["tokens_per_sec"] == pytest.approx(8 * 16 / row["step_time_s"])
+        # MFU = model flops/s per device / peak (1 TFLOP/s given)
+        assert row["mfu"] == pytest.approx(row["model_tflops_per_device"] / 1.0)
