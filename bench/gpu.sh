@@ -42,7 +42,7 @@ case "$KIND" in
   *) HW=h100 ;;  # the planner knows h100, h200, tpu-v5p; other GPUs are planned as an H100
 esac
 
-JAXTP_GPU_TESTS=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 \
+JAXTP_GPU_TESTS=1 "$PY" -m pytest -q -n 0 -p no:cacheprovider tests/test_gpu.py 2>&1 \
   | tee "$OUT/tests.txt" || true
 
 "$PY" -m jaxtp.bench --gpu --gpu-config llama-1b --out "$OUT" "$@"

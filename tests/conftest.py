@@ -1,7 +1,8 @@
 """8 fake CPU devices for every test, set before any JAX backend starts.
 
-`JAXTP_GPU_TESTS=1 python -m pytest tests/test_gpu.py` runs the GPU-only
-tests on the machine's GPU instead (everything else assumes 8 CPU devices)."""
+`JAXTP_GPU_TESTS=1 python -m pytest -n 0 tests/test_gpu.py` runs the GPU-only
+tests on the machine's GPU instead, in this one process (everything else assumes 8
+CPU devices)."""
 
 import os
 import sys
@@ -13,9 +14,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # the plugin must not insist on a GPU when JAX starts
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
-# The suite compiles a few hundred small programs for 8 CPU devices. Two
+# The suite compiles a few hundred small programs for 8 CPU devices. These
 # settings cut that time and change nothing a test checks (the HLO, and so
-# every collective and every number, is the same):
+# every collective, is the same):
 # - LLVM's optimisation of the generated CPU code is most of each compile;
 #   these programs run for milliseconds, so -O0 code is fine;
 # - one compilation cache for this session, shared with the train.py
@@ -26,7 +27,12 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 _cpu = not os.environ.get("JAXTP_GPU_TESTS")
 if _cpu and "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_backend_optimization_level=0").strip()
+                               + " --xla_backend_optimization_level=0"
+                               " --xla_llvm_disable_expensive_passes=true"
+                               # one thread per device program: the two test
+                               # workers (pyproject) already fill the cores
+                               " --xla_cpu_multi_thread_eigen=false"
+                               " intra_op_parallelism_threads=1").strip()
 if _cpu and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import atexit
     import shutil
@@ -48,11 +54,26 @@ if _cpu:
 
 def pytest_collection_modifyitems(items):
     """The fast tier (`-m "not slow"`): a parametrized test that names its
-    `fast_cases` (callspec ids) keeps only those out of the slow tier."""
+    `fast_cases` (callspec ids) keeps only those out of the slow tier. A name
+    that matches none of its cases is an error, not a silently slower tier."""
     import pytest
 
+    ids = {}
     for item in items:
         fast = getattr(getattr(item, "function", None), "fast_cases", None)
-        if fast is not None and getattr(item, "callspec", None) is not None \
-                and item.callspec.id not in fast:
-            item.add_marker(pytest.mark.slow)
+        if fast is not None and getattr(item, "callspec", None) is not None:
+            ids.setdefault(item.function, set()).add(item.callspec.id)
+            if item.callspec.id not in fast:
+                item.add_marker(pytest.mark.slow)
+    for fn, seen in ids.items():
+        if fn.fast_cases - seen and len(seen) == _cases(fn):
+            raise pytest.UsageError(f"{fn.__name__}.fast_cases names no case: "
+                                    f"{sorted(fn.fast_cases - seen)}; its cases: {sorted(seen)}")
+
+
+def _cases(fn) -> int:
+    """How many cases a parametrized test has (all of them collected, or -k chose)."""
+    import math
+
+    marks = [m for m in getattr(fn, "pytestmark", []) if m.name == "parametrize"]
+    return math.prod(len(m.args[1]) for m in marks)

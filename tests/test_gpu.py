@@ -1,7 +1,7 @@
 """GPU-only tests: cuDNN flash attention and a train step that uses it, on a
 real NVIDIA GPU. Run them there with
 
-    JAXTP_GPU_TESTS=1 python -m pytest -q tests/test_gpu.py
+    JAXTP_GPU_TESTS=1 python -m pytest -q -n 0 tests/test_gpu.py
 
 (bench/gpu.sh does). Everywhere else they skip with the reason; what can be
 checked without a GPU (the cuDNN custom calls in a step compiled for an

@@ -37,7 +37,8 @@ SECTIONS = ("impl", "scaling", "compile", "collectives", "profile", "peer", "att
 PLANS = {
     "quick": dict(presets=("tiny",), tps=(1, 8), impls=("gspmd",), warmup=1, steps=3,
                   depths=(2, 8), unscanned=(), payloads=("tiny",), samples=5,
-                  attention_seqs=(128,), loop_steps=6, small=("model.n_layers=1",)),
+                  attention_seqs=(128,), loop_steps=6,
+                  small=("model.n_layers=1", "train.batch_size=8", "model.seq_len=64")),
     "full": dict(presets=("tiny", "gpt2-small"), tps=(1, 2, 4, 8), impls=("gspmd", "shard_map"),
                  warmup=2, steps=7, depths=(2, 8, 32), unscanned=(2, 8),
                  payloads=("tiny", "gpt2-small", "llama-1b"), samples=10,
@@ -305,8 +306,8 @@ def bench_attention(plan: dict) -> dict:
     for T in plan["attention_seqs"]:
         runs = []
         for kernel in ("xla", "blockwise"):
-            cfg, _ = preset("tiny", "parallel.tp=1", f"model.seq_len={T}", "train.batch_size=2",
-                            f"model.attention={kernel}", *plan["small"])
+            cfg, _ = preset("tiny", *plan["small"], "parallel.tp=1", f"model.seq_len={T}",
+                            "train.batch_size=2", f"model.attention={kernel}")
             runs.append(build(f"T={T} {kernel}", cfg))
         t = time_alternating(runs, plan["warmup"], plan["steps"])
         ratio, lo, hi = paired_ratio(t, runs[1].name, runs[0].name)

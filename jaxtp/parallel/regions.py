@@ -207,18 +207,25 @@ def run_sharded(module, fn: Callable, *args, arg_specs=None, out_specs=None):
         # float32 compile. (train.py refuses this combination before anything
         # is built; this guards library callers.)
         raise ValueError(BF16_CPU_SHARD_MAP)
-    param_specs = nnx.get_partition_spec(params)
-    spec_leaves = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P))
+    # an axis of size 1 stays automatic (a psum over it would still be emitted),
+    # except for cuDNN attention, whose custom partitioning fails in jax 0.10.2
+    # inside a shard_map that leaves any axis to GSPMD
+    manual = set(mesh.axis_names) if getattr(module, "kernel", None) == "cudnn" else \
+        {a for a, n in dict(mesh.shape).items() if n > 1} | {IMPL_AXIS}
+    only = lambda s: P(*(a if a in manual else None for a in s))
+    is_spec = lambda x: isinstance(x, P)
+    param_specs = jax.tree.map(only, nnx.get_partition_spec(params), is_leaf=is_spec)
+    spec_leaves = jax.tree.leaves(param_specs, is_leaf=is_spec)
 
     def per_shard(params, *args):
         leaves, tree = jax.tree.flatten(params)
         leaves = [_gather_over_dp(x, s) for x, s in zip(leaves, spec_leaves)]
         return fn(nnx.merge(graphdef, jax.tree.unflatten(tree, leaves)), *args)
 
-    in_specs = (param_specs,) + tuple(arg_specs or (act_spec(),) * len(args))
+    in_specs = (param_specs,) + tuple(map(only, arg_specs or (act_spec(),) * len(args)))
     return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs,
-                         out_specs=act_spec() if out_specs is None else out_specs,
-                         axis_names=set(mesh.axis_names), check_vma=True)(params, *args)
+                         out_specs=only(act_spec() if out_specs is None else out_specs),
+                         axis_names=manual, check_vma=True)(params, *args)
 
 
 def act_spec(seq_split: bool = False) -> P:

@@ -2,6 +2,7 @@
 counts derived by hand."""
 
 import dataclasses
+import functools
 import importlib.util
 
 import pytest
@@ -12,6 +13,7 @@ from jaxtp.analysis.plan import analyze
 TINY = load_config("tiny")  # 4 blocks, b=16, s=128, h=128, fp32
 
 
+@functools.cache  # tp=1 is every case's baseline: analysed once
 def at(cfg, tp, sp, impl="gspmd"):
     return analyze(dataclasses.replace(
         cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, sp=sp, impl=impl)))

@@ -3,6 +3,7 @@ rematerialised layers, mixed precision, and skipped steps. Every parallel
 result is compared with a single device (dp=1, tp=1, one batch, unscanned)."""
 
 import dataclasses
+import functools
 import re
 import time
 
@@ -46,6 +47,12 @@ def loss_and_grads(cfg, values=None, tokens=TOKENS, key=None):
     return float(loss), {jax.tree_util.keystr(k): np.asarray(v) for k, v in flat}
 
 
+@functools.cache
+def one_device(model):
+    """loss_and_grads on one device (dp=1, tp=1), once per model."""
+    return loss_and_grads(cfg_of(model))
+
+
 def host_values(cfg):
     mesh = make_mesh(cfg.parallel.dp, cfg.parallel.tp)
     return jax.tree.map(np.asarray, nnx.to_pure_dict(jax.device_get(init_params(cfg, mesh)[1])))
@@ -62,7 +69,7 @@ def assert_same(a, b, rtol=1e-5, atol=1e-6):
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
 @pytest.mark.parametrize("model", [MODEL, GQA], ids=["gpt2", "llama-gqa"])
 def test_dp2_tp4_fsdp_and_sp_equal_one_device(model, impl):
-    ref = loss_and_grads(cfg_of(model))
+    ref = one_device(model)
     assert_same(loss_and_grads(cfg_of(model, dp=2, tp=4, impl=impl)), ref)
     assert_same(loss_and_grads(cfg_of(model, dp=2, tp=4, impl=impl, fsdp=True)), ref)
     assert_same(loss_and_grads(cfg_of(model, dp=2, tp=4, impl=impl, sp=True)), ref)
@@ -107,17 +114,23 @@ def test_four_microbatches_equal_one_batch():
     assert_same(loss_and_grads(cfg_of(dp=2, tp=2, microbatches=2, fsdp=True), values), ref)
 
 
+@functools.cache
+def unscanned(impl):
+    """(parameter values, loss and gradients) of the unscanned GQA stack with
+    dropout, once per impl: what every remat policy's scanned stack must equal."""
+    plain = cfg_of(GQA, tp=4, impl=impl, dropout=0.1)
+    values = host_values(plain)
+    return values, loss_and_grads(plain, values, key=jax.random.key(3))
+
+
 @pytest.mark.parametrize("remat", ["none", "full", "dots", "minimal"])
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
 def test_scanned_stack_equals_unscanned(impl, remat):
     """Same parameters, stacked on a layer axis: same loss and every gradient,
     with dropout on (the per-layer keys are the same)."""
-    plain = cfg_of(GQA, tp=4, impl=impl, dropout=0.1)
-    values = host_values(plain)
-    key = jax.random.key(3)
-    ref = loss_and_grads(plain, values, key=key)
+    values, ref = unscanned(impl)
     scanned = cfg_of(GQA, tp=4, impl=impl, dropout=0.1, scan_layers=True, remat=remat)
-    loss, grads = loss_and_grads(scanned, stack_layers(values), key=key)
+    loss, grads = loss_and_grads(scanned, stack_layers(values), key=jax.random.key(3))
     unstacked = {}
     for k, g in grads.items():
         if k.startswith("['blocks']"):
