@@ -65,6 +65,10 @@ def pytest_collection_modifyitems(items):
             ids.setdefault(item.function, set()).add(item.callspec.id)
             if item.callspec.id not in fast:
                 item.add_marker(pytest.mark.slow)
+    # the longest tests (processes, the bench suite) first, so that the two
+    # workers do not end with one of them running a minute alone
+    first = ("tests/bench/", "tests/parallel/test_distributed.py", "tests/train/test_loop.py")
+    items.sort(key=lambda item: not item.nodeid.startswith(first))  # stable
     for fn, seen in ids.items():
         if fn.fast_cases - seen and len(seen) == _cases(fn):
             raise pytest.UsageError(f"{fn.__name__}.fast_cases names no case: "
