@@ -33,6 +33,7 @@ from .. import hlo
 from ..config import Config
 from ..model.vocab import loss_chunks
 from ..parallel import Layout, split_over_tp
+from .backends import on_backend
 
 HLO_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
@@ -128,9 +129,9 @@ ANY_SCOPE = "(any)"  # a budget row matched by total elements, whatever the scop
 def expected_collectives(cfg: Config, impl: str, platform: str = "") -> list[Expected]:
     """Every collective the train step of `cfg` needs under `impl`: over tp,
     and with dp > 1 over dp (`_expected_dp`); as the compiler for `platform`
-    ("cpu", "gpu", "tpu"; "" for none) carries it out (`_on_backend`)."""
+    ("cpu", "gpu", "tpu"; "" for none) carries it out (`backends.on_backend`)."""
     rows = _expected_tp(cfg, impl) + _expected_dp(cfg, impl)
-    return _on_backend(rows, cfg, impl, platform) if platform else rows
+    return on_backend(rows, cfg, impl, platform) if platform else rows
 
 
 def param_shard_elements(cfg: Config) -> list[int]:
@@ -321,71 +322,6 @@ def _sp_regions(cfg: Config, E, act: int, shard: int, L: int, gspmd_kv: bool) ->
     return rows
 
 
-def _on_backend(rows: list[Expected], cfg: Config, impl: str, platform: str) -> list[Expected]:
-    """The budget as each compiler carries it out: what XLA's CPU and GPU
-    pipelines and libtpu do differently from the rows above (measured with
-    jaxlib 0.10.2 and libtpu 0.0.42, compiling tiny and llama-tiny at tp=8)."""
-    m, tp = cfg.model, cfg.parallel.tp
-    sixteen = m.dtype in ("bfloat16", "float16")
-    out = []
-    for r in rows:
-        whole = lambda r: dataclasses.replace(r, kind="all-reduce", elements=r.elements * tp,
-                                              name=r.name + " [as all-reduce + slice]")
-        if platform == "cpu":
-            # no reduce-scatter creator: GSPMD's stays an all-reduce of the
-            # full buffer and a slice (shard_map's psum_scatter is kept)
-            if r.kind == "reduce-scatter" and impl == "gspmd":
-                r = whole(r)
-            # the CPU runtime carries 16-bit collectives in fp32
-            if r.dtype in ("bf16", "f16"):
-                r = dataclasses.replace(r, dtype="f32")
-        elif platform == "tpu":
-            if r.kind == "reduce-scatter":  # libtpu: all-reduce + slice, both impls
-                r = whole(r)
-            # fp32 activations and gradients on their way into a matmul travel
-            # in bf16, the precision a default-precision TPU matmul reads them in
-            if r.dtype == "f32" and (r.role in ("gather_in", "gather_grad_mlp", "kv_grad") or
-                                     (r.role == "gather_grad_attention" and
-                                      impl == "shard_map")):
-                r = dataclasses.replace(r, dtype="bf16")
-        if platform in ("gpu", "cuda", "tpu") and r.role == "positions":
-            # each rank's position rows are its own sequence shard's: the
-            # gradient rows are gathered, not summed (half the ring bytes)
-            r = dataclasses.replace(r, kind="all-gather")
-        if platform in ("gpu", "cuda"):
-            if r.role == "head_dx" and impl == "gspmd" and sixteen:
-                # GSPMD reduces the LM head's dX in the fp32 of the logits'
-                # gradient, before the cast (and so no reduce-scatter under SP)
-                r = dataclasses.replace(r, dtype="f32")
-                if r.kind == "reduce-scatter":
-                    r = whole(r)
-        out.append(r)
-    if platform in ("gpu", "cuda") and cfg.parallel.dp > 1:
-        out = _gpu_dp(out, cfg, impl)
-    return out
-
-
-def _gpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
-    """At dp > 1, XLA's GPU pipeline reduces some gradients over dp and tp at
-    once, or once instead of twice; the dp total (`_expected_dp`) loses them.
-    - replicated weights used on sequence shards (norms, row-parallel biases):
-      one all-reduce over all dp * tp devices;
-    - shard_map, tied embeddings: the lookup's and the LM head's table
-      gradients, each summed over dp inside its region, are added first and
-      reduced once (XLA's all-reduce reassociation)."""
-    p, m = cfg.parallel, cfg.model
-    moved, out = 0, []
-    for r in rows:
-        if r.role == "seq_shard_param":
-            moved += r.elements * r.count
-            r = dataclasses.replace(r, group=p.dp * p.tp, name=r.name + " [over dp and tp]")
-        out.append(r)
-    if impl == "shard_map" and m.tie_embeddings:
-        moved += m.padded_vocab // p.tp * m.d_model
-    return [dataclasses.replace(r, elements=r.elements - moved)
-            if r.name.startswith("dp: every") else r for r in out]
-
-
 def collective_key(c: hlo.Collective) -> tuple:
     return (c.kind, c.pass_, c.scope, c.elements, c.dtype, c.group_size)
 
@@ -395,7 +331,7 @@ def check(colls: list[hlo.Collective], expected: list[Expected]) -> str | None:
     got = Counter()
     for c in colls:
         got[collective_key(c)] += c.count
-    merged: dict[tuple, Expected] = {}  # rows of one key (e.g. after _on_backend) add up
+    merged: dict[tuple, Expected] = {}  # rows of one key (e.g. after on_backend) add up
     for e in expected:
         if e.scope != ANY_SCOPE and e.key in merged:
             merged[e.key] = dataclasses.replace(merged[e.key],

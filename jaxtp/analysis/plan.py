@@ -139,7 +139,6 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
     from .targets import CPU_OVERSTATES, TargetUnavailable, target_mesh
 
     target = HARDWARE[hardware]
-    peak, link = target.peak_flops, target.link
     on_target = compile_for_target
     if on_target:
         try:
@@ -163,13 +162,7 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
         mesh = target_mesh(hardware, c.parallel.dp, tp) if on_target else None
         r = analyze(c, mesh)
         base = r["flops_per_device"] if tp == 1 else base
-        r["redundancy"] = tp * r["flops_per_device"] / base if base else float("nan")
-        r["f_over_tp"] = cfg.model.d_ff / tp
-        r["bound"] = ("-" if tp == 1 else
-                      "compute" if cfg.model.d_ff / tp > peak / link else "communication")
-        r["target"] = hardware
-        r["target_memory"] = target.memory
-        r["fits"] = r["memory"]["total"] <= target.memory
+        _verdict(r, cfg, tp, base, target)
         if tp in tps:
             rows.append(r)
     if not rows:
@@ -190,6 +183,18 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
         (out / "plan.json").write_text(json.dumps(rows, indent=2) + "\n")
         log(f"wrote {out / 'plan.json'}")
     return rows
+
+
+def _verdict(r: dict, cfg: Config, tp: int, base: float | None, target) -> None:
+    """Add to an `analyze` row: redundancy against tp=1, the F/tp against C/W
+    bound, and whether it fits the target's memory."""
+    r["redundancy"] = tp * r["flops_per_device"] / base if base else float("nan")
+    r["f_over_tp"] = cfg.model.d_ff / tp
+    r["bound"] = ("-" if tp == 1 else "compute"
+                  if cfg.model.d_ff / tp > target.peak_flops / target.link else "communication")
+    r["target"] = target.name
+    r["target_memory"] = target.memory
+    r["fits"] = r["memory"]["total"] <= target.memory
 
 
 def _print(cfg: Config, rows: list[dict], target, on_target: bool, log) -> None:

@@ -18,18 +18,18 @@ there show partitioning overhead, not a speed-up.
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import numpy as np
 
 from ..config import Config, apply_overrides, load_config, validate
-from ..parallel import make_mesh, named
-from ..train.state import abstract_train_state, init_train_state
-from ..train.step import compile_train_step, step_controls
+from ..parallel import make_mesh
+from ..train.state import abstract_train_state
+from ..train.step import compile_train_step
 from . import collectives as bc
+from .timing import build, paired_ratio, time_alternating
 from .report import RATIO_COLUMNS, format_section, machine_info, section
 
 SECTIONS = ("impl", "scaling", "compile", "collectives", "profile", "peer", "attention", "loop")
@@ -50,70 +50,10 @@ CPU_REDUCED = {"gpt2-small": ("model.n_layers=2", "train.batch_size=2", "model.s
 PAIRED = RATIO_COLUMNS + [("ratio_min", "min ratio"), ("ratio_max", "max ratio")]
 
 
-@dataclasses.dataclass
-class _Run:
-    """A compiled train step and its live state; calling it runs one step."""
-
-    name: str
-    cfg: Config
-    mesh: Any
-    step: Callable
-    params: Any
-    opt_state: Any
-    tokens: Any
-    compile_s: float
-    key: Any
-    controls: Any
-
-    def __call__(self):
-        with jax.set_mesh(self.mesh):
-            self.params, self.opt_state, m = self.step(
-                self.params, self.opt_state, self.tokens, self.key, self.controls)
-        return jax.block_until_ready((self.params, self.opt_state, m))[2]
-
-
 def preset(name: str, *overrides: str) -> tuple[Config, list[str]]:
     """(config, the CPU reductions applied): on CPU, CPU_REDUCED shrinks big presets."""
     cut = list(CPU_REDUCED.get(name, ())) if jax.default_backend() == "cpu" else []
     return validate(apply_overrides(load_config(name), cut + list(overrides))), cut
-
-
-def build(name: str, cfg: Config) -> _Run:
-    """Initialise `cfg` on its own (dp, tp) mesh, compile its train step, place a
-    batch of random tokens (the step's time does not depend on their values)."""
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    mesh = make_mesh(p.dp, p.tp, devices=jax.devices()[: p.dp * p.tp])
-    state = init_train_state(cfg, mesh)
-    t0 = time.perf_counter()
-    step = compile_train_step(state, t.batch_size, m.seq_len)
-    compile_s = time.perf_counter() - t0
-    tokens = np.random.default_rng(0).integers(0, m.vocab_size, (t.batch_size, m.seq_len + 1))
-    tokens = jax.device_put(tokens.astype(np.int32), named(mesh, "batch", None))
-    key, controls = jax.device_put((jax.random.key(0), step_controls()), named(mesh))
-    return _Run(name, cfg, mesh, step, state.params, state.opt_state, tokens, compile_s, key,
-                controls)
-
-
-def time_alternating(runs: list[_Run], warmup: int, steps: int) -> dict[str, list[float]]:
-    """Seconds per step of each run, the runs interleaved step by step (order
-    reversed every other round, so no run always follows the same one)."""
-    for r in runs:
-        for _ in range(warmup):
-            r()
-    times = {r.name: [] for r in runs}
-    for i in range(steps):
-        for r in (runs if i % 2 == 0 else runs[::-1]):
-            t0 = time.perf_counter()
-            r()
-            times[r.name].append(time.perf_counter() - t0)
-    return times
-
-
-def paired_ratio(times: dict, run: str, base: str) -> tuple[float, float, float]:
-    """(median, min, max) over rounds of time(run) / time(base), both timed in
-    the same round: a paired ratio, immune to the machine slowing between rounds."""
-    r = np.asarray(times[run]) / np.asarray(times[base])
-    return float(np.median(r)), float(r.min()), float(r.max())
 
 
 def _case(name: str, cfg: Config, cut: list[str]) -> str:

@@ -202,9 +202,10 @@ def run_sharded(module, fn: Callable, *args, arg_specs=None, out_specs=None):
     mesh = _mesh_of(params)
     dtypes = [a.dtype for a in args] + [jnp.dtype(getattr(module, "dtype", "float32"))]
     if jnp.dtype(jnp.bfloat16) in dtypes and _platform(mesh) == "cpu":
-        # jax/jaxlib 0.10.2: a bf16 psum inside shard_map aborts XLA's CPU
-        # compiler ("Invalid binary instruction opcode copy"); float16 and
-        # float32 compile. (train.py refuses this combination before anything
+        # jax/jaxlib 0.10.2: a bf16 psum in a shard_map manual over a subset of
+        # the mesh axes (here at dp=1) aborts XLA's CPU compiler ("Invalid
+        # binary instruction opcode copy"); float16 and float32 compile. Not
+        # tried at dp > 1, where every axis is manual. (train.py refuses this combination before anything
         # is built; this guards library callers.)
         raise ValueError(BF16_CPU_SHARD_MAP)
     # an axis of size 1 stays automatic (a psum over it would still be emitted),

@@ -58,12 +58,13 @@ from ..parallel.distributed import any_process
 from .checkpoint import Checkpointer
 from .data import Dataset, load_tokens, to_mesh
 from .loopstep import LoopState, is_row_step, make_loop_step
-from .metrics import MetricsLog, finite, model_flops_per_token, peak_flops, speed
+from .metrics import (MetricsLog, metrics_row, model_flops_per_token, peak_flops, progress_line,
+                      skip_line, speed)
 from .optim import lr_schedule
 from .record import run_record
 from .runstate import RunState
 from .state import abstract_model, init_train_state, resolve_attention
-from .step import make_eval_step, single_device_check
+from .step import ReplayCheck, make_eval_step
 
 
 class TrainingStopped(RuntimeError):
@@ -217,7 +218,7 @@ class _Loop:
                                        flops_per_token=model_flops_per_token(cfg, self.n_params),
                                        devices=mesh.size, peak=peak)
         self.params, self.opt_state = state.params, state.opt_state
-        self.check = _Check(cfg, self.params, lr_schedule(t)) if check else None
+        self.check = ReplayCheck(cfg, self.params, lr_schedule(t)) if check else None
         self.metrics_log = MetricsLog(out, run.step, tensorboard) \
             if jax.process_index() == 0 else None
         self.history, self.rates, self.host_s = [], [], []
@@ -270,7 +271,7 @@ class _Loop:
         # the host waits for the device only on rows and checkpoints
         loop = self.loop.to_json() if row_step or ckpt_step else None
         if row_step and loop["row_skipped"]:
-            self.log(_skip_line(loop, t.max_skipped_steps))
+            self.log(skip_line(loop, t.max_skipped_steps))
         if loop and loop["stop_at"]:
             self._stop_skipping(loop)
         if row_step:
@@ -295,7 +296,7 @@ class _Loop:
         is_eval = step % t.eval_every == 0 or step == t.steps
         timed = step > 1 and step - 1 != self.run_state.step  # not the first step run
         dt = (time.perf_counter() - self.t_last) / (step - self.last_logged) if timed else None
-        row = _row(step, host, loop, self.speed(dt))
+        row = metrics_row(step, host, loop, self.speed(dt))
         if is_eval:
             self.eval_loss = row["eval_loss"] = evaluate(self.eval_step, self.params,
                                                          self.eval_set, self.mesh)
@@ -304,7 +305,7 @@ class _Loop:
         self.history.append(row)
         if row["tokens_per_sec"]:
             self.rates.append(row["tokens_per_sec"])
-        self.log(_progress(row, t.steps, dt, self.eval_loss if is_eval else None))
+        self.log(progress_line(row, t.steps, dt, self.eval_loss if is_eval else None))
         self.last_logged = step
         self.t_last = time.perf_counter()  # eval time is not counted in tok/s
 
@@ -358,58 +359,6 @@ class _Loop:
                      + (f"host {host_ms:.2f} ms/step outside the step call, " if host_ms else "")
                      + f"{summary['wall_s']:.0f}s; wrote {self.out}")
         return summary | {"params": self.params, "history": h}
-
-
-class _Check:
-    """--check: keep the first steps' batches and keys, then replay them on one
-    device from the initial parameters, up to the first step that moves the
-    parameters (step 1 runs at lr 0 when there is a warmup)."""
-
-    def __init__(self, cfg: Config, params, schedule):
-        t = cfg.train
-        self.cfg, self.params0, self.replay = cfg, jax.device_get(params), []
-        self.at = next((s for s in range(1, t.steps + 1) if schedule(s - 1) > 0), t.steps)
-
-    def after(self, step: int, host_tokens, metrics, params, record: dict, log) -> None:
-        if step > self.at:
-            return
-        self.replay.append((host_tokens,
-                            jax.random.fold_in(jax.random.key(self.cfg.train.seed), step)))
-        if step == self.at:
-            host = jax.device_get(metrics)
-            record["check"] = single_device_check(
-                self.cfg, self.params0, *zip(*self.replay), float(host["loss"]),
-                float(host["grad_norm"]), jax.device_get(params))
-            log(f"check against one device after step {step}: " + ", ".join(
-                f"{k} {v:.2e}" for k, v in record["check"].items() if k != "after_step"))
-
-
-def _skip_line(loop: dict, limit: int) -> str:
-    return (f"step {loop['skip_step']}: skipped (loss {loop['skip_loss']:.4g}, grad_norm "
-            f"{loop['skip_grad_norm']:.4g}): parameters and optimizer state unchanged "
-            f"[{loop['row_skipped']} skipped since the last row; {loop['in_a_row']} in a row "
-            f"of max {limit}]")
-
-
-def _row(step: int, metrics: dict, loop: dict, speed_fields: dict) -> dict:
-    """A metrics.jsonl row from the step's metrics and the loop's row totals."""
-    return {"step": step,
-            "loss": loop["row_loss"] / loop["row_applied"] if loop["row_applied"] else None,
-            "grad_norm": finite(metrics["grad_norm"]), "lr": float(metrics["lr"]),
-            "skipped": loop["row_skipped"], **speed_fields}
-
-
-def _progress(row: dict, steps: int, dt: float | None, eval_loss: float | None) -> str:
-    return (f"step {row['step']:>5}/{steps} | loss "
-            + (f"{row['loss']:.4f}" if row["loss"] is not None else "-")
-            + " | grad_norm " + (f"{row['grad_norm']:.3f}" if row["grad_norm"] is not None
-                                 else "nan")
-            + f" | lr {row['lr']:.2e} | "
-            + (f"{row['tokens_per_sec']:,.0f} tok/s, {dt * 1e3:.0f} ms/step"
-               if dt else "first step")
-            + (f", MFU {row['mfu']:.1%}" if row["mfu"] else "")
-            + (f" | {row['skipped']} skipped" if row["skipped"] else "")
-            + (f" | eval_loss {eval_loss:.4f}" if eval_loss is not None else ""))
 
 
 def _data_id(path: str | None, data: Dataset) -> str:

@@ -98,6 +98,36 @@ def speed(step_time_s: float | None, tokens_per_step: int, flops_per_token: floa
             "model_tflops_per_device": flops / 1e12, "mfu": flops / peak if peak else None}
 
 
+def skip_line(loop: dict, limit: int) -> str:
+    """The log line of a skipped step, from the loop's row totals."""
+    return (f"step {loop['skip_step']}: skipped (loss {loop['skip_loss']:.4g}, grad_norm "
+            f"{loop['skip_grad_norm']:.4g}): parameters and optimizer state unchanged "
+            f"[{loop['row_skipped']} skipped since the last row; {loop['in_a_row']} in a row "
+            f"of max {limit}]")
+
+
+def metrics_row(step: int, metrics: dict, loop: dict, speed_fields: dict) -> dict:
+    """A metrics.jsonl row from the step's metrics and the loop's row totals."""
+    return {"step": step,
+            "loss": loop["row_loss"] / loop["row_applied"] if loop["row_applied"] else None,
+            "grad_norm": finite(metrics["grad_norm"]), "lr": float(metrics["lr"]),
+            "skipped": loop["row_skipped"], **speed_fields}
+
+
+def progress_line(row: dict, steps: int, dt: float | None, eval_loss: float | None) -> str:
+    """The printed line of a metrics row."""
+    return (f"step {row['step']:>5}/{steps} | loss "
+            + (f"{row['loss']:.4f}" if row["loss"] is not None else "-")
+            + " | grad_norm " + (f"{row['grad_norm']:.3f}" if row["grad_norm"] is not None
+                                 else "nan")
+            + f" | lr {row['lr']:.2e} | "
+            + (f"{row['tokens_per_sec']:,.0f} tok/s, {dt * 1e3:.0f} ms/step"
+               if dt else "first step")
+            + (f", MFU {row['mfu']:.1%}" if row["mfu"] else "")
+            + (f" | {row['skipped']} skipped" if row["skipped"] else "")
+            + (f" | eval_loss {eval_loss:.4f}" if eval_loss is not None else ""))
+
+
 class MetricsLog:
     """Appends rows to `metrics.jsonl` (dropping rows after `resumed_at`, which a
     resumed run logs again) and, with `tensorboard`, writes them as scalars."""

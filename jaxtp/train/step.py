@@ -172,3 +172,27 @@ def single_device_check(cfg: Config, params0, batches, keys, loss: float, grad_n
             "grad_norm_diff": abs(grad_norm - float(metrics["grad_norm"])),
             "param_rel_error": (diff / norm) ** 0.5,
             "param_update_rel_error": (diff / upd) ** 0.5 if upd else 0.0}
+
+
+class ReplayCheck:
+    """--check: keep the first steps' batches and keys, then replay them on one
+    device from the initial parameters, up to the first step that moves the
+    parameters (step 1 runs at lr 0 when there is a warmup)."""
+
+    def __init__(self, cfg: Config, params, schedule):
+        t = cfg.train
+        self.cfg, self.params0, self.replay = cfg, jax.device_get(params), []
+        self.at = next((s for s in range(1, t.steps + 1) if schedule(s - 1) > 0), t.steps)
+
+    def after(self, step: int, host_tokens, metrics, params, record: dict, log) -> None:
+        if step > self.at:
+            return
+        self.replay.append((host_tokens,
+                            jax.random.fold_in(jax.random.key(self.cfg.train.seed), step)))
+        if step == self.at:
+            host = jax.device_get(metrics)
+            record["check"] = single_device_check(
+                self.cfg, self.params0, *zip(*self.replay), float(host["loss"]),
+                float(host["grad_norm"]), jax.device_get(params))
+            log(f"check against one device after step {step}: " + ", ".join(
+                f"{k} {v:.2e}" for k, v in record["check"].items() if k != "after_step"))

@@ -239,7 +239,7 @@ TARGETS = {"h100": "jax_cuda12_plugin", "tpu-v5p": "libtpu"}
 def test_budgets_hold_compiled_for_an_accelerator(target, config, extra, tmp_path):
     """--compare-hlo --hardware: the step compiled for 8 H100s or a v5p 2x2x2
     without having them; both impls hold the budget as that compiler carries
-    it out (jaxtp.analysis.budget._on_backend)."""
+    it out (jaxtp.analysis.backends.on_backend)."""
     import importlib.util
 
     if importlib.util.find_spec(TARGETS[target]) is None:

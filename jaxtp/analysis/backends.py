@@ -1,0 +1,78 @@
+"""The budget as each compiler carries it out: the rules by which XLA's CPU
+and GPU pipelines and libtpu place a budget row (`jaxtp.analysis.budget`)
+differently, each measured from compiled HLO."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from ..config import Config
+
+if TYPE_CHECKING:
+    from .budget import Expected
+
+
+def on_backend(rows: list[Expected], cfg: Config, impl: str, platform: str) -> list[Expected]:
+    """The budget as each compiler carries it out: what XLA's CPU and GPU
+    pipelines and libtpu do differently from the budget's rows (measured with
+    jaxlib 0.10.2 and libtpu 0.0.42, compiling tiny and llama-tiny at tp=8)."""
+    m, tp = cfg.model, cfg.parallel.tp
+    sixteen = m.dtype in ("bfloat16", "float16")
+    out = []
+    for r in rows:
+        whole = lambda r: dataclasses.replace(r, kind="all-reduce", elements=r.elements * tp,
+                                              name=r.name + " [as all-reduce + slice]")
+        if platform == "cpu":
+            # no reduce-scatter creator: GSPMD's stays an all-reduce of the
+            # full buffer and a slice (shard_map's psum_scatter is kept)
+            if r.kind == "reduce-scatter" and impl == "gspmd":
+                r = whole(r)
+            # the CPU runtime carries 16-bit collectives in fp32
+            if r.dtype in ("bf16", "f16"):
+                r = dataclasses.replace(r, dtype="f32")
+        elif platform == "tpu":
+            if r.kind == "reduce-scatter":  # libtpu: all-reduce + slice, both impls
+                r = whole(r)
+            # fp32 activations and gradients on their way into a matmul travel
+            # in bf16, the precision a default-precision TPU matmul reads them in
+            if r.dtype == "f32" and (r.role in ("gather_in", "gather_grad_mlp", "kv_grad") or
+                                     (r.role == "gather_grad_attention" and
+                                      impl == "shard_map")):
+                r = dataclasses.replace(r, dtype="bf16")
+        if platform in ("gpu", "cuda", "tpu") and r.role == "positions":
+            # each rank's position rows are its own sequence shard's: the
+            # gradient rows are gathered, not summed (half the ring bytes)
+            r = dataclasses.replace(r, kind="all-gather")
+        if platform in ("gpu", "cuda"):
+            if r.role == "head_dx" and impl == "gspmd" and sixteen:
+                # GSPMD reduces the LM head's dX in the fp32 of the logits'
+                # gradient, before the cast (and so no reduce-scatter under SP)
+                r = dataclasses.replace(r, dtype="f32")
+                if r.kind == "reduce-scatter":
+                    r = whole(r)
+        out.append(r)
+    if platform in ("gpu", "cuda") and cfg.parallel.dp > 1:
+        out = _gpu_dp(out, cfg, impl)
+    return out
+
+
+def _gpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
+    """At dp > 1, XLA's GPU pipeline reduces some gradients over dp and tp at
+    once, or once instead of twice; the dp total (`_expected_dp`) loses them.
+    - replicated weights used on sequence shards (norms, row-parallel biases):
+      one all-reduce over all dp * tp devices;
+    - shard_map, tied embeddings: the lookup's and the LM head's table
+      gradients, each summed over dp inside its region, are added first and
+      reduced once (XLA's all-reduce reassociation)."""
+    p, m = cfg.parallel, cfg.model
+    moved, out = 0, []
+    for r in rows:
+        if r.role == "seq_shard_param":
+            moved += r.elements * r.count
+            r = dataclasses.replace(r, group=p.dp * p.tp, name=r.name + " [over dp and tp]")
+        out.append(r)
+    if impl == "shard_map" and m.tie_embeddings:
+        moved += m.padded_vocab // p.tp * m.d_model
+    return [dataclasses.replace(r, elements=r.elements - moved)
+            if r.name.startswith("dp: every") else r for r in out]
