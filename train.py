@@ -2,19 +2,40 @@
 
 A thin CLI over the `jaxtp` library. Any config field can be overridden with
 `section.key=value` arguments, e.g. `python train.py --tp 4 model.n_layers=2`.
+`python train.py --resume --out DIR` starts or continues the run in DIR with
+its own config: the one command a job that may be requeued needs.
+
+Exit status: 0 done (or stopped at --until), 1 the run failed (too many
+skipped steps, no usable checkpoint, a budget deviation, processes that never
+arrived), 2 a usage, config or data error (before anything is written),
+3 a checkpoint could not be saved (disk full, file system error; the
+checkpoints before it are intact), 128+N stopped by signal N (130 SIGINT,
+143 SIGTERM; resumable once the run has started).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
+import signal
 import sys
+import threading
 import time
 
-from jaxtp.config import (ATTENTIONS, IMPLS, REMATS, Config, apply_overrides, load_config,
-                          preset_names, validate)
+from jaxtp.config import (ATTENTIONS, COORDINATOR_TIMEOUT_S, IMPLS, REMATS, Config, ConfigError,
+                          apply_overrides, load_config, preset_names, validate)
 from jaxtp.train.metrics import HARDWARE, TARGET_NAMES
+from jaxtp.train.rundir import RunDir
+
+EXIT_FAILED, EXIT_USAGE, EXIT_SAVE = 1, 2, 3
+# the flags that set one config key (their help says which, and the default)
+FLAG_KEYS = {"tp": "parallel.tp", "dp": "parallel.dp", "impl": "parallel.impl",
+             "sp": "parallel.sp", "fsdp": "parallel.fsdp", "microbatches": "train.microbatches",
+             "scan": "model.scan_layers", "remat": "model.remat", "attention": "model.attention",
+             "steps": "train.steps", "seed": "train.seed",
+             "checkpoint_every": "train.checkpoint_every"}
 
 
 def _steps(text: str) -> set[int]:
@@ -24,12 +45,24 @@ def _steps(text: str) -> set[int]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected step numbers like 3 or 3,7")
 
 
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a positive {kind.__name__}")
+        return value
+    return parse
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="tiny",
+    ap.add_argument("--config",
                     help=f"preset name ({', '.join(preset_names())}) or a .json path "
-                         "(default: tiny)")
+                         "(default: tiny; with --resume: the run's own config)")
     ap.add_argument("--tp", type=int, help="tensor-parallel degree (mesh axis 'tp')")
     ap.add_argument("--dp", type=int, help="data-parallel degree (mesh axis 'dp')")
     ap.add_argument("--impl", choices=IMPLS,
@@ -61,29 +94,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, help="init, data and dropout seed")
     ap.add_argument("--out", help="output directory (default: runs/<config>-dp<dp>-tp<tp>-<time>)")
     ap.add_argument("--data", help="UTF-8 text file (byte-level) or .bin of uint16 token ids "
-                                   "(default: the Python standard library's source)")
+                                   "(default: the Python standard library's source; with "
+                                   "--resume: the run's, recognised by content)")
     ap.add_argument("--resume", action="store_true",
-                    help="continue the run in --out from its latest complete checkpoint "
-                         "(at any tp/dp)")
+                    help="start or continue the run in --out with its config: from its latest "
+                         "complete checkpoint (at any tp/dp), from step 0 if it has none, or "
+                         "as a new run if --out holds none. Flags may change only the layout, "
+                         "remat/attention, logging, checkpointing and --steps")
     ap.add_argument("--until", type=int, metavar="STEP",
                     help="stop with a checkpoint after this step (the schedule still spans "
                          "--steps); continue later with --resume")
     ap.add_argument("--checkpoint-every", type=int, metavar="N",
-                    help="save a checkpoint every N steps (always: at the end and on "
+                    help="save a checkpoint every N steps, 0: never (always: every "
+                         "train.checkpoint_minutes, at the end, at --until and on "
                          "SIGTERM/SIGINT)")
     ap.add_argument("--inject-nan-at", type=_steps, default=(), metavar="STEP[,STEP...]",
                     help="fault drill: make the gradients of these steps NaN (they are "
                          "skipped and logged)")
-    ap.add_argument("--peak-tflops", type=float,
+    ap.add_argument("--peak-tflops", type=_positive(float),
                     help="per-device peak TFLOP/s for MFU, where the device is not known")
     ap.add_argument("--tensorboard", action="store_true",
                     help="also write TensorBoard scalars to --out/tensorboard (needs "
-                         "tensorboardX)")
+                         "tensorboardX: pip install -e '.[tensorboard]')")
     ap.add_argument("--coordinator", metavar="HOST:PORT",
                     help="multi-process: process 0's address (else JAX_COORDINATOR_ADDRESS "
                          "or a launcher such as srun/mpirun)")
     ap.add_argument("--num-processes", type=int, help="multi-process: how many")
     ap.add_argument("--process-id", type=int, help="multi-process: this one (0..n-1)")
+    ap.add_argument("--coordinator-timeout", type=_positive(float), default=COORDINATOR_TIMEOUT_S,
+                    metavar="SECONDS",
+                    help="multi-process: how long to wait for every process to arrive "
+                         "(default: %(default)s)")
     ap.add_argument("--local-devices", type=int,
                     help="CPU only: fake devices per process (default: enough for dp*tp "
                          "in one process)")
@@ -104,44 +145,93 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "jax[tpu]), else plan on CPU; --plan's memory verdict and roofline "
                          "use it (default: h100, planned on CPU)")
     ap.add_argument("--check", action="store_true",
-                    help="after step 1, replay it on one device and record loss, grad-norm "
-                         "and parameter-update differences in run.json")
+                    help="replay the first steps on one device, up to the first that moves "
+                         "the parameters (step 2: step 1 runs at lr 0), and record loss, "
+                         "grad-norm and parameter-update differences in run.json")
     ap.add_argument("overrides", nargs="*", metavar="section.key=value",
                     help="config overrides, e.g. model.d_model=256 train.lr=1e-3")
+    tiny = load_config("tiny").to_dict()
+    for action in ap._actions:  # each config flag: its key, and the default it leaves
+        if action.dest in FLAG_KEYS:
+            section, key = FLAG_KEYS[action.dest].split(".")
+            action.help += (f" [{section}.{key}; default: the config's, "
+                            f"{tiny[section][key]} in tiny]")
     return ap.parse_args(argv)
 
 
-def resolve_config(args: argparse.Namespace) -> Config:
-    cfg = load_config(args.config)
+def resolve_config(args: argparse.Namespace, base: Config | None = None) -> Config:
+    """The config the command line asks for: `base` (else --config, else
+    tiny; --init-from-hf's model section), then the flags, then the overrides."""
+    cfg = base or load_config(args.config or "tiny")
     if args.init_from_hf:
         from jaxtp.hf import hf_model_config
 
         cfg = dataclasses.replace(cfg, model=hf_model_config(args.init_from_hf))
-    flags = {"parallel.tp": args.tp, "parallel.dp": args.dp, "parallel.impl": args.impl,
-             "parallel.sp": args.sp, "parallel.fsdp": args.fsdp,
-             "train.microbatches": args.microbatches,
-             "train.checkpoint_every": args.checkpoint_every,
-             "model.dtype": "bfloat16" if args.bf16 else None,
-             "model.scan_layers": args.scan, "model.remat": args.remat,
-             "model.attention": args.attention,
-             "train.steps": args.steps, "train.seed": args.seed}
+    flags = {FLAG_KEYS[k]: getattr(args, k) for k in FLAG_KEYS}
+    flags["model.dtype"] = "bfloat16" if args.bf16 else None
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + args.overrides
     return validate(apply_overrides(cfg, overrides))
 
 
+def resolve_run(args: argparse.Namespace) -> tuple[Config, dict]:
+    """(config, {"data", "init_from_hf"}) of this command: with --resume on a
+    run directory, the run's own, changed only by what the flags may change."""
+    if args.resume and (args.plan or args.compare_hlo):
+        raise ConfigError("--resume continues a training run; --plan and --compare-hlo "
+                          "do not train")
+    if args.resume and not args.out:
+        raise ConfigError("--resume needs --out DIR: the run directory to continue (or "
+                          "to start)")
+    run = RunDir(args.out) if args.resume else None
+    if run is None or not run.has_run():
+        return resolve_config(args), {"data": args.data, "init_from_hf": args.init_from_hf}
+    launch = run.launch()
+    whole = args.config or args.init_from_hf  # a whole config, else the run's with flags
+    cfg = resolve_config(args, None if whole else run.config())
+    run.changes(cfg)  # refuses what a resume may not change, before JAX starts
+    return cfg, {"data": args.data or launch.get("data"),
+                 "init_from_hf": args.init_from_hf or launch.get("init_from_hf")}
+
+
+def _stop(args: argparse.Namespace, signum: int, _frame) -> None:
+    """SIGINT/SIGTERM outside the training loop (which saves and stops by
+    itself): in start-up, restore or compile there is nothing to save, so say
+    where the run stands and exit now. (Python runs this handler between
+    bytecodes: a signal during an XLA compile takes effect when it returns.)"""
+    then = (f"; continue with: python train.py --resume --out {args.out}"
+            if args.out and RunDir(args.out).has_run() else " before writing anything")
+    print(f"stopped by {signal.Signals(signum).name} outside the training steps{then}",
+          file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if threading.current_thread() is not threading.main_thread():
+        return _main(args)
+    before = {s: signal.signal(s, functools.partial(_stop, args))
+              for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        cfg = resolve_config(args)
+        return _main(args)
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def _main(args: argparse.Namespace) -> int:
+    try:
+        cfg, given = resolve_run(args)
     except (ValueError, OSError, KeyError, ImportError) as e:  # ConfigError is a ValueError
         print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    if not args.out and not (args.plan or args.compare_hlo):
+        args.out = default_out(args, cfg)
     refusal = start_jax(args, cfg)
     if refusal:
         print(f"error: {refusal}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     from jaxtp.analysis.targets import TargetUnavailable
-    from jaxtp.train.checkpoint import CheckpointError
+    from jaxtp.train.checkpoint import CheckpointError, SaveFailed
     from jaxtp.train.loop import TrainingStopped
 
     try:
@@ -149,13 +239,16 @@ def main(argv=None) -> int:
             return plan(args, cfg)
         if args.compare_hlo:
             return compare(args, cfg)
-        return run(args, cfg)
+        return run(args, cfg, given)
+    except SaveFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_SAVE
     except (TrainingStopped, CheckpointError, TargetUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     except (ValueError, OSError, KeyError, ImportError) as e:  # before compiling
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
 
 def start_jax(args, cfg: Config) -> str | None:
@@ -181,14 +274,20 @@ def start_jax(args, cfg: Config) -> str | None:
         if multi:
             print(distributed.initialize(
                 args.coordinator, args.num_processes, args.process_id,
-                args.local_devices or (p.dp * p.tp // n if n else None)))
+                args.local_devices or (p.dp * p.tp // n if n else None),
+                timeout_s=args.coordinator_timeout))
         else:  # before JAX starts
             print(ensure_devices(args.local_devices or
                                  p.dp * (max(p.tp, 8) if args.plan else p.tp)))
-    except (ValueError, RuntimeError) as e:
+        on_cpu = jax.default_backend() == "cpu" and not args.hardware
+    except (ValueError, RuntimeError, AssertionError) as e:
+        # jax 0.10.2 fails JAX_PLATFORMS=cuda without a GPU on a bare assert
+        platforms = os.environ.get("JAX_PLATFORMS")
+        if platforms and not str(e):
+            return (f"JAX_PLATFORMS={platforms}: JAX found no such device on this machine; "
+                    "unset JAX_PLATFORMS, or name a platform this machine has (cpu)")
         return str(e)
     uses_shard_map = p.impl == "shard_map" or args.compare_hlo
-    on_cpu = jax.default_backend() == "cpu" and not args.hardware
     if uses_shard_map and cfg.model.dtype == "bfloat16" and on_cpu:
         return BF16_CPU_SHARD_MAP
     return None
@@ -210,39 +309,36 @@ def compare(args, cfg: Config) -> int:
         from jaxtp.analysis.targets import target_mesh
 
         mesh = target_mesh(args.hardware, p.dp, p.tp)  # or TargetUnavailable
-    return 0 if compare_hlo(cfg, default_out(args, cfg), mesh=mesh)["ok"] else 1
+    return 0 if compare_hlo(cfg, default_out(args, cfg), mesh=mesh)["ok"] else EXIT_FAILED
 
 
-def run(args, cfg: Config) -> int:
+def run(args, cfg: Config, given: dict) -> int:
     import jax
 
     from jaxtp.train.loop import train
 
     init = None
-    if args.init_from_hf:
+    hf = given["init_from_hf"]
+    if hf and not (args.resume and RunDir(args.out).checkpoint_steps()):
         from jaxtp.hf import read_hf
 
-        init = read_hf(args.init_from_hf, **dataclasses.asdict(cfg.model))[1]
-    if args.resume and not args.out:
-        raise ValueError("--resume needs --out: the run directory to continue")
-    out = default_out(args, cfg)
-    summary = train(cfg, out, data_path=args.data, check=args.check, init_params=init,
+        init = read_hf(hf, **dataclasses.asdict(cfg.model))[1]
+    summary = train(cfg, args.out, data_path=given["data"], check=args.check, init_params=init,
                     resume=args.resume, inject_nan_at=args.inject_nan_at,
                     peak_tflops=args.peak_tflops, tensorboard=args.tensorboard,
-                    until=args.until)
-    if jax.process_index() != 0:
-        pass  # process 0 reports
-    elif summary["interrupted"]:
-        print(f"stopped by {summary['interrupted']} after step {summary['last_step']}")
-    elif not summary["finished"]:
+                    until=args.until, launch={"init_from_hf": hf}, argv=sys.argv)
+    if summary["interrupted"]:
+        return 128 + signal.Signals[summary["interrupted"]]
+    if jax.process_index() == 0 and not summary["finished"]:
         print(f"stopped after step {summary['last_step']} (--until); continue with "
-              f"--resume --out {out}")
+              f"--resume --out {args.out}")
     return 0
 
 
 def default_out(args, cfg: Config) -> str:
     p = cfg.parallel
-    return args.out or (f"runs/{args.config.split('/')[-1].removesuffix('.json')}"
+    name = args.config or "tiny"
+    return args.out or (f"runs/{name.split('/')[-1].removesuffix('.json')}"
                         f"-dp{p.dp}-tp{p.tp}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 

@@ -1,7 +1,8 @@
 """Configuration: frozen dataclasses, JSON presets, CLI overrides, validation.
 
 A run is described by one `Config` = model shape + training recipe + parallel
-layout. Presets live in `configs/*.json` (data, not code). Every error names
+layout. Presets live in `configs/*.json` (data, not code; a wheel installs them
+as `jaxtp/configs/`). Every error names
 the offending key or value and says how to fix it, and is raised before
 anything is compiled.
 """
@@ -14,12 +15,18 @@ import math
 from pathlib import Path
 from typing import Any
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# the presets: `jaxtp/configs/` in an installed wheel (pyproject maps the
+# repository's top-level `configs/` there), the repository's own in a checkout
+_HERE = Path(__file__).resolve().parent
+CONFIG_DIR = next((d for d in (_HERE / "configs", _HERE.parent / "configs") if d.is_dir()),
+                  _HERE / "configs")
 DTYPES = ("float32", "bfloat16", "float16")
 IMPLS = ("gspmd", "shard_map")
 STYLES = ("gpt2", "llama")
 REMATS = ("none", "full", "dots", "minimal")  # jaxtp.model.transformer.REMAT_POLICIES
 ATTENTIONS = ("auto", "xla", "blockwise", "cudnn")  # jaxtp.model.kernels (auto: per device)
+# how long a multi-process start waits for every process (jaxtp.parallel.distributed)
+COORDINATOR_TIMEOUT_S = 300
 
 
 class ConfigError(ValueError):
@@ -105,9 +112,14 @@ class TrainConfig:
     # applied steps) is skipped; the run stops after this many in a row
     max_skipped_steps: int = 5
     spike_factor: float = 0.0
-    # checkpoints (in <out>/checkpoints): every this many steps (0: only at the
-    # end, at --until and on SIGTERM/SIGINT), keeping the last `keep_checkpoints`
-    checkpoint_every: int = 0
+    # checkpoints (in <out>/checkpoints), keeping the last `keep_checkpoints`:
+    # every `checkpoint_every` steps and, checked at logged rows, once
+    # `checkpoint_minutes` have passed since the last save (0 turns either
+    # off); always at the end, at --until and on SIGTERM/SIGINT. Every 100
+    # steps costs tiny at tp=8 on CPU 0.9% of its step time (README, "Runs on
+    # a cluster").
+    checkpoint_every: int = 100
+    checkpoint_minutes: float = 30.0
     keep_checkpoints: int = 3
 
 
@@ -272,7 +284,7 @@ def _check_ranges(cfg: Config) -> None:
         if not v > 0:
             raise ConfigError(f"{k}={v} must be positive")
     for k in ("warmup_steps", "weight_decay", "grad_clip", "spike_factor",
-              "checkpoint_every"):
+              "checkpoint_every", "checkpoint_minutes"):
         if not 0 <= getattr(t, k) < math.inf:
             raise ConfigError(f"train.{k}={getattr(t, k)} must be finite and >= 0")
     for k in ("b1", "b2"):

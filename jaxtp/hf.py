@@ -90,7 +90,11 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     tensors = {}
     for f in files:
-        tensors.update(load_file(str(f)))
+        try:
+            tensors.update(load_file(str(f)))
+        except Exception as e:  # safetensors raises its own SafetensorError
+            raise ValueError(f"{f} cannot be read as safetensors ({e}): a truncated or "
+                             "damaged download? fetch it again") from None
     return tensors
 
 
@@ -211,10 +215,20 @@ def hf_config(cfg: ModelConfig) -> dict:
 def hf_model_config(path: str | Path, **overrides) -> ModelConfig:
     """The jaxtp ModelConfig of a Hugging Face Llama directory."""
     path = Path(path)
-    if not (path / "config.json").is_file():
+    file = path / "config.json"
+    if not file.is_file():
         raise FileNotFoundError(f"{path} has no config.json (expected a save_pretrained "
                                 "directory)")
-    return model_config_from_hf(json.loads((path / "config.json").read_text()), **overrides)
+    try:
+        hf = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{file} must hold a JSON object, not {type(hf).__name__}")
+    try:
+        return model_config_from_hf(hf, **overrides)
+    except KeyError as e:
+        raise ValueError(f"{file} has no {e.args[0]!r}, which a Llama config needs") from None
 
 
 def read_hf(path: str | Path, **overrides) -> tuple[ModelConfig, dict]:

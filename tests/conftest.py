@@ -67,7 +67,8 @@ def pytest_collection_modifyitems(items):
                 item.add_marker(pytest.mark.slow)
     # the longest tests (processes, the bench suite) first, so that the two
     # workers do not end with one of them running a minute alone
-    first = ("tests/bench/", "tests/parallel/test_distributed.py", "tests/train/test_loop.py")
+    first = ("tests/bench/", "tests/parallel/test_distributed.py", "tests/train/test_loop.py",
+             "tests/train/test_cluster.py")
     items.sort(key=lambda item: not item.nodeid.startswith(first))  # stable
     for fn, seen in ids.items():
         if fn.fast_cases - seen and len(seen) == _cases(fn):

@@ -2,12 +2,16 @@
 that names the value and the fix, before anything compiles."""
 
 import json
+import shutil
+import subprocess
+import sys
 
 import pytest
 
 import train
 from jaxtp.config import (Config, ConfigError, apply_overrides, load_config, preset_names,
                           validate)
+from procs import ROOT, child_env
 
 
 @pytest.mark.parametrize("name", preset_names())
@@ -131,9 +135,13 @@ def test_bad_files_are_rejected(tmp_path):
     (["--tp", "2", "--until", "0"], "--until 0: the step to stop after must be >= 1"),
     (["--tp", "2", "--inject-nan-at", "3,x"], "expected step numbers like 3 or 3,7"),
     (["--tp", "2", "--resume"], "--resume needs --out"),
+    (["--resume", "--plan", "--out", "x"], "--plan and --compare-hlo do not train"),
+    (["--tp", "2", "--peak-tflops", "-5"], "'-5': expected a positive float"),
+    (["--tp", "2", "--data", "/"], "--data / is a directory: give one text or .bin file"),
+    (["--tp", "2", "--out", "/dev/null"], "--out /dev/null is a file, not a directory"),
 ])
 def test_cli_rejects_bad_input_before_compiling(argv, match, tmp_path, capsys):
-    if "--resume" not in argv:
+    if "--resume" not in argv and "--out" not in argv:
         argv = argv + ["--out", str(tmp_path / "run")]
     try:
         assert train.main(argv) == 2
@@ -161,3 +169,36 @@ def test_cli_trains_and_writes_run_files(tmp_path, capsys):
     assert train.main(argv) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_help_shows_each_flags_config_key_and_default(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "[parallel.tp; default: the config's, 1 in tiny]" in text
+    assert "[train.checkpoint_every; default: the config's, 100 in tiny]" in text
+    assert "(default: 300" in text  # --coordinator-timeout
+    assert "(step 2: step 1 runs at lr 0)" in text  # --check
+
+
+@pytest.mark.slow
+def test_a_wheel_install_has_its_presets(tmp_path):
+    """`pip install .` (not editable): the presets are package data, and
+    train.py runs from another directory against the installed package."""
+    site, elsewhere, src = tmp_path / "site", tmp_path / "elsewhere", tmp_path / "src"
+    # a copy: setuptools builds in the source tree (build/), which stays out of the repo
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".*", "build", "runs", "*.egg-info", "__pycache__", "tests"))
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                        str(site), str(src)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(p.stem for p in (site / "jaxtp" / "configs").glob("*.json")) == preset_names()
+    elsewhere.mkdir()
+    shutil.copy(ROOT / "train.py", elsewhere)  # no jaxtp/ beside it: the installed one
+    env = child_env() | {"PYTHONPATH": str(site)}
+    r = subprocess.run([sys.executable, "train.py", "--steps", "2", "--config", "llama-tiny",
+                        "--out", "run", "train.log_every=1", "model.n_layers=1"], cwd=elsewhere,
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "step     2/2" in r.stdout
+    assert json.loads((elsewhere / "run" / "config.json").read_text())["model"]["style"] == "llama"

@@ -235,8 +235,22 @@ def test_fine_tune_from_hf(checkpoint, tmp_path):
     np.testing.assert_allclose(rows[0]["loss"], want, rtol=1e-5)
 
 
-def test_cli_reports_a_bad_hf_directory(tmp_path, capsys):
-    assert train.main(["--init-from-hf", str(tmp_path / "nothing"), "--out",
-                       str(tmp_path / "run")]) == 2
-    assert "has no config.json" in capsys.readouterr().err
-    assert not (tmp_path / "run").exists()
+def test_cli_reports_a_bad_hf_directory(checkpoint, tmp_path, capsys):
+    _, tensors, _, _ = checkpoint
+
+    def refused(path, *said):
+        assert train.main(["--init-from-hf", str(path), "--out", str(tmp_path / "run")]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and all(s in err for s in said), err
+        assert not (tmp_path / "run").exists()
+
+    refused(tmp_path / "nothing", "has no config.json")
+    write_hf(tmp_path / "json", HF, tensors)
+    (tmp_path / "json" / "config.json").write_text('{"model_type": "llama", ')
+    refused(tmp_path / "json", f"{tmp_path / 'json' / 'config.json'} is not valid JSON")
+    write_hf(tmp_path / "keys", {k: v for k, v in HF.items() if k != "hidden_size"}, tensors)
+    refused(tmp_path / "keys", "config.json has no 'hidden_size', which a Llama config needs")
+    write_hf(tmp_path / "cut", HF, tensors)
+    (shard,) = (tmp_path / "cut").glob("*.safetensors")
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a broken download
+    refused(tmp_path / "cut", f"{shard} cannot be read as safetensors", "fetch it again")

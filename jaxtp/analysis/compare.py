@@ -133,7 +133,7 @@ def format_table(colls_by_impl: dict, expected_by_impl: dict) -> list[str]:
     for key in sorted(cells, key=lambda k: (order.get(k[1], 3), k[2], k[0], -k[3])):
         kind, pass_, scope, n, dt, group = key
         cell = cells[key]
-        shape = list(cell["shape"]) if cell["shape"] is not None else f"{n} elements"
+        shape = list(cell["shape"]) if cell["shape"] is not None else f"[{n} elements]"
         row = [kind, pass_, scope or "-", f"{dt}{shape}", str(group), _size(cell["bytes"])]
         for impl in impls:
             row += [str(cell.get(impl, 0)), str(cell.get(f"budget {impl}", 0))]

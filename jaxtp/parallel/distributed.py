@@ -26,10 +26,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+import threading
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+
+from ..config import COORDINATOR_TIMEOUT_S
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
@@ -88,7 +92,8 @@ def _backend_started() -> bool:
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, local_devices: int | None = None) -> str:
+               process_id: int | None = None, local_devices: int | None = None,
+               timeout_s: float = COORDINATOR_TIMEOUT_S, log=print) -> str:
     """Join (or, as process 0, start) the distributed runtime; returns `describe()`.
 
     coordinator: "host:port" of process 0, the same in every process (any free
@@ -96,6 +101,9 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     num_processes, process_id: how many processes, and which one this is (0..n-1).
     local_devices: fake CPU devices per process when there is no accelerator
       (None: keep JAX's default or `JAX_NUM_CPU_DEVICES`). Ignored on GPU/TPU.
+    timeout_s: how long to wait for all processes to arrive; then this
+      process prints one line and exits with status 1 (JAX would abort with a
+      C++ stack trace, and cannot say which processes are missing).
 
     Must run before any other JAX call; a single process with nothing to join
     only applies `local_devices`. Calling it again after a successful
@@ -139,13 +147,41 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     if jax.config.jax_cpu_collectives_implementation is None:
         # without it a CPU computation spanning processes cannot run
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    where = coordinator or f"the coordinator {launcher} names"
+    log(f"waiting for {num_processes or 'all'} processes at {where} (this is process "
+        f"{'?' if process_id is None else process_id}; timeout {timeout_s:g}s)")
+    arrived = threading.Event()
+    threading.Thread(target=_give_up_after, daemon=True,
+                     args=(arrived, timeout_s, where, num_processes, process_id)).start()
     try:
-        jax.distributed.initialize(coordinator, num_processes, process_id)
+        # JAX's own timeout later than ours: its expiry aborts the process
+        jax.distributed.initialize(coordinator, num_processes, process_id,
+                                   initialization_timeout=int(timeout_s) + 60)
     except ValueError:
         if not (nothing_given and launcher == "Cloud TPU"):
             raise
         # libtpu is installed, but JAX finds no TPU VM around it: a single process
+    finally:
+        arrived.set()
     return describe()
+
+
+def _give_up_after(arrived: threading.Event, timeout_s: float, where: str,
+                   n: int | None, process_id: int | None) -> None:
+    """The start-up watchdog: one line and exit status 1 if the processes have
+    not all arrived in time (the coordination service does not tell which are
+    missing, so the line says what to check)."""
+    if arrived.wait(timeout_s):
+        return
+    who = ("process 0 (the coordinator) waited" if process_id == 0 else
+           f"process {'?' if process_id is None else process_id} could not join")
+    sys.stderr.write(
+        f"error: {who} {timeout_s:g}s at {where}, and not all {n or ''} processes arrived: "
+        f"start every process with the same --coordinator and --num-processes{f' {n}' if n else ''}"
+        f" and its own --process-id, make {where} reachable from each, or raise "
+        "--coordinator-timeout\n")
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def any_process(flag: bool) -> bool:

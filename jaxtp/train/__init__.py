@@ -1,2 +1,3 @@
 """Training: the optimizer, the train state and its placement, the jitted steps,
-the loop, checkpoints, data, metrics with the one hardware table, the run record."""
+the run's start-up and loop, its directory, checkpoints, data, metrics with the
+one hardware table, the run record."""

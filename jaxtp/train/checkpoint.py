@@ -40,7 +40,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
+import re
+import shutil
+import sys
+import traceback
 from typing import Any, Callable
 
 import jax
@@ -58,8 +63,41 @@ SHAPE_KEYS = ("style", "vocab_size", "vocab_multiple", "n_layers", "d_model", "n
 _MISSING = "<absent>"
 
 
+class _QuietClosedLoop:
+    """After a failed background save, tensorstore still completes the writes
+    orbax gave up on, into orbax's closed event loop: one unraisable
+    "Event loop is closed" per array. Dropped; anything else goes on."""
+
+    def __init__(self, hook):
+        self.hook = hook
+
+    def __call__(self, unraisable) -> None:
+        if not (unraisable.exc_type is RuntimeError
+                and str(unraisable.exc_value) == "Event loop is closed"):
+            self.hook(unraisable)
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or restored as asked (the message says why and what to do)."""
+
+
+class SaveFailed(CheckpointError):
+    """A save failed or would not fit (the file system's fault, not the run's):
+    the checkpoints saved before it are intact."""
+
+
+class _QuietOrbax(logging.Filter):
+    """Orbax logs each failed background write with its traceback (~320 lines
+    for one full disk, and asyncio then one "exception was never retrieved"
+    per array), before raising it; `Checkpointer` reports every orbax error
+    it catches as one line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        tb = record.exc_info[2] if record.exc_info else None
+        frames = traceback.extract_tb(tb) if tb is not None else []
+        return not ("orbax" in record.pathname or any("orbax" in f.filename for f in frames))
 
 
 def _flatten(prefix: str, tree) -> tuple[dict[str, Any], Any]:
@@ -99,6 +137,11 @@ def _fingerprint_fn(out_sharding) -> Callable:
     return jax.jit(lambda xs: [_fingerprint_one(x) for x in xs], out_shardings=out_sharding)
 
 
+def nbytes(arrays) -> int:
+    """The bytes of these (global) arrays: what a checkpoint of them stores."""
+    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in arrays)
+
+
 def fingerprints(arrays: list[jax.Array]) -> list[int]:
     """A 64-bit fingerprint of each array's exact bits (any layout gives the same)."""
     s = arrays[0].sharding if arrays else None
@@ -118,6 +161,12 @@ class Checkpointer:
         self.directory = epath.Path(text if "://" in text else os.path.abspath(text))
         self.log = log
         self._corrupt: set[int] = set()  # steps restore() found unusable
+        self._saving: int | None = None  # the step of the last save started
+        for logger in map(logging.getLogger, ("absl", "asyncio")):
+            if not any(isinstance(f, _QuietOrbax) for f in logger.filters):
+                logger.addFilter(_QuietOrbax())
+        if not isinstance(sys.unraisablehook, _QuietClosedLoop):
+            sys.unraisablehook = _QuietClosedLoop(sys.unraisablehook)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep,
                                                enable_async_checkpointing=async_save)
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
@@ -132,7 +181,9 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def save(self, step: int, params, opt_state, meta: dict) -> None:
-        """Start saving; returns once the arrays are copied off the devices."""
+        """Start saving; returns once the arrays are copied off the devices.
+        Raises SaveFailed if the previous save failed or this one cannot fit."""
+        self.wait()
         for s in sorted(self._corrupt & set(self.steps())):
             if s >= step:  # newer than what we resumed from, and unusable
                 self.log(f"WARNING: deleting corrupt checkpoint step {s} in {self.directory} "
@@ -151,6 +202,7 @@ class Checkpointer:
         pflat, _ = _flatten("params", params)
         oflat, _ = _flatten("opt_state", opt_state)
         arrays = {**pflat, **oflat}
+        self.check_space(nbytes(arrays.values()), f"save checkpoint step {step}")
         manifest = {"format": FORMAT, "arrays": {
             name: {"shape": list(x.shape), "dtype": jnp.dtype(x.dtype).name, "fingerprint": fp}
             for (name, x), fp in zip(arrays.items(), fingerprints(list(arrays.values())))}}
@@ -160,14 +212,47 @@ class Checkpointer:
             manifest=ocp.args.JsonSave(manifest)), force=True)
         if not saved:
             raise CheckpointError(f"orbax declined to save step {step} in {self.directory}")
+        self._saving = step
+
+    def check_space(self, size: int, what: str) -> None:
+        """Refuse (SaveFailed: "cannot {what}") a save of `size` bytes that the
+        file system has no room for, before writing anything (local
+        directories; every process checks, as each writes its own shards)."""
+        text = os.fspath(self.directory)
+        if "://" in text:
+            return
+        where = next(p for p in (self.directory, *self.directory.parents) if p.exists())
+        free = shutil.disk_usage(os.fspath(where)).free
+        if free < size:
+            raise SaveFailed(
+                f"cannot {what} in {self.directory}: a checkpoint takes "
+                f"{size / 2**20:,.1f} MiB and the file system has {free / 2**20:,.1f} MiB "
+                f"free{self._latest_said()}")
+
+    def _latest_said(self) -> str:
+        latest = self.latest_step()
+        return ("; no checkpoint of this run is saved yet" if latest is None else
+                f"; the latest complete checkpoint is step {latest}")
+
+    def failed_save(self) -> str | None:
+        """Without waiting: why the last save failed in the background, once it
+        has (None while it runs, after it succeeded, or when none was started)."""
+        if self._saving is None or self._mngr.is_saving_in_progress():
+            return None
+        try:
+            self.wait()
+        except SaveFailed as e:
+            return str(e)
+        return None
 
     def wait(self) -> None:
         """Block until pending saves are committed (and old steps removed)."""
+        step, self._saving = self._saving, None
         try:
             self._mngr.wait_until_finished()
         except Exception as e:
-            raise CheckpointError(f"saving a checkpoint in {self.directory} failed: "
-                                  f"{_brief(e)}") from e
+            raise SaveFailed(f"saving checkpoint step {step} in {self.directory} failed: "
+                             f"{_brief(e)}{self._latest_said()}") from e
 
     def restore(self, params_target, opt_target, model: dict, step: int | None = None):
         """(step, params, opt_state, meta) from `step`, or the latest usable step.
@@ -266,8 +351,12 @@ class Checkpointer:
                 f"{problem}. Use the config the checkpoint was saved with, or a new directory")
 
     def close(self) -> None:
-        """Wait for pending saves and release orbax's threads."""
-        self._mngr.close()
+        """Wait for pending saves and release orbax's threads (a failed save is
+        reported by `wait`, `failed_save` or the save after it, not here)."""
+        try:
+            self._mngr.close()
+        except Exception:
+            pass
 
 
 def _checksum(manifest: dict, meta: dict) -> str:
@@ -277,6 +366,15 @@ def _checksum(manifest: dict, meta: dict) -> str:
 
 
 def _brief(e: BaseException) -> str:
-    """An exception as one short line (tensorstore errors carry a long spec)."""
-    first = (str(e).strip().splitlines() or [""])[0]
-    return f"{type(e).__name__}: {first[:200]}"
+    """An exception as one short line: its root cause (orbax wraps tensorstore's
+    error in one whose text is a pybind11 method repr), with the OS error's
+    name where there is one (e.g. "No space left on device")."""
+    for _ in range(10):  # a chain, not a cycle
+        e = e.__cause__ or e.__context__ or e
+    text = (str(e).strip().splitlines() or [""])[0].replace("\\'", "'")
+    code = re.search(r"\[os_error_code='?(\d+)'?\]", text)
+    if code:  # a file system error: its name and the file are what matter
+        file = re.search(r'Failed writing: "([^"]+)"', text)
+        return (f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})"
+                + (f" writing {file.group(1)}" if file else ""))
+    return f"{type(e).__name__}: {text[:300]}"

@@ -8,6 +8,7 @@ bytes is the validation split.
 
 from __future__ import annotations
 
+import hashlib
 import sysconfig
 from pathlib import Path
 
@@ -41,6 +42,8 @@ def load_tokens(path: str | None) -> np.ndarray:
     if path is None:
         return builtin_corpus()
     p = Path(path)
+    if p.is_dir():
+        raise IsADirectoryError(f"--data {path} is a directory: give one text or .bin file")
     if not p.is_file():
         raise FileNotFoundError(f"--data {path}: no such file")
     if p.suffix == ".bin":
@@ -55,6 +58,37 @@ def load_tokens(path: str | None) -> np.ndarray:
         raise ValueError(f"--data {path} is not UTF-8 text ({e}); token ids go in a "
                          ".bin file of uint16") from None
     return np.frombuffer(raw, dtype=np.uint8)
+
+
+FINGERPRINT_WHOLE = 16 * 2**20  # hash files up to this many bytes whole
+FINGERPRINT_BLOCKS, FINGERPRINT_BLOCK = 64, 256 * 2**10  # else 16 MiB sampled evenly
+
+
+def data_identity(tokens: np.ndarray, source: str | None) -> dict:
+    """What a run records of its data, to recognise it by content on resume:
+    the token count and dtype, and a sha256 of the token bytes (whole up to
+    16 MiB, else of 64 blocks of 256 KiB spread evenly from first to last,
+    which reads 16 MiB of any file). `source` (the path, or None for the
+    built-in corpus) is kept for the reader, not compared."""
+    raw = np.ascontiguousarray(tokens).view(np.uint8).reshape(-1)
+    h = hashlib.sha256(f"{tokens.dtype.name}:{raw.size}:".encode())
+    if raw.size <= FINGERPRINT_WHOLE:
+        h.update(raw.tobytes())
+    else:
+        last = raw.size - FINGERPRINT_BLOCK
+        for start in np.linspace(0, last, FINGERPRINT_BLOCKS).astype(np.int64):
+            h.update(raw[start:start + FINGERPRINT_BLOCK].tobytes())
+    return {"source": source or "builtin", "tokens": int(tokens.size),
+            "dtype": tokens.dtype.name, "sha256": h.hexdigest()}
+
+
+def same_data(saved: dict | str, now: dict) -> bool:
+    """Whether a checkpoint's recorded data is this data (by content; a
+    checkpoint from before content fingerprints recorded "PATH (N tokens)":
+    then the count is all there is to compare)."""
+    if isinstance(saved, str):
+        return saved.endswith(f"({now['tokens']} tokens)")
+    return all(saved.get(k) == now[k] for k in ("tokens", "dtype", "sha256"))
 
 
 class Dataset:

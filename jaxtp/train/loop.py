@@ -1,8 +1,9 @@
 """The training loop: data onto the mesh, jitted steps, faults, checkpoints, logs.
 
 Every run writes into its output directory (a new run refuses a directory
-that already holds one; `resume=True` continues the run in it):
-- `config.json`: the resolved config;
+that already holds one; `resume=True` continues the run in it, or starts it):
+- `config.json`, `launch.json`, `resumes.jsonl`: the run's config as it
+  started, its data and HF paths, each resume's changes (`jaxtp.train.rundir`);
 - `metrics.jsonl`: one JSON object per logged step (step 1, then every
   `log_every`): `step`, `loss` (mean train loss of the applied steps since the
   previous row), `grad_norm` (pre-clip, this step), `lr` (this step's),
@@ -12,7 +13,9 @@ that already holds one; `resume=True` continues the run in it):
   `eval_loss` on evaluation steps;
 - `run.json`: the TP record (`jaxtp.train.record.run_record`);
 - `checkpoints/<step>/`: orbax checkpoints (`jaxtp.train.checkpoint`) every
-  `train.checkpoint_every` steps, at the end, and on SIGTERM/SIGINT.
+  `train.checkpoint_every` steps and `train.checkpoint_minutes`, at the end,
+  at `until`, and on SIGTERM/SIGINT. A save that fails (a full disk) stops
+  the run with `SaveFailed`; the checkpoints before it stay.
 
 The device stays busy: the step's key, lr, spike limit and skip counts are
 computed inside the jitted step (`jaxtp.train.loopstep`),
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import signal
 import threading
 import time
@@ -55,15 +59,17 @@ from flax import nnx
 from ..config import Config
 from ..parallel import make_mesh, named
 from ..parallel.distributed import any_process
-from .checkpoint import Checkpointer
-from .data import Dataset, load_tokens, to_mesh
+from .checkpoint import Checkpointer, SaveFailed, nbytes
+from .data import Dataset, data_identity, load_tokens, to_mesh
 from .loopstep import LoopState, is_row_step, make_loop_step
 from .metrics import (MetricsLog, metrics_row, model_flops_per_token, peak_flops, progress_line,
                       skip_line, speed)
 from .optim import lr_schedule
 from .record import run_record
+from .rundir import RunDir, write_atomic
 from .runstate import RunState
-from .state import abstract_model, init_train_state, resolve_attention
+from .start import check_options, claim, count_params, describe, restore_or_init
+from .state import abstract_model, resolve_attention
 from .step import ReplayCheck, make_eval_step
 
 
@@ -71,25 +77,9 @@ class TrainingStopped(RuntimeError):
     """The run cannot go on (too many skipped steps in a row)."""
 
 
-def count_params(params) -> int:
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-
-
 def evaluate(eval_step, params, batches, mesh) -> float:
     losses = [eval_step(params, to_mesh(b, mesh)) for b in batches]
     return float(np.mean(jax.device_get(losses)))
-
-
-def prepare_out_dir(out_dir: str | Path) -> Path:
-    """Create `out_dir`, refusing one that already holds a run."""
-    out = Path(out_dir)
-    taken = [n for n in ("metrics.jsonl", "config.json", "run.json", "checkpoints")
-             if (out / n).exists()]
-    if taken:
-        raise FileExistsError(f"--out {out} already holds a run ({', '.join(taken)}); "
-                              "choose a new directory, or --resume to continue it")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
 
 
 class _Signals:
@@ -116,84 +106,59 @@ class _Signals:
 def train(cfg: Config, out_dir: str | Path, data_path: str | None = None, *,
           log: Callable[[str], None] = print, check: bool = False, init_params=None,
           resume: bool = False, inject_nan_at=(), peak_tflops: float | None = None,
-          tensorboard: bool = False, until: int | None = None) -> dict:
+          tensorboard: bool = False, until: int | None = None, launch: dict | None = None,
+          argv: list[str] | None = None) -> dict:
     """Train `cfg` and return a summary; see the module docstring for the files.
 
     `init_params`: starting values (an nnx.State or nested dict, e.g. from
     `jaxtp.hf.read_hf`) instead of a fresh initialisation. `resume`:
-    continue from the latest complete checkpoint in `out_dir` (any tp/dp).
+    continue the run in `out_dir` from its latest complete checkpoint (any
+    tp/dp), or from step 0 if it has none yet (a run stopped before its
+    first save), or start it if `out_dir` holds no run: one call for a job
+    that a cluster may requeue. `cfg` may differ from the run's config only
+    where `jaxtp.train.rundir.RESUMABLE` allows; the changes are appended to
+    `resumes.jsonl` (with `argv`, the command line).
     `check`: replay the first steps on one device and compare.
     `inject_nan_at`: steps whose gradients are made NaN (a fault drill).
     `peak_tflops`: per-device peak for MFU, where `jaxtp.train.metrics.HARDWARE` lacks it.
     `tensorboard`: also write the rows as TensorBoard scalars.
     `until`: stop after this step with a checkpoint (the schedule still spans
     `train.steps`): a run split into jobs of fixed length.
+    `launch`: what else a new run records in launch.json (train.py: the
+    `--init-from-hf` path); `data_path` is recorded there too.
     """
-    _check_options(check, resume, until, inject_nan_at)
+    check_options(check, resume, until, inject_nan_at, peak_tflops)
     log = log if jax.process_index() == 0 else (lambda _: None)
-    data = Dataset(load_tokens(data_path), cfg.model.seq_len, cfg.model.vocab_size)
+    tokens = load_tokens(data_path)
+    data = Dataset(tokens, cfg.model.seq_len, cfg.model.vocab_size)
     mesh = make_mesh(cfg.parallel.dp, cfg.parallel.tp)
     cfg = resolve_attention(cfg, mesh.devices.flat[0])  # a KernelError before writing
     out = Path(out_dir)
-    _claim(out, resume, tensorboard)
+    rerun = resume and RunDir(out).has_run()
+    changes = claim(RunDir(out), resume, tensorboard, cfg, data_path,
+                    (launch or {}).get("init_from_hf"), log)
     ckpt = Checkpointer(out / "checkpoints", keep=cfg.train.keep_checkpoints, log=log)
-    run = RunState.of(cfg, _data_id(data_path, data))
-    if resume:
-        state, run = run.resume(ckpt, cfg, mesh, log)
-    else:
-        state = init_train_state(cfg, mesh, params=init_params)
-    if jax.process_index() == 0:
-        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    loop = _Loop(cfg, mesh, out, ckpt, run, state, data, log, check, inject_nan_at,
-                 peak_tflops, tensorboard)
-    if until is not None and until <= run.step:
-        log(f"--until {until}: the run is already at step {run.step}; nothing to do")
-    loop.run(min(cfg.train.steps, until or cfg.train.steps), until)
-    return loop.summary()
-
-
-def _check_options(check: bool, resume: bool, until, inject_nan_at) -> None:
-    if until is not None and until < 1:
-        raise ValueError(f"--until {until}: the step to stop after must be >= 1")
-    if any(s < 1 for s in inject_nan_at):
-        raise ValueError(f"--inject-nan-at {sorted(inject_nan_at)}: steps start at 1")
-    if check and (jax.process_count() > 1 or resume):
-        raise ValueError("--check replays the first steps on one device: run it "
-                         "single-process and not with --resume")
-
-
-def _claim(out: Path, resume: bool, tensorboard: bool) -> None:
-    """Check (process 0) that `out` can take this run; a refusal stops every
-    process, not only process 0 while the others wait in a barrier."""
-    refused = None
     try:
-        if resume and not (out / "checkpoints").is_dir():
-            raise FileNotFoundError(f"--resume: no checkpoints under {out}/checkpoints")
-        if jax.process_index() == 0 and not resume:
-            prepare_out_dir(out)
-        if tensorboard and jax.process_index() == 0:
-            MetricsLog.check_tensorboard()
-    except (OSError, ImportError) as e:
-        refused = e
-    if any_process(refused is not None):
-        raise refused or FileExistsError(f"process 0 refused --out {out}: see its log")
-
-
-def describe(cfg: Config, n_params: int, data: Dataset) -> list[str]:
-    """The two lines a run starts with: the model and mesh, then the kernels."""
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    return [
-        f"model: {m.style}, {n_params:,} params, {m.n_layers} layers"
-        f"{' (scanned)' if m.scan_layers else ''}, d_model={m.d_model}, heads={m.n_heads}/"
-        f"{m.kv_heads} kv, d_ff={m.d_ff}, seq={m.seq_len}, {m.dtype} compute / "
-        f"{m.param_dtype} params | mesh dp={p.dp} x tp={p.tp}, impl={p.impl}"
-        f"{', fsdp' if p.fsdp else ''}{', sp' if p.sequence_parallel else ''} | batch "
-        f"{t.batch_size}{f' in {t.microbatches} microbatches' if t.microbatches > 1 else ''}"
-        f" | data: {len(data.train):,} train / {len(data.val):,} val tokens",
-        f"attention: {m.attention}"
-        + (f" (block {m.attention_block})" if m.attention == "blockwise" else "")
-        + f", remat: {m.remat}"
-        + (f", loss in chunks of {m.loss_chunk} tokens" if m.loss_chunk else "")]
+        run = RunState.of(cfg, data_identity(tokens, data_path and os.path.abspath(data_path)))
+        state, run = restore_or_init(run, ckpt, cfg, mesh, init_params, rerun, log)
+        if jax.process_index() == 0:
+            RunDir(out).resumed(changes, run.step, list(argv or []))
+        last = min(cfg.train.steps, until or cfg.train.steps)
+        if last <= run.step:
+            log(f"the run in {out} is already at step {run.step}"
+                + (f" (--until {until})" if until and until < cfg.train.steps else
+                   f" of {cfg.train.steps}: finished; raise --steps to train further")
+                + ": nothing to do")
+            return _Loop.idle_summary(run.step, cfg, out, state.params)
+        # a disk too small for one checkpoint: refused now, not at the first save
+        ckpt.check_space(nbytes(jax.tree.leaves((state.params, state.opt_state))),
+                         "start the run")
+        loop = _Loop(cfg, mesh, out, ckpt, run, state, data, log, check, inject_nan_at,
+                     peak_tflops, tensorboard, until)
+        loop.run(last)
+        return loop.summary()
+    finally:
+        ckpt.close()
 
 
 class _Loop:
@@ -201,10 +166,14 @@ class _Loop:
     step, and the host's bookkeeping (rows, rates, host time, saves)."""
 
     def __init__(self, cfg, mesh, out, ckpt, run, state, data, log, check, inject_nan_at,
-                 peak_tflops, tensorboard):
+                 peak_tflops, tensorboard, until):
         m, t = cfg.model, cfg.train
         self.cfg, self.mesh, self.out, self.ckpt, self.run_state, self.log = (
             cfg, mesh, out, ckpt, run, log)
+        self.until = until
+        # before compiling: a damaged log is repaired or refused first
+        self.metrics_log = MetricsLog(out, run.step, tensorboard, log) \
+            if jax.process_index() == 0 else None
         self.n_params = count_params(state.params)
         for line in describe(cfg, self.n_params, data):
             log(line)
@@ -219,12 +188,10 @@ class _Loop:
                                        devices=mesh.size, peak=peak)
         self.params, self.opt_state = state.params, state.opt_state
         self.check = ReplayCheck(cfg, self.params, lr_schedule(t)) if check else None
-        self.metrics_log = MetricsLog(out, run.step, tensorboard) \
-            if jax.process_index() == 0 else None
         self.history, self.rates, self.host_s = [], [], []
         self.eval_loss, self.interrupted, self.step = None, None, run.step
         self.saved_step = None
-        self.t_start = self.t_last = time.perf_counter()
+        self.t_start = self.t_last = self.t_saved = time.perf_counter()
         self.last_logged = run.step
 
     def _compile(self, state, inject_nan_at):
@@ -239,21 +206,24 @@ class _Loop:
         structure = nnx.merge(*abstract_model(cfg, mesh))  # no buffers: step 1 donates them
         return step, run_record(cfg, mesh, structure, step.as_text())
 
-    def run(self, last: int, until: int | None) -> None:
+    def run(self, last: int) -> None:
         """Steps run_state.step + 1 .. last, stopping early on a signal (saved)."""
         try:
             with jax.set_mesh(self.mesh), _Signals() as signals:
                 for step in range(self.run_state.step + 1, last + 1):
                     self.step = step
-                    if self.one_step(step, until, signals):
+                    if self.one_step(step, signals):
                         break
                 self.ckpt.wait()
+        except SaveFailed as e:
+            raise SaveFailed(f"{e}; the run stopped after step {self.step}: fix the cause "
+                             f"(e.g. free space) and continue with --resume --out "
+                             f"{self.out}") from None
         finally:
-            self.ckpt.close()
             if self.metrics_log is not None:
                 self.metrics_log.close()
 
-    def one_step(self, step: int, until: int | None, signals: "_Signals") -> bool:
+    def one_step(self, step: int, signals: "_Signals") -> bool:
         """Run `step`; log, evaluate, check and save where due. True: stop here."""
         t = self.cfg.train
         t_iter = time.perf_counter()
@@ -265,7 +235,7 @@ class _Loop:
         t_back = time.perf_counter()
         row_step = bool(is_row_step(step, t))
         ckpt_step = (t.checkpoint_every and step % t.checkpoint_every == 0) \
-            or step == t.steps or step == until
+            or step == t.steps or step == self.until or (row_step and self._save_due())
         if self.check is not None:
             self.check.after(step, host_tokens, metrics, self.params, self.record, self.log)
         # the host waits for the device only on rows and checkpoints
@@ -278,6 +248,7 @@ class _Loop:
             self.log_row(step, metrics, loop)
         if ckpt_step:
             self.save(step, loop)
+        self._check_saves(row_step or ckpt_step)
         if self._signalled(signals, row_step or ckpt_step):
             self.interrupted = signal.Signals(signals.received or signal.SIGTERM).name
             self.save(step, self.loop.to_json())
@@ -312,8 +283,23 @@ class _Loop:
     def save(self, step: int, loop: dict) -> None:
         if self.saved_step == step:
             return  # e.g. a signal during the last step, already saved
-        self.saved_step = step
+        self.saved_step, self.t_saved = step, time.perf_counter()
         self.run_state.save(self.ckpt, step, loop, self.params, self.opt_state)
+
+    def _save_due(self) -> bool:
+        """train.checkpoint_minutes since the last save (checked at rows; the
+        processes save together when any one's clock says so)."""
+        minutes = self.cfg.train.checkpoint_minutes
+        return any_process(bool(minutes) and time.perf_counter() - self.t_saved >= 60 * minutes)
+
+    def _check_saves(self, synced: bool) -> None:
+        """Stop (SaveFailed) once a background save has failed: after this step
+        in one process; at the next row or checkpoint with several."""
+        if jax.process_count() > 1 and not synced:
+            return
+        why = self.ckpt.failed_save()
+        if any_process(why is not None):
+            raise SaveFailed(why or "a checkpoint save failed in another process")
 
     def _signalled(self, signals: "_Signals", synced: bool) -> bool:
         """Whether to stop for a signal: processes agree at rows and checkpoints
@@ -333,12 +319,20 @@ class _Loop:
             f"spiking loss/gradient (train.max_skipped_steps={limit}); the last "
             f"good state is checkpointed in {self.out}/checkpoints as step {at}")
 
+    @staticmethod
+    def idle_summary(step: int, cfg: Config, out: Path, params) -> dict:
+        """The summary of a call that had no step to run."""
+        return {"first_loss": None, "final_loss": None, "final_eval_loss": None,
+                "tokens_per_sec": None, "host_ms_per_step": None, "wall_s": 0.0,
+                "last_step": step, "interrupted": None, "finished": step >= cfg.train.steps,
+                "out_dir": str(out), "params": params, "history": []}
+
     def summary(self) -> dict:
         """Write run.json; the run's summary (and its final parameters and rows)."""
         host_ms = float(np.median(self.host_s)) * 1e3 if self.host_s else None
         self.record["host_ms_per_step"] = host_ms
         if jax.process_index() == 0:
-            (self.out / "run.json").write_text(json.dumps(self.record, indent=2) + "\n")
+            write_atomic(self.out / "run.json", json.dumps(self.record, indent=2) + "\n")
         h, steps = self.history, self.cfg.train.steps
         summary = {
             "first_loss": h[0]["loss"] if h else None,
@@ -360,7 +354,4 @@ class _Loop:
                      + f"{summary['wall_s']:.0f}s; wrote {self.out}")
         return summary | {"params": self.params, "history": h}
 
-
-def _data_id(path: str | None, data: Dataset) -> str:
-    return f"{path or 'builtin'} ({len(data.train) + len(data.val)} tokens)"
 

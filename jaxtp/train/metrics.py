@@ -129,18 +129,41 @@ def progress_line(row: dict, steps: int, dt: float | None, eval_loss: float | No
 
 
 class MetricsLog:
-    """Appends rows to `metrics.jsonl` (dropping rows after `resumed_at`, which a
-    resumed run logs again) and, with `tensorboard`, writes them as scalars."""
+    """Appends rows to `metrics.jsonl` and, with `tensorboard`, writes them as
+    scalars. A resumed run's log is first cut back to what a straight run
+    would hold at `resumed_at`: a trailing line that a kill cut short is
+    dropped (said once through `log`), and so are the rows after
+    `resumed_at`, which the resumed run logs again."""
 
-    def __init__(self, out: Path, resumed_at: int = 0, tensorboard: bool = False):
+    def __init__(self, out: Path, resumed_at: int = 0, tensorboard: bool = False,
+                 log=print):
         self.path = out / "metrics.jsonl"
         if self.path.exists():
-            rows = [r for r in self.path.read_text().splitlines() if r.strip()]
-            self.path.write_text("".join(r + "\n" for r in rows
-                                         if json.loads(r)["step"] <= resumed_at))
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in self._rows(log)
+                                         if r["step"] <= resumed_at))
         self.writer = (self.check_tensorboard()(str(out / "tensorboard")) if tensorboard
                        else None)
         self.file = open(self.path, "a")
+
+    def _rows(self, log) -> list[dict]:
+        lines = self.path.read_text().splitlines()
+        rows = []
+        for i, line in enumerate(lines):
+            try:
+                row = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                if i < len(lines) - 1:
+                    raise ValueError(f"{self.path} line {i + 1} is not JSON (only the last "
+                                     "line can be cut short by a kill): repair or remove "
+                                     "that line, then --resume again") from None
+                log(f"{self.path}: dropped its last line, cut short mid-write: "
+                    f"{line[:60]!r}")
+                row = None
+            if row is not None:
+                if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                    raise ValueError(f"{self.path} line {i + 1} is not a metrics row")
+                rows.append(row)
+        return rows
 
     @staticmethod
     def check_tensorboard():
@@ -149,7 +172,7 @@ class MetricsLog:
             from tensorboardX import SummaryWriter
         except ImportError:
             raise ImportError("--tensorboard needs the tensorboardX package: "
-                              "pip install tensorboardX") from None
+                              "pip install -e '.[tensorboard]' (or tensorboardX)") from None
         return SummaryWriter
 
     def write(self, row: dict) -> None:

@@ -14,13 +14,14 @@ from typing import Callable
 
 from ..config import Config
 from .checkpoint import CheckpointError, Checkpointer
+from .data import same_data
 from .state import TrainState, abstract_train_state
 
-# the schedule fields a resume warns about when they change (they do not
-# change the data order, so the run may go on)
+# the lr schedule's fields, recorded (a resume's changes to them are checked
+# against the run directory's config: jaxtp.train.rundir)
 SCHEDULE_KEYS = ("steps", "lr", "warmup_steps", "min_lr_ratio")
-# the fields that fix the data order: a resume refuses a change
-ORDER_KEYS = ("seed", "batch_size", "data")
+# the fields that fix the data order besides the data: a resume refuses a change
+ORDER_KEYS = ("seed", "batch_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,13 +31,13 @@ class RunState:
     tp: int
     seed: int
     batch_size: int
-    data: str  # where the tokens came from and how many (`data_id`)
+    data: dict  # the tokens' source, count and content hash (`jaxtp.train.data.data_identity`)
     schedule: dict
     data_position: int = 0  # the step saved: batches 1..data_position were consumed
     loop: dict | None = None  # LoopState.to_json() at that step
 
     @classmethod
-    def of(cls, cfg: Config, data: str) -> "RunState":
+    def of(cls, cfg: Config, data: dict) -> "RunState":
         """A new run of `cfg` on the data `data` (at step 0)."""
         t = cfg.train
         return cls(model=dataclasses.asdict(cfg.model), dp=cfg.parallel.dp, tp=cfg.parallel.tp,
@@ -69,11 +70,21 @@ class RunState:
                 raise ValueError(f"--resume: the checkpoint was trained with {key}="
                                  f"{getattr(saved, key)!r}, this run has {getattr(self, key)!r}; "
                                  "the data order depends on it")
-        changed = {k: (saved.schedule[k], v) for k, v in self.schedule.items()
-                   if (saved.schedule or {}).get(k, v) != v}
-        if changed:
-            log(f"warning: --resume with a different schedule: {changed} (saved, now)")
+        if not same_data(saved.data, self.data):
+            raise ValueError(f"--resume: the data differs from the checkpoint's: it was trained "
+                             f"on {_said(saved.data)}, this run reads {_said(self.data)}; pass "
+                             "the run's data (same content; any path) with --data")
+        if isinstance(saved.data, dict) and saved.data["source"] != self.data["source"]:
+            log(f"note: the run's data ({saved.data['source']}) is now read from "
+                f"{self.data['source']}: the same content")
         log(f"resumed from {ckpt.directory} step {step} (saved at dp={saved.dp} x "
             f"tp={saved.tp}; now dp={self.dp} x tp={self.tp})")
         state = dataclasses.replace(target, params=params, opt_state=opt_state)
         return state, dataclasses.replace(self, data_position=step, loop=saved.loop)
+
+
+def _said(data: dict | str) -> str:
+    if isinstance(data, str):
+        return data
+    return f"{data['source']} ({data['tokens']:,} {data['dtype']} tokens, sha256 " \
+           f"{data['sha256'][:12]}...)"

@@ -251,3 +251,12 @@ def test_budgets_hold_compiled_for_an_accelerator(target, config, extra, tmp_pat
 
 
 test_budgets_hold_compiled_for_an_accelerator.fast_cases = set()
+
+
+def test_a_budget_row_without_a_collective_shows_its_element_count():
+    from jaxtp.analysis.budget import Expected
+    from jaxtp.analysis.compare import format_table
+
+    row = Expected("embed", "reduce-scatter", "forward", "embed", 32768, "f32", 8, 1)
+    table = format_table({"gspmd": []}, {"gspmd": [row]})
+    assert "f32[32768 elements]" in table[2] and table[2].split()[-2:] == ["0", "1"]

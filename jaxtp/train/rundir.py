@@ -1,0 +1,140 @@
+"""A run's directory: the config it started with, what each resume changed,
+and what else its first start was given. No JAX here: the CLI reads it
+before JAX starts (the saved tp and dp decide how many devices to make).
+
+- `config.json`: the config the run started with, never rewritten;
+- `resumes.jsonl`: one JSON line per resume that changed something: when,
+  the command line, and each changed key as [before, after]. The run's
+  config is `config.json` with these applied in order;
+- `launch.json`: the first start's `--data` and `--init-from-hf` (absolute
+  paths), so that `python train.py --resume --out DIR` alone restarts it.
+
+A resume may change only what leaves the run the same run (`RESUMABLE`):
+the layout (checkpoints reshard), how the same math is computed (remat,
+attention kernel, loss chunks, microbatches), logging, evaluation and
+checkpointing, and `train.steps` (the schedule's length, with a warning).
+Anything else is refused, naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from ..config import Config, ConfigError, validate
+
+# what a resume may change, and why it stays the same run
+RESUMABLE = {
+    # the mesh: checkpoints are read into any layout
+    "parallel.dp", "parallel.tp", "parallel.impl", "parallel.sp", "parallel.fsdp",
+    # the same gradient, computed another way
+    "train.microbatches", "model.remat", "model.attention", "model.attention_block",
+    "model.loss_chunk",
+    # what is logged, evaluated and saved, and when to stop
+    "train.log_every", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
+    "train.checkpoint_minutes", "train.keep_checkpoints", "train.max_skipped_steps",
+    "train.steps",
+}
+
+
+def flat(cfg: Config) -> dict:
+    """{"section.key": value} of a config."""
+    return {f"{s}.{k}": v for s, sec in cfg.to_dict().items() for k, v in sec.items()}
+
+
+def _apply(cfg: Config, values: dict) -> Config:
+    d = cfg.to_dict()
+    for key, value in values.items():
+        section, name = key.split(".")
+        d[section][name] = value
+    return Config.from_dict(d)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class RunDir:
+    """The files of one run directory (see the module docstring)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.config_path = self.path / "config.json"
+        self.history_path = self.path / "resumes.jsonl"
+        self.launch_path = self.path / "launch.json"
+
+    def has_run(self) -> bool:
+        return self.config_path.is_file()
+
+    def checkpoint_steps(self) -> list[int]:
+        """The step directories orbax has finished (their names are the step)."""
+        d = self.path / "checkpoints"
+        return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+
+    def _read_json(self, path: Path):
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is damaged ({e}); it records the run: restore it, "
+                              "or start a new run in another directory") from None
+
+    def config(self) -> Config:
+        """The run's config now: config.json with each resume's changes applied."""
+        cfg = Config.from_dict(self._read_json(self.config_path))
+        for entry in self.history():
+            cfg = _apply(cfg, {k: new for k, (_, new) in entry["changes"].items()})
+        return validate(cfg)
+
+    def history(self) -> list[dict]:
+        if not self.history_path.is_file():
+            return []
+        lines = self.history_path.read_text().splitlines()
+        try:
+            return [json.loads(line) for line in lines if line.strip()]
+        except json.JSONDecodeError:
+            raise ConfigError(f"{self.history_path} is damaged: each line must be JSON; "
+                              "remove the broken line (it records a resume's changes)") from None
+
+    def launch(self) -> dict:
+        return self._read_json(self.launch_path) if self.launch_path.is_file() else {}
+
+    def start(self, cfg: Config, data: str | None, init_from_hf: str | None) -> None:
+        """Record a new run (process 0 only): launch.json, then config.json,
+        each whole or not at all (a kill mid-write leaves no run, not half a one)."""
+        absolute = lambda p: os.path.abspath(p) if p else None
+        write_atomic(self.launch_path, json.dumps(
+            {"data": absolute(data), "init_from_hf": absolute(init_from_hf)}, indent=2) + "\n")
+        write_atomic(self.config_path, json.dumps(cfg.to_dict(), indent=2) + "\n")
+
+    def changes(self, cfg: Config) -> dict[str, tuple]:
+        """{key: (the run's, asked)} for a resume of this run as `cfg`; a
+        ConfigError names every key a resume may not change."""
+        run, asked = flat(self.config()), flat(cfg)
+        changed = {k: (run[k], asked[k]) for k in run if run[k] != asked[k]}
+        refused = [k for k in changed if k not in RESUMABLE]
+        if refused:
+            said = ", ".join(f"{k}={changed[k][1]!r} (the run has {changed[k][0]!r})"
+                             for k in refused)
+            raise ConfigError(
+                f"--resume: {said}: a resumed run keeps its config ({self.config_path}); it "
+                "may change only the layout, remat/attention/loss chunks/microbatches, "
+                "logging, evaluation, checkpointing and train.steps. Drop the flag, or start "
+                "a new run in another directory")
+        return changed
+
+    def resumed(self, changes: dict[str, tuple], step: int, argv: list[str]) -> None:
+        """Append a resume's changes to the history (process 0 only)."""
+        if not changes:
+            return
+        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "step": step, "argv": argv,
+                 "changes": {k: list(v) for k, v in changes.items()}}
+        with open(self.history_path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
+__all__ = ["RunDir", "RESUMABLE", "flat", "write_atomic"]

@@ -1,0 +1,123 @@
+"""What happens before a run's first step: its options checked, its directory
+claimed (or its config's changes accepted), its state restored or made.
+
+`jaxtp.train.loop.train` calls these in order; each refuses with one clear
+error before anything is compiled, and nothing here leaves a directory that
+`--resume` cannot continue.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import jax
+import numpy as np
+
+from ..config import Config
+from ..parallel.distributed import any_process
+from .data import Dataset
+from .metrics import MetricsLog
+from .rundir import RunDir
+from .runstate import RunState
+from .state import TrainState, init_train_state
+
+
+def count_params(params) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+def check_options(check: bool, resume: bool, until, inject_nan_at, peak_tflops) -> None:
+    if until is not None and until < 1:
+        raise ValueError(f"--until {until}: the step to stop after must be >= 1")
+    if any(s < 1 for s in inject_nan_at):
+        raise ValueError(f"--inject-nan-at {sorted(inject_nan_at)}: steps start at 1")
+    if peak_tflops is not None and not 0 < peak_tflops < float("inf"):
+        raise ValueError(f"--peak-tflops {peak_tflops}: a device's peak must be positive")
+    if check and (jax.process_count() > 1 or resume):
+        raise ValueError("--check replays the first steps on one device: run it "
+                         "single-process and not with --resume")
+
+
+def prepare_out_dir(out_dir: str | Path) -> Path:
+    """Create `out_dir`, refusing one that already holds a run, or that cannot
+    be a writable directory (with the cause)."""
+    out = Path(out_dir)
+    taken = [n for n in ("metrics.jsonl", "config.json", "run.json", "checkpoints")
+             if (out / n).exists()]
+    if taken:
+        raise FileExistsError(f"--out {out} already holds a run ({', '.join(taken)}); "
+                              "choose a new directory, or --resume to continue it")
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--out {out} is a file, not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".jaxtp-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise OSError(f"--out {out}: cannot write a run there ({e.strerror or e})") from None
+    return out
+
+
+def claim(run_dir: RunDir, resume: bool, tensorboard: bool, cfg: Config,
+          data_path: str | None, init_from_hf: str | None,
+          log: Callable[[str], None]) -> dict:
+    """Check (process 0) that the run directory can take this run, and record
+    a new run there before anything else (so that a run killed from here on
+    is resumable); the changes a resume makes to the run's config, said in
+    the log. A refusal stops every process, not only process 0 while the
+    others wait in a barrier."""
+    if resume and not run_dir.has_run():
+        log(f"--resume: {run_dir.path} holds no run yet: starting it")
+    refused, changes = None, {}
+    try:
+        if tensorboard and jax.process_index() == 0:
+            MetricsLog.check_tensorboard()
+        if jax.process_index() == 0:
+            if resume and run_dir.has_run():
+                changes = run_dir.changes(cfg)  # or a ConfigError naming the key
+            else:
+                prepare_out_dir(run_dir.path)
+                run_dir.start(cfg, data_path, init_from_hf)
+    except (OSError, ImportError, ValueError) as e:
+        refused = e
+    if any_process(refused is not None):
+        raise refused or FileExistsError(f"process 0 refused --out {run_dir.path}: see its log")
+    if changes:
+        log("--resume with changes: " + ", ".join(f"{k} {a!r} -> {b!r}"
+                                                 for k, (a, b) in changes.items()))
+    if "train.steps" in changes:
+        log(f"warning: the lr schedule now spans {cfg.train.steps} steps: the steps left "
+            "run at other learning rates than the run first planned")
+    return changes
+
+
+def restore_or_init(run: RunState, ckpt, cfg: Config, mesh, init_params, rerun: bool,
+                    log: Callable[[str], None]) -> tuple[TrainState, RunState]:
+    """The state a run starts from: its latest usable checkpoint when `rerun`
+    (a resume of a run that was started before) finds any, else a fresh
+    initialisation (or `init_params`)."""
+    if rerun and ckpt.steps():
+        return run.resume(ckpt, cfg, mesh, log)
+    if rerun:
+        log(f"--resume: {ckpt.directory.parent} holds no complete checkpoint yet (stopped "
+            "before its first save): starting the run from step 0 with its config")
+    return init_train_state(cfg, mesh, params=init_params), run
+
+
+def describe(cfg: Config, n_params: int, data: Dataset) -> list[str]:
+    """The two lines a run starts with: the model and mesh, then the kernels."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    return [
+        f"model: {m.style}, {n_params:,} params, {m.n_layers} layers"
+        f"{' (scanned)' if m.scan_layers else ''}, d_model={m.d_model}, heads={m.n_heads}/"
+        f"{m.kv_heads} kv, d_ff={m.d_ff}, seq={m.seq_len}, {m.dtype} compute / "
+        f"{m.param_dtype} params | mesh dp={p.dp} x tp={p.tp}, impl={p.impl}"
+        f"{', fsdp' if p.fsdp else ''}{', sp' if p.sequence_parallel else ''} | batch "
+        f"{t.batch_size}{f' in {t.microbatches} microbatches' if t.microbatches > 1 else ''}"
+        f" | data: {len(data.train):,} train / {len(data.val):,} val tokens",
+        f"attention: {m.attention}"
+        + (f" (block {m.attention_block})" if m.attention == "blockwise" else "")
+        + f", remat: {m.remat}"
+        + (f", loss in chunks of {m.loss_chunk} tokens" if m.loss_chunk else "")]
