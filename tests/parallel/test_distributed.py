@@ -33,7 +33,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import multihost_worker
 from procs import child_env
 from jaxtp.parallel import distributed
+from jaxtp.config import apply_overrides, load_config
 from jaxtp.parallel import make_mesh
+from jaxtp.train.loop import train
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
 TIMEOUT_S = 240  # a dead peer would otherwise leave the other waiting for minutes
@@ -197,11 +199,14 @@ def test_two_train_py_processes_checkpoint_and_resume_in_one(tmp_path):
     _wait(procs, logs, time.monotonic() + TIMEOUT_S)
     assert "step     3/6" in logs[0].read_text() and "step " not in _tail(logs[1])
     assert (run / "checkpoints" / "3").is_dir()
-    for args, out in ((["--resume"], run), ([], straight)):
-        r = subprocess.run([sys.executable, train_py, "--tp", "8", "--steps", "6", "--out",
-                            str(out), *args, *small], capture_output=True, text=True,
-                           env=_worker_env(), timeout=TIMEOUT_S)
-        assert r.returncode == 0, r.stderr[-2000:]
+    # the run's own config (small, 6 steps) from its directory, on another mesh
+    r = subprocess.run([sys.executable, train_py, "--resume", "--dp", "1", "--tp", "8",
+                        "--out", str(run)], capture_output=True, text=True, env=_worker_env(),
+                       timeout=TIMEOUT_S)
+    assert r.returncode == 0, r.stderr[-2000:]
+    # the straight run in this process (the same XLA flags as the children's)
+    train(apply_overrides(load_config("tiny"), small + ["parallel.tp=8", "train.steps=6"]),
+          straight, log=lambda _: None)
     rows = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
     got, want = rows(run), rows(straight)
     assert [r["step"] for r in got] == list(range(1, 7))
