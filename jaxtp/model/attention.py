@@ -45,6 +45,14 @@ class Attention(nnx.Module):
         with jax.named_scope("attention"):
             return self.out.add_bias(parallel.region(self, x_BTD))
 
+    def extend(self, x_BTD, k_BSKH, v_BSKH, pos_BT, prefill: bool):
+        """Attention that reads and extends a KV cache (`cached_region`):
+        (output, k cache, v cache)."""
+        with jax.named_scope("attention"):
+            y_BTD, k_BSKH, v_BSKH = parallel.cached_region(self, x_BTD, k_BSKH, v_BSKH, pos_BT,
+                                                           prefill)
+            return self.out.add_bias(y_BTD), k_BSKH, v_BSKH
+
     def region(self, x_BTD, local):
         """Local math from x to the partial (pre-reduction) output."""
         qkv = self._grouped if self.layout.kv_sharded else self._shared
@@ -60,6 +68,39 @@ class Attention(nnx.Module):
         o_BTKGH = kernels.attend(q_BTKGH, k_BTKH, v_BTKH, kernel, self.block)
         o_BTKGH = checkpoint_name(o_BTKGH, "attn_core")
         return self.out.partial(o_BTKGH.reshape(B, T, K * G, H))
+
+    def cached_region(self, x_BTD, k_BSKH, v_BSKH, pos_BT, prefill: bool, local):
+        """`region` over a KV cache [B, S, Kc, H] whose slot s holds position s
+        (Kc: K split over tp, or, when K < tp, on each rank the one kv head its
+        query heads use): (partial output, k cache, v cache). `prefill`: x is
+        every row's prompt from position 0 (right-padded), attended by the
+        configured kernel and written to slots [0, T); else one token per row
+        at `pos_BT` [B, 1], written to its slot and attending over the cache."""
+        if self.layout.kv_sharded:
+            q_BTKGH, k_BTKH, v_BTKH = self._grouped(x_BTD, local)
+        else:
+            q_BTNH = self.q(local.enter(x_BTD))
+            kv_BTCKH = local.kv_per_rank(self.kv(x_BTD))
+            B, T, N, H = q_BTNH.shape
+            K = kv_BTCKH.shape[3]
+            q_BTKGH, k_BTKH, v_BTKH = (q_BTNH.reshape(B, T, K, N // K, H), kv_BTCKH[:, :, 0],
+                                       kv_BTCKH[:, :, 1])
+        if self.rope_theta is not None:
+            inv_freq = rope_inv_freq(q_BTKGH.shape[-1], self.cfg)
+            q_BTKGH = rope(q_BTKGH, pos_BT, self.rope_theta, inv_freq)
+            k_BTKH = rope(k_BTKH, pos_BT, self.rope_theta, inv_freq)
+        k_BTKH, v_BTKH = k_BTKH.astype(k_BSKH.dtype), v_BTKH.astype(v_BSKH.dtype)
+        if prefill:
+            o_BTKGH = kernels.attend(q_BTKGH, k_BTKH, v_BTKH, self.kernel, self.block)
+            k_BSKH = jax.lax.dynamic_update_slice_in_dim(k_BSKH, k_BTKH, 0, 1)
+            v_BSKH = jax.lax.dynamic_update_slice_in_dim(v_BSKH, v_BTKH, 0, 1)
+        else:  # a select, not a scatter: no row's slot is special to the partitioner
+            at_BS11 = (jnp.arange(k_BSKH.shape[1])[None] == pos_BT)[..., None, None]
+            k_BSKH = jnp.where(at_BS11, k_BTKH, k_BSKH)
+            v_BSKH = jnp.where(at_BS11, v_BTKH, v_BSKH)
+            o_BTKGH = kernels.cached_attention(q_BTKGH, k_BSKH, v_BSKH, pos_BT)
+        B, T, K, G, H = o_BTKGH.shape
+        return self.out.partial(o_BTKGH.reshape(B, T, K * G, H)), k_BSKH, v_BSKH
 
     def _grouped(self, x_BTD, local):
         """tp divides K: each rank holds K/tp kv heads and the N/tp query heads

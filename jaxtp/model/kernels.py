@@ -84,6 +84,20 @@ def attend(q_BTKGH, k_BTKH, v_BTKH, kernel: str = "xla", block: int = 512):
     raise KernelError(f"unknown attention kernel {kernel!r}; choose one of {KERNELS[1:]}")
 
 
+def cached_attention(q_BTKGH, k_BSKH, v_BSKH, pos_BT):
+    """Queries at positions `pos_BT` (each row its own) over a KV cache whose
+    slot s holds position s: key s is seen where s <= the query's position
+    (later slots are empty or stale). Decoding reads the whole cache once per
+    token: this is xla_attention's math with a per-row mask."""
+    q = _scaled(q_BTKGH)
+    s_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q, k_BSKH, preferred_element_type=jnp.float32)
+    seen_BTS = jnp.arange(k_BSKH.shape[1])[None, None] <= pos_BT[..., None]
+    s_BKGTS = jnp.where(seen_BTS[:, None, None], s_BKGTS, NEG_INF)
+    p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1)
+    o = jnp.einsum("BKGTS,BSKH->BTKGH", p_BKGTS.astype(v_BSKH.dtype), v_BSKH)
+    return o.astype(q_BTKGH.dtype)
+
+
 def _scaled(q):
     """q / sqrt(H), folded into q (one pass over q, not over the T x T scores)."""
     return (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(q.dtype)

@@ -148,18 +148,19 @@ def rope_inv_freq(H: int, cfg) -> jax.Array:
                      jnp.where(wavelen < short_wave, inv_freq, blended))
 
 
-def rope(x_BTNH, positions_T, theta: float, inv_freq_F=None):
+def rope(x_BTNH, positions, theta: float, inv_freq_F=None):
     """Rotary position embedding (Su et al. 2021) in the "rotate half" layout of
     Hugging Face's Llama: dim i is paired with dim i + H/2, frequency
     theta^(-2i/H) (or `inv_freq_F`). Applied per head, so any subset of heads
-    (a tp rank's) works.
+    (a tp rank's) works. `positions`: [T], or [B, T] (each row its own, as in
+    decoding a batch of prompts).
     """
     H = x_BTNH.shape[-1]
     if inv_freq_F is None:
         inv_freq_F = 1.0 / theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)
-    angle_TF = positions_T.astype(jnp.float32)[:, None] * inv_freq_F[None]
-    shape = (len(positions_T),) + (1,) * (x_BTNH.ndim - 3) + (H // 2,)  # any head dims
-    cos, sin = jnp.cos(angle_TF).reshape(shape), jnp.sin(angle_TF).reshape(shape)
+    angle = positions.astype(jnp.float32)[..., None] * inv_freq_F
+    shape = positions.shape + (1,) * (x_BTNH.ndim - 3) + (H // 2,)  # any head dims
+    cos, sin = jnp.cos(angle).reshape(shape), jnp.sin(angle).reshape(shape)
     x = x_BTNH.astype(jnp.float32)
     x1, x2 = x[..., : H // 2], x[..., H // 2:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -33,6 +33,14 @@ class Block(nnx.Module):
         self.rate = cfg.dropout
         self.layout = layout
 
+    def extend(self, x_BTD, k_BSKH, v_BSKH, pos_BT, prefill: bool):
+        """The block over new positions, reading and extending its KV cache."""
+        a_BTD, k_BSKH, v_BSKH = self.attn.extend(self.ln1(x_BTD), k_BSKH, v_BSKH, pos_BT,
+                                                 prefill)
+        x_BTD = x_BTD + a_BTD
+        return constrain(x_BTD + self.mlp(self.ln2(x_BTD)), *self.layout.residual), \
+            k_BSKH, v_BSKH
+
     def __call__(self, x_BTD, key=None):
         k1, k2 = jax.random.split(key) if key is not None else (None, None)
         x_BTD = x_BTD + dropout(self.attn(self.ln1(x_BTD)), self.rate, k1)
@@ -128,6 +136,28 @@ class Transformer(nnx.Module):
             for i, block in enumerate(self.blocks):
                 x_BTD = block_fn(block, x_BTD, None if keys is None else keys[i + 1])
         return self.ln_f(x_BTD)
+
+    def extend(self, tokens_BT, pos_BT, k_LBSKH, v_LBSKH, prefill: bool):
+        """Inference over new positions with per-layer KV caches [L, B, S, Kc, H]
+        (`jaxtp.generate`): final-norm hidden states [B, T, D] and the caches.
+        `prefill`: the prompts from position 0, else one token per row."""
+        x_BTD = self.wte(tokens_BT)
+        if self.wpe is not None:
+            x_BTD = x_BTD + self.wpe(pos_BT)
+        x_BTD = constrain(x_BTD, *self.layout.residual)
+        if self.cfg.scan_layers:
+            @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0, 0),
+                      transform_metadata={nnx.PARTITION_NAME: None})
+            def body(x_BTD, block, k_BSKH, v_BSKH):
+                return block.extend(x_BTD, k_BSKH, v_BSKH, pos_BT, prefill)
+
+            x_BTD, k_LBSKH, v_LBSKH = body(x_BTD, self.blocks, k_LBSKH, v_LBSKH)
+        else:
+            for i, block in enumerate(self.blocks):
+                x_BTD, k_BSKH, v_BSKH = block.extend(x_BTD, k_LBSKH[i], v_LBSKH[i], pos_BT,
+                                                     prefill)
+                k_LBSKH, v_LBSKH = k_LBSKH.at[i].set(k_BSKH), v_LBSKH.at[i].set(v_BSKH)
+        return self.ln_f(x_BTD), k_LBSKH, v_LBSKH
 
     @property
     def head(self) -> VocabEmbed:

@@ -32,6 +32,17 @@ from .layers import param
 NEG = jnp.finfo(jnp.float32).min
 
 
+# top-k / top-p choose among each shard's best max(top_k, TOP_CANDIDATES) tokens
+TOP_CANDIDATES = 256
+
+
+def _gumbel(key, ids_BM):
+    """Gumbel(0, 1) noise per (row, token id), the same wherever the id lives."""
+    rows_BM = jnp.broadcast_to(jnp.arange(ids_BM.shape[0])[:, None], ids_BM.shape)
+    draw = lambda b, v: jax.random.gumbel(jax.random.fold_in(jax.random.fold_in(key, b), v))
+    return jax.vmap(jax.vmap(draw))(rows_BM, ids_BM)
+
+
 def loss_chunks(loss_chunk: int, rows: int, T: int) -> tuple[int, int]:
     """(chunks n, positions per chunk c) of the chunked loss: `loss_chunk`
     tokens of `rows` rows (a dp rank's batch) as whole positions; (1, T) off."""
@@ -105,6 +116,50 @@ class VocabEmbed(nnx.Module):
         target_BT = stat(local.vocab_sum(
             jnp.where(ids_V == targets_BT[..., None], logits_BTV, 0).sum(-1)))
         return jnp.log(sumexp_BT) + max_BT - target_BT
+
+    def next_token(self, x_BD, key, *, temperature: float = 0.0, top_k: int = 0,
+                   top_p: float = 1.0):
+        """The next token [B] of each row from its last hidden state [B, D]
+        (replicated over tp), sampled over the vocab shards (`sample`)."""
+        with jax.named_scope("sample"):
+            return parallel.vocab_sample(self, x_BD, key, temperature=temperature,
+                                         top_k=top_k, top_p=top_p)
+
+    def sample(self, x_BD, key, *, temperature: float, top_k: int, top_p: float, local):
+        """Greedy (temperature 0): the arg-max over the shards, a max and a min
+        of B values over tp. Else the Gumbel-max trick (Gumbel 1954; Maddison
+        et al. 2014): arg-max of logits/temperature + Gumbel noise, which
+        samples softmax(logits/temperature) exactly; the noise of token v in
+        row b is drawn from fold_in(fold_in(key, b), v), so it depends on the
+        token, not on which shard holds it, and tp changes no token. top-k and
+        top-p (Holtzman et al. 2020) keep the k most likely tokens / the
+        smallest set holding probability p; they choose among each shard's
+        max(top_k, 256) best, gathered (B x tp x c values): exact for top-p
+        when its set has at most that many tokens."""
+        logits_BV = jnp.einsum("BD,VD->BV", x_BD.astype(jnp.float32),
+                               self.embedding[...].astype(jnp.float32))
+        logits_BV = local.constrain(logits_BV, "batch", "vocab")
+        ids_V = local.vocab_start(logits_BV.shape[-1]) + jnp.arange(logits_BV.shape[-1])
+        logits_BV = jnp.where(ids_V < self.vocab_size, logits_BV, NEG)
+        if temperature == 0:
+            return local.vocab_argmax(logits_BV)
+        s_BV = logits_BV / temperature
+        if not (top_k or top_p < 1):
+            return local.vocab_argmax(s_BV + _gumbel(key, jnp.broadcast_to(ids_V, s_BV.shape)))
+        top_BM, ids_BM = local.vocab_top(s_BV, max(top_k, TOP_CANDIDATES))
+        order_BM = jnp.argsort(-top_BM, axis=-1, stable=True)
+        top_BM = jnp.take_along_axis(top_BM, order_BM, -1)
+        ids_BM = jnp.take_along_axis(ids_BM, order_BM, -1)
+        keep_BM = jnp.ones(top_BM.shape, bool)
+        if top_k:
+            keep_BM &= jnp.arange(top_BM.shape[-1]) < top_k
+        if top_p < 1:  # probabilities under the whole vocabulary's softmax
+            max_B = local.vocab_max(s_BV.max(-1))
+            lse_B = jnp.log(local.vocab_sum(jnp.exp(s_BV - max_B[:, None]).sum(-1))) + max_B
+            p_BM = jnp.exp(top_BM - lse_B[:, None])
+            keep_BM &= jnp.cumsum(p_BM, -1) - p_BM < top_p  # the first token is always kept
+        score_BM = jnp.where(keep_BM, top_BM + _gumbel(key, ids_BM), -jnp.inf)
+        return jnp.take_along_axis(ids_BM, score_BM.argmax(-1)[:, None], -1)[:, 0]
 
     def logits(self, x_BTD):
         """Full fp32 logits [B, T, vocab_size] (unpadded), for inference."""

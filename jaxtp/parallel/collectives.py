@@ -67,6 +67,23 @@ def pmax(x):
     return jax.lax.pmax(x, IMPL_AXIS)
 
 
+def pmin(x):
+    """The minimum over tp (the lowest token id among the shards' best)."""
+    return jax.lax.pmin(x, IMPL_AXIS)
+
+
+def gather(x, axis: int):
+    """The tp shards of x side by side along `axis`, the same on every rank:
+    each rank places its shard in a zero array and the sum over tp fills it
+    (an all-reduce of tp x the shard: jax 0.10's public all_gather returns a
+    value check_vma counts as varying over tp)."""
+    tp = jax.lax.axis_size(IMPL_AXIS)
+    placed = jnp.zeros(x.shape[:axis] + (tp,) + x.shape[axis:], x.dtype)
+    placed = jax.lax.dynamic_update_index_in_dim(placed, x, rank(), axis)
+    whole = jax.lax.psum(placed, IMPL_AXIS)
+    return whole.reshape(x.shape[:axis] + (tp * x.shape[axis],) + x.shape[axis + 1:])
+
+
 def rank():
     """This shard's index on the tp axis (only inside shard_map)."""
     return jax.lax.axis_index(IMPL_AXIS)

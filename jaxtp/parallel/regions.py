@@ -28,7 +28,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from .collectives import f, f_sp, g, g_sp, pmax, rank
+from .collectives import f, f_sp, g, g_sp, gather, pmax, pmin, rank
 from .layout import DATA_AXIS, IMPL_AXIS, Layout, constrain
 
 BF16_CPU_SHARD_MAP = ("impl='shard_map' with model.dtype=bfloat16 crashes XLA's CPU compiler "
@@ -62,9 +62,40 @@ class GSPMD:
         return constrain(jnp.repeat(kv_BTCKH, n_heads // K, axis=3),
                          "batch", "seq", None, "heads", "head_dim")
 
+    def kv_per_rank(self, kv_BTCKH):
+        """Replicated kv heads for a KV cache: tp copies split over tp, copy r
+        the kv head rank r's query heads use (one per rank, not one per query
+        head as in training's `kv_for_heads`)."""
+        K, tp = kv_BTCKH.shape[3], self.layout.tp
+        kv_BTCKH = constrain(kv_BTCKH, "batch", "seq", None, None, "head_dim")
+        return constrain(jnp.repeat(kv_BTCKH, tp // K, axis=3),
+                         "batch", "seq", None, "heads", "head_dim")
+
     def vocab_rows(self, table_VD, ids_BT, dtype):
         """table[ids]: GSPMD masks each shard's rows and sums them at the gather."""
         return _cast_lookup(table_VD, ids_BT, dtype)
+
+    def _by_shard(self, x_BV):
+        """[B, V] as [B, tp, V/tp] with the tp dim split: a reduction over the
+        last dim stays on each shard, and only [B, tp] values move."""
+        B, V = x_BV.shape
+        tp = self.layout.tp
+        return constrain(x_BV.reshape(B, tp, V // tp), "batch", "vocab", None)
+
+    def vocab_argmax(self, scores_BV):
+        """The lowest id of the highest score [B], from each shard's best."""
+        s_BRV = self._by_shard(scores_BV)
+        best_BR, at_BR = s_BRV.max(-1), s_BRV.argmax(-1)
+        r_B = best_BR.argmax(-1)
+        return r_B * s_BRV.shape[-1] + jnp.take_along_axis(at_BR, r_B[:, None], 1)[:, 0]
+
+    def vocab_top(self, scores_BV, c: int):
+        """Each shard's `c` best (scores, ids), side by side [B, tp*c]."""
+        s_BRV = self._by_shard(scores_BV)
+        top_BRc, at_BRc = jax.lax.top_k(s_BRV, min(c, s_BRV.shape[-1]))
+        ids_BRc = at_BRc + (jnp.arange(s_BRV.shape[1]) * s_BRV.shape[-1])[:, None]
+        B = top_BRc.shape[0]
+        return top_BRc.reshape(B, -1), ids_BRc.reshape(B, -1)
 
     def vocab_start(self, rows: int):
         return 0
@@ -95,6 +126,23 @@ class ShardMap:
         """This rank's N/tp query heads all use one kv head: its slice."""
         group = n_heads * self.layout.tp // kv_BTCKH.shape[3]  # query heads per kv head
         return jax.lax.dynamic_slice_in_dim(kv_BTCKH, rank() * n_heads // group, 1, 3)
+
+    def kv_per_rank(self, kv_BTCKH):
+        """The kv head this rank's query heads use, for its KV cache."""
+        K = kv_BTCKH.shape[3]
+        return jax.lax.dynamic_slice_in_dim(kv_BTCKH, rank() * K // self.layout.tp, 1, 3)
+
+    def vocab_argmax(self, scores_BV):
+        """The lowest id of the highest score over every shard [B]: a max and a
+        min of B values over tp."""
+        best_B = pmax(scores_BV.max(-1))
+        at_B = scores_BV.argmax(-1) + self.vocab_start(scores_BV.shape[-1])
+        return pmin(jnp.where(scores_BV.max(-1) == best_B, at_B, jnp.iinfo(at_B.dtype).max))
+
+    def vocab_top(self, scores_BV, c: int):
+        """Each shard's `c` best (scores, ids), side by side [B, tp*c]."""
+        top_Bc, at_Bc = jax.lax.top_k(scores_BV, min(c, scores_BV.shape[-1]))
+        return gather(top_Bc, 1), gather(at_Bc + self.vocab_start(scores_BV.shape[-1]), 1)
 
     def vocab_rows(self, table_VD, ids_BT, dtype):
         """This rank's rows of table[ids]; zero for the ids other ranks hold."""
@@ -182,6 +230,45 @@ def vocab_losses(module, x_BTD, targets_BT):
     return module.losses(local.enter(x_BTD), targets_BT, local)
 
 
+def cached_region(module, x_BTD, k_BSKH, v_BSKH, pos_BT, prefill: bool):
+    """`module.cached_region`: a region that reads and extends a KV cache
+    (inference: no SP, no backward pass). The output is summed over tp (g);
+    the caches stay split over tp by kv head (`cache_spec`)."""
+    layout = module.layout
+    spec = cache_spec()
+    if layout.impl == "shard_map":
+        local = ShardMap(layout)
+
+        def fn(m, x, k, v, pos):
+            y, k, v = m.cached_region(x, k, v, pos, prefill, local)
+            return g(y), k, v
+
+        return run_sharded(module, fn, x_BTD, k_BSKH, v_BSKH, pos_BT,
+                           arg_specs=(act_spec(), spec, spec, act_spec()),
+                           out_specs=(act_spec(), spec, spec))
+    y, k_BSKH, v_BSKH = module.cached_region(x_BTD, k_BSKH, v_BSKH, pos_BT, prefill,
+                                             GSPMD(layout))
+    pin = lambda c: jax.lax.with_sharding_constraint(c, spec)
+    return constrain(y, *layout.residual), pin(k_BSKH), pin(v_BSKH)
+
+
+def vocab_sample(module, x_BD, key, *, temperature: float, top_k: int, top_p: float):
+    """`module.sample(x, key, ..., local)`: the next token [B] of each row
+    from vocab-sharded logits, with no rank holding all of them."""
+    layout = module.layout
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    if layout.impl == "shard_map":
+        local = ShardMap(layout)
+        return run_sharded(module, lambda m, x, k: m.sample(x, k, local=local, **kw), x_BD,
+                           key, arg_specs=(P(DATA_AXIS), P()), out_specs=P(DATA_AXIS))
+    return module.sample(x_BD, key, local=GSPMD(layout), **kw)
+
+
+def cache_spec() -> P:
+    """A KV cache [B, S, Kc, H]: batch over dp, its kv heads over tp."""
+    return P(DATA_AXIS, None, IMPL_AXIS, None)
+
+
 def run_sharded(module, fn: Callable, *args, arg_specs=None, out_specs=None):
     """Run `fn(local_module, *args)` per shard, inside jax.shard_map manual
     over every mesh axis.
@@ -224,8 +311,9 @@ def run_sharded(module, fn: Callable, *args, arg_specs=None, out_specs=None):
         return fn(nnx.merge(graphdef, jax.tree.unflatten(tree, leaves)), *args)
 
     in_specs = (param_specs,) + tuple(map(only, arg_specs or (act_spec(),) * len(args)))
-    return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs,
-                         out_specs=only(act_spec() if out_specs is None else out_specs),
+    out_specs = act_spec() if out_specs is None else out_specs
+    out_specs = tuple(map(only, out_specs)) if isinstance(out_specs, tuple) else only(out_specs)
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          axis_names=manual, check_vma=True)(params, *args)
 
 

@@ -1,0 +1,122 @@
+"""Generate text from a trained run or a Hugging Face checkpoint, tensor-parallel:
+`python generate.py --run runs/tiny-dp1-tp8-... --prompt "def "`.
+
+A thin CLI over `jaxtp.generate`: the KV cache is split over tp by kv heads,
+one prefill call fills it, then one jitted decode step per token; each token
+is chosen over the vocab shards (greedy at --temperature 0), so tp changes no
+token. Prompts of one batch are left-aligned (see jaxtp/generate/engine.py).
+Exit status: 0 done, 2 a usage or input error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxtp.config import ATTENTIONS, IMPLS
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", metavar="DIR", help="a train.py run directory (any tp/dp)")
+    src.add_argument("--hf", metavar="DIR", help="a Hugging Face Llama directory "
+                                                 "(save_pretrained, with tokenizer.json)")
+    ap.add_argument("--step", type=int, help="--run: this checkpoint step (default: latest)")
+    ap.add_argument("--prompt", action="append", default=[],
+                    help="a prompt (repeat for a batch)")
+    ap.add_argument("--prompts", metavar="FILE", help="a batch of prompts, one per line")
+    ap.add_argument("--max-new-tokens", type=int, default=100, help="(default: %(default)s)")
+    ap.add_argument("--temperature", type=float, default=0.8,
+                    help="0: greedy (default: %(default)s)")
+    ap.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0: off)")
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="keep the smallest set with this probability (1: off)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    ap.add_argument("--tp", type=int, help="tensor-parallel degree (default: the run's; 1 "
+                                           "for --hf)")
+    ap.add_argument("--impl", choices=IMPLS, help="gspmd or shard_map (default: the run's)")
+    ap.add_argument("--attention", choices=ATTENTIONS, help="the prefill's attention kernel")
+    ap.add_argument("--tokenizer", metavar="PATH",
+                    help="tokenizer.json (or a directory holding one), where the run has none")
+    return ap.parse_args(argv)
+
+
+def prompts_of(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts:
+        with open(args.prompts, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        raise ValueError("give --prompt TEXT (repeatable) or --prompts FILE")
+    return prompts
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        prompts = prompts_of(args)
+        from jaxtp.generate import Generator, Sampling
+
+        sampling = Sampling(args.temperature, args.top_k, args.top_p)
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
+        model, mesh, tokenizer = load(args)
+        ids = [tokenizer.encode(p) for p in prompts]
+        gen = Generator(model, mesh, sampling)
+        stream(gen, ids, prompts, tokenizer, args)
+    except (ValueError, OSError, ImportError, KeyError) as e:  # ConfigError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def load(args):
+    from jaxtp.parallel import ensure_devices
+
+    tp = args.tp or (1 if args.hf else None)
+    if args.run and tp is None:
+        from jaxtp.train.rundir import RunDir
+
+        tp = RunDir(args.run).config().parallel.tp if RunDir(args.run).has_run() else 1
+    print(ensure_devices(tp))
+    from jaxtp.generate.load import HFTokenizer, from_hf, from_run
+
+    if args.hf:
+        model, mesh, tokenizer = from_hf(args.hf, tp, args.impl or "gspmd", args.attention)
+    else:
+        model, mesh, tokenizer = from_run(args.run, tp, args.impl, args.step, args.attention)
+    if args.tokenizer:
+        tokenizer = HFTokenizer(args.tokenizer)
+    if tokenizer is None:
+        raise ValueError(f"the run's data has no tokenizer (token ids, vocab "
+                         f"{model.cfg.vocab_size}): pass --tokenizer PATH")
+    return model, mesh, tokenizer
+
+
+def stream(gen, ids, prompts, tokenizer, args) -> None:
+    """Print each prompt's completion; a single prompt as its tokens come."""
+    decoders = [tokenizer.decoder() for _ in prompts]
+    texts = ["" for _ in prompts]
+    done = [False] * len(prompts)
+    if len(prompts) == 1:
+        print(prompts[0], end="", flush=True)
+    for toks in gen.stream(ids, args.max_new_tokens, seed=args.seed, eos=tokenizer.eos):
+        for b, t in enumerate(toks):
+            if done[b]:
+                continue
+            done[b] = tokenizer.eos is not None and int(t) == tokenizer.eos
+            piece = "" if done[b] else decoders[b]([int(t)])
+            texts[b] += piece
+            if len(prompts) == 1:
+                print(piece, end="", flush=True)
+    if len(prompts) == 1:
+        print()
+        return
+    for p, t in zip(prompts, texts):
+        print(f"--- {p!r}\n{p}{t}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

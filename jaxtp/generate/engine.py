@@ -1,0 +1,157 @@
+"""Tensor-parallel generation: a KV cache split over tp, one prefill, one
+jitted decode step per token, sampling over the vocab shards.
+
+- The cache: per layer k and v of [B, S, Kc, H], S = longest prompt +
+  max_new_tokens (at most model.seq_len), preallocated; Kc = K split over tp
+  like the kv weights, or when K < tp, tp copies split over tp: each rank
+  keeps only the kv head its query heads use. Bytes per device:
+  2 * L * B * S * max(K, tp)/tp * H * bytes (`cache_bytes_per_device`).
+- Prompts of different lengths are left-aligned (right-padded): row b's
+  prompt fills slots [0, len_b) and its generated tokens the slots after it,
+  so slot s always holds position s. Prefill runs the padded prompts through
+  the configured attention kernel (causal: no real token sees a pad) and
+  writes their k, v; each decode step writes one token per row at its own
+  position and attends over the slots up to it, so the pads a prompt left
+  are overwritten before any query can see them.
+- The next token comes from `VocabEmbed.next_token`: an arg-max (greedy) or
+  Gumbel-max over the vocab shards, so no device holds the [B, V] logits and
+  tp changes no token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ..config import Config
+from ..parallel import Layout, cache_spec, named
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: temperature 0 is greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0: greedy)")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0: off)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1] (1: off)")
+
+
+def cache_heads(layout: Layout, m) -> int:
+    """Kc: the kv heads a cache holds over all tp ranks: K, or when K < tp one
+    per rank (the kv head its query heads use)."""
+    return m.kv_heads if layout.kv_sharded else layout.tp
+
+
+def cache_bytes_per_device(cfg: Config, batch: int, length: int) -> int:
+    """2 * L * B * S * (Kc / tp) * H * bytes: k and v of every layer."""
+    m, layout = cfg.model, Layout.of(cfg)
+    per_rank = cache_heads(layout, m) // layout.tp
+    return 2 * m.n_layers * batch * length * per_rank * m.head_dim * \
+        jnp.dtype(m.dtype).itemsize
+
+
+class Generator:
+    """Generates from a model (`jaxtp.model.Transformer`) placed on `mesh`."""
+
+    def __init__(self, model, mesh, sampling: Sampling = Sampling()):
+        self.cfg = model.cfg
+        self.layout: Layout = model.layout
+        if self.layout.sp:
+            raise ValueError("generation runs without sequence parallelism (one token "
+                             "per step cannot be split over tp): build the model with sp off")
+        self.mesh, self.sampling = mesh, sampling
+        self.graphdef, self.params = nnx.split(model)
+        # closures over this generator's graphdef, not jitted bound methods:
+        # JAX keys its trace cache on the function, and a later generator's
+        # method could be served an earlier one's trace
+        graphdef, s = self.graphdef, sampling
+
+        def next_token(model, x_BD, key):
+            return model.head.next_token(x_BD, key, temperature=s.temperature, top_k=s.top_k,
+                                         top_p=s.top_p)
+
+        def prefill(params, tokens_BP, lens_B, k, v, key):
+            model = nnx.merge(graphdef, params)
+            pos_BP = jnp.broadcast_to(jnp.arange(tokens_BP.shape[1]), tokens_BP.shape)
+            x_BPD, k, v = model.extend(tokens_BP, pos_BP, k, v, prefill=True)
+            last_BD = jnp.take_along_axis(x_BPD, (lens_B - 1)[:, None, None], 1)[:, 0]
+            return next_token(model, last_BD, key), k, v
+
+        def decode(params, tok_B, pos_B, k, v, key):
+            model = nnx.merge(graphdef, params)
+            x_B1D, k, v = model.extend(tok_B[:, None], pos_B[:, None], k, v, prefill=False)
+            return next_token(model, x_B1D[:, 0], key), k, v
+
+        self._prefill = jax.jit(prefill)
+        self._decode = jax.jit(decode, donate_argnums=(3, 4))  # the caches, in place
+
+    def empty_cache(self, batch: int, length: int):
+        m = self.cfg
+        shape = (m.n_layers, batch, length, cache_heads(self.layout, m), m.head_dim)
+        sharding = NamedSharding(self.mesh, P(None, *cache_spec()))
+        zeros = jax.jit(lambda: jnp.zeros(shape, m.dtype), out_shardings=sharding)
+        return zeros(), zeros()
+
+    def stream(self, prompts: list[list[int]], max_new_tokens: int, seed: int = 0,
+               eos: int | None = None) -> Iterator[np.ndarray]:
+        """Yield the next token of every row [B] per step, max_new_tokens times
+        (or until every row has produced `eos`)."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        lens = np.array([len(p) for p in prompts], np.int32)
+        length = int(lens.max()) + max_new_tokens
+        if length > self.cfg.seq_len:
+            raise ValueError(f"the longest prompt ({lens.max()} tokens) + max_new_tokens "
+                             f"({max_new_tokens}) exceeds model.seq_len="
+                             f"{self.cfg.seq_len}, the longest sequence it was built for")
+        B = len(prompts)
+        tokens = np.zeros((B, int(lens.max())), np.int32)
+        for b, p in enumerate(prompts):
+            tokens[b, : len(p)] = p
+        key = jax.random.PRNGKey(seed)  # step n samples with fold_in(key, n)
+        put = lambda a: jax.device_put(a, named(self.mesh, "batch", *[None] * (a.ndim - 1)))
+        with jax.set_mesh(self.mesh):
+            k, v = self.empty_cache(B, length)
+            tok, k, v = self._prefill(self.params, put(tokens), put(lens), k, v,
+                                      jax.random.fold_in(key, 0))
+            pos, done = lens.copy(), np.zeros(B, bool)
+            for step in range(1, max_new_tokens + 1):
+                host = np.asarray(tok)
+                yield host
+                done |= host == eos if eos is not None else False
+                if step == max_new_tokens or done.all():
+                    return
+                tok, k, v = self._decode(self.params, tok, put(pos), k, v,
+                                         jax.random.fold_in(key, step))
+                # a new array: on CPU device_put may share the host buffer with
+                # the step still queued, so it must not be changed in place
+                pos = pos + 1
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, seed: int = 0,
+                 eos: int | None = None, on_token: Callable | None = None) -> list[list[int]]:
+        """The generated tokens of every row (up to and including `eos`)."""
+        out = [[] for _ in prompts]
+        for toks in self.stream(prompts, max_new_tokens, seed, eos):
+            for b, t in enumerate(toks):
+                if not (out[b] and eos is not None and out[b][-1] == eos):
+                    out[b].append(int(t))
+            if on_token is not None:
+                on_token(toks)
+        return out
+
+
+__all__ = ["Generator", "Sampling", "cache_bytes_per_device", "cache_heads"]

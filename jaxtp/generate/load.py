@@ -1,0 +1,111 @@
+"""What generation starts from: a model placed at any tp (from a run's
+checkpoint or a Hugging Face directory) and the tokenizer its data used."""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import json
+from pathlib import Path
+
+from ..config import Config, ConfigError, ParallelConfig, validate
+
+
+class ByteTokenizer:
+    """Byte-level text (vocab 256): the built-in corpus and plain text files."""
+
+    name = "bytes"
+    eos = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decoder(self):
+        """A function of new token ids -> the text they complete (UTF-8 split
+        across tokens is held back until whole)."""
+        dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        return lambda ids: dec.decode(bytes(ids))
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json`, through the `tokenizers` package."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {path}")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ImportError("reading a tokenizer needs the tokenizers package: "
+                              "pip install -e '.[data]'") from None
+        self.tok, self.name = Tokenizer.from_file(str(file)), str(file)
+        config = file.parent / "config.json"
+        eos = json.loads(config.read_text()).get("eos_token_id") if config.is_file() else None
+        self.eos = eos[0] if isinstance(eos, list) else eos
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def decoder(self):
+        """New ids -> the text they add (decoding the whole sequence so far, as
+        byte-level BPE pieces join only in context)."""
+        ids, said = [], ""
+
+        def more(new):
+            nonlocal said
+            ids.extend(new)
+            text = self.tok.decode(ids)
+            out, said = text[len(said):], text
+            return out
+        return more
+
+
+def generation_config(cfg: Config, tp: int | None, impl: str | None,
+                      attention: str | None) -> Config:
+    """A run's config as generation uses it: one dp rank, tp (default the
+    run's), no SP or FSDP (the checkpoint reshards into this layout)."""
+    p = cfg.parallel
+    model = dataclasses.replace(cfg.model, attention=attention or cfg.model.attention)
+    return validate(Config(model, cfg.train, ParallelConfig(
+        dp=1, tp=tp or p.tp, impl=impl or p.impl)))
+
+
+def from_run(run_dir: str | Path, tp: int | None = None, impl: str | None = None,
+             step: int | None = None, attention: str | None = None, log=print):
+    """(model, mesh, tokenizer) of a training run's checkpoint (the latest
+    complete step, or `step`), at `tp`."""
+    from flax import nnx
+
+    from ..parallel import make_mesh
+    from ..train.checkpoint import Checkpointer
+    from ..train.rundir import RunDir
+    from ..train.state import abstract_train_state, resolve_attention
+
+    run = RunDir(run_dir)
+    if not run.has_run():
+        raise ConfigError(f"--run {run_dir}: no training run there (no config.json)")
+    cfg = generation_config(run.config(), tp, impl, attention)
+    mesh = make_mesh(1, cfg.parallel.tp)
+    cfg = resolve_attention(cfg, mesh.devices.flat[0])
+    target = abstract_train_state(cfg, mesh)
+    ckpt = Checkpointer(Path(run_dir) / "checkpoints", log=log)
+    try:
+        got, params, _, _ = ckpt.restore(target.params, target.opt_state,
+                                         model=dataclasses.asdict(cfg.model), step=step)
+    finally:
+        ckpt.close()
+    log(f"loaded {run_dir} step {got} at tp={cfg.parallel.tp} ({cfg.parallel.impl})")
+    model = nnx.merge(target.graphdef, params)
+    tokenizer = (HFTokenizer(run.path) if (run.path / "tokenizer.json").is_file()
+                 else ByteTokenizer() if cfg.model.vocab_size == 256 else None)
+    return model, mesh, tokenizer
+
+
+def from_hf(path: str | Path, tp: int = 1, impl: str = "gspmd", attention: str | None = None):
+    """(model, mesh, tokenizer) of a Hugging Face Llama directory, at `tp`."""
+    from ..hf import load_hf
+
+    model = load_hf(path, tp=tp, impl=impl, **({"attention": attention} if attention else {}))
+    return model, model.mesh, HFTokenizer(path)

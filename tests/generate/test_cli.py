@@ -1,0 +1,42 @@
+"""generate.py as a user runs it: from a run directory at another tp, streaming."""
+
+import pytest
+
+import generate
+from jaxtp.config import apply_overrides, load_config
+from jaxtp.train.loop import train
+from procs import SMALL
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gen") / "run"
+    cfg = apply_overrides(load_config("tiny"), SMALL + ["parallel.tp=2", "train.steps=6"])
+    train(cfg, out, log=lambda _: None)
+    return out
+
+
+@pytest.mark.slow
+def test_a_run_trained_at_tp2_generates_the_same_greedy_text_at_tp1_and_tp8(run_dir, capsys):
+    texts = {}
+    for tp, impl in ((1, "gspmd"), (8, "shard_map"), (2, "gspmd")):
+        assert generate.main(["--run", str(run_dir), "--prompt", "def f(x):", "--tp", str(tp),
+                              "--impl", impl, "--temperature", "0",
+                              "--max-new-tokens", "12"]) == 0
+        out = capsys.readouterr().out
+        assert f"at tp={tp} ({impl})" in out
+        texts[tp] = out.splitlines()[-1]
+    assert texts[1] == texts[8] == texts[2] and texts[1].startswith("def f(x):")
+    assert len(texts[1]) > len("def f(x):")
+
+
+def test_bad_requests_are_one_line(run_dir, tmp_path, capsys):
+    cases = [(["--run", str(run_dir)], "give --prompt TEXT"),
+             (["--run", str(tmp_path), "--prompt", "x"], "no training run there"),
+             (["--run", str(run_dir), "--prompt", "x", "--top-p", "0"], "top_p=0.0"),
+             (["--run", str(run_dir), "--prompt", "x", "--max-new-tokens", "40"],
+              "exceeds model.seq_len=32")]
+    for argv, said in cases:
+        assert generate.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1, err

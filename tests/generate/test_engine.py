@@ -1,0 +1,176 @@
+"""Generation: the KV-cache path against a full forward without a cache, the
+sampler against its distribution, tp invariance, and the cache's bytes."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import reference
+from jaxtp.config import Config, ModelConfig, ParallelConfig, TrainConfig, validate
+from jaxtp.generate import Generator, Sampling, cache_bytes_per_device
+from jaxtp.model.transformer import unstack_layers
+from jaxtp.parallel import make_mesh
+from jaxtp.train.state import init_params
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11]]  # three lengths in one batch
+NEW = 8
+# (style, n_kv_heads): MHA, GQA with K < tp at tp=8 (and K = tp at 2), MQA
+MODELS = {"gpt2": ("gpt2", 0), "llama-gqa": ("llama", 2), "llama-mqa": ("llama", 1)}
+
+
+def config(name: str, tp: int, impl: str = "gspmd", scan: bool = False) -> Config:
+    style, K = MODELS[name]
+    # init_std 0.3: peaked logits, so no greedy choice is a near tie that the
+    # cache's other summation order could flip
+    m = ModelConfig(style=style, n_layers=2, d_model=64, n_heads=8, n_kv_heads=K, d_ff=128,
+                    seq_len=32, init_std=0.3, attention="xla", scan_layers=scan,
+                    use_bias=style == "gpt2", tie_embeddings=style == "gpt2")
+    return validate(Config(m, TrainConfig(), ParallelConfig(tp=tp, impl=impl)))
+
+
+def generator(cfg: Config, sampling: Sampling = Sampling()):
+    mesh = make_mesh(1, cfg.parallel.tp)
+    graphdef, params, _ = init_params(cfg, mesh)  # the same values at every tp
+    return Generator(nnx.merge(graphdef, params), mesh, sampling), params
+
+
+@functools.cache
+def reference_greedy(name: str, scan: bool = False) -> list[list[int]]:
+    """Arg-max of the plain single-device forward over the growing sequence,
+    no cache: the whole prefix is recomputed for every token."""
+    cfg = config(name, 1, scan=scan)
+    _, params = generator(cfg)
+    p = reference.host_params(params)
+    p = unstack_layers(p) if scan else p
+    forward = jax.jit(lambda p, t: reference.forward(p, t, cfg.model)[:, -1])
+    out = []
+    for prompt in PROMPTS:
+        seq = list(prompt)
+        for _ in range(NEW):
+            seq.append(int(np.asarray(forward(p, np.array([seq], np.int32))).argmax()))
+        out.append(seq[len(prompt):])
+    return out
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("tp", [1, 2, 8])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_greedy_with_the_cache_equals_the_full_forward(name, tp, impl):
+    gen, _ = generator(config(name, tp, impl))
+    assert gen.generate(PROMPTS, NEW) == reference_greedy(name)
+
+
+test_greedy_with_the_cache_equals_the_full_forward.fast_cases = {
+    "llama-gqa-8-shard_map", "gpt2-2-gspmd"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+def test_scanned_layers_generate_the_same(impl):
+    gen, _ = generator(config("llama-gqa", 8, impl, scan=True))
+    assert gen.generate(PROMPTS, NEW) == reference_greedy("llama-gqa", scan=True)
+
+
+SAMPLINGS = {"temperature": Sampling(0.9), "top-k": Sampling(1.2, top_k=5),
+             "top-p": Sampling(1.0, top_p=0.8), "top-k-p": Sampling(0.7, top_k=20, top_p=0.9)}
+
+
+@pytest.mark.parametrize("how", list(SAMPLINGS))
+def test_seeded_sampling_is_the_same_at_tp1_and_tp8(how):
+    s = SAMPLINGS[how]
+    one = generator(config("llama-gqa", 1), s)[0].generate(PROMPTS, NEW, seed=3)
+    for impl in ("gspmd", "shard_map"):
+        assert generator(config("llama-gqa", 8, impl), s)[0].generate(PROMPTS, NEW, seed=3) == one
+    other = generator(config("llama-gqa", 1), s)[0].generate(PROMPTS, NEW, seed=4)
+    assert other != one  # the seed matters
+
+
+test_seeded_sampling_is_the_same_at_tp1_and_tp8.fast_cases = {"top-k"}
+
+
+def _draws(head, x_BD, sampling: Sampling, n_keys: int) -> np.ndarray:
+    """Tokens sampled for the same hidden state under n_keys keys: [n_keys, B]."""
+    def draw(key):
+        return head.next_token(x_BD, key, temperature=sampling.temperature,
+                               top_k=sampling.top_k, top_p=sampling.top_p)
+    keys = jax.random.split(jax.random.PRNGKey(0), n_keys)
+    return np.asarray(jax.jit(jax.vmap(draw))(keys))
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+def test_the_sampler_draws_from_the_filtered_softmax(impl):
+    """Empirical frequencies of 4000 x 8 draws against softmax(logits / T)
+    restricted to the top-k / top-p set, computed here from the full logits."""
+    cfg = config("gpt2", 8, impl)
+    gen, params = generator(cfg)
+    model = nnx.merge(gen.graphdef, params)
+    x_BD = jax.random.normal(jax.random.PRNGKey(1), (8, 64)) * 2
+    table = reference.host_params(params)["wte"]["embedding"][:256]
+    logits = np.asarray(x_BD) @ table.T
+    for s in (Sampling(1.3), Sampling(1.0, top_k=4), Sampling(0.8, top_p=0.7)):
+        with jax.set_mesh(gen.mesh):
+            toks = _draws(model.head, x_BD, s, 4000)
+        z = logits / s.temperature
+        p = np.exp(z - z.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        order = np.argsort(-p, -1)
+        rank = np.argsort(order, -1)
+        keep = np.ones_like(p, bool)
+        if s.top_k:
+            keep &= rank < s.top_k
+        if s.top_p < 1:
+            sorted_p = np.take_along_axis(p, order, -1)
+            before = np.cumsum(sorted_p, -1) - sorted_p
+            keep &= np.take_along_axis(before < s.top_p, rank, -1)
+        want = np.where(keep, p, 0)
+        want /= want.sum(-1, keepdims=True)
+        for b in range(8):
+            got = np.bincount(toks[:, b], minlength=256) / len(toks)
+            assert got[~keep[b]].sum() == 0, (s, b)  # nothing outside the set
+            # 4000 draws: a frequency's standard error is at most 0.008
+            np.testing.assert_allclose(got, want[b], atol=0.035, err_msg=str(s))
+
+
+test_the_sampler_draws_from_the_filtered_softmax.fast_cases = {"gspmd"}
+
+
+@pytest.mark.parametrize("name, tp", [("gpt2", 8), ("llama-gqa", 8), ("llama-gqa", 2),
+                                      ("llama-mqa", 4)])
+def test_the_cache_holds_the_formulas_bytes_per_device(name, tp):
+    cfg = config(name, tp)
+    gen, _ = generator(cfg)
+    with jax.set_mesh(gen.mesh):
+        k, v = gen.empty_cache(4, 24)
+    per_device = sum(s.data.nbytes for a in (k, v) for s in a.addressable_shards) / tp
+    m = cfg.model
+    K, H = m.kv_heads, m.head_dim
+    # 2 * L * B * T_max * K * H * bytes / tp, K/tp rounded up to 1 when K < tp
+    want = 2 * m.n_layers * 4 * 24 * max(K / tp, 1) * H * 4
+    assert per_device == want == cache_bytes_per_device(cfg, 4, 24)
+
+
+def test_bad_requests_are_refused():
+    gen, _ = generator(config("gpt2", 2))
+    with pytest.raises(ValueError, match="exceeds model.seq_len=32"):
+        gen.generate([[1] * 30], 5)
+    with pytest.raises(ValueError, match="at least one token"):
+        gen.generate([[1], []], 5)
+    with pytest.raises(ValueError, match="top_p=0"):
+        Sampling(1.0, top_p=0)
+    with pytest.raises(ValueError, match="without sequence parallelism"):
+        cfg = config("gpt2", 2)
+        cfg = Config(cfg.model, cfg.train, ParallelConfig(tp=2, sp=True))
+        generator(cfg)
+
+
+def test_eos_stops_a_row_and_the_rest_go_on():
+    gen, _ = generator(config("gpt2", 2))
+    free = gen.generate(PROMPTS, NEW)
+    eos = free[1][2]  # row 1 stops by its third token
+    out = gen.generate(PROMPTS, NEW, eos=eos)
+    assert len(out[1]) <= 3 and max(map(len, out)) > 3
+    for got, row in zip(out, free):  # each row up to its own first eos, if any
+        assert got == (row[:row.index(eos) + 1] if eos in row else row)
