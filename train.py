@@ -286,7 +286,7 @@ def start_jax(args, cfg: Config) -> str | None:
         if platforms and not str(e):
             return (f"JAX_PLATFORMS={platforms}: JAX found no such device on this machine; "
                     "unset JAX_PLATFORMS, or name a platform this machine has (cpu)")
-        return str(e)
+        return str(e) or type(e).__name__
     uses_shard_map = p.impl == "shard_map" or args.compare_hlo
     if uses_shard_map and cfg.model.dtype == "bfloat16" and on_cpu:
         return BF16_CPU_SHARD_MAP
@@ -317,12 +317,14 @@ def run(args, cfg: Config, given: dict) -> int:
 
     from jaxtp.train.loop import train
 
-    init = None
-    hf = given["init_from_hf"]
-    if hf and not (args.resume and RunDir(args.out).checkpoint_steps()):
+    init, hf = None, given["init_from_hf"]
+    if hf:
         from jaxtp.hf import read_hf
 
-        init = read_hf(hf, **dataclasses.asdict(cfg.model))[1]
+        init = lambda: read_hf(hf, **dataclasses.asdict(cfg.model))[1]
+        if not (args.resume and RunDir(args.out).has_run()):
+            init = init()  # a new run: a broken download is refused before writing
+        # else read only if the run has no checkpoint to continue from
     summary = train(cfg, args.out, data_path=given["data"], check=args.check, init_params=init,
                     resume=args.resume, inject_nan_at=args.inject_nan_at,
                     peak_tflops=args.peak_tflops, tensorboard=args.tensorboard,

@@ -54,6 +54,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ..parallel.distributed import any_process
+
 FORMAT = 1
 # Model config keys that change parameter names, shapes or dtypes (a stale
 # list is caught by the per-array shape check, with a less helpful message).
@@ -61,6 +63,13 @@ SHAPE_KEYS = ("style", "vocab_size", "vocab_multiple", "n_layers", "d_model", "n
               "n_kv_heads", "d_ff", "seq_len", "param_dtype", "tie_embeddings", "use_bias",
               "scan_layers")
 _MISSING = "<absent>"
+
+
+def _agree(why: str | None) -> None:
+    """Raise SaveFailed in every process if any has a reason: one process
+    stopping alone would leave the others waiting in a collective."""
+    if any_process(why is not None):
+        raise SaveFailed(why or "a checkpoint save failed in another process: see its log")
 
 
 class _QuietClosedLoop:
@@ -82,8 +91,9 @@ class CheckpointError(RuntimeError):
 
 
 class SaveFailed(CheckpointError):
-    """A save failed or would not fit (the file system's fault, not the run's):
-    the checkpoints saved before it are intact."""
+    """A save failed or would not fit, or another file of the run could not be
+    written (the file system's fault, not the run's): the checkpoints saved
+    before it are intact."""
 
 
 class _QuietOrbax(logging.Filter):
@@ -182,8 +192,14 @@ class Checkpointer:
 
     def save(self, step: int, params, opt_state, meta: dict) -> None:
         """Start saving; returns once the arrays are copied off the devices.
-        Raises SaveFailed if the previous save failed or this one cannot fit."""
-        self.wait()
+        Raises SaveFailed if the previous save failed or this one cannot fit
+        (in every process, if in any)."""
+        why = None
+        try:
+            self.wait()
+        except SaveFailed as e:
+            why = str(e)
+        _agree(why)
         for s in sorted(self._corrupt & set(self.steps())):
             if s >= step:  # newer than what we resumed from, and unusable
                 self.log(f"WARNING: deleting corrupt checkpoint step {s} in {self.directory} "
@@ -218,16 +234,15 @@ class Checkpointer:
         """Refuse (SaveFailed: "cannot {what}") a save of `size` bytes that the
         file system has no room for, before writing anything (local
         directories; every process checks, as each writes its own shards)."""
-        text = os.fspath(self.directory)
-        if "://" in text:
-            return
-        where = next(p for p in (self.directory, *self.directory.parents) if p.exists())
-        free = shutil.disk_usage(os.fspath(where)).free
-        if free < size:
-            raise SaveFailed(
-                f"cannot {what} in {self.directory}: a checkpoint takes "
-                f"{size / 2**20:,.1f} MiB and the file system has {free / 2**20:,.1f} MiB "
-                f"free{self._latest_said()}")
+        why = None
+        if "://" not in os.fspath(self.directory):
+            where = next(p for p in (self.directory, *self.directory.parents) if p.exists())
+            free = shutil.disk_usage(os.fspath(where)).free
+            if free < size:
+                why = (f"cannot {what} in {self.directory}: a checkpoint takes "
+                       f"{size / 2**20:,.1f} MiB and the file system has "
+                       f"{free / 2**20:,.1f} MiB free{self._latest_said()}")
+        _agree(why)
 
     def _latest_said(self) -> str:
         latest = self.latest_step()
@@ -244,6 +259,15 @@ class Checkpointer:
         except SaveFailed as e:
             return str(e)
         return None
+
+    def finish(self) -> None:
+        """`wait`, agreed: a failed save raises SaveFailed in every process."""
+        why = None
+        try:
+            self.wait()
+        except SaveFailed as e:
+            why = str(e)
+        _agree(why)
 
     def wait(self) -> None:
         """Block until pending saves are committed (and old steps removed)."""
@@ -369,8 +393,8 @@ def _brief(e: BaseException) -> str:
     """An exception as one short line: its root cause (orbax wraps tensorstore's
     error in one whose text is a pybind11 method repr), with the OS error's
     name where there is one (e.g. "No space left on device")."""
-    for _ in range(10):  # a chain, not a cycle
-        e = e.__cause__ or e.__context__ or e
+    for _ in range(10):  # a chain, not a cycle; `raise ... from None` ends it
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__) or e
     text = (str(e).strip().splitlines() or [""])[0].replace("\\'", "'")
     code = re.search(r"\[os_error_code='?(\d+)'?\]", text)
     if code:  # a file system error: its name and the file are what matter

@@ -68,7 +68,7 @@ from .optim import lr_schedule
 from .record import run_record
 from .rundir import RunDir, write_atomic
 from .runstate import RunState
-from .start import check_options, claim, count_params, describe, restore_or_init
+from .start import check_options, claim, count_params, describe, process0, restore_or_init
 from .state import abstract_model, resolve_attention
 from .step import ReplayCheck, make_eval_step
 
@@ -132,17 +132,16 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None, *,
     tokens = load_tokens(data_path)
     data = Dataset(tokens, cfg.model.seq_len, cfg.model.vocab_size)
     mesh = make_mesh(cfg.parallel.dp, cfg.parallel.tp)
+    asked = cfg  # as given: the run records "auto", not the kernel this machine picks
     cfg = resolve_attention(cfg, mesh.devices.flat[0])  # a KernelError before writing
     out = Path(out_dir)
     rerun = resume and RunDir(out).has_run()
-    changes = claim(RunDir(out), resume, tensorboard, cfg, data_path,
+    changes = claim(RunDir(out), resume, tensorboard, asked, data_path,
                     (launch or {}).get("init_from_hf"), log)
     ckpt = Checkpointer(out / "checkpoints", keep=cfg.train.keep_checkpoints, log=log)
     try:
         run = RunState.of(cfg, data_identity(tokens, data_path and os.path.abspath(data_path)))
         state, run = restore_or_init(run, ckpt, cfg, mesh, init_params, rerun, log)
-        if jax.process_index() == 0:
-            RunDir(out).resumed(changes, run.step, list(argv or []))
         last = min(cfg.train.steps, until or cfg.train.steps)
         if last <= run.step:
             log(f"the run in {out} is already at step {run.step}"
@@ -153,8 +152,12 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None, *,
         # a disk too small for one checkpoint: refused now, not at the first save
         ckpt.check_space(nbytes(jax.tree.leaves((state.params, state.opt_state))),
                          "start the run")
+        # a resume's changes become the run's once a step ran with them (not
+        # when the resume dies in compile, e.g. out of memory at another tp)
+        started = functools.partial(process0, lambda: RunDir(out).resumed(
+            changes, run.step, list(argv or [])), "record the resume in resumes.jsonl")
         loop = _Loop(cfg, mesh, out, ckpt, run, state, data, log, check, inject_nan_at,
-                     peak_tflops, tensorboard, until)
+                     peak_tflops, tensorboard, until, started)
         loop.run(last)
         return loop.summary()
     finally:
@@ -166,14 +169,14 @@ class _Loop:
     step, and the host's bookkeeping (rows, rates, host time, saves)."""
 
     def __init__(self, cfg, mesh, out, ckpt, run, state, data, log, check, inject_nan_at,
-                 peak_tflops, tensorboard, until):
+                 peak_tflops, tensorboard, until, started):
         m, t = cfg.model, cfg.train
         self.cfg, self.mesh, self.out, self.ckpt, self.run_state, self.log = (
             cfg, mesh, out, ckpt, run, log)
-        self.until = until
+        self.until, self.started = until, started
         # before compiling: a damaged log is repaired or refused first
-        self.metrics_log = MetricsLog(out, run.step, tensorboard, log) \
-            if jax.process_index() == 0 else None
+        self.metrics_log = process0(lambda: MetricsLog(out, run.step, tensorboard, log),
+                                    "open metrics.jsonl")
         self.n_params = count_params(state.params)
         for line in describe(cfg, self.n_params, data):
             log(line)
@@ -212,9 +215,12 @@ class _Loop:
             with jax.set_mesh(self.mesh), _Signals() as signals:
                 for step in range(self.run_state.step + 1, last + 1):
                     self.step = step
-                    if self.one_step(step, signals):
+                    stop = self.one_step(step, signals)
+                    if step == self.run_state.step + 1:
+                        self.started()
+                    if stop:
                         break
-                self.ckpt.wait()
+                self.ckpt.finish()
         except SaveFailed as e:
             raise SaveFailed(f"{e}; the run stopped after step {self.step}: fix the cause "
                              f"(e.g. free space) and continue with --resume --out "
@@ -252,7 +258,7 @@ class _Loop:
         if self._signalled(signals, row_step or ckpt_step):
             self.interrupted = signal.Signals(signals.received or signal.SIGTERM).name
             self.save(step, self.loop.to_json())
-            self.ckpt.wait()
+            self.ckpt.finish()
             self.log(f"{self.interrupted} received: saved a checkpoint at step {step} in "
                      f"{self.out}/checkpoints; continue with --resume --out {self.out}")
             return True
@@ -297,7 +303,7 @@ class _Loop:
         in one process; at the next row or checkpoint with several."""
         if jax.process_count() > 1 and not synced:
             return
-        why = self.ckpt.failed_save()
+        why = self.ckpt.failed_save() or (self.metrics_log and self.metrics_log.error)
         if any_process(why is not None):
             raise SaveFailed(why or "a checkpoint save failed in another process")
 
@@ -313,7 +319,7 @@ class _Loop:
         reached it (the steps dispatched after it changed nothing) and stop."""
         at, limit = loop["stop_at"], self.cfg.train.max_skipped_steps
         self.save(at, loop)
-        self.ckpt.wait()
+        self.ckpt.finish()
         raise TrainingStopped(
             f"stopping at step {at}: {limit} steps in a row had a non-finite or "
             f"spiking loss/gradient (train.max_skipped_steps={limit}); the last "
@@ -332,7 +338,11 @@ class _Loop:
         host_ms = float(np.median(self.host_s)) * 1e3 if self.host_s else None
         self.record["host_ms_per_step"] = host_ms
         if jax.process_index() == 0:
-            write_atomic(self.out / "run.json", json.dumps(self.record, indent=2) + "\n")
+            try:
+                write_atomic(self.out / "run.json", json.dumps(self.record, indent=2) + "\n")
+            except OSError as e:
+                raise SaveFailed(f"cannot write {self.out}/run.json ({e.strerror}); the run "
+                                 "itself finished and is checkpointed") from None
         h, steps = self.history, self.cfg.train.steps
         summary = {
             "first_loss": h[0]["loss"] if h else None,

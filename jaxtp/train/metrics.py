@@ -8,6 +8,8 @@ import json
 import math
 from pathlib import Path
 
+from .rundir import write_atomic
+
 GiB = 2**30
 
 
@@ -137,10 +139,10 @@ class MetricsLog:
 
     def __init__(self, out: Path, resumed_at: int = 0, tensorboard: bool = False,
                  log=print):
-        self.path = out / "metrics.jsonl"
+        self.path, self.error = out / "metrics.jsonl", None
         if self.path.exists():
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in self._rows(log)
-                                         if r["step"] <= resumed_at))
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self._rows(log)
+                                            if r["step"] <= resumed_at))
         self.writer = (self.check_tensorboard()(str(out / "tensorboard")) if tensorboard
                        else None)
         self.file = open(self.path, "a")
@@ -176,8 +178,14 @@ class MetricsLog:
         return SummaryWriter
 
     def write(self, row: dict) -> None:
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        """Append a row; a failed write is kept in `error` (the loop stops on
+        it at the next synchronised step) rather than raised in process 0 alone."""
+        try:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        except OSError as e:
+            self.error = self.error or f"cannot write {self.path} ({e.strerror})"
+            return
         if self.writer is not None:
             for k, v in row.items():
                 if k != "step" and v is not None:

@@ -71,11 +71,6 @@ class RunDir:
     def has_run(self) -> bool:
         return self.config_path.is_file()
 
-    def checkpoint_steps(self) -> list[int]:
-        """The step directories orbax has finished (their names are the step)."""
-        d = self.path / "checkpoints"
-        return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
-
     def _read_json(self, path: Path):
         try:
             return json.loads(path.read_text())
@@ -133,8 +128,8 @@ class RunDir:
             return
         entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "step": step, "argv": argv,
                  "changes": {k: list(v) for k, v in changes.items()}}
-        with open(self.history_path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        lines = [json.dumps(h) for h in self.history()] + [json.dumps(entry)]
+        write_atomic(self.history_path, "".join(line + "\n" for line in lines))
 
 
 __all__ = ["RunDir", "RESUMABLE", "flat", "write_atomic"]

@@ -93,17 +93,34 @@ def claim(run_dir: RunDir, resume: bool, tensorboard: bool, cfg: Config,
     return changes
 
 
+def process0(fn: Callable, what: str):
+    """fn() in process 0 (None in the others); a failure there (OSError,
+    ValueError) raises in every process, so none is left waiting in a
+    collective for process 0."""
+    result, error = None, None
+    if jax.process_index() == 0:
+        try:
+            result = fn()
+        except (OSError, ValueError) as e:
+            error = e
+    if any_process(error is not None):
+        raise error or RuntimeError(f"process 0 could not {what}: see its log")
+    return result
+
+
 def restore_or_init(run: RunState, ckpt, cfg: Config, mesh, init_params, rerun: bool,
                     log: Callable[[str], None]) -> tuple[TrainState, RunState]:
     """The state a run starts from: its latest usable checkpoint when `rerun`
     (a resume of a run that was started before) finds any, else a fresh
-    initialisation (or `init_params`)."""
+    initialisation (or `init_params`: values, or a function that reads them,
+    called only when nothing is restored)."""
     if rerun and ckpt.steps():
         return run.resume(ckpt, cfg, mesh, log)
     if rerun:
         log(f"--resume: {ckpt.directory.parent} holds no complete checkpoint yet (stopped "
             "before its first save): starting the run from step 0 with its config")
-    return init_train_state(cfg, mesh, params=init_params), run
+    params = init_params() if callable(init_params) else init_params
+    return init_train_state(cfg, mesh, params=params), run
 
 
 def describe(cfg: Config, n_params: int, data: Dataset) -> list[str]:
