@@ -193,6 +193,10 @@ def test_a_wheel_install_has_its_presets(tmp_path):
                         str(site), str(src)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert sorted(p.stem for p in (site / "jaxtp" / "configs").glob("*.json")) == preset_names()
+    # pyproject lists the packages by name: every one of them is installed
+    packages = lambda root: {p.parent.relative_to(root) for p in (root / "jaxtp").rglob(
+        "__init__.py") if "__pycache__" not in p.parts}
+    assert packages(ROOT) <= packages(site)
     elsewhere.mkdir()
     shutil.copy(ROOT / "train.py", elsewhere)  # no jaxtp/ beside it: the installed one
     env = child_env() | {"PYTHONPATH": str(site)}

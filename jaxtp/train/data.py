@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from .. import data as token_files
 from ..parallel import named
 from ..parallel.distributed import global_batch
 
@@ -38,14 +39,18 @@ def builtin_corpus(max_bytes: int = BUILTIN_MAX_BYTES) -> np.ndarray:
 
 
 def load_tokens(path: str | None) -> np.ndarray:
-    """None -> built-in corpus; `*.bin` -> flat uint16 token ids; else UTF-8 text as bytes."""
+    """None -> built-in corpus; a token file (`jaxtp.data`) -> its ids,
+    memory-mapped; `*.bin` -> flat uint16 token ids; else UTF-8 text as bytes."""
     if path is None:
         return builtin_corpus()
     p = Path(path)
     if p.is_dir():
-        raise IsADirectoryError(f"--data {path} is a directory: give one text or .bin file")
+        raise IsADirectoryError(f"--data {path} is a directory: give one text, token or "
+                                ".bin file")
     if not p.is_file():
         raise FileNotFoundError(f"--data {path}: no such file")
+    if token_files.is_token_file(p):
+        return token_files.read_tokens(p)[0]
     if p.suffix == ".bin":
         if p.stat().st_size % 2:
             raise ValueError(f"--data {path}: a .bin file holds uint16 ids, but its size "
@@ -95,9 +100,12 @@ class Dataset:
     """Train/validation token arrays with random (train) and fixed (eval) windows."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, vocab_size: int,
-                 val_fraction: float = 0.1):
-        if tokens.size and int(tokens.max()) >= vocab_size:
-            raise ValueError(f"data has token id {int(tokens.max())} but model.vocab_size="
+                 val_fraction: float = 0.1, max_id: int | None = None):
+        """`max_id`: the largest id, where known (a token file's header), so
+        that a memory-mapped file is not read whole to find it."""
+        top = max_id if max_id is not None else int(tokens.max()) if tokens.size else -1
+        if top >= vocab_size:
+            raise ValueError(f"data has token id {top} but model.vocab_size="
                              f"{vocab_size}; raise model.vocab_size above it")
         n_val = int(len(tokens) * val_fraction)
         self.train, self.val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]

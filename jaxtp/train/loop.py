@@ -56,6 +56,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from .. import data as token_files
 from ..config import Config
 from ..parallel import make_mesh, named
 from ..parallel.distributed import any_process
@@ -68,7 +69,8 @@ from .optim import lr_schedule
 from .record import run_record
 from .rundir import RunDir, write_atomic
 from .runstate import RunState
-from .start import check_options, claim, count_params, describe, process0, restore_or_init
+from .start import (check_data, check_options, claim, count_params, describe, process0,
+                    restore_or_init)
 from .state import abstract_model, resolve_attention
 from .step import ReplayCheck, make_eval_step
 
@@ -130,14 +132,18 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None, *,
     check_options(check, resume, until, inject_nan_at, peak_tflops)
     log = log if jax.process_index() == 0 else (lambda _: None)
     tokens = load_tokens(data_path)
-    data = Dataset(tokens, cfg.model.seq_len, cfg.model.vocab_size)
+    header = token_files.read_header(data_path) if data_path and \
+        token_files.is_token_file(data_path) else {}
+    data = Dataset(tokens, cfg.model.seq_len, cfg.model.vocab_size,
+                   max_id=header.get("max_id"))
+    tokenizer = check_data(data_path, data, cfg, (launch or {}).get("init_from_hf"))
     mesh = make_mesh(cfg.parallel.dp, cfg.parallel.tp)
     asked = cfg  # as given: the run records "auto", not the kernel this machine picks
     cfg = resolve_attention(cfg, mesh.devices.flat[0])  # a KernelError before writing
     out = Path(out_dir)
     rerun = resume and RunDir(out).has_run()
     changes = claim(RunDir(out), resume, tensorboard, asked, data_path,
-                    (launch or {}).get("init_from_hf"), log)
+                    (launch or {}).get("init_from_hf"), tokenizer, log)
     ckpt = Checkpointer(out / "checkpoints", keep=cfg.train.keep_checkpoints, log=log)
     try:
         run = RunState.of(cfg, data_identity(tokens, data_path and os.path.abspath(data_path)))

@@ -8,6 +8,7 @@ error before anything is compiled, and nothing here leaves a directory that
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Callable
 
@@ -61,7 +62,7 @@ def prepare_out_dir(out_dir: str | Path) -> Path:
 
 
 def claim(run_dir: RunDir, resume: bool, tensorboard: bool, cfg: Config,
-          data_path: str | None, init_from_hf: str | None,
+          data_path: str | None, init_from_hf: str | None, tokenizer: Path | None,
           log: Callable[[str], None]) -> dict:
     """Check (process 0) that the run directory can take this run, and record
     a new run there before anything else (so that a run killed from here on
@@ -79,7 +80,7 @@ def claim(run_dir: RunDir, resume: bool, tensorboard: bool, cfg: Config,
                 changes = run_dir.changes(cfg)  # or a ConfigError naming the key
             else:
                 prepare_out_dir(run_dir.path)
-                run_dir.start(cfg, data_path, init_from_hf)
+                run_dir.start(cfg, data_path, init_from_hf, tokenizer)
     except (OSError, ImportError, ValueError) as e:
         refused = e
     if any_process(refused is not None):
@@ -91,6 +92,36 @@ def claim(run_dir: RunDir, resume: bool, tensorboard: bool, cfg: Config,
         log(f"warning: the lr schedule now spans {cfg.train.steps} steps: the steps left "
             "run at other learning rates than the run first planned")
     return changes
+
+
+def check_data(data_path: str | None, data: Dataset, cfg: Config,
+               init_from_hf: str | None) -> Path | None:
+    """Refuse data this model cannot train on: a tokenizer whose vocabulary
+    exceeds the model's, one that is not the HF checkpoint's, or a train split
+    shorter than one batch. Returns the tokenizer.json the run should keep
+    (for generate.py), if there is one."""
+    from .. import data as token_files
+
+    m, t = cfg.model, cfg.train
+    if len(data.train) < t.batch_size * (m.seq_len + 1):
+        raise ValueError(f"the data's train split has {len(data.train):,} tokens, fewer than "
+                         f"one batch (train.batch_size * (model.seq_len + 1) = "
+                         f"{t.batch_size * (m.seq_len + 1):,}): use more data")
+    hf_tok = Path(init_from_hf) / "tokenizer.json" if init_from_hf else None
+    hf_tok = hf_tok if hf_tok is not None and hf_tok.is_file() else None
+    if not (data_path and token_files.is_token_file(data_path)):
+        return hf_tok
+    info = token_files.read_header(data_path)
+    if info["vocab_size"] > m.vocab_size:
+        raise ValueError(f"--data {data_path} was tokenized with a {info['vocab_size']:,}-id "
+                         f"vocabulary ({info['tokenizer']}), larger than model.vocab_size="
+                         f"{m.vocab_size:,}: use the model's tokenizer, or raise the vocabulary")
+    if hf_tok is not None and hashlib.sha256(hf_tok.read_bytes()).hexdigest() != \
+            info["tokenizer_sha256"]:
+        raise ValueError(f"--data {data_path} was tokenized with another tokenizer than "
+                         f"{hf_tok}: prepare it with --tokenizer {init_from_hf}")
+    sidecar = Path(f"{data_path}.tokenizer.json")
+    return sidecar if sidecar.is_file() else hf_tok
 
 
 def process0(fn: Callable, what: str):

@@ -1,0 +1,147 @@
+"""Token files: a tokenizer built here (no download) -> prepare -> memmap ->
+batches -> decode gives the text back; uint32 ids; every refusal."""
+
+import json
+
+import numpy as np
+import pytest
+
+tokenizers = pytest.importorskip("tokenizers", reason="pip install -e '.[data]'")
+
+from jaxtp import data as token_files  # noqa: E402
+from jaxtp.data.__main__ import main as data_main  # noqa: E402
+from jaxtp.train.data import Dataset, load_tokens  # noqa: E402
+
+TEXT = ["def add(a, b):\n    return a + b\n" * 40, "class Point:\n    x: int = 0\n" * 40]
+
+
+def bpe(tmp_path, vocab: int = 300):
+    """A byte-level BPE trained on TEXT, saved as tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TEXT, trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def texts(tmp_path):
+    paths = []
+    for i, t in enumerate(TEXT):
+        paths.append(tmp_path / f"doc{i}.txt")
+        paths[-1].write_text(t)
+    return paths
+
+
+def test_prepare_memmap_batches_decode_round_trip(tmp_path, capsys):
+    tok_path = bpe(tmp_path)
+    out = tmp_path / "corpus.tokens"
+    assert data_main(["prepare", "--tokenizer", str(tmp_path), "--out", str(out),
+                      *map(str, texts(tmp_path))]) == 0
+    assert "tokens/s" in capsys.readouterr().out
+    tokens, header = token_files.read_tokens(out)
+    assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16
+    tok = tokenizers.Tokenizer.from_file(str(tok_path))
+    eos = tok.token_to_id("<|endoftext|>")
+    assert header["eos_id"] == eos and header["documents"] == 2
+    assert header["n_tokens"] == tokens.size and header["max_id"] == int(tokens.max())
+    # documents, each followed by EOS; decoding gives the text back
+    ends = np.flatnonzero(np.asarray(tokens) == eos)
+    assert list(ends) == [ends[0], tokens.size - 1]
+    assert tok.decode(list(tokens[:ends[0]])) == TEXT[0]
+    assert tok.decode(list(tokens[ends[0] + 1:-1])) == TEXT[1]
+    # train.py's reader maps the same ids, and batches are windows of them
+    ids = load_tokens(str(out))
+    assert isinstance(ids, np.memmap) and np.array_equal(ids, tokens)
+    ds = Dataset(ids, 16, 300, max_id=header["max_id"])
+    batch = next(ds.train_batches(4, seed=0))
+    text = tok.decode(list(batch[0]))
+    assert text in TEXT[0] + TEXT[1] or "<|endoftext|>" not in text
+    assert json.loads((tmp_path / "corpus.tokens.tokenizer.json").read_text()) == \
+        json.loads(tok_path.read_text())
+
+
+def words(tmp_path):
+    """A word-level tokenizer of 70,002 ids: w0 .. w69999, [UNK], </s>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(70_000)} | {"[UNK]": 70_000, "</s>": 70_001}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return tmp_path
+
+
+def test_a_vocabulary_over_65535_ids_is_stored_as_uint32(tmp_path):
+    (tmp_path / "t.txt").write_text("w1 w69999 w65536 w7\n")
+    header = token_files.prepare(words(tmp_path), tmp_path / "big.tokens",
+                                 [tmp_path / "t.txt"], log=lambda _: None)
+    tokens = load_tokens(str(tmp_path / "big.tokens"))
+    assert header["dtype"] == "uint32" and tokens.dtype == np.uint32
+    assert list(tokens) == [1, 69_999, 65_536, 7, 70_001]
+
+
+def test_a_model_vocabulary_smaller_than_the_tokenizers_is_refused(tmp_path, capsys):
+    import train
+
+    (tmp_path / "t.txt").write_text(" ".join(f"w{i % 200}" for i in range(5000)))
+    out = tmp_path / "w.tokens"
+    token_files.prepare(words(tmp_path), out, [tmp_path / "t.txt"], eos="w199",
+                        log=lambda _: None)
+    # every id the data holds is below 256, but the tokenizer has 70,002
+    assert train.main(["--data", str(out), "--out", str(tmp_path / "run"), "--steps", "1",
+                       "model.seq_len=32"]) == 2
+    err = capsys.readouterr().err
+    assert "70,002-id vocabulary (tokenizer.json), larger than model.vocab_size=256" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_refusals_are_clear(tmp_path):
+    tok_path = bpe(tmp_path)
+    docs = list(map(str, texts(tmp_path)))
+    out = tmp_path / "c.tokens"
+    token_files.prepare(tok_path, out, docs, log=lambda _: None)
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        token_files.prepare(tmp_path / "nowhere", out, docs)
+    with pytest.raises(ValueError, match="has no '<none>' token"):
+        token_files.prepare(tok_path, out, docs, eos="<none>")
+    with pytest.raises(FileNotFoundError, match="missing.txt: no such file"):
+        token_files.prepare(tok_path, out, [str(tmp_path / "missing.txt")])
+    cut = tmp_path / "cut.tokens"
+    cut.write_bytes(out.read_bytes()[:-7])
+    with pytest.raises(ValueError, match="a truncated copy"):
+        load_tokens(str(cut))
+    with pytest.raises(ValueError, match="data has token id"):
+        Dataset(load_tokens(str(out)), 8, 100, max_id=token_files.read_header(out)["max_id"])
+
+
+@pytest.mark.slow
+def test_train_on_a_token_file_then_generate_with_its_tokenizer(tmp_path, capsys):
+    import generate
+    import train
+
+    bpe(tmp_path)
+    out = tmp_path / "c.tokens"
+    token_files.prepare(tmp_path, out, list(map(str, texts(tmp_path))), log=lambda _: None)
+    run = tmp_path / "run"
+    small = ["model.n_layers=1", "model.d_model=32", "model.n_heads=4", "model.d_ff=64",
+             "model.seq_len=32", "train.batch_size=8", "train.log_every=10"]
+    # a vocabulary below the data's largest id is refused before anything is written
+    assert train.main(["--tp", "2", "--data", str(out), "--out", str(run), "--steps", "3",
+                       "model.vocab_size=256", *small]) == 2
+    assert "data has token id 286 but model.vocab_size=256" in capsys.readouterr().err
+    assert not run.exists()
+    assert train.main(["--tp", "2", "--data", str(out), "--out", str(run), "--steps", "30",
+                       "model.vocab_size=300", *small]) == 0
+    assert (run / "tokenizer.json").is_file()
+    capsys.readouterr()
+    assert generate.main(["--run", str(run), "--prompt", "def add", "--temperature", "0",
+                          "--max-new-tokens", "8"]) == 0
+    printed = capsys.readouterr().out
+    sample = printed[printed.index("def add"):]
+    assert len(sample) > len("def add") and "<|endoftext|>" not in sample
