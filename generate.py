@@ -19,7 +19,7 @@ from jaxtp.config import ATTENTIONS, IMPLS
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = ap.add_mutually_exclusive_group(required=True)
+    src = ap.add_mutually_exclusive_group()
     src.add_argument("--run", metavar="DIR", help="a train.py run directory (any tp/dp)")
     src.add_argument("--hf", metavar="DIR", help="a Hugging Face Llama directory "
                                                  "(save_pretrained, with tokenizer.json)")
@@ -40,7 +40,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--attention", choices=ATTENTIONS, help="the prefill's attention kernel")
     ap.add_argument("--tokenizer", metavar="PATH",
                     help="tokenizer.json (or a directory holding one), where the run has none")
+    ap.add_argument("--compare-hlo", action="store_true",
+                    help="no generation: compile the decode step of --config (or --run) "
+                         "under gspmd and shard_map and hold its collectives against the "
+                         "budget; exit 1 on a deviation")
+    ap.add_argument("--config", default="tiny",
+                    help="--compare-hlo without --run: a preset or .json (default: tiny)")
+    ap.add_argument("--batch", type=int, default=8, help="--compare-hlo: rows (default: 8)")
     return ap.parse_args(argv)
+
+
+def compare(args) -> int:
+    from jaxtp.config import load_config
+    from jaxtp.generate.load import generation_config
+    from jaxtp.parallel import ensure_devices
+    from jaxtp.train.rundir import RunDir
+
+    base = RunDir(args.run).config() if args.run else load_config(args.config)
+    cfg = generation_config(base, args.tp or 8, None, args.attention)
+    print(ensure_devices(cfg.parallel.tp))
+    from jaxtp.analysis.decode import compare_decode
+
+    return 0 if compare_decode(cfg, args.batch, cfg.model.seq_len) else 1
 
 
 def prompts_of(args) -> list[str]:
@@ -56,6 +77,10 @@ def prompts_of(args) -> list[str]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        if args.compare_hlo:
+            return compare(args)
+        if not (args.run or args.hf):
+            raise ValueError("give --run DIR or --hf DIR (or --compare-hlo)")
         prompts = prompts_of(args)
         from jaxtp.generate import Generator, Sampling
 

@@ -1,0 +1,100 @@
+"""The decode step's collectives against its budget (`generate.py --compare-hlo`).
+
+One decode step moves one token per row through the model. Megatron's
+budget for it is the forward half of training's at T = 1: per block 2
+all-reduces of B x 1 x D (attention's g, the MLP's g), and one for the
+vocab-parallel lookup; no backward pass. Choosing the token over the vocab
+shards (greedy, or Gumbel-max at a temperature) adds B-sized reductions and
+never gathers the [B, V] logits:
+- shard_map (written out): a max of the B best scores (f32) and a min of
+  the B token ids holding it (s32);
+- GSPMD (from the [B, tp, V/tp] layout `jaxtp.parallel.GSPMD.vocab_argmax`
+  pins): an all-gather of each shard's best score and its position, B x tp
+  each, then an all-reduce of B ids for the chosen shard's position (XLA's
+  select of the sharded dim).
+top-k / top-p gather each shard's candidates instead; the budget covers the
+greedy and temperature step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from ..config import Config, IMPLS
+from .budget import HLO_DTYPES, Expected, check
+from .compare import format_table
+
+
+def decode_budget(cfg: Config, batch: int, impl: str) -> list[Expected]:
+    m, tp, L = cfg.model, cfg.parallel.tp, cfg.model.n_layers
+    if tp == 1:
+        return []
+    act, dt = batch * m.d_model, HLO_DTYPES[m.dtype]
+    rows = [Expected("embed: g of the vocab-parallel lookup", "all-reduce", "other", "embed",
+                     act, dt, tp, 1),
+            Expected("attention: g", "all-reduce", "other", "attention", act, dt, tp, L),
+            Expected("mlp: g", "all-reduce", "other", "mlp", act, dt, tp, L)]
+    if impl == "shard_map":
+        return rows + [
+            Expected("sample: max of the shards' best", "all-reduce", "other", "sample", batch,
+                     "f32", tp, 1),
+            Expected("sample: min of the ids holding it", "all-reduce", "other", "sample",
+                     batch, "s32", tp, 1)]
+    return rows + [
+        Expected("sample: each shard's best score", "all-gather", "other", "sample",
+                 batch * tp, "f32", tp, 1),
+        Expected("sample: each shard's best position", "all-gather", "other", "sample",
+                 batch * tp, "s32", tp, 1),
+        Expected("sample: the chosen shard's position", "all-reduce", "other",
+                 "sample/take_along_axis", batch, "s32", tp, 1)]
+
+
+def decode_hlo(cfg: Config, batch: int, length: int) -> str:
+    """The compiled decode step (greedy) of `cfg` on abstract parameters."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from ..generate import Generator
+    from ..parallel import cache_spec, make_mesh, spec
+    from ..train.state import abstract_model
+
+    mesh = make_mesh(1, cfg.parallel.tp)
+    graphdef, params = abstract_model(cfg, mesh)
+    gen = Generator(nnx.merge(graphdef, params), mesh)
+    with jax.set_mesh(mesh):
+        k = jax.eval_shape(lambda: gen.empty_cache(batch, length))[0]
+        cache = jax.ShapeDtypeStruct(k.shape, k.dtype,
+                                     sharding=NamedSharding(mesh, P(None, *cache_spec())))
+        rows = jax.ShapeDtypeStruct((batch,), jnp.int32,
+                                    sharding=NamedSharding(mesh, spec("batch")))
+        key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, P()))
+        return gen._decode.lower(gen.params, rows, rows, cache, cache, key).compile().as_text()
+
+
+def compare_decode(cfg: Config, batch: int, length: int,
+                   log: Callable[[str], None] = print) -> bool:
+    """Print both impls' decode-step collectives against the budget; True if
+    both match."""
+    from .. import hlo
+
+    colls, expected, ok = {}, {}, True
+    for impl in IMPLS:
+        c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, impl=impl))
+        log(f"compiling the {impl} decode step (tp={c.parallel.tp}, batch {batch}, cache "
+            f"{length}) ...")
+        colls[impl] = hlo.collectives(decode_hlo(c, batch, length))
+        expected[impl] = decode_budget(c, batch, impl)
+        diff = check(colls[impl], expected[impl])
+        ok &= diff is None
+        expected[impl + " verdict"] = "matches budget" if diff is None else diff
+    for line in format_table(colls, {i: expected[i] for i in IMPLS}):
+        log(line)
+    m = cfg.model
+    log(f"analytic (Megatron, one token per row): per block 2 all-reduces of B*1*D = "
+        f"{batch}*{m.d_model}, {2 * m.n_layers + 1} with the lookup's")
+    for impl in IMPLS:
+        log(f"{impl}: {expected[impl + ' verdict']}")
+    return ok

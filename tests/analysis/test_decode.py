@@ -1,0 +1,40 @@
+"""The decode step's collectives, read from its compiled HLO, against the budget."""
+
+import dataclasses
+
+import pytest
+
+from jaxtp import hlo
+from jaxtp.analysis.budget import check
+from jaxtp.analysis.decode import compare_decode, decode_budget, decode_hlo
+from jaxtp.config import apply_overrides, load_config
+from jaxtp.generate.load import generation_config
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])  # MHA; GQA with K=2 < tp=8
+def test_the_decode_step_matches_its_budget_at_tp8(preset, impl):
+    cfg = generation_config(load_config(preset), 8, impl, None)
+    colls = hlo.collectives(decode_hlo(cfg, 4, 64))
+    assert check(colls, decode_budget(cfg, 4, impl)) is None
+    # no collective moves anything like the [B, V] logits
+    assert max(c.elements for c in colls) == 4 * cfg.model.d_model
+    # and the check can fail: one layer more is a deviation
+    deeper = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=5))
+    assert "expected 5 x all-reduce" in check(colls, decode_budget(deeper, 4, impl))
+
+
+test_the_decode_step_matches_its_budget_at_tp8.fast_cases = {"tiny-shard_map"}
+
+
+@pytest.mark.slow
+def test_generate_compare_hlo_prints_the_table(capsys):
+    import generate
+
+    assert generate.main(["--compare-hlo", "--config", "llama-tiny", "--tp", "4",
+                          "--batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "gspmd: matches budget" in out and "shard_map: matches budget" in out
+    assert "all-reduce  other  attention" in out
+    cfg = apply_overrides(load_config("llama-tiny"), ["parallel.tp=4"])
+    assert compare_decode(generation_config(cfg, 4, None, None), 2, 32, log=lambda _: None)
