@@ -107,6 +107,9 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 4
+    # every this many steps (at a logged row), print a short greedy sample
+    # from a prompt of the validation text (0: off)
+    sample_every: int = 0
     # faults: a step with a non-finite loss or gradient norm (or, with
     # spike_factor > 0, a loss above spike_factor x the mean of the last 20
     # applied steps) is skipped; the run stops after this many in a row
@@ -284,7 +287,7 @@ def _check_ranges(cfg: Config) -> None:
         if not v > 0:
             raise ConfigError(f"{k}={v} must be positive")
     for k in ("warmup_steps", "weight_decay", "grad_clip", "spike_factor",
-              "checkpoint_every", "checkpoint_minutes"):
+              "checkpoint_every", "checkpoint_minutes", "sample_every"):
         if not 0 <= getattr(t, k) < math.inf:
             raise ConfigError(f"train.{k}={getattr(t, k)} must be finite and >= 0")
     for k in ("b1", "b2"):

@@ -29,20 +29,24 @@ from ..parallel import make_mesh
 from ..train.state import abstract_train_state
 from ..train.step import compile_train_step
 from . import collectives as bc
+from .decode import bench_decode
 from .timing import build, paired_ratio, time_alternating
 from .report import RATIO_COLUMNS, format_section, machine_info, section
 
-SECTIONS = ("impl", "scaling", "compile", "collectives", "profile", "peer", "attention", "loop")
+SECTIONS = ("impl", "scaling", "compile", "collectives", "profile", "peer", "attention", "loop",
+            "decode")
 # quick: for CI, about a minute on 2 CPU cores; full: ~10 minutes there
 PLANS = {
     "quick": dict(presets=("tiny",), tps=(1, 8), impls=("gspmd",), warmup=1, steps=3,
                   depths=(2, 8), unscanned=(), payloads=("tiny",), samples=5,
-                  attention_seqs=(128,), loop_steps=6,
+                  attention_seqs=(128,), loop_steps=6, decode_batch=4, decode_prompt=16,
+                  decode_tokens=8, decode_reps=1,
                   small=("model.n_layers=1", "train.batch_size=8", "model.seq_len=64")),
     "full": dict(presets=("tiny", "gpt2-small"), tps=(1, 2, 4, 8), impls=("gspmd", "shard_map"),
                  warmup=2, steps=7, depths=(2, 8, 32), unscanned=(2, 8),
                  payloads=("tiny", "gpt2-small", "llama-1b"), samples=10,
-                 attention_seqs=(256, 512, 1024, 2048), loop_steps=60, small=()),
+                 attention_seqs=(256, 512, 1024, 2048), loop_steps=60, decode_batch=8,
+                 decode_prompt=64, decode_tokens=64, decode_reps=3, small=()),
 }
 # A full GPT-2-small step (8 x 1024 tokens) takes minutes on a few CPU cores.
 CPU_REDUCED = {"gpt2-small": ("model.n_layers=2", "train.batch_size=2", "model.seq_len=256")}
@@ -310,7 +314,8 @@ def run_suite(quick: bool = False, only=None, log: Callable[[str], None] = print
             "compile": lambda: bench_compile(plan),
             "collectives": lambda: bench_collectives(plan),
             "profile": lambda: bench_profile(plan, cache), "peer": lambda: bench_peer(plan),
-            "attention": lambda: bench_attention(plan), "loop": lambda: bench_loop(plan)}
+            "attention": lambda: bench_attention(plan), "loop": lambda: bench_loop(plan),
+            "decode": lambda: bench_decode(plan)}
     for sid in SECTIONS:
         if sid in only:
             t1 = time.perf_counter()

@@ -109,3 +109,31 @@ def from_hf(path: str | Path, tp: int = 1, impl: str = "gspmd", attention: str |
 
     model = load_hf(path, tp=tp, impl=impl, **({"attention": attention} if attention else {}))
     return model, model.mesh, HFTokenizer(path)
+
+
+class LoopSampler:
+    """A short greedy continuation of a fixed prompt from the parameters being
+    trained (`train.sample_every`): one Generator, compiled once, fed the
+    loop's current parameters each time."""
+
+    def __init__(self, cfg: Config, mesh, prompt: list[int], run_dir: Path, new: int = 64):
+        from flax import nnx
+
+        from ..generate import Generator
+        from ..train.state import abstract_model
+
+        plain = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sp=False))
+        graphdef, abstract = abstract_model(plain, mesh)  # no SP: one token per step
+        self.gen = Generator(nnx.merge(graphdef, abstract), mesh)
+        self.prompts = [prompt] * cfg.parallel.dp  # a row per dp rank
+        self.new = min(new, cfg.model.seq_len - len(prompt))
+        tok = Path(run_dir) / "tokenizer.json"
+        self.tokenizer = (HFTokenizer(tok) if tok.is_file() else
+                          ByteTokenizer() if cfg.model.vocab_size == 256 else None)
+
+    def __call__(self, params) -> str:
+        self.gen.params = params
+        ids = self.gen.generate(self.prompts, self.new)[0]
+        if self.tokenizer is None:
+            return " ".join(map(str, ids))
+        return self.tokenizer.decoder()(ids)

@@ -18,14 +18,10 @@ that already holds one; `resume=True` continues the run in it, or starts it):
   the run with `SaveFailed`; the checkpoints before it stay.
 
 The device stays busy: the step's key, lr, spike limit and skip counts are
-computed inside the jitted step (`jaxtp.train.loopstep`),
-and the host reads anything back only on logged rows, evaluations and
-checkpoints, so it places batch n+1 and dispatches step n+1 while step n
-runs (on an accelerator; XLA's CPU runtime waits for the donated buffers of
-step n). A background thread placing the batches was slower on CPU: 2.8 ms
-per step outside the call at tp=8 against 0.85 ms inline (it competes with
-the step for the GIL). The median host time per step outside the step call
-is logged at the end and kept in run.json (`host_ms_per_step`).
+computed inside the jitted step (`jaxtp.train.loopstep`), and the host reads
+anything back only on logged rows, evaluations and checkpoints, so it
+dispatches step n+1 while step n runs (README, "A busy device"). The median
+host time per step outside the step call is kept in run.json.
 
 Faults: a step whose loss or gradient norm is not finite (or, with
 `train.spike_factor`, whose loss exceeds that factor times the mean of the
@@ -47,7 +43,6 @@ import functools
 import json
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -69,8 +64,8 @@ from .optim import lr_schedule
 from .record import run_record
 from .rundir import RunDir, write_atomic
 from .runstate import RunState
-from .start import (check_data, check_options, claim, count_params, describe, process0,
-                    restore_or_init)
+from .start import (Signals, check_data, check_options, claim, count_params, describe,
+                    idle_summary, process0, restore_or_init)
 from .state import abstract_model, resolve_attention
 from .step import ReplayCheck, make_eval_step
 
@@ -82,27 +77,6 @@ class TrainingStopped(RuntimeError):
 def evaluate(eval_step, params, batches, mesh) -> float:
     losses = [eval_step(params, to_mesh(b, mesh)) for b in batches]
     return float(np.mean(jax.device_get(losses)))
-
-
-class _Signals:
-    """SIGTERM/SIGINT set a flag the loop checks after each step (main thread only)."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self._old = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGTERM, signal.SIGINT):
-                self._old[s] = signal.signal(s, self._handle)
-        return self
-
-    def _handle(self, signum, _frame):
-        self.received = signum
-
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
 
 
 def train(cfg: Config, out_dir: str | Path, data_path: str | None = None, *,
@@ -154,7 +128,7 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None, *,
                 + (f" (--until {until})" if until and until < cfg.train.steps else
                    f" of {cfg.train.steps}: finished; raise --steps to train further")
                 + ": nothing to do")
-            return _Loop.idle_summary(run.step, cfg, out, state.params)
+            return idle_summary(run.step, cfg, out, state.params)
         # a disk too small for one checkpoint: refused now, not at the first save
         ckpt.check_space(nbytes(jax.tree.leaves((state.params, state.opt_state))),
                          "start the run")
@@ -197,6 +171,11 @@ class _Loop:
                                        devices=mesh.size, peak=peak)
         self.params, self.opt_state = state.params, state.opt_state
         self.check = ReplayCheck(cfg, self.params, lr_schedule(t)) if check else None
+        self.sampler = None
+        if t.sample_every:
+            from ..generate.load import LoopSampler
+
+            self.sampler = LoopSampler(cfg, mesh, list(map(int, self.eval_set[0][0][:16])), out)
         self.history, self.rates, self.host_s = [], [], []
         self.eval_loss, self.interrupted, self.step = None, None, run.step
         self.saved_step = None
@@ -218,7 +197,7 @@ class _Loop:
     def run(self, last: int) -> None:
         """Steps run_state.step + 1 .. last, stopping early on a signal (saved)."""
         try:
-            with jax.set_mesh(self.mesh), _Signals() as signals:
+            with jax.set_mesh(self.mesh), Signals() as signals:
                 for step in range(self.run_state.step + 1, last + 1):
                     self.step = step
                     stop = self.one_step(step, signals)
@@ -235,7 +214,7 @@ class _Loop:
             if self.metrics_log is not None:
                 self.metrics_log.close()
 
-    def one_step(self, step: int, signals: "_Signals") -> bool:
+    def one_step(self, step: int, signals: "Signals") -> bool:
         """Run `step`; log, evaluate, check and save where due. True: stop here."""
         t = self.cfg.train
         t_iter = time.perf_counter()
@@ -289,6 +268,8 @@ class _Loop:
         if row["tokens_per_sec"]:
             self.rates.append(row["tokens_per_sec"])
         self.log(progress_line(row, t.steps, dt, self.eval_loss if is_eval else None))
+        if self.sampler is not None and step % t.sample_every == 0:
+            self.log(f"sample at step {step}: {self.sampler(self.params)!r}")
         self.last_logged = step
         self.t_last = time.perf_counter()  # eval time is not counted in tok/s
 
@@ -313,7 +294,7 @@ class _Loop:
         if any_process(why is not None):
             raise SaveFailed(why or "a checkpoint save failed in another process")
 
-    def _signalled(self, signals: "_Signals", synced: bool) -> bool:
+    def _signalled(self, signals: "Signals", synced: bool) -> bool:
         """Whether to stop for a signal: processes agree at rows and checkpoints
         (one host allgather there), never between them."""
         if jax.process_count() == 1:
@@ -330,14 +311,6 @@ class _Loop:
             f"stopping at step {at}: {limit} steps in a row had a non-finite or "
             f"spiking loss/gradient (train.max_skipped_steps={limit}); the last "
             f"good state is checkpointed in {self.out}/checkpoints as step {at}")
-
-    @staticmethod
-    def idle_summary(step: int, cfg: Config, out: Path, params) -> dict:
-        """The summary of a call that had no step to run."""
-        return {"first_loss": None, "final_loss": None, "final_eval_loss": None,
-                "tokens_per_sec": None, "host_ms_per_step": None, "wall_s": 0.0,
-                "last_step": step, "interrupted": None, "finished": step >= cfg.train.steps,
-                "out_dir": str(out), "params": params, "history": []}
 
     def summary(self) -> dict:
         """Write run.json; the run's summary (and its final parameters and rows)."""

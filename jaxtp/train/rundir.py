@@ -34,7 +34,8 @@ RESUMABLE = {
     "train.microbatches", "model.remat", "model.attention", "model.attention_block",
     "model.loss_chunk",
     # what is logged, evaluated and saved, and when to stop
-    "train.log_every", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
+    "train.log_every", "train.eval_every", "train.eval_batches", "train.sample_every",
+    "train.checkpoint_every",
     "train.checkpoint_minutes", "train.keep_checkpoints", "train.max_skipped_steps",
     "train.steps",
 }

@@ -9,6 +9,8 @@ error before anything is compiled, and nothing here leaves a directory that
 from __future__ import annotations
 
 import hashlib
+import signal
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -169,3 +171,32 @@ def describe(cfg: Config, n_params: int, data: Dataset) -> list[str]:
         + (f" (block {m.attention_block})" if m.attention == "blockwise" else "")
         + f", remat: {m.remat}"
         + (f", loss in chunks of {m.loss_chunk} tokens" if m.loss_chunk else "")]
+
+
+class Signals:
+    """SIGTERM/SIGINT set a flag the loop checks after each step (main thread only)."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._old = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, _frame):
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def idle_summary(step: int, cfg: Config, out: Path, params) -> dict:
+    """The summary of a call that had no step to run."""
+    return {"first_loss": None, "final_loss": None, "final_eval_loss": None,
+            "tokens_per_sec": None, "host_ms_per_step": None, "wall_s": 0.0,
+            "last_step": step, "interrupted": None, "finished": step >= cfg.train.steps,
+            "out_dir": str(out), "params": params, "history": []}

@@ -137,3 +137,22 @@ def test_metrics_rows_have_speed_and_mfu_fields(tmp_path):
         assert row["tokens_per_sec"] == pytest.approx(8 * 16 / row["step_time_s"])
         # MFU = model flops/s per device / peak (1 TFLOP/s given)
         assert row["mfu"] == pytest.approx(row["model_tflops_per_device"] / 1.0)
+
+
+@pytest.mark.slow
+def test_sample_every_prints_the_greedy_continuation_of_the_trained_model(tmp_path):
+    from jaxtp.generate import Generator
+    from jaxtp.generate.load import ByteTokenizer, from_run
+    from jaxtp.train.data import Dataset, load_tokens
+
+    cfg = Config(ModelConfig(n_layers=1, d_model=32, n_heads=4, d_ff=64, seq_len=48),
+                 TrainConfig(steps=4, batch_size=8, log_every=2, eval_every=100,
+                             eval_batches=1, sample_every=4), ParallelConfig(tp=2, sp=True))
+    lines = []
+    train(cfg, tmp_path, log=lines.append)
+    (said,) = [line for line in lines if line.startswith("sample at step 4: ")]
+    # the same text from the saved step-4 parameters, through generate's own path
+    prompt = Dataset(load_tokens(None), 48, 256).eval_batches(8, 1)[0][0][:16]
+    model, mesh, _ = from_run(tmp_path, tp=1, log=lambda _: None)
+    ids = Generator(model, mesh).generate([list(map(int, prompt))], 32)[0]
+    assert said == f"sample at step 4: {ByteTokenizer().decoder()(ids)!r}"
