@@ -211,6 +211,25 @@ def test_transformers_agrees(checkpoint, hf, tmp_path):
 
 
 @pytest.mark.slow
+def test_transformers_generate_agrees_at_tp1_and_tp8(checkpoint, tmp_path):
+    """Greedy tokens of transformers' generate (no download: the tiny random
+    checkpoint of this file) against jaxtp's cache path at tp 1 and 8."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from jaxtp.generate import Generator
+
+    path, _, _, _ = checkpoint
+    ref = transformers.LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    prompt = [5, 17, 3, 99, 42]
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+    for tp in (1, 8):
+        model = load_hf(path, tp=tp)
+        assert Generator(model, model.mesh).generate([prompt], 12)[0] == want, tp
+
+
+@pytest.mark.slow
 def test_fine_tune_from_hf(checkpoint, tmp_path):
     """train.py --init-from-hf starts from the checkpoint: its step-1 loss is
     the loaded model's loss on the same first batch."""
