@@ -137,7 +137,7 @@ def test_bad_files_are_rejected(tmp_path):
     (["--tp", "2", "--resume"], "--resume needs --out"),
     (["--resume", "--plan", "--out", "x"], "--plan and --compare-hlo do not train"),
     (["--tp", "2", "--peak-tflops", "-5"], "'-5': expected a positive float"),
-    (["--tp", "2", "--data", "/"], "--data / is a directory: give one text or .bin file"),
+    (["--tp", "2", "--data", "/"], "--data / is a directory: give one text, token or .bin file"),
     (["--tp", "2", "--out", "/dev/null"], "--out /dev/null is a file, not a directory"),
 ])
 def test_cli_rejects_bad_input_before_compiling(argv, match, tmp_path, capsys):

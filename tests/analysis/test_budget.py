@@ -176,7 +176,8 @@ def test_run_json_records_the_experiment(tmp_path):
     assert (run["model"]["n_heads"], run["model"]["n_kv_heads"]) == (8, 2)
     assert run["model"]["attention"] == "xla"  # auto, resolved for CPU at 32 positions
     assert run["host_ms_per_step"] is None  # 2 steps: both log (no step to measure)
-    assert json.loads((out / "config.json").read_text())["model"]["attention"] == "xla"
+    # the run's config keeps the kernel as asked: a requeue on a GPU picks its own
+    assert json.loads((out / "config.json").read_text())["model"]["attention"] == "auto"
     assert run["linear_layouts"] == {
         **{f"blocks.{i}.{name}": kind for i in range(2) for name, kind in (
             ("attn.q", "column"), ("attn.kv", "replicated"), ("attn.out", "row"),
