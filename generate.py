@@ -125,9 +125,10 @@ def stream(gen, ids, prompts, tokenizer, args) -> None:
     decoders = [tokenizer.decoder() for _ in prompts]
     texts = ["" for _ in prompts]
     done = [False] * len(prompts)
-    if len(prompts) == 1:
-        print(prompts[0], end="", flush=True)
-    for toks in gen.stream(ids, args.max_new_tokens, seed=args.seed, eos=tokenizer.eos):
+    for i, toks in enumerate(gen.stream(ids, args.max_new_tokens, seed=args.seed,
+                                        eos=tokenizer.eos)):
+        if i == 0 and len(prompts) == 1:  # once the request is accepted
+            print(prompts[0], end="", flush=True)
         for b, t in enumerate(toks):
             if done[b]:
                 continue

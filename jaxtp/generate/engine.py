@@ -109,37 +109,52 @@ class Generator:
     def stream(self, prompts: list[list[int]], max_new_tokens: int, seed: int = 0,
                eos: int | None = None) -> Iterator[np.ndarray]:
         """Yield the next token of every row [B] per step, max_new_tokens times
-        (or until every row has produced `eos`)."""
+        (or until every row has produced `eos`). Past model.seq_len the
+        context slides: the last seq_len/2 tokens of each row are prefilled
+        again (positions from 0, as nanoGPT crops to its block) and decoding
+        goes on, one prefill per seq_len/2 tokens."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         lens = np.array([len(p) for p in prompts], np.int32)
-        length = int(lens.max()) + max_new_tokens
-        if length > self.cfg.seq_len:
-            raise ValueError(f"the longest prompt ({lens.max()} tokens) + max_new_tokens "
-                             f"({max_new_tokens}) exceeds model.seq_len="
-                             f"{self.cfg.seq_len}, the longest sequence it was built for")
-        B = len(prompts)
-        tokens = np.zeros((B, int(lens.max())), np.int32)
-        for b, p in enumerate(prompts):
-            tokens[b, : len(p)] = p
+        if lens.max() > self.cfg.seq_len:
+            raise ValueError(f"a prompt of {lens.max()} tokens is longer than model.seq_len="
+                             f"{self.cfg.seq_len}, the longest sequence the model was built for")
+        length = min(int(lens.max()) + max_new_tokens, self.cfg.seq_len)  # the cache's slots
+        history = [list(p) for p in prompts]
         key = jax.random.PRNGKey(seed)  # step n samples with fold_in(key, n)
-        put = lambda a: jax.device_put(a, named(self.mesh, "batch", *[None] * (a.ndim - 1)))
         with jax.set_mesh(self.mesh):
-            k, v = self.empty_cache(B, length)
-            tok, k, v = self._prefill(self.params, put(tokens), put(lens), k, v,
-                                      jax.random.fold_in(key, 0))
-            pos, done = lens.copy(), np.zeros(B, bool)
+            k, v = self.empty_cache(len(prompts), length)
+            tok, k, v = self._prefill_rows(history, k, v, jax.random.fold_in(key, 0))
+            pos, done = lens, np.zeros(len(prompts), bool)
             for step in range(1, max_new_tokens + 1):
                 host = np.asarray(tok)
                 yield host
                 done |= host == eos if eos is not None else False
                 if step == max_new_tokens or done.all():
                     return
-                tok, k, v = self._decode(self.params, tok, put(pos), k, v,
-                                         jax.random.fold_in(key, step))
-                # a new array: on CPU device_put may share the host buffer with
-                # the step still queued, so it must not be changed in place
-                pos = pos + 1
+                for row, t in zip(history, host):
+                    row.append(int(t))
+                step_key = jax.random.fold_in(key, step)
+                if pos.max() >= length:  # no slot left: slide the context
+                    window = [row[-(length // 2 or 1):] for row in history]
+                    tok, k, v = self._prefill_rows(window, k, v, step_key)
+                    pos = np.array([len(w) for w in window], np.int32)
+                else:
+                    tok, k, v = self._decode(self.params, tok, self._put(pos), k, v, step_key)
+                    # a new array: on CPU device_put may share the host buffer with
+                    # the step still queued, so it must not be changed in place
+                    pos = pos + 1
+
+    def _put(self, a: np.ndarray):
+        return jax.device_put(a, named(self.mesh, "batch", *[None] * (a.ndim - 1)))
+
+    def _prefill_rows(self, rows: list[list[int]], k, v, key):
+        """Prefill right-padded rows from position 0: (next token, k, v)."""
+        lens = np.array([len(r) for r in rows], np.int32)
+        tokens = np.zeros((len(rows), int(lens.max())), np.int32)
+        for b, r in enumerate(rows):
+            tokens[b, : len(r)] = r
+        return self._prefill(self.params, self._put(tokens), self._put(lens), k, v, key)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, seed: int = 0,
                  eos: int | None = None, on_token: Callable | None = None) -> list[list[int]]:

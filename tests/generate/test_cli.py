@@ -34,8 +34,7 @@ def test_bad_requests_are_one_line(run_dir, tmp_path, capsys):
     cases = [(["--run", str(run_dir)], "give --prompt TEXT"),
              (["--run", str(tmp_path), "--prompt", "x"], "no training run there"),
              (["--run", str(run_dir), "--prompt", "x", "--top-p", "0"], "top_p=0.0"),
-             (["--run", str(run_dir), "--prompt", "x", "--max-new-tokens", "40"],
-              "exceeds model.seq_len=32")]
+             (["--run", str(run_dir), "--prompt", "x" * 40], "longer than model.seq_len=32")]
     for argv, said in cases:
         assert generate.main(argv) == 2, argv
         err = capsys.readouterr().err

@@ -155,10 +155,18 @@ def test_the_cache_holds_the_formulas_bytes_per_device(name, tp):
     assert per_device == want == cache_bytes_per_device(cfg, 4, 24)
 
 
+def test_past_seq_len_the_context_slides():
+    gen, _ = generator(config("llama-gqa", 2))
+    short = gen.generate(PROMPTS, 20)  # the longest row ends at position 25 < 32
+    long = gen.generate(PROMPTS, 40)  # slides at 32, keeping the last 16 tokens
+    assert [len(r) for r in long] == [40] * 3
+    assert [r[:20] for r in long] == short
+
+
 def test_bad_requests_are_refused():
     gen, _ = generator(config("gpt2", 2))
-    with pytest.raises(ValueError, match="exceeds model.seq_len=32"):
-        gen.generate([[1] * 30], 5)
+    with pytest.raises(ValueError, match="longer than model.seq_len=32"):
+        gen.generate([[1] * 33], 5)
     with pytest.raises(ValueError, match="at least one token"):
         gen.generate([[1], []], 5)
     with pytest.raises(ValueError, match="top_p=0"):
