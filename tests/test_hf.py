@@ -249,7 +249,7 @@ def test_fine_tune_from_hf(checkpoint, tmp_path):
         "llama", 2, 100, 64)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    batch = next(Dataset(ids, 64, HF["vocab_size"]).train_batches(4, seed=0))
+    batch = np.asarray(next(Dataset(ids, 64, HF["vocab_size"]).train_batches(4, seed=0)))
     want = float(cross_entropy_of(load_hf(path, tp=1), batch))
     np.testing.assert_allclose(rows[0]["loss"], want, rtol=1e-5)
 

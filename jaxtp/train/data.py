@@ -96,6 +96,27 @@ def same_data(saved: dict | str, now: dict) -> bool:
     return all(saved.get(k) == now[k] for k in ("tokens", "dtype", "sha256"))
 
 
+class Windows:
+    """A batch of windows [B, T+1] of a token array, read when asked: a process
+    of a multi-process run reads only the rows its devices hold (`to_mesh`),
+    so a memory-mapped file is touched only there. np.asarray reads them all."""
+
+    def __init__(self, split: np.ndarray, starts: np.ndarray, seq_len: int):
+        self.split, self.starts = split, starts
+        self.shape, self.ndim, self.dtype = (len(starts), seq_len + 1), 2, np.dtype(np.int32)
+
+    def rows(self, lo: int, hi: int) -> np.ndarray:
+        idx = self.starts[lo:hi, None] + np.arange(self.shape[1])[None]
+        return self.split[idx].astype(np.int32)
+
+    def __array__(self, dtype=None, copy=None):
+        rows = self.rows(0, self.shape[0])
+        return rows if dtype is None else rows.astype(dtype)
+
+    def __getitem__(self, key):
+        return np.asarray(self)[key]
+
+
 class Dataset:
     """Train/validation token arrays with random (train) and fixed (eval) windows."""
 
@@ -129,7 +150,7 @@ class Dataset:
         for _ in range(skip):
             rng.integers(0, last + 1, batch_size)
         while True:
-            yield self._windows(self.train, rng.integers(0, last + 1, batch_size))
+            yield Windows(self.train, rng.integers(0, last + 1, batch_size), self.seq_len)
 
     def eval_batches(self, batch_size: int, n: int) -> list[np.ndarray]:
         """`n` fixed batches, evenly spaced over the validation split."""
@@ -138,11 +159,19 @@ class Dataset:
         return [self._windows(self.val, s) for s in starts.reshape(n, batch_size)]
 
 
-def to_mesh(batch: np.ndarray, mesh: Mesh) -> jax.Array:
+def to_mesh(batch, mesh: Mesh) -> jax.Array:
     """Place a host batch [B, ...] on the mesh: split over dp, replicated over tp.
 
     `batch` is the global batch, the same in every process (it is drawn from
-    the seed); each process transfers only the rows its own devices hold.
+    the seed); each process transfers only the rows its own devices hold,
+    and of `Windows` reads only those rows.
     """
-    return global_batch(batch, mesh, named(mesh, "batch", *([None] * (batch.ndim - 1))))
+    sharding = named(mesh, "batch", *([None] * (batch.ndim - 1)))
+    if isinstance(batch, Windows) and jax.process_count() > 1:
+        held = [i[0] for i in sharding.addressable_devices_indices_map(batch.shape).values()]
+        lo = min(s.start or 0 for s in held)
+        hi = max(batch.shape[0] if s.stop is None else s.stop for s in held)
+        return jax.make_array_from_process_local_data(sharding, batch.rows(lo, hi),
+                                                      batch.shape)
+    return global_batch(np.asarray(batch), mesh, sharding)
 

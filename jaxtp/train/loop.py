@@ -228,7 +228,8 @@ class _Loop:
         ckpt_step = (t.checkpoint_every and step % t.checkpoint_every == 0) \
             or step == t.steps or step == self.until or (row_step and self._save_due())
         if self.check is not None:
-            self.check.after(step, host_tokens, metrics, self.params, self.record, self.log)
+            self.check.after(step, np.asarray(host_tokens), metrics, self.params, self.record,
+                             self.log)
         # the host waits for the device only on rows and checkpoints
         loop = self.loop.to_json() if row_step or ckpt_step else None
         if row_step and loop["row_skipped"]:

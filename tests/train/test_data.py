@@ -20,6 +20,8 @@ def test_split_and_batches():
     # windows are contiguous: each next token follows its predecessor
     assert np.all((batch[:, 1:] - batch[:, :-1]) % 50 == 1)
     np.testing.assert_array_equal(next(ds.train_batches(4, 0)), next(ds.train_batches(4, 0)))
+    # a batch is read when asked, and any rows of it on their own
+    np.testing.assert_array_equal(batch.rows(1, 3), np.asarray(batch)[1:3])
     ev = ds.eval_batches(2, 3)
     assert len(ev) == 3 and all(e.shape == (2, 9) for e in ev)
     assert all(set(e.ravel()) <= set(ds.val.tolist()) for e in ev)
