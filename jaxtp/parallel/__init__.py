@@ -5,8 +5,9 @@ from .collectives import f, f_sp, g, g_sp, global_norm
 from .layout import (DATA_AXIS, FSDP_PARAM_RULES, IMPL_AXIS, MESH_AXES, RULES, Layout,
                      check_device_count, constrain, ensure_devices, in_region, make_mesh,
                      mesh_size, named, spec, split_over_tp)
-from .regions import (BF16_CPU_SHARD_MAP, GSPMD, ShardMap, act_spec, cache_spec, cached_region,
-                      embed, region, run_sharded, vocab_losses, vocab_sample)
+from .inference import cache_spec, cached_region, vocab_sample
+from .regions import (BF16_CPU_SHARD_MAP, GSPMD, ShardMap, act_spec, embed, region, run_sharded,
+                      vocab_losses)
 
 __all__ = ["f", "f_sp", "g", "g_sp", "global_norm", "DATA_AXIS", "FSDP_PARAM_RULES", "IMPL_AXIS",
            "MESH_AXES", "RULES", "Layout", "check_device_count", "constrain", "ensure_devices",

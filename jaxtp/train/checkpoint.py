@@ -37,24 +37,20 @@ dtype and fingerprint, and a sha256 of both JSON items).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import logging
 import os
-import re
 import shutil
-import sys
-import traceback
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..parallel.distributed import any_process
+from .fingerprint import fingerprints, nbytes
+from .orbax_errors import brief, quiet_orbax
 
 FORMAT = 1
 # Model config keys that change parameter names, shapes or dtypes (a stale
@@ -72,20 +68,6 @@ def _agree(why: str | None) -> None:
         raise SaveFailed(why or "a checkpoint save failed in another process: see its log")
 
 
-class _QuietClosedLoop:
-    """After a failed background save, tensorstore still completes the writes
-    orbax gave up on, into orbax's closed event loop: one unraisable
-    "Event loop is closed" per array. Dropped; anything else goes on."""
-
-    def __init__(self, hook):
-        self.hook = hook
-
-    def __call__(self, unraisable) -> None:
-        if not (unraisable.exc_type is RuntimeError
-                and str(unraisable.exc_value) == "Event loop is closed"):
-            self.hook(unraisable)
-
-
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or restored as asked (the message says why and what to do)."""
 
@@ -96,20 +78,6 @@ class SaveFailed(CheckpointError):
     before it are intact."""
 
 
-class _QuietOrbax(logging.Filter):
-    """Orbax logs each failed background write with its traceback (~320 lines
-    for one full disk, and asyncio then one "exception was never retrieved"
-    per array), before raising it; `Checkpointer` reports every orbax error
-    it catches as one line instead."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
-            return True
-        tb = record.exc_info[2] if record.exc_info else None
-        frames = traceback.extract_tb(tb) if tb is not None else []
-        return not ("orbax" in record.pathname or any("orbax" in f.filename for f in frames))
-
-
 def _flatten(prefix: str, tree) -> tuple[dict[str, Any], Any]:
     """({"prefix" + keystr(path): leaf}, treedef)."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -117,47 +85,6 @@ def _flatten(prefix: str, tree) -> tuple[dict[str, Any], Any]:
     if len(flat) != len(leaves):
         raise CheckpointError(f"two leaves of {prefix} have the same path name; cannot save")
     return flat, treedef
-
-
-def _mix(h: jax.Array) -> jax.Array:
-    """murmur3's 32-bit finalizer: every input bit flips about half the output bits."""
-    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
-    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def _fingerprint_one(x: jax.Array) -> jax.Array:
-    """Two 32-bit sums, mod 2**32, of a hash of (bit pattern, linear position) per element."""
-    x = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
-    size = jnp.dtype(x.dtype).itemsize
-    if size not in (1, 2, 4, 8):
-        raise CheckpointError(f"cannot fingerprint arrays of dtype {x.dtype}")
-    bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * min(size, 4)}"))
-    bits = bits[..., 0] ^ _mix(bits[..., 1]) if size == 8 else bits.astype(jnp.uint32)
-    idx, stride = jnp.zeros(x.shape, jnp.uint32), 1
-    for d in reversed(range(x.ndim)):  # linear index, wrapping mod 2**32
-        idx = idx + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(stride)
-        stride = (stride * x.shape[d]) % 2**32
-    return jnp.stack([jnp.sum(_mix(bits ^ _mix(idx + jnp.uint32(seed))), dtype=jnp.uint32)
-                      for seed in (0x9E3779B9, 0x7F4A7C15)])
-
-
-@functools.cache
-def _fingerprint_fn(out_sharding) -> Callable:
-    return jax.jit(lambda xs: [_fingerprint_one(x) for x in xs], out_shardings=out_sharding)
-
-
-def nbytes(arrays) -> int:
-    """The bytes of these (global) arrays: what a checkpoint of them stores."""
-    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in arrays)
-
-
-def fingerprints(arrays: list[jax.Array]) -> list[int]:
-    """A 64-bit fingerprint of each array's exact bits (any layout gives the same)."""
-    s = arrays[0].sharding if arrays else None
-    rep = NamedSharding(s.mesh, P()) if isinstance(s, NamedSharding) else None
-    out = jax.device_get(_fingerprint_fn(rep)(list(arrays)))
-    return [int(h[0]) << 32 | int(h[1]) for h in out]
 
 
 class Checkpointer:
@@ -172,11 +99,7 @@ class Checkpointer:
         self.log = log
         self._corrupt: set[int] = set()  # steps restore() found unusable
         self._saving: int | None = None  # the step of the last save started
-        for logger in map(logging.getLogger, ("absl", "asyncio")):
-            if not any(isinstance(f, _QuietOrbax) for f in logger.filters):
-                logger.addFilter(_QuietOrbax())
-        if not isinstance(sys.unraisablehook, _QuietClosedLoop):
-            sys.unraisablehook = _QuietClosedLoop(sys.unraisablehook)
+        quiet_orbax()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep,
                                                enable_async_checkpointing=async_save)
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
@@ -276,7 +199,7 @@ class Checkpointer:
             self._mngr.wait_until_finished()
         except Exception as e:
             raise SaveFailed(f"saving checkpoint step {step} in {self.directory} failed: "
-                             f"{_brief(e)}{self._latest_said()}") from e
+                             f"{brief(e)}{self._latest_said()}") from e
 
     def restore(self, params_target, opt_target, model: dict, step: int | None = None):
         """(step, params, opt_state, meta) from `step`, or the latest usable step.
@@ -326,14 +249,14 @@ class Checkpointer:
                 return "its meta/manifest JSON does not match its checksum", None, None
             saved = manifest["arrays"]
         except Exception as e:
-            return f"cannot read its meta/manifest: {_brief(e)}", None, None
+            return f"cannot read its meta/manifest: {brief(e)}", None, None
         self._check_model(step, meta.get("model"), model)
         self._check_arrays(step, saved, target)
         try:
             arrays = self._mngr.restore(step, args=ocp.args.Composite(
                 arrays=ocp.args.StandardRestore(target))).arrays
         except Exception as e:
-            return f"cannot read its arrays: {_brief(e)}", None, None
+            return f"cannot read its arrays: {brief(e)}", None, None
         names = list(target)
         for name, fp in zip(names, fingerprints([arrays[n] for n in names])):
             if fp != saved[name]["fingerprint"]:
@@ -387,18 +310,3 @@ def _checksum(manifest: dict, meta: dict) -> str:
     """sha256 of the JSON items, so a damaged one is corrupt, not a different model."""
     body = {"manifest": {k: v for k, v in manifest.items() if k != "checksum"}, "meta": meta}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def _brief(e: BaseException) -> str:
-    """An exception as one short line: its root cause (orbax wraps tensorstore's
-    error in one whose text is a pybind11 method repr), with the OS error's
-    name where there is one (e.g. "No space left on device")."""
-    for _ in range(10):  # a chain, not a cycle; `raise ... from None` ends it
-        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__) or e
-    text = (str(e).strip().splitlines() or [""])[0].replace("\\'", "'")
-    code = re.search(r"\[os_error_code='?(\d+)'?\]", text)
-    if code:  # a file system error: its name and the file are what matter
-        file = re.search(r'Failed writing: "([^"]+)"', text)
-        return (f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})"
-                + (f" writing {file.group(1)}" if file else ""))
-    return f"{type(e).__name__}: {text[:300]}"

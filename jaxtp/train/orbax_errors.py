@@ -1,0 +1,64 @@
+"""What orbax says when something fails, as one line: `brief` names an
+exception's root cause, and `quiet_orbax` silences the tracebacks orbax and
+tensorstore print for errors `jaxtp.train.checkpoint` reports itself."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import traceback
+
+
+class _QuietClosedLoop:
+    """After a failed background save, tensorstore still completes the writes
+    orbax gave up on, into orbax's closed event loop: one unraisable
+    "Event loop is closed" per array. Dropped; anything else goes on."""
+
+    def __init__(self, hook):
+        self.hook = hook
+
+    def __call__(self, unraisable) -> None:
+        if not (unraisable.exc_type is RuntimeError
+                and str(unraisable.exc_value) == "Event loop is closed"):
+            self.hook(unraisable)
+
+
+class _QuietOrbax(logging.Filter):
+    """Orbax logs each failed background write with its traceback (~320 lines
+    for one full disk, and asyncio then one "exception was never retrieved"
+    per array), before raising it; `Checkpointer` reports every orbax error
+    it catches as one line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        tb = record.exc_info[2] if record.exc_info else None
+        frames = traceback.extract_tb(tb) if tb is not None else []
+        return not ("orbax" in record.pathname or any("orbax" in f.filename for f in frames))
+
+
+def quiet_orbax() -> None:
+    """Install both filters, once per process (they stay: they drop only
+    orbax's own error records and the closed-loop unraisables)."""
+    for logger in map(logging.getLogger, ("absl", "asyncio")):
+        if not any(isinstance(f, _QuietOrbax) for f in logger.filters):
+            logger.addFilter(_QuietOrbax())
+    if not isinstance(sys.unraisablehook, _QuietClosedLoop):
+        sys.unraisablehook = _QuietClosedLoop(sys.unraisablehook)
+
+
+def brief(e: BaseException) -> str:
+    """An exception as one short line: its root cause (orbax wraps tensorstore's
+    error in one whose text is a pybind11 method repr), with the OS error's
+    name where there is one (e.g. "No space left on device")."""
+    for _ in range(10):  # a chain, not a cycle; `raise ... from None` ends it
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__) or e
+    text = (str(e).strip().splitlines() or [""])[0].replace("\\'", "'")
+    code = re.search(r"\[os_error_code='?(\d+)'?\]", text)
+    if code:  # a file system error: its name and the file are what matter
+        file = re.search(r'Failed writing: "([^"]+)"', text)
+        return (f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})"
+                + (f" writing {file.group(1)}" if file else ""))
+    return f"{type(e).__name__}: {text[:300]}"
