@@ -91,7 +91,8 @@ def main(argv=None) -> int:
         ids = [tokenizer.encode(p) for p in prompts]
         gen = Generator(model, mesh, sampling)
         stream(gen, ids, prompts, tokenizer, args)
-    except (ValueError, OSError, ImportError, KeyError) as e:  # ConfigError is a ValueError
+    except (ValueError, OSError, ImportError, KeyError, RuntimeError) as e:
+        # ConfigError is a ValueError, CheckpointError a RuntimeError
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
@@ -132,7 +133,7 @@ def stream(gen, ids, prompts, tokenizer, args) -> None:
         for b, t in enumerate(toks):
             if done[b]:
                 continue
-            done[b] = tokenizer.eos is not None and int(t) == tokenizer.eos
+            done[b] = int(t) in tokenizer.eos
             piece = "" if done[b] else decoders[b]([int(t)])
             texts[b] += piece
             if len(prompts) == 1:

@@ -21,7 +21,7 @@ jitted decode step per token, sampling over the vocab shards.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..config import Config
 from ..parallel import Layout, cache_spec, named
+from ..parallel.distributed import global_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,26 +97,37 @@ class Generator:
             x_B1D, k, v = model.extend(tok_B[:, None], pos_B[:, None], k, v, prefill=False)
             return next_token(model, x_B1D[:, 0], key), k, v
 
-        self._prefill = jax.jit(prefill)
-        self._decode = jax.jit(decode, donate_argnums=(3, 4))  # the caches, in place
+        # the token comes back replicated: every process of a multi-process
+        # run reads the whole batch's tokens (B values)
+        cache = NamedSharding(mesh, P(None, *cache_spec()))
+        outs = (NamedSharding(mesh, P()), cache, cache)
+        self._prefill = jax.jit(prefill, out_shardings=outs)
+        self._decode = jax.jit(decode, out_shardings=outs, donate_argnums=(3, 4))  # in place
+        self._zeros = {}
 
     def empty_cache(self, batch: int, length: int):
         m = self.cfg
         shape = (m.n_layers, batch, length, cache_heads(self.layout, m), m.head_dim)
-        sharding = NamedSharding(self.mesh, P(None, *cache_spec()))
-        zeros = jax.jit(lambda: jnp.zeros(shape, m.dtype), out_shardings=sharding)
-        return zeros(), zeros()
+        if shape not in self._zeros:  # compiled once per shape
+            sharding = NamedSharding(self.mesh, P(None, *cache_spec()))
+            self._zeros[shape] = jax.jit(lambda: jnp.zeros(shape, m.dtype),
+                                         out_shardings=sharding)
+        return self._zeros[shape](), self._zeros[shape]()
 
     def stream(self, prompts: list[list[int]], max_new_tokens: int, seed: int = 0,
-               eos: int | None = None) -> Iterator[np.ndarray]:
+               eos: Iterable[int] = ()) -> Iterator[np.ndarray]:
         """Yield the next token of every row [B] per step, max_new_tokens times
-        (or until every row has produced `eos`). Past model.seq_len the
+        (or until every row has produced one of the `eos` ids). Past model.seq_len the
         context slides: the last seq_len/2 tokens of each row are prefilled
         again (positions from 0, as nanoGPT crops to its block) and decoding
         goes on, one prefill per seq_len/2 tokens."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         lens = np.array([len(p) for p in prompts], np.int32)
+        top = max(max(p) for p in prompts)
+        if top >= self.cfg.vocab_size or min(min(p) for p in prompts) < 0:
+            raise ValueError(f"a prompt holds token id {top}, outside the model's vocabulary "
+                             f"(model.vocab_size={self.cfg.vocab_size}): another tokenizer?")
         if lens.max() > self.cfg.seq_len:
             raise ValueError(f"a prompt of {lens.max()} tokens is longer than model.seq_len="
                              f"{self.cfg.seq_len}, the longest sequence the model was built for")
@@ -129,7 +141,7 @@ class Generator:
             for step in range(1, max_new_tokens + 1):
                 host = np.asarray(tok)
                 yield host
-                done |= host == eos if eos is not None else False
+                done |= np.isin(host, list(eos)) if eos else False
                 if step == max_new_tokens or done.all():
                     return
                 for row, t in zip(history, host):
@@ -146,7 +158,8 @@ class Generator:
                     pos = pos + 1
 
     def _put(self, a: np.ndarray):
-        return jax.device_put(a, named(self.mesh, "batch", *[None] * (a.ndim - 1)))
+        """A host array [B, ...] the same in every process, split over dp."""
+        return global_batch(a, self.mesh, named(self.mesh, "batch", *[None] * (a.ndim - 1)))
 
     def _prefill_rows(self, rows: list[list[int]], k, v, key):
         """Prefill right-padded rows from position 0: (next token, k, v)."""
@@ -157,12 +170,14 @@ class Generator:
         return self._prefill(self.params, self._put(tokens), self._put(lens), k, v, key)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, seed: int = 0,
-                 eos: int | None = None, on_token: Callable | None = None) -> list[list[int]]:
-        """The generated tokens of every row (up to and including `eos`)."""
+                 eos: int | Iterable[int] = (),
+                 on_token: Callable | None = None) -> list[list[int]]:
+        """The generated tokens of every row (up to and including an `eos` id)."""
+        eos = {eos} if isinstance(eos, int) else set(eos)
         out = [[] for _ in prompts]
         for toks in self.stream(prompts, max_new_tokens, seed, eos):
             for b, t in enumerate(toks):
-                if not (out[b] and eos is not None and out[b][-1] == eos):
+                if not (out[b] and out[b][-1] in eos):
                     out[b].append(int(t))
             if on_token is not None:
                 on_token(toks)

@@ -15,7 +15,7 @@ class ByteTokenizer:
     """Byte-level text (vocab 256): the built-in corpus and plain text files."""
 
     name = "bytes"
-    eos = None
+    eos: frozenset = frozenset()
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -28,9 +28,14 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face `tokenizer.json`, through the `tokenizers` package."""
+    """A Hugging Face `tokenizer.json`, through the `tokenizers` package.
 
-    def __init__(self, path: str | Path):
+    `eos`: the end-of-text id(s); default: an HF checkpoint's `eos_token_id`
+    (its config.json beside the tokenizer). `special`: whether encoding adds
+    the tokenizer's special tokens (an HF checkpoint's BOS; not for a run
+    trained on a token file, whose text was encoded without them)."""
+
+    def __init__(self, path: str | Path, eos=None, special: bool = True):
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
@@ -40,13 +45,14 @@ class HFTokenizer:
         except ImportError:
             raise ImportError("reading a tokenizer needs the tokenizers package: "
                               "pip install -e '.[data]'") from None
-        self.tok, self.name = Tokenizer.from_file(str(file)), str(file)
-        config = file.parent / "config.json"
-        eos = json.loads(config.read_text()).get("eos_token_id") if config.is_file() else None
-        self.eos = eos[0] if isinstance(eos, list) else eos
+        self.tok, self.name, self.special = Tokenizer.from_file(str(file)), str(file), special
+        if eos is None:
+            config = file.parent / "config.json"
+            eos = json.loads(config.read_text()).get("eos_token_id") if config.is_file() else ()
+        self.eos = frozenset(eos if isinstance(eos, list) else () if eos is None else [eos])
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text).ids
+        return self.tok.encode(text, add_special_tokens=self.special).ids
 
     def decoder(self):
         """New ids -> the text they add (decoding the whole sequence so far, as
@@ -57,6 +63,8 @@ class HFTokenizer:
             nonlocal said
             ids.extend(new)
             text = self.tok.decode(ids)
+            if text.endswith("\ufffd"):  # a character still split across tokens
+                return ""
             out, said = text[len(said):], text
             return out
         return more
@@ -98,7 +106,9 @@ def from_run(run_dir: str | Path, tp: int | None = None, impl: str | None = None
         ckpt.close()
     log(f"loaded {run_dir} step {got} at tp={cfg.parallel.tp} ({cfg.parallel.impl})")
     model = nnx.merge(target.graphdef, params)
-    tokenizer = (HFTokenizer(run.path) if (run.path / "tokenizer.json").is_file()
+    eos = run.launch().get("eos")
+    tokenizer = (HFTokenizer(run.path, eos=eos or [], special=False)
+                 if (run.path / "tokenizer.json").is_file()
                  else ByteTokenizer() if cfg.model.vocab_size == 256 else None)
     return model, mesh, tokenizer
 
@@ -128,7 +138,7 @@ class LoopSampler:
         self.prompts = [prompt] * cfg.parallel.dp  # a row per dp rank
         self.new = min(new, cfg.model.seq_len - len(prompt))
         tok = Path(run_dir) / "tokenizer.json"
-        self.tokenizer = (HFTokenizer(tok) if tok.is_file() else
+        self.tokenizer = (HFTokenizer(tok, eos=[], special=False) if tok.is_file() else
                           ByteTokenizer() if cfg.model.vocab_size == 256 else None)
 
     def __call__(self, params) -> str:

@@ -36,9 +36,10 @@ NEG = jnp.finfo(jnp.float32).min
 TOP_CANDIDATES = 256
 
 
-def _gumbel(key, ids_BM):
-    """Gumbel(0, 1) noise per (row, token id), the same wherever the id lives."""
-    rows_BM = jnp.broadcast_to(jnp.arange(ids_BM.shape[0])[:, None], ids_BM.shape)
+def _gumbel(key, ids_BM, row0=0):
+    """Gumbel(0, 1) noise per (row, token id), the same wherever the id lives;
+    `row0`: the global index of the first row (a dp rank's offset)."""
+    rows_BM = jnp.broadcast_to(row0 + jnp.arange(ids_BM.shape[0])[:, None], ids_BM.shape)
     draw = lambda b, v: jax.random.gumbel(jax.random.fold_in(jax.random.fold_in(key, b), v))
     return jax.vmap(jax.vmap(draw))(rows_BM, ids_BM)
 
@@ -133,9 +134,10 @@ class VocabEmbed(nnx.Module):
         row b is drawn from fold_in(fold_in(key, b), v), so it depends on the
         token, not on which shard holds it, and tp changes no token. top-k and
         top-p (Holtzman et al. 2020) keep the k most likely tokens / the
-        smallest set holding probability p; they choose among each shard's
-        max(top_k, 256) best, gathered (B x tp x c values): exact for top-p
-        when its set has at most that many tokens."""
+        smallest set holding probability p; they choose among the c =
+        max(top_k, 256) most likely tokens overall (each shard's best c,
+        gathered, then the best c of those: the same set at every tp), so
+        top-p is exact when its set has at most c tokens, else cut at c."""
         logits_BV = jnp.einsum("BD,VD->BV", x_BD.astype(jnp.float32),
                                self.embedding[...].astype(jnp.float32))
         logits_BV = local.constrain(logits_BV, "batch", "vocab")
@@ -144,10 +146,15 @@ class VocabEmbed(nnx.Module):
         if temperature == 0:
             return local.vocab_argmax(logits_BV)
         s_BV = logits_BV / temperature
+        row0 = local.row_start(s_BV.shape[0])
         if not (top_k or top_p < 1):
-            return local.vocab_argmax(s_BV + _gumbel(key, jnp.broadcast_to(ids_V, s_BV.shape)))
-        top_BM, ids_BM = local.vocab_top(s_BV, max(top_k, TOP_CANDIDATES))
-        order_BM = jnp.argsort(-top_BM, axis=-1, stable=True)
+            return local.vocab_argmax(
+                s_BV + _gumbel(key, jnp.broadcast_to(ids_V, s_BV.shape), row0))
+        c = max(top_k, TOP_CANDIDATES)
+        top_BM, ids_BM = local.vocab_top(s_BV, c)
+        # the global best c of the shards' candidates (ties: the lower id, as
+        # the shards come in id order), the same set at every tp
+        order_BM = jnp.argsort(-top_BM, axis=-1, stable=True)[:, :c]
         top_BM = jnp.take_along_axis(top_BM, order_BM, -1)
         ids_BM = jnp.take_along_axis(ids_BM, order_BM, -1)
         keep_BM = jnp.ones(top_BM.shape, bool)
@@ -158,7 +165,7 @@ class VocabEmbed(nnx.Module):
             lse_B = jnp.log(local.vocab_sum(jnp.exp(s_BV - max_B[:, None]).sum(-1))) + max_B
             p_BM = jnp.exp(top_BM - lse_B[:, None])
             keep_BM &= jnp.cumsum(p_BM, -1) - p_BM < top_p  # the first token is always kept
-        score_BM = jnp.where(keep_BM, top_BM + _gumbel(key, ids_BM), -jnp.inf)
+        score_BM = jnp.where(keep_BM, top_BM + _gumbel(key, ids_BM, row0), -jnp.inf)
         return jnp.take_along_axis(ids_BM, score_BM.argmax(-1)[:, None], -1)[:, 0]
 
     def logits(self, x_BTD):

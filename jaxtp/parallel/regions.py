@@ -82,6 +82,10 @@ class GSPMD:
         tp = self.layout.tp
         return constrain(x_BV.reshape(B, tp, V // tp), "batch", "vocab", None)
 
+    def row_start(self, B: int):
+        """The global index of this array's first row (the arrays are global)."""
+        return 0
+
     def vocab_argmax(self, scores_BV):
         """The lowest id of the highest score [B], from each shard's best."""
         s_BRV = self._by_shard(scores_BV)
@@ -131,6 +135,10 @@ class ShardMap:
         """The kv head this rank's query heads use, for its KV cache."""
         K = kv_BTCKH.shape[3]
         return jax.lax.dynamic_slice_in_dim(kv_BTCKH, rank() * K // self.layout.tp, 1, 3)
+
+    def row_start(self, B: int):
+        """The global index of this dp rank's first row (of B)."""
+        return jax.lax.axis_index(DATA_AXIS) * B if self.layout.dp > 1 else 0
 
     def vocab_argmax(self, scores_BV):
         """The lowest id of the highest score over every shard [B]: a max and a

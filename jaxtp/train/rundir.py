@@ -7,7 +7,8 @@ before JAX starts (the saved tp and dp decide how many devices to make).
   the command line, and each changed key as [before, after]. The run's
   config is `config.json` with these applied in order;
 - `launch.json`: the first start's `--data` and `--init-from-hf` (absolute
-  paths), so that `python train.py --resume --out DIR` alone restarts it;
+  paths), so that `python train.py --resume --out DIR` alone restarts it,
+  and the end-of-text id(s) of its tokenizer (`eos`, for generate.py);
 - `tokenizer.json`: the tokenizer of a token file or HF checkpoint, if any.
 
 A resume may change only what leaves the run the same run (`RESUMABLE`):
@@ -101,7 +102,7 @@ class RunDir:
         return self._read_json(self.launch_path) if self.launch_path.is_file() else {}
 
     def start(self, cfg: Config, data: str | None, init_from_hf: str | None,
-              tokenizer: Path | None = None) -> None:
+              tokenizer: Path | None = None, eos: list[int] = ()) -> None:
         """Record a new run (process 0 only): the tokenizer its data was made
         with (as tokenizer.json, for generate.py), launch.json, then
         config.json, each whole or not at all (a kill mid-write leaves no run,
@@ -110,7 +111,8 @@ class RunDir:
             write_atomic(self.path / "tokenizer.json", Path(tokenizer).read_text())
         absolute = lambda p: os.path.abspath(p) if p else None
         write_atomic(self.launch_path, json.dumps(
-            {"data": absolute(data), "init_from_hf": absolute(init_from_hf)}, indent=2) + "\n")
+            {"data": absolute(data), "init_from_hf": absolute(init_from_hf),
+             "eos": list(eos)}, indent=2) + "\n")
         write_atomic(self.config_path, json.dumps(cfg.to_dict(), indent=2) + "\n")
 
     def changes(self, cfg: Config) -> dict[str, tuple]:

@@ -9,6 +9,7 @@ error before anything is compiled, and nothing here leaves a directory that
 from __future__ import annotations
 
 import hashlib
+import json
 import signal
 import threading
 from pathlib import Path
@@ -64,8 +65,8 @@ def prepare_out_dir(out_dir: str | Path) -> Path:
 
 
 def claim(run_dir: RunDir, resume: bool, tensorboard: bool, cfg: Config,
-          data_path: str | None, init_from_hf: str | None, tokenizer: Path | None,
-          log: Callable[[str], None]) -> dict:
+          data_path: str | None, init_from_hf: str | None,
+          tokenizer: tuple[Path | None, list[int]], log: Callable[[str], None]) -> dict:
     """Check (process 0) that the run directory can take this run, and record
     a new run there before anything else (so that a run killed from here on
     is resumable); the changes a resume makes to the run's config, said in
@@ -82,7 +83,7 @@ def claim(run_dir: RunDir, resume: bool, tensorboard: bool, cfg: Config,
                 changes = run_dir.changes(cfg)  # or a ConfigError naming the key
             else:
                 prepare_out_dir(run_dir.path)
-                run_dir.start(cfg, data_path, init_from_hf, tokenizer)
+                run_dir.start(cfg, data_path, init_from_hf, *tokenizer)
     except (OSError, ImportError, ValueError) as e:
         refused = e
     if any_process(refused is not None):
@@ -97,11 +98,11 @@ def claim(run_dir: RunDir, resume: bool, tensorboard: bool, cfg: Config,
 
 
 def check_data(data_path: str | None, data: Dataset, cfg: Config,
-               init_from_hf: str | None) -> Path | None:
+               init_from_hf: str | None) -> tuple[Path | None, list[int]]:
     """Refuse data this model cannot train on: a tokenizer whose vocabulary
     exceeds the model's, one that is not the HF checkpoint's, or a train split
     shorter than one batch. Returns the tokenizer.json the run should keep
-    (for generate.py), if there is one."""
+    (for generate.py), if there is one, and its end-of-text id(s)."""
     from .. import data as token_files
 
     m, t = cfg.model, cfg.train
@@ -111,8 +112,12 @@ def check_data(data_path: str | None, data: Dataset, cfg: Config,
                          f"{t.batch_size * (m.seq_len + 1):,}): use more data")
     hf_tok = Path(init_from_hf) / "tokenizer.json" if init_from_hf else None
     hf_tok = hf_tok if hf_tok is not None and hf_tok.is_file() else None
+    hf_eos = []
+    if hf_tok is not None and (hf_tok.parent / "config.json").is_file():
+        eos = json.loads((hf_tok.parent / "config.json").read_text()).get("eos_token_id")
+        hf_eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
     if not (data_path and token_files.is_token_file(data_path)):
-        return hf_tok
+        return hf_tok, hf_eos
     info = token_files.read_header(data_path)
     if info["vocab_size"] > m.vocab_size:
         raise ValueError(f"--data {data_path} was tokenized with a {info['vocab_size']:,}-id "
@@ -123,7 +128,7 @@ def check_data(data_path: str | None, data: Dataset, cfg: Config,
         raise ValueError(f"--data {data_path} was tokenized with another tokenizer than "
                          f"{hf_tok}: prepare it with --tokenizer {init_from_hf}")
     sidecar = Path(f"{data_path}.tokenizer.json")
-    return sidecar if sidecar.is_file() else hf_tok
+    return (sidecar if sidecar.is_file() else hf_tok), [info["eos_id"]]
 
 
 def process0(fn: Callable, what: str):

@@ -144,4 +144,17 @@ def test_train_on_a_token_file_then_generate_with_its_tokenizer(tmp_path, capsys
                           "--max-new-tokens", "8"]) == 0
     printed = capsys.readouterr().out
     sample = printed[printed.index("def add"):]
-    assert len(sample) > len("def add") and "<|endoftext|>" not in sample
+    assert len(sample) > len("def add")
+    eos = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json")).token_to_id(
+        "<|endoftext|>")
+    assert json.loads((run / "launch.json").read_text())["eos"] == [eos]
+
+
+def test_streamed_text_holds_back_a_split_character(tmp_path):
+    from jaxtp.generate.load import HFTokenizer
+
+    tok = HFTokenizer(bpe(tmp_path), eos=[], special=False)
+    ids = tok.encode("café ok")
+    more = tok.decoder()
+    pieces = [more([i]) for i in ids]  # é is two byte-level tokens
+    assert "".join(pieces) == "café ok" and "\ufffd" not in "".join(pieces)

@@ -21,18 +21,20 @@ NEW = 8
 MODELS = {"gpt2": ("gpt2", 0), "llama-gqa": ("llama", 2), "llama-mqa": ("llama", 1)}
 
 
-def config(name: str, tp: int, impl: str = "gspmd", scan: bool = False) -> Config:
+def config(name: str, tp: int, impl: str = "gspmd", scan: bool = False, dp: int = 1,
+           vocab: int = 256) -> Config:
     style, K = MODELS[name]
     # init_std 0.3: peaked logits, so no greedy choice is a near tie that the
     # cache's other summation order could flip
     m = ModelConfig(style=style, n_layers=2, d_model=64, n_heads=8, n_kv_heads=K, d_ff=128,
                     seq_len=32, init_std=0.3, attention="xla", scan_layers=scan,
-                    use_bias=style == "gpt2", tie_embeddings=style == "gpt2")
-    return validate(Config(m, TrainConfig(), ParallelConfig(tp=tp, impl=impl)))
+                    use_bias=style == "gpt2", tie_embeddings=style == "gpt2", vocab_size=vocab)
+    return validate(Config(m, TrainConfig(batch_size=4), ParallelConfig(dp=dp, tp=tp,
+                                                                        impl=impl)))
 
 
 def generator(cfg: Config, sampling: Sampling = Sampling()):
-    mesh = make_mesh(1, cfg.parallel.tp)
+    mesh = make_mesh(cfg.parallel.dp, cfg.parallel.tp)
     graphdef, params, _ = init_params(cfg, mesh)  # the same values at every tp
     return Generator(nnx.merge(graphdef, params), mesh, sampling), params
 
@@ -89,6 +91,29 @@ def test_seeded_sampling_is_the_same_at_tp1_and_tp8(how):
 
 
 test_seeded_sampling_is_the_same_at_tp1_and_tp8.fast_cases = {"top-k"}
+
+
+@pytest.mark.slow
+def test_top_p_over_a_large_vocabulary_is_the_same_at_tp1_and_tp8():
+    """4096 ids: tp=8 gathers 8 x 256 candidates, tp=1 has 256; the best 256
+    of them are the same set, so the tokens are too."""
+    s, prompts = Sampling(1.0, top_p=0.9), [[5, 17, 3], [9]]
+    one = generator(config("llama-gqa", 1, vocab=4096), s)[0].generate(prompts, NEW, seed=1)
+    for impl in ("gspmd", "shard_map"):
+        eight = generator(config("llama-gqa", 8, impl, vocab=4096), s)[0]
+        assert eight.generate(prompts, NEW, seed=1) == one
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+def test_every_row_has_its_own_noise_at_dp2(impl):
+    """Four identical prompts at dp=2 x tp=4 sample what one device samples:
+    a dp rank's rows are numbered globally, not from 0 on each rank."""
+    s, prompts = Sampling(1.5), [[5, 17, 3]] * 4
+    one = generator(config("llama-gqa", 1), s)[0].generate(prompts, NEW, seed=2)
+    assert len({tuple(r) for r in one}) == 4  # the rows differ
+    assert generator(config("llama-gqa", 4, impl, dp=2), s)[0].generate(
+        prompts, NEW, seed=2) == one
 
 
 KEYS = jax.random.split(jax.random.PRNGKey(0), 4000)
