@@ -106,7 +106,8 @@ def prepare(tokenizer_path: str | os.PathLike, out: str | os.PathLike,
             log: Callable[[str], None] = print) -> dict:
     """Tokenize UTF-8 text files (one document each, EOS after each) into the
     token file `out`; returns its header. Files are encoded in pieces of
-    about 1 MiB cut at newlines (a token never spans a piece)."""
+    about 1 MiB cut at newlines (a token never spans a piece; a normalizer
+    that prepends "▁" to its input adds one at each piece)."""
     try:
         from tokenizers import Tokenizer
     except ImportError:

@@ -167,6 +167,8 @@ def to_mesh(batch, mesh: Mesh) -> jax.Array:
     and of `Windows` reads only those rows.
     """
     sharding = named(mesh, "batch", *([None] * (batch.ndim - 1)))
+    # a process's rows are one block on a (dp, tp) mesh whose dp ranks are
+    # laid out by process, as make_mesh does
     if isinstance(batch, Windows) and jax.process_count() > 1:
         held = [i[0] for i in sharding.addressable_devices_indices_map(batch.shape).values()]
         lo = min(s.start or 0 for s in held)
