@@ -2,7 +2,6 @@
 and the HLO they compile to: tp - 1 collective-permutes, no all-gather."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
