@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -253,113 +252,10 @@ def load_config(name_or_path: str = "tiny") -> Config:
     return Config.from_dict(d)
 
 
-def _divisible(name: str, value: int, tp: int) -> None:
-    if value % tp:
-        ok = [t for t in range(1, value + 1) if value % t == 0 and t <= 64]
-        raise ConfigError(
-            f"{name}={value} is not divisible by tp={tp}; choose --tp from {ok} "
-            f"or set {name} to a multiple of {tp}"
-        )
-
-
 def validate(cfg: Config) -> Config:
-    """Check sizes and layout; raises ConfigError naming the value and the fix."""
-    _check_ranges(cfg)
-    _check_choices(cfg)
-    _check_shapes(cfg.model)
-    _check_layout(cfg)
+    """Check sizes and layout; raises ConfigError naming the value and the fix
+    (the rules: `jaxtp.checks`)."""
+    from .checks import check
+
+    check(cfg)
     return cfg
-
-
-def _check_ranges(cfg: Config) -> None:
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    positive = {
-        **{f"model.{k}": getattr(m, k) for k in
-           ("vocab_size", "vocab_multiple", "n_layers", "d_model", "n_heads", "d_ff",
-            "seq_len", "rope_theta", "attention_block")},
-        **{f"train.{k}": getattr(t, k) for k in
-           ("steps", "batch_size", "microbatches", "log_every", "eval_every",
-            "eval_batches", "lr", "max_skipped_steps", "keep_checkpoints")},
-        "model.ln_eps": m.ln_eps, "model.init_std": m.init_std,
-        "parallel.dp": p.dp, "parallel.tp": p.tp,
-    }
-    for k, v in positive.items():
-        if not v > 0:
-            raise ConfigError(f"{k}={v} must be positive")
-    for k in ("warmup_steps", "weight_decay", "grad_clip", "spike_factor",
-              "checkpoint_every", "checkpoint_minutes", "sample_every"):
-        if not 0 <= getattr(t, k) < math.inf:
-            raise ConfigError(f"train.{k}={getattr(t, k)} must be finite and >= 0")
-    for k in ("b1", "b2"):
-        if not 0 <= getattr(t, k) < 1:
-            raise ConfigError(f"train.{k}={getattr(t, k)} must be in [0, 1)")
-    if not t.lr < math.inf:
-        raise ConfigError(f"train.lr={t.lr} must be finite")
-    if not 0 <= m.dropout < 1:
-        raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
-    if not 0 <= t.min_lr_ratio <= 1:
-        raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
-    if m.loss_chunk < 0:
-        raise ConfigError(f"model.loss_chunk={m.loss_chunk} must be >= 0 (0: no chunking)")
-
-
-def _check_choices(cfg: Config) -> None:
-    m = cfg.model
-    for name, value, choices in (("model.dtype", m.dtype, DTYPES),
-                                 ("model.param_dtype", m.param_dtype, DTYPES),
-                                 ("model.remat", m.remat, REMATS),
-                                 ("model.attention", m.attention, ATTENTIONS),
-                                 ("model.style", m.style, STYLES),
-                                 ("parallel.impl", cfg.parallel.impl, IMPLS)):
-        if value not in choices:
-            raise ConfigError(f"{name}={value!r}; choose one of {choices}")
-
-
-def _check_shapes(m: "ModelConfig") -> None:
-    if m.d_model % m.n_heads:
-        raise ConfigError(
-            f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}"
-        )
-    if m.n_kv_heads < 0 or m.n_heads % m.kv_heads:
-        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads="
-                          f"{m.n_heads} (0 means n_kv_heads = n_heads)")
-    if m.rope_scaling_factor < 0 or (m.rope_scaling_factor and not (
-            0 < m.rope_low_freq_factor < m.rope_high_freq_factor and m.rope_original_max_len > 0)):
-        raise ConfigError("llama3 rope scaling needs rope_scaling_factor > 0, 0 < "
-                          "rope_low_freq_factor < rope_high_freq_factor and "
-                          "rope_original_max_len > 0 (rope_scaling_factor=0 turns it off)")
-    if m.style == "llama" and m.head_dim % 2:
-        raise ConfigError(f"rotary embeddings need an even head dim, got "
-                          f"d_model/n_heads = {m.head_dim}")
-
-
-def _check_layout(cfg: Config) -> None:
-    """What the (dp, tp) mesh must divide."""
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    _divisible("model.n_heads", m.n_heads, p.tp)
-    _divisible("model.d_ff", m.d_ff, p.tp)
-    k = m.kv_heads
-    if k % p.tp and p.tp % k:
-        ok = sorted({t for t in range(1, m.n_heads + 1) if m.n_heads % t == 0
-                     and (k % t == 0 or t % k == 0)})
-        raise ConfigError(
-            f"model.n_kv_heads={k} and tp={p.tp}: tp must divide the kv heads (each rank "
-            f"holds its own) or be a multiple of them (each kv head replicated on "
-            f"tp/n_kv_heads ranks); valid --tp: {ok}")
-    if m.padded_vocab % p.tp:
-        raise ConfigError(
-            f"the vocabulary is padded to {m.padded_vocab} (model.vocab_multiple="
-            f"{m.vocab_multiple}), which tp={p.tp} does not divide; set "
-            f"model.vocab_multiple to a multiple of {p.tp}")
-    if p.sp and m.seq_len % p.tp:
-        raise ConfigError(f"sequence parallelism splits model.seq_len={m.seq_len} over "
-                          f"tp={p.tp}; set model.seq_len to a multiple of {p.tp}")
-    if t.batch_size % (p.dp * t.microbatches):
-        raise ConfigError(
-            f"train.batch_size={t.batch_size} is not divisible by dp*microbatches="
-            f"{p.dp}*{t.microbatches}; set train.batch_size to a multiple of "
-            f"{p.dp * t.microbatches}"
-        )
-    if p.fsdp and m.d_model % p.dp:
-        raise ConfigError(f"parallel.fsdp splits model.d_model={m.d_model} over dp={p.dp}; "
-                          f"choose a dp that divides it")
