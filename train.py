@@ -8,8 +8,8 @@ its own config: the one command a job that may be requeued needs.
 Exit status: 0 done (or stopped at --until), 1 the run failed (too many
 skipped steps, no usable checkpoint, a budget deviation, processes that never
 arrived), 2 a usage, config or data error (before anything is written),
-3 a checkpoint could not be saved (disk full, file system error; the
-checkpoints before it are intact), 128+N stopped by signal N (130 SIGINT,
+3 a file of the run could not be written (a checkpoint, the metrics: disk
+full, file system error; the checkpoints before it are intact), 128+N stopped by signal N (130 SIGINT,
 143 SIGTERM; resumable once the run has started).
 """
 
@@ -93,9 +93,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, help="training steps")
     ap.add_argument("--seed", type=int, help="init, data and dropout seed")
     ap.add_argument("--out", help="output directory (default: runs/<config>-dp<dp>-tp<tp>-<time>)")
-    ap.add_argument("--data", help="UTF-8 text file (byte-level) or .bin of uint16 token ids "
-                                   "(default: the Python standard library's source; with "
-                                   "--resume: the run's, recognised by content)")
+    ap.add_argument("--data", help="UTF-8 text file (byte-level), token file (python -m "
+                                   "jaxtp.data prepare) or .bin of uint16 token ids (default: "
+                                   "the Python standard library's source; with --resume: the "
+                                   "run's, recognised by content)")
     ap.add_argument("--resume", action="store_true",
                     help="start or continue the run in --out with its config: from its latest "
                          "complete checkpoint (at any tp/dp), from step 0 if it has none, or "
