@@ -113,16 +113,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         raise ValueError(f"local_devices={local_devices} must be >= 1")
     if jax.distributed.is_initialized():
         return describe()
-    coordinator = coordinator or os.environ.get(ENV_COORDINATOR) or None
-    num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
-    process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
-    if num_processes is not None and num_processes < 1:
-        raise ValueError(f"num_processes={num_processes} must be >= 1")
-    if None not in (num_processes, process_id) and not 0 <= process_id < num_processes:
-        raise ValueError(f"process_id={process_id} must be in 0..{num_processes - 1} "
-                         f"(num_processes={num_processes})")
-    given = {"coordinator": coordinator, "num_processes": num_processes,
-             "process_id": process_id}
+    given = _given(coordinator, num_processes, process_id)
+    coordinator, num_processes, process_id = given.values()
     nothing_given = all(v is None for v in given.values())
     launcher = None if None not in given.values() else _launcher()
     single = num_processes == 1 or (nothing_given and launcher is None)
@@ -147,6 +139,32 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     if jax.config.jax_cpu_collectives_implementation is None:
         # without it a CPU computation spanning processes cannot run
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        _join(coordinator, num_processes, process_id, launcher, timeout_s, log)
+    except ValueError:
+        if not (nothing_given and launcher == "Cloud TPU"):
+            raise
+        # libtpu is installed, but JAX finds no TPU VM around it: a single process
+    return describe()
+
+
+def _given(coordinator, num_processes, process_id) -> dict:
+    """The arguments, else JAX's environment variables, checked."""
+    coordinator = coordinator or os.environ.get(ENV_COORDINATOR) or None
+    num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
+    process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
+    if num_processes is not None and num_processes < 1:
+        raise ValueError(f"num_processes={num_processes} must be >= 1")
+    if None not in (num_processes, process_id) and not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id={process_id} must be in 0..{num_processes - 1} "
+                         f"(num_processes={num_processes})")
+    return {"coordinator": coordinator, "num_processes": num_processes,
+            "process_id": process_id}
+
+
+def _join(coordinator, num_processes, process_id, launcher, timeout_s: float, log) -> None:
+    """jax.distributed.initialize, watched: say whom it waits for, and give up
+    with one line after `timeout_s` (`_give_up_after`)."""
     where = coordinator or f"the coordinator {launcher} names"
     log(f"waiting for {num_processes or 'all'} processes at {where} (this is process "
         f"{'?' if process_id is None else process_id}; timeout {timeout_s:g}s)")
@@ -157,13 +175,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         # JAX's own timeout later than ours: its expiry aborts the process
         jax.distributed.initialize(coordinator, num_processes, process_id,
                                    initialization_timeout=int(timeout_s) + 60)
-    except ValueError:
-        if not (nothing_given and launcher == "Cloud TPU"):
-            raise
-        # libtpu is installed, but JAX finds no TPU VM around it: a single process
     finally:
         arrived.set()
-    return describe()
 
 
 def _give_up_after(arrived: threading.Event, timeout_s: float, where: str,

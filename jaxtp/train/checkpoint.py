@@ -117,12 +117,7 @@ class Checkpointer:
         """Start saving; returns once the arrays are copied off the devices.
         Raises SaveFailed if the previous save failed or this one cannot fit
         (in every process, if in any)."""
-        why = None
-        try:
-            self.wait()
-        except SaveFailed as e:
-            why = str(e)
-        _agree(why)
+        self.finish()
         for s in sorted(self._corrupt & set(self.steps())):
             if s >= step:  # newer than what we resumed from, and unusable
                 self.log(f"WARNING: deleting corrupt checkpoint step {s} in {self.directory} "

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import signal
 import time
 from pathlib import Path
@@ -51,12 +50,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from .. import data as token_files
 from ..config import Config
 from ..parallel import make_mesh, named
 from ..parallel.distributed import any_process
 from .checkpoint import Checkpointer, SaveFailed, nbytes
-from .data import Dataset, data_identity, load_tokens, to_mesh
+from .data import to_mesh
 from .loopstep import LoopState, is_row_step, make_loop_step
 from .metrics import (MetricsLog, metrics_row, model_flops_per_token, peak_flops, progress_line,
                       skip_line, speed)
@@ -64,8 +62,8 @@ from .optim import lr_schedule
 from .record import run_record
 from .rundir import RunDir, write_atomic
 from .runstate import RunState
-from .start import (Signals, check_data, check_options, claim, count_params, describe,
-                    idle_summary, process0, restore_or_init)
+from .start import (Signals, check_options, claim, count_params, describe, idle_summary,
+                    load_data, process0, restore_or_init)
 from .state import abstract_model, resolve_attention
 from .step import ReplayCheck, make_eval_step
 
@@ -105,12 +103,7 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None, *,
     """
     check_options(check, resume, until, inject_nan_at, peak_tflops)
     log = log if jax.process_index() == 0 else (lambda _: None)
-    tokens = load_tokens(data_path)
-    header = token_files.read_header(data_path) if data_path and \
-        token_files.is_token_file(data_path) else {}
-    data = Dataset(tokens, cfg.model.seq_len, cfg.model.vocab_size,
-                   max_id=header.get("max_id"))
-    tokenizer = check_data(data_path, data, cfg, (launch or {}).get("init_from_hf"))
+    data, data_id, tokenizer = load_data(data_path, cfg, (launch or {}).get("init_from_hf"))
     mesh = make_mesh(cfg.parallel.dp, cfg.parallel.tp)
     asked = cfg  # as given: the run records "auto", not the kernel this machine picks
     cfg = resolve_attention(cfg, mesh.devices.flat[0])  # a KernelError before writing
@@ -120,7 +113,7 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None, *,
                     (launch or {}).get("init_from_hf"), tokenizer, log)
     ckpt = Checkpointer(out / "checkpoints", keep=cfg.train.keep_checkpoints, log=log)
     try:
-        run = RunState.of(cfg, data_identity(tokens, data_path and os.path.abspath(data_path)))
+        run = RunState.of(cfg, data_id)
         state, run = restore_or_init(run, ckpt, cfg, mesh, init_params, rerun, log)
         last = min(cfg.train.steps, until or cfg.train.steps)
         if last <= run.step:

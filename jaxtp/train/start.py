@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import signal
 import threading
 from pathlib import Path
@@ -95,6 +96,21 @@ def claim(run_dir: RunDir, resume: bool, tensorboard: bool, cfg: Config,
         log(f"warning: the lr schedule now spans {cfg.train.steps} steps: the steps left "
             "run at other learning rates than the run first planned")
     return changes
+
+
+def load_data(data_path: str | None, cfg: Config, init_from_hf: str | None):
+    """(Dataset, the data's identity for RunState, (tokenizer.json, EOS ids)):
+    the tokens read (a token file memory-mapped) and checked (`check_data`)."""
+    from .. import data as token_files
+    from .data import data_identity, load_tokens
+
+    tokens = load_tokens(data_path)
+    header = token_files.read_header(data_path) if data_path and \
+        token_files.is_token_file(data_path) else {}
+    data = Dataset(tokens, cfg.model.seq_len, cfg.model.vocab_size,
+                   max_id=header.get("max_id"))
+    tokenizer = check_data(data_path, data, cfg, init_from_hf)
+    return data, data_identity(tokens, data_path and os.path.abspath(data_path)), tokenizer
 
 
 def check_data(data_path: str | None, data: Dataset, cfg: Config,
