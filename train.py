@@ -24,15 +24,15 @@ import sys
 import threading
 import time
 
-from jaxtp.config import (ATTENTIONS, COORDINATOR_TIMEOUT_S, IMPLS, REMATS, Config, ConfigError,
-                          apply_overrides, load_config, preset_names, validate)
+from jaxtp.config import (ATTENTIONS, COORDINATOR_TIMEOUT_S, IMPLS, OVERLAPS, REMATS, Config,
+                          ConfigError, apply_overrides, load_config, preset_names, validate)
 from jaxtp.train.metrics import HARDWARE, TARGET_NAMES
 from jaxtp.train.rundir import RunDir
 
 EXIT_FAILED, EXIT_USAGE, EXIT_SAVE = 1, 2, 3
 # the flags that set one config key (their help says which, and the default)
 FLAG_KEYS = {"tp": "parallel.tp", "dp": "parallel.dp", "impl": "parallel.impl",
-             "sp": "parallel.sp", "fsdp": "parallel.fsdp", "microbatches": "train.microbatches",
+             "sp": "parallel.sp", "overlap": "parallel.overlap", "fsdp": "parallel.fsdp", "microbatches": "train.microbatches",
              "scan": "model.scan_layers", "remat": "model.remat", "attention": "model.attention",
              "steps": "train.steps", "seed": "train.seed",
              "checkpoint_every": "train.checkpoint_every"}
@@ -70,6 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sp", action="store_true", default=None,
                     help="sequence parallelism: split the residual stream over tp along the "
                          "sequence (all-gather / reduce-scatter instead of all-reduce)")
+    ap.add_argument("--overlap", choices=OVERLAPS,
+                    help="with --sp: collective_matmul overlaps each region's all-gather and "
+                         "reduce-scatter with its matmuls (shard_map: ppermute rings; gspmd: "
+                         "XLA's windowed einsum on GPU/TPU, none on CPU)")
     ap.add_argument("--fsdp", action="store_true", default=None,
                     help="also split parameters and optimizer state over dp (FSDP-style)")
     ap.add_argument("--microbatches", type=int,

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 
-from .config import ATTENTIONS, DTYPES, IMPLS, REMATS, STYLES, Config, ConfigError, ModelConfig
+from .config import (ATTENTIONS, DTYPES, IMPLS, OVERLAPS, REMATS, STYLES, Config, ConfigError,
+                     ModelConfig)
 
 
 def check(cfg: Config) -> None:
@@ -65,7 +66,8 @@ def _check_choices(cfg: Config) -> None:
                                  ("model.remat", m.remat, REMATS),
                                  ("model.attention", m.attention, ATTENTIONS),
                                  ("model.style", m.style, STYLES),
-                                 ("parallel.impl", cfg.parallel.impl, IMPLS)):
+                                 ("parallel.impl", cfg.parallel.impl, IMPLS),
+                                 ("parallel.overlap", cfg.parallel.overlap, OVERLAPS)):
         if value not in choices:
             raise ConfigError(f"{name}={value!r}; choose one of {choices}")
 
@@ -106,6 +108,11 @@ def _check_layout(cfg: Config) -> None:
             f"the vocabulary is padded to {m.padded_vocab} (model.vocab_multiple="
             f"{m.vocab_multiple}), which tp={p.tp} does not divide; set "
             f"model.vocab_multiple to a multiple of {p.tp}")
+    if p.overlap != "none" and not p.sp:
+        raise ConfigError(
+            f"parallel.overlap={p.overlap!r} overlaps sequence parallelism's all-gathers and "
+            "reduce-scatters with their matmuls; without parallel.sp a region's one "
+            "all-reduce has no matmul after it to hide behind: add --sp, or --overlap none")
     if p.sp and m.seq_len % p.tp:
         raise ConfigError(f"sequence parallelism splits model.seq_len={m.seq_len} over "
                           f"tp={p.tp}; set model.seq_len to a multiple of {p.tp}")

@@ -21,6 +21,9 @@ CONFIG_DIR = next((d for d in (_HERE / "configs", _HERE.parent / "configs") if d
                   _HERE / "configs")
 DTYPES = ("float32", "bfloat16", "float16")
 IMPLS = ("gspmd", "shard_map")
+# how SP's all-gathers and reduce-scatters meet the matmuls they feed
+# (jaxtp.parallel.overlap): one collective each, or collective-matmul rings
+OVERLAPS = ("none", "collective_matmul")
 STYLES = ("gpt2", "llama")
 REMATS = ("none", "full", "dots", "minimal")  # jaxtp.model.transformer.REMAT_POLICIES
 ATTENTIONS = ("auto", "xla", "blockwise", "cudnn")  # jaxtp.model.kernels (auto: per device)
@@ -134,6 +137,10 @@ class ParallelConfig:
     # FSDP-style: also split parameters and optimizer state over dp (their
     # "embed" dim), gathered for use and reduce-scattered as gradients
     fsdp: bool = False
+    # with sp: "collective_matmul" overlaps each region's entry all-gather and
+    # exit reduce-scatter with its matmuls (shard_map: ppermute rings;
+    # gspmd: XLA's windowed einsum on GPU/TPU, nothing on CPU)
+    overlap: str = "none"
 
     @property
     def sequence_parallel(self) -> bool:

@@ -99,6 +99,12 @@ class Expected:
         return (self.kind, self.pass_, self.scope, self.elements, self.dtype, self.group)
 
     @property
+    def role_label(self) -> str:
+        """The row's role in a word or two: its name up to the colon ("f",
+        "g_sp ring", "cross-entropy")."""
+        return self.name.split(":")[0]
+
+    @property
     def bytes(self) -> int:
         """Bytes of the full buffer, as `hlo.Collective.bytes`: a reduce-scatter
         returns `elements` per rank from a group-times larger input."""
@@ -107,7 +113,11 @@ class Expected:
 
     @property
     def ring_bytes(self) -> float:
-        """Per rank, per collective: 2(g-1)/g x bytes for all-reduce, (g-1)/g else."""
+        """Per rank, per collective: 2(g-1)/g x bytes for all-reduce, (g-1)/g
+        for all-gather and reduce-scatter; a collective-permute sends its
+        whole buffer once."""
+        if self.kind == "collective-permute":
+            return float(self.bytes)
         share = (self.group - 1) / self.group
         return (2 if self.kind == "all-reduce" else 1) * share * self.bytes
 
@@ -262,7 +272,7 @@ def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int):
     shard, pd = act // tp, HLO_DTYPES[m.param_dtype]  # parameter gradients: param dtype
     n, c = loss_chunks(m.loss_chunk, b, s)
     gspmd_kv = impl == "gspmd" and m.kv_heads < tp
-    rows = _sp_regions(cfg, E, act, shard, L, gspmd_kv)
+    rows = _sp_regions(cfg, E, act, shard, L, gspmd_kv, impl)
     norm_params = (2 * L + 1) * (1 if m.style == "llama" else 2)
     rows += [
         E("SP embedding: reduce-scatter of the looked-up rows", "reduce-scatter", "forward",
@@ -301,8 +311,11 @@ def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int):
     return rows
 
 
-def _sp_regions(cfg: Config, E, act: int, shard: int, L: int, gspmd_kv: bool) -> list:
+def _sp_regions(cfg: Config, E, act: int, shard: int, L: int, gspmd_kv: bool,
+                impl: str) -> list:
     """Each region's SP entry and exit, forward and backward (and a remat's regather)."""
+    if impl == "shard_map" and cfg.parallel.overlap == "collective_matmul":
+        return _ring_regions(cfg, E, shard, L)
     rows = []
     for scope in ("attention", "mlp"):
         rows += [E(f"SP entry: all-gather into {scope}", "all-gather", "forward", scope, act, L,
@@ -319,6 +332,32 @@ def _sp_regions(cfg: Config, E, act: int, shard: int, L: int, gspmd_kv: bool) ->
         if cfg.model.remat != "none":
             rows.append(E(f"SP remat: {scope}'s input gathered again in the backward pass",
                           "all-gather", "backward", scope, act, L, role="gather_in"))
+    return rows
+
+
+def _ring_regions(cfg: Config, E, shard: int, L: int) -> list:
+    """SP's entry and exit as collective-matmul rings (`jaxtp.parallel.overlap`,
+    Wang et al. 2023): each is tp - 1 ppermutes of one sequence chunk,
+    b*s*h/tp elements, in place of the all-gather or reduce-scatter of the
+    same ring bytes; the backward pass is the reverse ring of each (dX
+    reduce-scattered, the output gradient all-gathered), and a remat policy
+    runs the entry's ring again to regather x for the weight gradient. The
+    permutes' pairs span the whole mesh (dp x tp: each dp group's ring)."""
+    hops, pairs = cfg.parallel.tp - 1, cfg.parallel.tp * cfg.parallel.dp
+    P = lambda name, pass_, scope, n, role="": E(name, "collective-permute", pass_, scope, shard,
+                                                 n * hops * L, group=pairs, role=role)
+    rows = []
+    for scope in ("attention", "mlp"):
+        rows += [P(f"f_sp ring: x's chunks into {scope}'s column matmul", "forward", scope, 1,
+                   "gather_in"),
+                 P(f"g_sp ring: partial sums out of {scope}'s row matmul", "forward", scope, 1),
+                 P(f"g_sp ring, backward: chunks of {scope}'s output gradient", "backward",
+                   scope, 1, f"gather_grad_{scope}"),
+                 P(f"f_sp ring, backward: partial sums of dX into {scope}", "backward", scope,
+                   1)]
+        if cfg.model.remat != "none":
+            rows.append(P(f"f_sp ring, remat: x's chunks into {scope} again for dW",
+                          "backward", scope, 1, "gather_in"))
     return rows
 
 

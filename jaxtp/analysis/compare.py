@@ -89,10 +89,25 @@ def _compile_and_check(cfg: Config, mesh, out: Path, log) -> tuple[list, list, d
     colls = hlo.collectives(text)
     expected = expected_collectives(cfg, impl, platform)
     diff = check(colls, expected)
+    if cfg.parallel.overlap != "none" and impl == "gspmd":
+        log(windowed_einsum_line(colls, platform))
     return colls, expected, {"collectives": hlo.summarize(colls),
                              "expected": [e.to_dict() for e in expected],
                              "matches_budget": diff is None,
                              "verdict": "matches budget" if diff is None else diff}
+
+
+def windowed_einsum_line(colls: list, platform: str) -> str:
+    """What XLA made of GSPMD's overlap request: the collective-permutes of
+    the windowed-einsum loops it formed (none: each SP collective stayed whole)."""
+    from ..parallel import NO_XLA_OVERLAP
+
+    n = sum(c.count for c in colls if c.kind == "collective-permute")
+    if platform == "cpu":
+        return f"gspmd: {NO_XLA_OVERLAP}"
+    return (f"gspmd on {platform}: XLA's windowed einsum formed loops of {n} collective-permutes"
+            if n else f"gspmd on {platform}: XLA formed no windowed-einsum loop (0 "
+            "collective-permutes): every SP all-gather and reduce-scatter stayed whole")
 
 
 def _analytic_line(budget, sp: bool, ring: dict) -> str:
@@ -115,7 +130,8 @@ def _size(b: float) -> str:
 
 def format_table(colls_by_impl: dict, expected_by_impl: dict) -> list[str]:
     """Side by side: each collective (kind, pass, scope, dtype[shape], devices,
-    bytes) with its count per impl and in the budget."""
+    bytes) with its count per impl and in the budget, and the budget's role
+    for it (Megatron's f or g, their SP forms and rings, the loss's reductions)."""
     impls = list(colls_by_impl)
     cells: dict[tuple, dict] = {}
     for impl in impls:
@@ -124,10 +140,14 @@ def format_table(colls_by_impl: dict, expected_by_impl: dict) -> list[str]:
             cell[impl] = cell.get(impl, 0) + c.count
         for e in expected_by_impl[impl]:
             cell = cells.setdefault(e.key, {"shape": None, "bytes": e.bytes})
-            cell[f"budget {impl}"] = e.count
+            cell[f"budget {impl}"] = cell.get(f"budget {impl}", 0) + e.count
+            roles = cell.setdefault("roles", [])
+            if e.role_label not in roles:
+                roles.append(e.role_label)
     head = ["kind", "pass", "scope", "dtype[shape]", "devices", "bytes each"]
     for impl in impls:
         head += [impl, "budget"]
+    head.append("role")
     rows = [head]
     order = {"forward": 0, "backward": 1, "other": 2}
     for key in sorted(cells, key=lambda k: (order.get(k[1], 3), k[2], k[0], -k[3])):
@@ -137,7 +157,7 @@ def format_table(colls_by_impl: dict, expected_by_impl: dict) -> list[str]:
         row = [kind, pass_, scope or "-", f"{dt}{shape}", str(group), _size(cell["bytes"])]
         for impl in impls:
             row += [str(cell.get(impl, 0)), str(cell.get(f"budget {impl}", 0))]
-        rows.append(row)
+        rows.append(row + [" / ".join(cell.get("roles", ["(not in the budget)"]))])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -5,7 +5,8 @@ are compiled up front and timed alternately, round by round, and each ratio
 is the median over rounds of the two times of one round (a slow moment of a
 noisy machine then hits both sides alike). Sections: GSPMD vs shard_map at
 the largest tp <= 8 a preset allows; tp in {1, 2, 4, 8} with and without
-sequence parallelism against tp=1; compile time against depth; collectives
+sequence parallelism against tp=1; SP's collectives as collective-matmul
+rings against plain ones (`overlap`); compile time against depth; collectives
 over the tp axis (`collectives`); the share of step time in collectives,
 read from a profiler trace; jaxtp against a plain JAX step of the same model
 (`peer`); blockwise against xla attention as the sequence grows; the
@@ -33,16 +34,18 @@ from .decode import bench_decode
 from .timing import build, paired_ratio, time_alternating
 from .report import RATIO_COLUMNS, format_section, machine_info, section
 
-SECTIONS = ("impl", "scaling", "compile", "collectives", "profile", "peer", "attention", "loop",
-            "decode")
+SECTIONS = ("impl", "scaling", "overlap", "compile", "collectives", "profile", "peer",
+            "attention", "loop", "decode")
 # quick: for CI, about a minute on 2 CPU cores; full: ~10 minutes there
 PLANS = {
-    "quick": dict(presets=("tiny",), tps=(1, 8), impls=("gspmd",), warmup=1, steps=3,
+    "quick": dict(presets=("tiny",), tps=(1, 8), impls=("gspmd",), overlap_impls=("shard_map",),
+                  warmup=1, steps=3,
                   depths=(2, 8), unscanned=(), payloads=("tiny",), samples=5,
                   attention_seqs=(128,), loop_steps=6, decode_batch=4, decode_prompt=16,
                   decode_tokens=8, decode_reps=1,
                   small=("model.n_layers=1", "train.batch_size=8", "model.seq_len=64")),
     "full": dict(presets=("tiny", "gpt2-small"), tps=(1, 2, 4, 8), impls=("gspmd", "shard_map"),
+                 overlap_impls=("shard_map", "gspmd"),
                  warmup=2, steps=7, depths=(2, 8, 32), unscanned=(2, 8),
                  payloads=("tiny", "gpt2-small", "llama-1b"), samples=10,
                  attention_seqs=(256, 512, 1024, 2048), loop_steps=60, decode_batch=8,
@@ -82,11 +85,13 @@ def valid_tps(name: str, tps) -> tuple[list[int], list[str]]:
 
 
 def _get(plan: dict, cache: dict, preset_name: str, tp: int, impl: str = "gspmd",
-         sp: bool = False):
-    key = f"{preset_name} {impl} tp={tp}{' sp' if sp else ''}"
+         sp: bool = False, overlap: str = "none"):
+    key = (f"{preset_name} {impl} tp={tp}{' sp' if sp else ''}"
+           f"{' ' + overlap if overlap != 'none' else ''}")
     if key not in cache:
         cfg, cut = preset(preset_name, f"parallel.tp={tp}", f"parallel.impl={impl}",
-                          f"parallel.sp={str(sp).lower()}", *plan["small"])
+                          f"parallel.sp={str(sp).lower()}", f"parallel.overlap={overlap}",
+                          *plan["small"])
         cache[key] = (build(key, cfg), cut)
     return cache[key]
 
@@ -143,6 +148,37 @@ def bench_scaling(plan: dict, cache: dict) -> dict:
                    PAIRED + [("step_ms", "step ms (median)"), ("compile_s", "compile s")], rows,
                    [note, f"all runs of a preset and impl interleaved, {plan['steps']} rounds "
                     "after warm-up; value: median over rounds of the paired ratio", *notes])
+
+
+def bench_overlap(plan: dict, cache: dict, log=print) -> dict:
+    """SP's collectives as collective-matmul rings against the plain
+    all-gathers and reduce-scatters (`parallel.overlap`), per impl and tp,
+    each pair timed alternately."""
+    rows = []
+    cases = [(impl, tp) for impl in plan["overlap_impls"] for tp in plan["tps"] if tp > 1]
+    for i, (impl, tp) in enumerate(cases, 1):
+        log(f"overlap {i}/{len(cases)}: tiny {impl} tp={tp}")
+        base, cut = _get(plan, cache, "tiny", tp, impl, sp=True)
+        ring, _ = _get(plan, cache, "tiny", tp, impl, sp=True, overlap="collective_matmul")
+        t = time_alternating([base, ring], plan["warmup"], plan["steps"])
+        ratio, lo, hi = paired_ratio(t, ring.name, base.name)
+        rows.append({"case": _case(f"tiny {impl} tp={tp} sp", base.cfg, cut),
+                     "measured": "train step time, collective_matmul / none", "value": ratio,
+                     "unit": "ratio", "ratio_min": lo, "ratio_max": hi,
+                     "none_ms": np.median(t[base.name]) * 1e3,
+                     "ring_ms": np.median(t[ring.name]) * 1e3, "tp": tp, "impl": impl})
+    notes = ["both compiled in one process and timed alternately; < 1: the overlap pays",
+             "shard_map: each region's all-gather and reduce-scatter written as tp - 1 "
+             "ppermutes that a GPU or TPU runs beside the chunks' matmuls; gspmd: XLA's "
+             "windowed einsum asked for (jaxtp.parallel.overlap)"]
+    if jax.default_backend() == "cpu":
+        notes.append("CPU: no concurrent streams, so nothing runs beside a matmul: the ring's "
+                     "tp matmuls and permutes cost more than one collective and one matmul, "
+                     "and XLA's CPU compiler has no windowed einsum (gspmd's two runs are the "
+                     "same program)")
+    return section("overlap", "Sequence parallelism's collectives overlapped with the matmuls",
+                   PAIRED + [("none_ms", "overlap none ms"), ("ring_ms", "collective_matmul ms")],
+                   rows, notes)
 
 
 def bench_compile(plan: dict) -> dict:
@@ -311,6 +347,7 @@ def run_suite(quick: bool = False, only=None, log: Callable[[str], None] = print
     t0 = time.perf_counter()
     jobs = {"impl": lambda: bench_impl(plan, cache),
             "scaling": lambda: bench_scaling(plan, cache),
+            "overlap": lambda: bench_overlap(plan, cache, log),
             "compile": lambda: bench_compile(plan),
             "collectives": lambda: bench_collectives(plan),
             "profile": lambda: bench_profile(plan, cache), "peer": lambda: bench_peer(plan),

@@ -54,7 +54,7 @@ class Attention(nnx.Module):
             return self.out.add_bias(y_BTD), k_BSKH, v_BSKH
 
     def region(self, x_BTD, local):
-        """Local math from x to the partial (pre-reduction) output."""
+        """Local math from x to the output summed over tp (`local.exit`)."""
         qkv = self._grouped if self.layout.kv_sharded else self._shared
         q_BTKGH, k_BTKH, v_BTKH = qkv(x_BTD, local)
         B, T, K, G, H = q_BTKGH.shape
@@ -67,7 +67,7 @@ class Attention(nnx.Module):
             kernel = kernels.choose(kernel, q_BTKGH.dtype, H, T, jax.devices()[0])
         o_BTKGH = kernels.attend(q_BTKGH, k_BTKH, v_BTKH, kernel, self.block)
         o_BTKGH = checkpoint_name(o_BTKGH, "attn_core")
-        return self.out.partial(o_BTKGH.reshape(B, T, K * G, H))
+        return local.exit(o_BTKGH.reshape(B, T, K * G, H), self.out.partial)
 
     def cached_region(self, x_BTD, k_BSKH, v_BSKH, pos_BT, prefill: bool, local):
         """`region` over a KV cache [B, S, Kc, H] whose slot s holds position s
@@ -112,7 +112,8 @@ class Attention(nnx.Module):
         K = wkv_DCKH.shape[2]
         G = N // K
         w_DKCH = jnp.concatenate([wq_DNH.reshape(D, K, G, H), wkv_DCKH.transpose(0, 2, 1, 3)], 2)
-        y_BTKCH = jnp.einsum("BTD,DKCH->BTKCH", local.enter(x_BTD).astype(w_DKCH.dtype), w_DKCH)
+        y_BTKCH = local.enter(
+            x_BTD, lambda x: jnp.einsum("BTD,DKCH->BTKCH", x.astype(w_DKCH.dtype), w_DKCH))
         if bq_NH is not None:
             y_BTKCH += jnp.concatenate([bq_NH.reshape(K, G, H), bkv_CKH.transpose(1, 0, 2)], 1)
         y_BTKCH = checkpoint_name(
@@ -125,9 +126,11 @@ class Attention(nnx.Module):
         partial dX, so no second f) and keeps the kv head its query heads use
         (`local.kv_for_heads`); the kv gradient, which the ranks sharing a head
         each hold a part of, is summed in the backward pass."""
-        x_in = local.enter(x_BTD)
-        q_BTNH = checkpoint_name(self.q(x_in), "qkv")
-        kv_BTCKH = checkpoint_name(self.kv(x_in if self.layout.sp else x_BTD), "qkv")
+        if self.layout.sp:  # both from the gathered x, in one entry
+            q_BTNH, kv_BTCKH = local.enter(x_BTD, lambda x: (self.q(x), self.kv(x)))
+        else:
+            q_BTNH, kv_BTCKH = self.q(local.enter(x_BTD)), self.kv(x_BTD)
+        q_BTNH, kv_BTCKH = checkpoint_name(q_BTNH, "qkv"), checkpoint_name(kv_BTCKH, "qkv")
         kv_BTCKH = local.kv_for_heads(kv_BTCKH, q_BTNH.shape[2])
         B, T, N, H = q_BTNH.shape
         K = kv_BTCKH.shape[3]  # kv heads this rank sees: one, or N copies under GSPMD

@@ -39,10 +39,10 @@ class MLP(nnx.Module):
             return self.down.add_bias(parallel.region(self, x_BTD))
 
     def region(self, x_BTD, local):
-        """Local math from x to the partial (pre-reduction) output."""
-        h_BTCF = checkpoint_name(self.up(local.enter(x_BTD)), "mlp_up")  # sharded over F
+        """Local math from x to the output summed over tp (`local.exit`)."""
+        h_BTCF = checkpoint_name(local.enter(x_BTD, self.up), "mlp_up")  # sharded over F
         if self.swiglu:
             h_BTF = jax.nn.silu(h_BTCF[:, :, 0]) * h_BTCF[:, :, 1]
         else:
             h_BTF = gelu(h_BTCF)
-        return self.down.partial(local.constrain(h_BTF, "batch", "seq", "mlp"))
+        return local.exit(local.constrain(h_BTF, "batch", "seq", "mlp"), self.down.partial)

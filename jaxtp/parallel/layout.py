@@ -63,7 +63,8 @@ def spec(*logical: str | None, rules: dict[str, str | None] | None = None) -> P:
 class Layout:
     """How a run is split, decided once from the config and handed to every
     module: the mesh shape, the implementation of the tp collectives, sequence
-    parallelism (only where tp > 1), FSDP, and whether tp divides the kv heads
+    parallelism (only where tp > 1) and its overlap with the matmuls, FSDP,
+    and whether tp divides the kv heads
     (each rank holds K/tp of them) or not (the kv projection is replicated)."""
 
     dp: int = 1
@@ -72,13 +73,18 @@ class Layout:
     sp: bool = False
     fsdp: bool = False
     kv_sharded: bool = True
+    # SP's entry all-gather and exit reduce-scatter as collective-matmul
+    # rings (shard_map) or XLA's windowed einsum (gspmd); only with sp
+    ring: bool = False
 
     @classmethod
     def of(cls, cfg) -> "Layout":
         """The layout of a `jaxtp.config.Config`."""
         p, m = cfg.parallel, cfg.model
-        return cls(dp=p.dp, tp=p.tp, impl=p.impl, sp=p.sp and p.tp > 1, fsdp=p.fsdp,
-                   kv_sharded=m.kv_heads % p.tp == 0)
+        sp = p.sp and p.tp > 1
+        return cls(dp=p.dp, tp=p.tp, impl=p.impl, sp=sp, fsdp=p.fsdp,
+                   kv_sharded=m.kv_heads % p.tp == 0,
+                   ring=sp and p.overlap == "collective_matmul")
 
     def param_spec(self, *logical: str | None) -> P:
         """A parameter's PartitionSpec (FSDP also splits its "embed" dim over dp)."""

@@ -1,57 +1,111 @@
-"""Collective matmuls: the all-gather before a matmul and the reduce-scatter
-after one, decomposed into tp ring steps of `lax.ppermute` so that each
-step's matmul can run while the next chunk travels (Wang et al. 2023,
-"Overlap communication with dependent computation via decomposition in large
-deep learning models"; the JAX shard_map tutorial's collective matmul).
+"""Collective matmuls: hiding sequence parallelism's communication behind the
+matmuls it feeds (`parallel.overlap="collective_matmul"`).
 
-They are the sequence-parallel region entry and exit written as rings, for
-use inside `jax.shard_map` manual over tp: the same bytes as one all-gather /
-reduce-scatter (tp - 1 hops of one chunk each), none of it on the critical
-path once the hardware overlaps a permute with a matmul. The backward pass
-follows from autodiff: the transpose of a ppermute ring is the reverse ring.
+Under SP a region starts with an all-gather of x along T and a column-
+parallel matmul, and ends with a row-parallel matmul and a reduce-scatter
+along T. Each pair is decomposed into tp ring steps of `lax.ppermute`, so
+that the matmul of one sequence chunk can run while the next chunk travels
+(Wang et al. 2023, "Overlap communication with dependent computation via
+decomposition in large deep learning models"; the JAX shard_map tutorial's
+collective matmul):
 
-Building blocks for issue 15's `--overlap collective_matmul`; not yet wired
-into the model's regions.
+- `allgather_matmul`: tp - 1 hops of x's chunk, [B, T/tp, D] each;
+- `matmul_reducescatter`: tp - 1 hops of a partial-sum chunk, [B, T/tp, D].
+
+The bytes are those of the one all-gather / reduce-scatter they replace
+((tp - 1)/tp of the full tensor per rank), none of it on the critical path
+once the hardware runs a permute beside a matmul. The backward pass follows
+from autodiff: the transpose of a ppermute is the permute the other way, so
+dX is reduce-scattered by the reverse ring and the output gradient
+all-gathered by one (`jaxtp.analysis.budget` counts them). The rings are
+one-directional: a bidirectional ring would halve the hops on links that
+carry both directions at once, at twice the number of (half-size) matmuls.
+
+For GSPMD the same intent is XLA's: its GPU and TPU compilers decompose an
+all-gather or reduce-scatter next to a dot into a loop of collective-permutes
+themselves ("windowed einsum"), when asked (`xla_options`). XLA's CPU
+compiler has no such pass.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from .layout import IMPL_AXIS
 
+# XLA's options that turn windowed einsum on, per platform. GPU: a threshold
+# of 0 MiB decomposes every all-gather / reduce-scatter feeding a dot, on
+# multiple streams, with the latency-hiding scheduler placing the permutes
+# beside the matmuls (xla/debug_options_flags.cc). TPU: libtpu's collective
+# matmul for both directions, with async collective-permutes (the flags
+# MaxText's collective-matmul configs pass in LIBTPU_INIT_ARGS).
+XLA_OVERLAP_OPTIONS = {
+    "gpu": {"xla_gpu_threshold_for_windowed_einsum_mib": 0,
+            "xla_gpu_multi_streamed_windowed_einsum": True,
+            "xla_gpu_enable_latency_hiding_scheduler": True},
+    "tpu": {"xla_tpu_enable_windowed_einsum_for_all_gather": True,
+            "xla_tpu_enable_windowed_einsum_for_reduce_scatter": True,
+            "xla_enable_async_collective_permute": True},
+}
+NO_XLA_OVERLAP = ("XLA's CPU compiler has no windowed-einsum pass: under impl=gspmd, "
+                  "parallel.overlap=collective_matmul compiles here as overlap=none (shard_map "
+                  "writes its rings out and runs them on any backend)")
 
-def _ring(tp: int, step: int = 1) -> list[tuple[int, int]]:
-    return [(j, (j + step) % tp) for j in range(tp)]
+
+def xla_options(platform: str) -> dict:
+    """The compiler options of `parallel.overlap="collective_matmul"` under
+    GSPMD on `platform` ("cpu", "gpu"/"cuda"/"rocm", "tpu"): {} on CPU."""
+    return dict(XLA_OVERLAP_OPTIONS.get("gpu" if platform in ("cuda", "rocm") else platform, {}))
 
 
-def allgather_matmul(x_BtD, w_DF, axis: str = IMPL_AXIS):
-    """all_gather(x over T) @ w, as a ring: [B, T/tp, D] x [D, F] -> [B, T, F].
+def compiler_options(layout, platform: str) -> dict | None:
+    """XLA options for a step of `layout` on `platform`: windowed einsum for
+    GSPMD under `layout.ring`; None otherwise (and on CPU)."""
+    if layout.ring and layout.impl == "gspmd":
+        return xla_options(platform) or None
+    return None
 
-    Step i: rank r holds the sequence chunk of rank r - i, multiplies it into
-    its rows of the output, and passes it on to rank r + 1 (tp - 1 hops)."""
+
+def _ring(tp: int) -> list[tuple[int, int]]:
+    return [(j, (j + 1) % tp) for j in range(tp)]
+
+
+def allgather_matmul(x_BtD, mm: Callable, axis: str = IMPL_AXIS):
+    """mm(all_gather(x along T)) as a ring, for `mm` that maps each position
+    on its own (a column-parallel matmul): x [B, T/tp, D] -> mm's outputs
+    (any pytree) with T whole, [B, T, ...].
+
+    Step i: rank r holds the chunk of rank r - i, sends it on to rank r + 1
+    and multiplies it into its rows of the output (tp - 1 hops)."""
     tp, r = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
-    B, t, _ = x_BtD.shape
-    y_BTF = jnp.zeros((B, t * tp, w_DF.shape[1]), jnp.result_type(x_BtD, w_DF))
+    t = x_BtD.shape[1]
+    whole = lambda o: jnp.zeros((o.shape[0], t * tp, *o.shape[2:]), o.dtype)
+    y = jax.tree.map(whole, jax.eval_shape(mm, x_BtD))
     x = x_BtD
     for i in range(tp):
-        chunk = (r - i) % tp
-        y_BTF = jax.lax.dynamic_update_slice_in_dim(y_BTF, x @ w_DF, chunk * t, 1)
-        if i < tp - 1:
-            x = jax.lax.ppermute(x, axis, _ring(tp))
-    return y_BTF
+        nxt = jax.lax.ppermute(x, axis, _ring(tp)) if i < tp - 1 else None
+        at = (r - i) % tp * t
+        y = jax.tree.map(lambda y, p: jax.lax.dynamic_update_slice_in_dim(y, p, at, 1),
+                         y, mm(x))
+        x = nxt
+    return y
 
 
-def matmul_reducescatter(x_BTF, w_FD, axis: str = IMPL_AXIS):
-    """reduce_scatter(x @ w over T), as a ring: [B, T, F] x [F, D] -> [B, T/tp, D].
+def matmul_reducescatter(h_BT, mm: Callable, axis: str = IMPL_AXIS):
+    """reduce_scatter(mm(h) along T) as a ring, for `mm` that maps each
+    position on its own (a row-parallel matmul's partial sum): h (any pytree
+    of [B, T, ...]) -> [B, T/tp, D], this rank's chunk of the sum over tp.
 
     The partial sums travel: the accumulator that ends on rank e starts on
     rank e + 1, and each rank it passes adds its own product for chunk e, so
     step i on rank r adds chunk r - 1 - i (tp - 1 hops)."""
     tp, r = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
-    t = x_BTF.shape[1] // tp
-    part = lambda c: jax.lax.dynamic_slice_in_dim(x_BTF, c * t, t, 1) @ w_FD
+    t = jax.tree.leaves(h_BT)[0].shape[1] // tp
+    part = lambda c: mm(jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, c * t, t, 1),
+                                     h_BT))
     acc = part((r - 1) % tp)
     for i in range(1, tp):
         acc = jax.lax.ppermute(acc, axis, _ring(tp)) + part((r - 1 - i) % tp)

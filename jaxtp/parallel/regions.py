@@ -1,16 +1,20 @@
 """Where each implementation puts the tp collectives of a region.
 
 The model's regions are local math over a `Local`: `module.region(x, local)`
-takes the replicated (under SP: sequence-split) input to a partial output,
-`module.rows(ids, local)` looks up token rows and `module.losses(x, targets,
-local)` computes the vocab-parallel cross-entropy. `Local` says how that math
-reaches the other tp ranks:
+takes the replicated (under SP: sequence-split) input to the output summed
+over tp, entering through `local.enter(x, mm)` (f, and the column-parallel
+matmul `mm`) and leaving through `local.exit(h, mm)` (the row-parallel
+matmul `mm`, and g); `module.rows(ids, local)` looks up token rows and
+`module.losses(x, targets, local)` computes the vocab-parallel
+cross-entropy. `Local` says how that math reaches the other tp ranks:
 
 - `GSPMD`: the arrays are global; it pins layouts and the partitioner places
   f and g (and their SP forms) from them.
 - `ShardMap`: the math runs per shard inside `jax.shard_map(check_vma=True)`
   over the module's own parameters (in_specs read from each weight's
   PartitionSpec), with f, g, f_sp, g_sp and the loss reductions written out.
+- `Ring`: `ShardMap` with SP's entry and exit matmuls as collective-matmul
+  rings of ppermutes (`jaxtp.parallel.overlap`).
 
 `region`, `embed` and `vocab_losses` run a module one way or the other by
 its `Layout`. A new way to communicate is one more `Local` and one more
@@ -30,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from .collectives import f, f_sp, g, g_sp, gather, pmax, pmin, rank
 from .layout import DATA_AXIS, IMPL_AXIS, Layout, constrain
+from .overlap import allgather_matmul, matmul_reducescatter
 
 BF16_CPU_SHARD_MAP = ("impl='shard_map' with model.dtype=bfloat16 crashes XLA's CPU compiler "
                       "(jax 0.10.2); on CPU use model.dtype=float32 (or float16), or "
@@ -42,9 +47,16 @@ class GSPMD:
     def __init__(self, layout: Layout):
         self.layout = layout
 
-    def enter(self, x_BTD):
-        """The region's input, whole along T (under SP an all-gather)."""
-        return constrain(x_BTD, "batch", "seq", "embed") if self.layout.sp else x_BTD
+    def enter(self, x_BTD, mm: Callable | None = None):
+        """The region's input, whole along T (under SP an all-gather), or
+        `mm` of it (the column-parallel matmul)."""
+        x_BTD = constrain(x_BTD, "batch", "seq", "embed") if self.layout.sp else x_BTD
+        return x_BTD if mm is None else mm(x_BTD)
+
+    def exit(self, h, mm: Callable):
+        """The region's output `mm(h)` (the row-parallel matmul): GSPMD sums
+        the partial products where `region` pins the result."""
+        return mm(h)
 
     def constrain(self, x, *logical):
         return constrain(x, *logical)
@@ -120,8 +132,15 @@ class ShardMap:
     def __init__(self, layout: Layout):
         self.layout = layout
 
-    def enter(self, x_BTD):
-        return f_sp(x_BTD) if self.layout.sp else f(x_BTD)
+    def enter(self, x_BTD, mm: Callable | None = None):
+        """f (SP: f_sp, an all-gather along T), then `mm`."""
+        x_BTD = f_sp(x_BTD) if self.layout.sp else f(x_BTD)
+        return x_BTD if mm is None else mm(x_BTD)
+
+    def exit(self, h, mm: Callable):
+        """This rank's partial product `mm(h)`, then g (SP: g_sp, a
+        reduce-scatter along T)."""
+        return (g_sp if self.layout.sp else g)(mm(h))
 
     def constrain(self, x, *logical):
         return x
@@ -173,22 +192,35 @@ class ShardMap:
         return g(v)
 
 
+class Ring(ShardMap):
+    """`ShardMap` under SP with each region's entry and exit as collective-
+    matmul rings: tp - 1 ppermutes of one sequence chunk each, a chunk's
+    matmul running while the next one travels. The loss's entry (no matmul
+    chunked along T there) stays `f_sp`'s all-gather."""
+
+    def enter(self, x_BtD, mm: Callable | None = None):
+        return super().enter(x_BtD) if mm is None else allgather_matmul(x_BtD, mm)
+
+    def exit(self, h, mm: Callable):
+        return matmul_reducescatter(h, mm)
+
+
 def region(module, x_BTD):
-    """`module.region` from replicated x (SP: split along T) to its partial
-    output, summed over tp: the row-parallel bias is added by the caller.
+    """`module.region` from replicated x (SP: split along T) to its output
+    summed over tp: the row-parallel bias is added by the caller.
 
     GSPMD: pinning the output replicated tells the partitioner where g goes;
-    it adds f in the backward pass itself. shard_map: f and g written out.
+    it adds f in the backward pass itself. shard_map: f and g written out by
+    the `Local` (as rings under `layout.ring`).
     The sum carries the remat name `module.tag`: every remat policy keeps it
     (jaxtp.model.transformer.REMAT_POLICIES), so recomputing a block in the
     backward pass never repeats g's collective.
     """
     layout = module.layout
     if layout.impl == "shard_map":
-        exit_, spec = (g_sp, act_spec(True)) if layout.sp else (g, act_spec())
-        local = ShardMap(layout)
-        y = run_sharded(module, lambda m, x: exit_(m.region(x, local)), x_BTD,
-                        arg_specs=(spec,), out_specs=spec)
+        spec, local = act_spec(layout.sp), (Ring if layout.ring else ShardMap)(layout)
+        y = run_sharded(module, lambda m, x: m.region(x, local), x_BTD, arg_specs=(spec,),
+                        out_specs=spec, vary_params=layout.ring)
     else:
         if layout.sp:
             # the norm's output stays on its shard: else GSPMD may gather first
@@ -238,7 +270,8 @@ def vocab_losses(module, x_BTD, targets_BT):
     return module.losses(local.enter(x_BTD), targets_BT, local)
 
 
-def run_sharded(module, fn: Callable, *args, arg_specs=None, out_specs=None):
+def run_sharded(module, fn: Callable, *args, arg_specs=None, out_specs=None,
+                vary_params: bool = False):
     """Run `fn(local_module, *args)` per shard, inside jax.shard_map manual
     over every mesh axis.
 
@@ -249,7 +282,10 @@ def run_sharded(module, fn: Callable, *args, arg_specs=None, out_specs=None):
     gradient is summed over dp where it is made (the transpose of its
     implicit dp broadcast, `check_vma`), the all-reduce GSPMD places in the
     gspmd impl; split over dp (FSDP) it is all-gathered here, and its
-    gradient reduce-scattered (the all-gather's transpose). dp and tp are
+    gradient reduce-scattered (the all-gather's transpose). `vary_params`:
+    each parameter is made varying once, on entry, over the axes it is
+    replicated on, so that a weight used several times (by every step of a
+    collective-matmul ring) has its gradient summed once, not once per use. dp and tp are
     then both written out, and GSPMD has no say in the region: left to it,
     the dp split of an activation entering a shard_map manual over tp only
     was gathered (the embedding's backward pass at dp > 1, every SP region).
@@ -277,6 +313,8 @@ def run_sharded(module, fn: Callable, *args, arg_specs=None, out_specs=None):
     def per_shard(params, *args):
         leaves, tree = jax.tree.flatten(params)
         leaves = [_gather_over_dp(x, s) for x, s in zip(leaves, spec_leaves)]
+        if vary_params:
+            leaves = [_varying(x, manual) for x in leaves]
         return fn(nnx.merge(graphdef, jax.tree.unflatten(tree, leaves)), *args)
 
     in_specs = (param_specs,) + tuple(map(only, arg_specs or (act_spec(),) * len(args)))
@@ -290,6 +328,13 @@ def act_spec(seq_split: bool = False) -> P:
     """shard_map spec of an activation [B, T, ...]: batch over dp, and T over
     tp when `seq_split` (sequence parallelism)."""
     return P(DATA_AXIS, IMPL_AXIS if seq_split else None)
+
+
+def _varying(x, axes: set):
+    """x cast to varying over the manual axes it is invariant over: the
+    transpose is one psum of its gradient over them."""
+    invariant = tuple(a for a in sorted(axes) if a not in jax.typeof(x).mat.varying)
+    return jax.lax.pcast(x, invariant, to="varying") if invariant else x
 
 
 def _gather_over_dp(x, s: P):

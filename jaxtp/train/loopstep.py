@@ -137,5 +137,5 @@ def make_loop_step(state: TrainState, cfg: Config, inject_nan_at=()) -> Callable
         in_shardings=(state.param_shardings, state.opt_shardings, replicated,
                       named(state.mesh, "batch", None)),
         out_shardings=(state.param_shardings, state.opt_shardings, replicated, replicated),
-        donate_argnums=(0, 1, 2),
+        donate_argnums=(0, 1, 2), compiler_options=state.compiler_options,
     )

@@ -191,7 +191,20 @@ def describe(cfg: Config, n_params: int, data: Dataset) -> list[str]:
         f"attention: {m.attention}"
         + (f" (block {m.attention_block})" if m.attention == "blockwise" else "")
         + f", remat: {m.remat}"
-        + (f", loss in chunks of {m.loss_chunk} tokens" if m.loss_chunk else "")]
+        + (f", loss in chunks of {m.loss_chunk} tokens" if m.loss_chunk else "")
+        + _overlap(cfg)]
+
+
+def _overlap(cfg: Config) -> str:
+    """How SP's collectives meet their matmuls in this run (`parallel.overlap`)."""
+    p = cfg.parallel
+    if p.overlap == "none" or not p.sequence_parallel:
+        return ""
+    if p.impl == "shard_map":
+        return ", overlap: collective-matmul rings of ppermutes"
+    if jax.default_backend() == "cpu":
+        return ", overlap: none here (XLA's CPU compiler has no windowed-einsum pass)"
+    return ", overlap: XLA's windowed einsum asked for"
 
 
 class Signals:

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ..config import Config
 from ..model import Transformer
 from ..model import kernels
-from ..parallel import Layout
+from ..parallel import Layout, compiler_options
 from .optim import make_optimizer
 
 
@@ -31,6 +31,9 @@ class TrainState:
     param_shardings: Any
     opt_shardings: Any
     grad_clip: float
+    # XLA options the steps compile with (GSPMD's windowed einsum under
+    # parallel.overlap, `jaxtp.parallel.compiler_options`); None: the defaults
+    compiler_options: dict | None = None
 
 
 def resolve_attention(cfg: Config, device=None) -> Config:
@@ -88,8 +91,9 @@ def _state(cfg: Config, mesh: Mesh, graphdef, params, param_shardings) -> TrainS
     else:
         with jax.set_mesh(mesh):
             opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    options = compiler_options(Layout.of(cfg), mesh.devices.flat[0].platform)
     return TrainState(graphdef, params, opt_state, tx, mesh, param_shardings, opt_shardings,
-                      cfg.train.grad_clip)
+                      cfg.train.grad_clip, options)
 
 
 def init_train_state(cfg: Config, mesh: Mesh, params=None) -> TrainState:

@@ -106,7 +106,7 @@ def make_train_step(state: TrainState, use_dropout: bool, microbatches: int = 1)
         in_shardings=(state.param_shardings, state.opt_shardings,
                       named(state.mesh, "batch", None), replicated, replicated),
         out_shardings=(state.param_shardings, state.opt_shardings, replicated),
-        donate_argnums=(0, 1),
+        donate_argnums=(0, 1), compiler_options=state.compiler_options,
     )
 
 
@@ -138,9 +138,9 @@ def compile_train_step(state: TrainState, batch_size: int, seq_len: int,
     key = jax.eval_shape(jax.random.key, 0)
     key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
     controls = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=replicated)
+    options = {**(state.compiler_options or {}), **(compiler_options or {})} or None
     with jax.set_mesh(state.mesh):
-        return step.lower(state.params, state.opt_state, tokens, key, controls).compile(
-            compiler_options)
+        return step.lower(state.params, state.opt_state, tokens, key, controls).compile(options)
 
 
 def single_device_check(cfg: Config, params0, batches, keys, loss: float, grad_norm: float,

@@ -123,6 +123,56 @@ def test_sequence_parallel_budget_in_shard_map(model, tp):
 test_sequence_parallel_budget_in_shard_map.fast_cases = set()
 
 
+@pytest.mark.parametrize("model, dp, tp, remat", [
+    (MODEL, 1, 8, "none"), (LLAMA, 1, 4, "none"), (MODEL, 2, 4, "none"),
+    (MODEL, 1, 8, "minimal")], ids=["gpt2-tp8", "llama-gqa-tp4", "gpt2-dp2-tp4", "gpt2-remat"])
+def test_collective_matmul_budget_in_shard_map(model, dp, tp, remat):
+    """overlap=collective_matmul: inside the blocks no all-gather or
+    reduce-scatter is left; each region's entry and exit is tp - 1
+    collective-permutes of one sequence chunk (b*s*h/tp) forward and tp - 1
+    backward (a remat policy runs the entry's ring once more), the ring bytes
+    of the SP collectives they replace."""
+    model = dataclasses.replace(model, remat=remat)
+    cfg = Config(model, TrainConfig(batch_size=4 * dp),
+                 ParallelConfig(dp=dp, tp=tp, impl="shard_map", sp=True,
+                                overlap="collective_matmul"))
+    state = abstract_train_state(cfg, make_mesh(dp, tp))
+    colls = hlo.collectives(compile_train_step(state, 4 * dp, model.seq_len).as_text())
+    assert check(colls, expected_collectives(cfg, "shard_map")) is None
+    L, act = model.n_layers, 4 * 16 * model.d_model
+    blocks = [c for c in colls if c.scope in ("attention", "mlp")]
+    assert not [c for c in blocks if c.kind in ("all-gather", "reduce-scatter")]
+    permutes = lambda pass_: sum(c.count for c in blocks if c.kind == "collective-permute"
+                                 and c.pass_ == pass_ and c.elements == act // tp)
+    regathers = 2 if remat != "none" else 0  # attention's and the MLP's entry, again
+    assert permutes("forward") == 4 * (tp - 1) * L
+    assert permutes("backward") == (4 + regathers) * (tp - 1) * L
+    assert sum(c.count for c in blocks if c.kind == "collective-permute") == \
+        (8 + regathers) * (tp - 1) * L
+    ring = sum(c.count * c.bytes for c in blocks if c.kind == "collective-permute")
+    no_sp = 4 * L * 2 * (tp - 1) / tp * act * 4  # the 2 + 2 all-reduces per block
+    assert ring == pytest.approx(no_sp * (8 + regathers) / 8)
+
+
+test_collective_matmul_budget_in_shard_map.fast_cases = {"gpt2-tp8"}
+
+
+def test_collective_matmul_under_gspmd_on_cpu_is_plain_sp(tmp_path, capsys):
+    """XLA's CPU compiler has no windowed-einsum pass: GSPMD's step with the
+    overlap asked for is SP's, and --compare-hlo says so."""
+    assert train.main(["--tp", "4", "--sp", "--overlap", "collective_matmul", "--compare-hlo",
+                       "--out", str(tmp_path), "model.n_layers=1", "model.d_model=32",
+                       "model.d_ff=64", "model.n_heads=4", "model.seq_len=16",
+                       "train.batch_size=4"]) == 0
+    out = capsys.readouterr().out
+    assert "XLA's CPU compiler has no windowed-einsum pass" in out
+    report = json.loads((tmp_path / "comm_report.json").read_text())
+    kinds = {c["kind"] for c in report["impls"]["gspmd"]["collectives"]}
+    assert "collective-permute" not in kinds and "all-gather" in kinds
+    assert "collective-permute" in {c["kind"] for c in report["impls"]["shard_map"]["collectives"]}
+    assert report["ok"]
+
+
 def test_check_names_the_first_difference():
     cfg, colls = compiled(4, "gspmd")
     expected = expected_collectives(cfg, "gspmd")

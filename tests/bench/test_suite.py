@@ -56,6 +56,11 @@ def test_quick_suite_end_to_end(tmp_path):
         # same bounds: ties the ratios to the step times they were paired from
         assert r["ratio_min"] * (1 - 1e-9) <= r["step_ms"] / base_ms <= r["ratio_max"] * (1 + 1e-9)
 
+    (ring,) = by_id["overlap"]["rows"]  # quick: shard_map at tp=8
+    assert (ring["impl"], ring["tp"]) == ("shard_map", 8)
+    assert _positive(ring["none_ms"]) and _positive(ring["ring_ms"])
+    assert ring["ratio_min"] <= ring["value"] <= ring["ratio_max"]
+
     compile_rows = by_id["compile"]["rows"]
     assert [r["case"].split()[2:] for r in compile_rows] == [
         ["L=2", "scanned"], ["L=8", "scanned"]]

@@ -30,6 +30,7 @@ def test_a_run_trained_at_tp2_generates_the_same_greedy_text_at_tp1_and_tp8(run_
     assert len(texts[1]) > len("def f(x):")
 
 
+@pytest.mark.slow  # its run_dir fixture trains a run first
 def test_bad_requests_are_one_line(run_dir, tmp_path, capsys):
     cases = [(["--run", str(run_dir)], "give --prompt TEXT"),
              (["--run", str(tmp_path), "--prompt", "x"], "no training run there"),

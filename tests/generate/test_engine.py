@@ -127,6 +127,7 @@ def _draws(head, x_BD, sampling: Sampling, keys) -> np.ndarray:
     return np.asarray(jax.jit(jax.vmap(draw))(keys))
 
 
+@pytest.mark.slow  # 3 x 4000 x 8 draws; the fast tier keeps the seeded tp1 = tp8 check
 def test_the_sampler_draws_from_the_filtered_softmax():
     """Empirical frequencies of 4000 x 8 draws (GSPMD, tp=8) against
     softmax(logits / T) restricted to the top-k / top-p set, computed here

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtp import hlo
 from jaxtp.parallel import IMPL_AXIS, make_mesh
-from jaxtp.parallel.overlap import allgather_matmul, matmul_reducescatter
+from jaxtp.parallel.overlap import allgather_matmul, matmul_reducescatter, xla_options
 
 B, T, D, F = 2, 16, 8, 12
 
@@ -44,7 +44,8 @@ def test_allgather_matmul_equals_gather_then_matmul(tp):
     x = jax.random.normal(jax.random.PRNGKey(0), (B, T, D))
     w = jax.random.normal(jax.random.PRNGKey(1), (D, F))
     # w replicated: every rank computes the whole [B, T, F]
-    mesh, ring = sharded(allgather_matmul, (P(None, IMPL_AXIS), P()), P(), tp)
+    mesh, ring = sharded(lambda x, w: allgather_matmul(x, lambda c: c @ w),
+                         (P(None, IMPL_AXIS), P()), P(), tp)
     check_ring(ring, mesh, x, w, tp, "all-gather", tol=1e-5)  # the same products
 
 
@@ -53,10 +54,35 @@ def test_matmul_reducescatter_equals_matmul_then_reduce_scatter(tp):
     # each rank holds a different [B, T, F] partial input (F split over tp)
     x = jax.random.normal(jax.random.PRNGKey(2), (B, T, F * tp))
     w = jax.random.normal(jax.random.PRNGKey(3), (F * tp, D))
-    mesh, ring = sharded(matmul_reducescatter, (P(None, None, IMPL_AXIS), P(IMPL_AXIS)),
-                         P(None, IMPL_AXIS), tp)
+    mesh, ring = sharded(lambda x, w: matmul_reducescatter(x, lambda c: c @ w),
+                         (P(None, None, IMPL_AXIS), P(IMPL_AXIS)), P(None, IMPL_AXIS), tp)
     check_ring(ring, mesh, x, w, tp, "reduce-scatter", tol=1e-4)  # summed in ring order
 
 
 test_allgather_matmul_equals_gather_then_matmul.fast_cases = {"8"}
 test_matmul_reducescatter_equals_matmul_then_reduce_scatter.fast_cases = {"8"}
+
+
+def test_an_entry_ring_carries_several_outputs():
+    """`mm` may return a pytree (the replicated-kv attention's q and kv from
+    one gathered x): every output is whole along T, each rank's own chunk in
+    place, from one ring of tp - 1 permutes."""
+    tp = 4
+    x = jax.random.normal(jax.random.PRNGKey(4), (B, T, D))
+    w1, w2 = (jax.random.normal(jax.random.PRNGKey(k), (D, n)) for k, n in ((5, F), (6, 3)))
+    mesh, ring = sharded(lambda x: allgather_matmul(x, lambda c: (c @ w1, c @ w2)),
+                         (P(None, IMPL_AXIS),), (P(), P()), tp)
+    with jax.set_mesh(mesh):
+        a, b = ring(x)
+        kinds = [c.kind for c in hlo.collectives(ring.lower(x).compile().as_text())]
+    np.testing.assert_allclose(a, x @ w1, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(b, x @ w2, rtol=1e-5, atol=1e-5)
+    assert kinds == ["collective-permute"] * (tp - 1)
+
+
+def test_xla_is_asked_for_windowed_einsum_on_gpu_and_tpu_only():
+    assert xla_options("cpu") == {}
+    gpu = xla_options("cuda")
+    assert gpu == xla_options("gpu") and gpu["xla_gpu_threshold_for_windowed_einsum_mib"] == 0
+    assert gpu["xla_gpu_enable_latency_hiding_scheduler"] is True
+    assert all(k.startswith("xla_") for k in xla_options("tpu"))
