@@ -96,6 +96,17 @@ def _get(plan: dict, cache: dict, preset_name: str, tp: int, impl: str = "gspmd"
     return cache[key]
 
 
+def _paired(plan: dict, base, run, base_ms: str, run_ms: str, **fields) -> dict:
+    """A row timing `run` against `base` alternately: the paired ratio, its
+    spread, and each one's median step time in ms (under `base_ms`, `run_ms`)."""
+    t = time_alternating([base, run], plan["warmup"], plan["steps"])
+    ratio, lo, hi = paired_ratio(t, run.name, base.name)
+    return {"case": fields.pop("case"), "measured": fields.pop("measured"), "value": ratio,
+            "unit": "ratio", "ratio_min": lo, "ratio_max": hi,
+            base_ms: np.median(t[base.name]) * 1e3, run_ms: np.median(t[run.name]) * 1e3,
+            **fields}
+
+
 def bench_impl(plan: dict, cache: dict) -> dict:
     rows, notes = [], []
     for name in plan["presets"]:
@@ -104,15 +115,11 @@ def bench_impl(plan: dict, cache: dict) -> dict:
         notes += why[:1]
         gs, cut = _get(plan, cache, name, tp, "gspmd")
         sm, _ = _get(plan, cache, name, tp, "shard_map")
-        t = time_alternating([gs, sm], plan["warmup"], plan["steps"])
-        ratio, lo, hi = paired_ratio(t, sm.name, gs.name)
-        rows.append({"case": _case(f"{name} tp={tp}", gs.cfg, cut),
-                     "measured": "train step time, shard_map / gspmd", "value": ratio,
-                     "unit": "ratio", "ratio_min": lo, "ratio_max": hi,
-                     "gspmd_ms": np.median(t[gs.name]) * 1e3,
-                     "shard_map_ms": np.median(t[sm.name]) * 1e3,
-                     "gspmd_compile_s": gs.compile_s, "shard_map_compile_s": sm.compile_s,
-                     "steps": plan["steps"]})
+        rows.append(_paired(plan, gs, sm, "gspmd_ms", "shard_map_ms",
+                            case=_case(f"{name} tp={tp}", gs.cfg, cut),
+                            measured="train step time, shard_map / gspmd",
+                            gspmd_compile_s=gs.compile_s, shard_map_compile_s=sm.compile_s,
+                            steps=plan["steps"]))
     return section("impl", "GSPMD vs shard_map: train step at the largest tp <= 8", PAIRED + [
         ("gspmd_ms", "gspmd ms (median)"), ("shard_map_ms", "shard_map ms (median)"),
         ("gspmd_compile_s", "gspmd compile s"), ("shard_map_compile_s", "shard_map compile s"),
@@ -160,13 +167,10 @@ def bench_overlap(plan: dict, cache: dict, log=print) -> dict:
         log(f"overlap {i}/{len(cases)}: tiny {impl} tp={tp}")
         base, cut = _get(plan, cache, "tiny", tp, impl, sp=True)
         ring, _ = _get(plan, cache, "tiny", tp, impl, sp=True, overlap="collective_matmul")
-        t = time_alternating([base, ring], plan["warmup"], plan["steps"])
-        ratio, lo, hi = paired_ratio(t, ring.name, base.name)
-        rows.append({"case": _case(f"tiny {impl} tp={tp} sp", base.cfg, cut),
-                     "measured": "train step time, collective_matmul / none", "value": ratio,
-                     "unit": "ratio", "ratio_min": lo, "ratio_max": hi,
-                     "none_ms": np.median(t[base.name]) * 1e3,
-                     "ring_ms": np.median(t[ring.name]) * 1e3, "tp": tp, "impl": impl})
+        rows.append(_paired(plan, base, ring, "none_ms", "ring_ms",
+                            case=_case(f"tiny {impl} tp={tp} sp", base.cfg, cut),
+                            measured="train step time, collective_matmul / none", tp=tp,
+                            impl=impl))
     notes = ["both compiled in one process and timed alternately; < 1: the overlap pays",
              "shard_map: each region's all-gather and reduce-scatter written as tp - 1 "
              "ppermutes that a GPU or TPU runs beside the chunks' matmuls; gspmd: XLA's "
