@@ -285,8 +285,9 @@ TARGETS = {"h100": "jax_cuda12_plugin", "tpu-v5p": "libtpu"}
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @pytest.mark.parametrize("config, extra", [
-    ("tiny", ["--sp"]), ("llama-tiny", ["--sp"]), ("llama-tiny", ["--bf16"])],
-    ids=["gpt2-sp", "llama-gqa-sp", "llama-gqa-bf16"])
+    ("tiny", ["--sp"]), ("llama-tiny", ["--sp"]), ("llama-tiny", ["--bf16"]),
+    ("tiny", ["--sp", "--overlap", "collective_matmul"])],
+    ids=["gpt2-sp", "llama-gqa-sp", "llama-gqa-bf16", "gpt2-sp-overlap"])
 def test_budgets_hold_compiled_for_an_accelerator(target, config, extra, tmp_path):
     """--compare-hlo --hardware: the step compiled for 8 H100s or a v5p 2x2x2
     without having them; both impls hold the budget as that compiler carries
@@ -308,6 +309,10 @@ def test_a_budget_row_without_a_collective_shows_its_element_count():
     from jaxtp.analysis.budget import Expected
     from jaxtp.analysis.compare import format_table
 
-    row = Expected("embed", "reduce-scatter", "forward", "embed", 32768, "f32", 8, 1)
+    row = Expected("SP embedding: its rows", "reduce-scatter", "forward", "embed", 32768,
+                   "f32", 8, 1)
     table = format_table({"gspmd": []}, {"gspmd": [row]})
-    assert "f32[32768 elements]" in table[2] and table[2].split()[-2:] == ["0", "1"]
+    assert table[0].split()[-3:] == ["gspmd", "budget", "role"]
+    # found 0, budgeted 1, and the role: the row's name up to its colon
+    assert "f32[32768 elements]" in table[2] and table[2].split()[-4:] == ["0", "1", "SP",
+                                                                           "embedding"]
