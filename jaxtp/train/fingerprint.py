@@ -37,7 +37,11 @@ def _fingerprint_one(x: jax.Array) -> jax.Array:
 
 @functools.cache
 def _fingerprint_fn(out_sharding) -> Callable:
-    return jax.jit(lambda xs: [_fingerprint_one(x) for x in xs], out_shardings=out_sharding)
+    # one small program per distinct (shape, dtype, sharding), which jit's
+    # cache then reuses: the layers' parameters and Adam's two moments share
+    # them (tiny at tp=2: 182 arrays, about 20 programs; one program over
+    # every array compiled for 10 s, the first save of each process)
+    return jax.jit(_fingerprint_one, out_shardings=out_sharding)
 
 
 def nbytes(arrays) -> int:
@@ -49,5 +53,8 @@ def fingerprints(arrays: list[jax.Array]) -> list[int]:
     """A 64-bit fingerprint of each array's exact bits (any layout gives the same)."""
     s = arrays[0].sharding if arrays else None
     rep = NamedSharding(s.mesh, P()) if isinstance(s, NamedSharding) else None
-    out = jax.device_get(_fingerprint_fn(rep)(list(arrays)))
+    fn = _fingerprint_fn(rep)
+    # one program at a time: many small programs with collectives in flight at
+    # once can starve XLA's CPU rendezvous of threads (seen at tp=8: a hang)
+    out = [jax.device_get(fn(x)) for x in arrays]
     return [int(h[0]) << 32 | int(h[1]) for h in out]
