@@ -282,13 +282,14 @@ def run_sharded(module, fn: Callable, *args, arg_specs=None, out_specs=None,
     gradient is summed over dp where it is made (the transpose of its
     implicit dp broadcast, `check_vma`), the all-reduce GSPMD places in the
     gspmd impl; split over dp (FSDP) it is all-gathered here, and its
-    gradient reduce-scattered (the all-gather's transpose). `vary_params`:
-    each parameter is made varying once, on entry, over the axes it is
-    replicated on, so that a weight used several times (by every step of a
-    collective-matmul ring) has its gradient summed once, not once per use. dp and tp are
+    gradient reduce-scattered (the all-gather's transpose). dp and tp are
     then both written out, and GSPMD has no say in the region: left to it,
     the dp split of an activation entering a shard_map manual over tp only
     was gathered (the embedding's backward pass at dp > 1, every SP region).
+    `vary_params`: each parameter is made varying once, on entry, over the
+    axes it is replicated on, so that a weight used several times (by every
+    step of a collective-matmul ring) has its gradient summed once, not once
+    per use (the implicit cast check_vma inserts at each use).
     """
     graphdef, params = nnx.split(module)
     mesh = _mesh_of(params)
@@ -333,6 +334,7 @@ def act_spec(seq_split: bool = False) -> P:
 def _varying(x, axes: set):
     """x cast to varying over the manual axes it is invariant over: the
     transpose is one psum of its gradient over them."""
+    # jax 0.10: the varying manual axes of a value's type (`.vma` before)
     invariant = tuple(a for a in sorted(axes) if a not in jax.typeof(x).mat.varying)
     return jax.lax.pcast(x, invariant, to="varying") if invariant else x
 

@@ -27,7 +27,7 @@ TOKENS = np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32)
 
 
 def cfg_of(model=MODEL, dp=1, tp=1, **kw):
-    par = {k: kw.pop(k) for k in ("impl", "sp", "fsdp") if k in kw}
+    par = {k: kw.pop(k) for k in ("impl", "sp", "fsdp", "overlap") if k in kw}
     return validate(Config(dataclasses.replace(model, **{k: kw.pop(k) for k in (
         "scan_layers", "remat", "dtype", "dropout") if k in kw}),
         TrainConfig(batch_size=8, **kw), ParallelConfig(dp=dp, tp=tp, **par)))
@@ -76,6 +76,19 @@ def test_dp2_tp4_fsdp_and_sp_equal_one_device(model, impl):
 
 
 test_dp2_tp4_fsdp_and_sp_equal_one_device.fast_cases = {'llama-gqa-shard_map'}
+
+
+@pytest.mark.parametrize("model", [MODEL, GQA], ids=["gpt2", "llama-gqa"])
+def test_dp2_tp4_collective_matmul_with_and_without_fsdp_equals_one_device(model):
+    """The shard_map rings at dp=2 x tp=4: each weight's gradient summed over
+    dp once (not once per ring step), FSDP's gathered weights too."""
+    ref = one_device(model)
+    for fsdp in (False, True):
+        assert_same(loss_and_grads(cfg_of(model, dp=2, tp=4, impl="shard_map", sp=True,
+                                          fsdp=fsdp, overlap="collective_matmul")), ref)
+
+
+test_dp2_tp4_collective_matmul_with_and_without_fsdp_equals_one_device.fast_cases = set()
 
 
 @pytest.mark.slow
