@@ -32,7 +32,8 @@ from jaxtp.train.rundir import RunDir
 EXIT_FAILED, EXIT_USAGE, EXIT_SAVE = 1, 2, 3
 # the flags that set one config key (their help says which, and the default)
 FLAG_KEYS = {"tp": "parallel.tp", "dp": "parallel.dp", "impl": "parallel.impl",
-             "sp": "parallel.sp", "overlap": "parallel.overlap", "fsdp": "parallel.fsdp", "microbatches": "train.microbatches",
+             "sp": "parallel.sp", "overlap": "parallel.overlap", "fsdp": "parallel.fsdp",
+             "microbatches": "train.microbatches",
              "scan": "model.scan_layers", "remat": "model.remat", "attention": "model.attention",
              "steps": "train.steps", "seed": "train.seed",
              "checkpoint_every": "train.checkpoint_every"}
@@ -73,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--overlap", choices=OVERLAPS,
                     help="with --sp: collective_matmul overlaps each region's all-gather and "
                          "reduce-scatter with its matmuls (shard_map: ppermute rings; gspmd: "
-                         "XLA's windowed einsum on GPU/TPU, none on CPU)")
+                         "XLA's windowed einsum asked for on GPU/TPU, none on CPU)")
     ap.add_argument("--fsdp", action="store_true", default=None,
                     help="also split parameters and optimizer state over dp (FSDP-style)")
     ap.add_argument("--microbatches", type=int,

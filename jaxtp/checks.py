@@ -111,8 +111,8 @@ def _check_layout(cfg: Config) -> None:
     if p.overlap != "none" and not p.sp:
         raise ConfigError(
             f"parallel.overlap={p.overlap!r} overlaps sequence parallelism's all-gathers and "
-            "reduce-scatters with their matmuls; without parallel.sp a region's one "
-            "all-reduce has no matmul after it to hide behind: add --sp, or --overlap none")
+            "reduce-scatters with their matmuls; it is built for SP only (a region's one "
+            "all-reduce is not decomposed): add --sp, or --overlap none")
     if p.sp and m.seq_len % p.tp:
         raise ConfigError(f"sequence parallelism splits model.seq_len={m.seq_len} over "
                           f"tp={p.tp}; set model.seq_len to a multiple of {p.tp}")

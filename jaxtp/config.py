@@ -138,9 +138,14 @@ class ParallelConfig:
     # "embed" dim), gathered for use and reduce-scattered as gradients
     fsdp: bool = False
     # with sp: "collective_matmul" overlaps each region's entry all-gather and
-    # exit reduce-scatter with its matmuls (shard_map: ppermute rings;
-    # gspmd: XLA's windowed einsum on GPU/TPU, nothing on CPU)
+    # exit reduce-scatter with its matmuls (shard_map: ppermute rings; gspmd:
+    # XLA's windowed einsum asked for on GPU/TPU, which jaxlib 0.10.2 does not
+    # form for these regions on H100; nothing on CPU)
     overlap: str = "none"
+
+    def without_sp(self) -> "ParallelConfig":
+        """This layout without sequence parallelism (and so without its overlap)."""
+        return dataclasses.replace(self, sp=False, overlap="none")
 
     @property
     def sequence_parallel(self) -> bool:

@@ -91,7 +91,8 @@ def test_overrides_are_typed():
     (["model.d_model=100", "model.n_heads=8"], r"d_model=100 is not divisible by model.n_heads=8"),
     (["parallel.overlap=collective_matmul", "parallel.tp=8"],
      r"parallel.overlap='collective_matmul' overlaps sequence parallelism.*add --sp"),
-    (["parallel.overlap=ring"], r"parallel.overlap='ring'; choose one of \('none', 'collective_matmul'\)"),
+    (["parallel.overlap=ring"],
+     r"parallel.overlap='ring'; choose one of \('none', 'collective_matmul'\)"),
 ])
 def test_inconsistent_values_are_rejected(overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -142,8 +143,8 @@ def test_bad_files_are_rejected(tmp_path):
     (["--tp", "2", "--peak-tflops", "-5"], "'-5': expected a positive float"),
     (["--tp", "2", "--data", "/"], "--data / is a directory: give one text, token or .bin file"),
     (["--tp", "2", "--out", "/dev/null"], "--out /dev/null is a file, not a directory"),
-    (["--tp", "8", "--overlap", "collective_matmul"], "without parallel.sp a region's one "
-     "all-reduce has no matmul after it to hide behind: add --sp, or --overlap none"),
+    (["--tp", "8", "--overlap", "collective_matmul"], "it is built for SP only (a region's "
+     "one all-reduce is not decomposed): add --sp, or --overlap none"),
 ])
 def test_cli_rejects_bad_input_before_compiling(argv, match, tmp_path, capsys):
     if "--resume" not in argv and "--out" not in argv:

@@ -149,8 +149,8 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
     rows, base = [], None
     cases = sorted(set(tps) | {1})  # tp=1: the base of the redundancy
     for i, tp in enumerate(cases):
-        c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp,
-                                                                  sp=cfg.parallel.sp and tp > 1))
+        par = dataclasses.replace(cfg.parallel, tp=tp)
+        c = dataclasses.replace(cfg, parallel=par if tp > 1 else par.without_sp())
         try:
             validate(c)
         except ConfigError as e:

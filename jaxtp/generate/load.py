@@ -132,7 +132,7 @@ class LoopSampler:
         from ..generate import Generator
         from ..train.state import abstract_model
 
-        plain = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sp=False))
+        plain = dataclasses.replace(cfg, parallel=cfg.parallel.without_sp())
         graphdef, abstract = abstract_model(plain, mesh)  # no SP: one token per step
         self.gen = Generator(nnx.merge(graphdef, abstract), mesh)
         self.prompts = [prompt] * cfg.parallel.dp  # a row per dp rank

@@ -73,9 +73,10 @@ class Layout:
     sp: bool = False
     fsdp: bool = False
     kv_sharded: bool = True
-    # SP's entry all-gather and exit reduce-scatter as collective-matmul
-    # rings (shard_map) or XLA's windowed einsum (gspmd); only with sp
-    ring: bool = False
+    # SP's entry all-gather and exit reduce-scatter overlapped with their
+    # matmuls: collective-matmul rings (shard_map), XLA's windowed einsum
+    # asked for (gspmd); only with sp
+    overlap: bool = False
 
     @classmethod
     def of(cls, cfg) -> "Layout":
@@ -84,7 +85,7 @@ class Layout:
         sp = p.sp and p.tp > 1
         return cls(dp=p.dp, tp=p.tp, impl=p.impl, sp=sp, fsdp=p.fsdp,
                    kv_sharded=m.kv_heads % p.tp == 0,
-                   ring=sp and p.overlap == "collective_matmul")
+                   overlap=sp and p.overlap == "collective_matmul")
 
     def param_spec(self, *logical: str | None) -> P:
         """A parameter's PartitionSpec (FSDP also splits its "embed" dim over dp)."""

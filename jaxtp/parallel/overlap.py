@@ -50,9 +50,10 @@ XLA_OVERLAP_OPTIONS = {
             "xla_tpu_enable_windowed_einsum_for_reduce_scatter": True,
             "xla_enable_async_collective_permute": True},
 }
-NO_XLA_OVERLAP = ("XLA's CPU compiler has no windowed-einsum pass: under impl=gspmd, "
-                  "parallel.overlap=collective_matmul compiles here as overlap=none (shard_map "
-                  "writes its rings out and runs them on any backend)")
+CPU_HAS_NO_WINDOWED_EINSUM = "XLA's CPU compiler has no windowed-einsum pass"
+NO_XLA_OVERLAP = (f"{CPU_HAS_NO_WINDOWED_EINSUM}: under impl=gspmd, parallel.overlap="
+                  "collective_matmul compiles here as overlap=none (shard_map writes its rings "
+                  "out and runs them on any backend)")
 
 
 def xla_options(platform: str) -> dict:
@@ -63,8 +64,8 @@ def xla_options(platform: str) -> dict:
 
 def compiler_options(layout, platform: str) -> dict | None:
     """XLA options for a step of `layout` on `platform`: windowed einsum for
-    GSPMD under `layout.ring`; None otherwise (and on CPU)."""
-    if layout.ring and layout.impl == "gspmd":
+    GSPMD under `layout.overlap`; None otherwise (and on CPU)."""
+    if layout.overlap and layout.impl == "gspmd":
         return xla_options(platform) or None
     return None
 
@@ -82,14 +83,15 @@ def allgather_matmul(x_BtD, mm: Callable, axis: str = IMPL_AXIS):
     and multiplies it into its rows of the output (tp - 1 hops)."""
     tp, r = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     t = x_BtD.shape[1]
-    whole = lambda o: jnp.zeros((o.shape[0], t * tp, *o.shape[2:]), o.dtype)
-    y = jax.tree.map(whole, jax.eval_shape(mm, x_BtD))
-    x = x_BtD
+    whole = lambda p: jnp.zeros((p.shape[0], t * tp, *p.shape[2:]), p.dtype)
+    y, x = None, x_BtD
     for i in range(tp):
         nxt = jax.lax.ppermute(x, axis, _ring(tp)) if i < tp - 1 else None
+        part = mm(x)
+        y = jax.tree.map(whole, part) if y is None else y
         at = (r - i) % tp * t
         y = jax.tree.map(lambda y, p: jax.lax.dynamic_update_slice_in_dim(y, p, at, 1),
-                         y, mm(x))
+                         y, part)
         x = nxt
     return y
 

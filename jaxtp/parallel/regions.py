@@ -195,8 +195,9 @@ class ShardMap:
 class Ring(ShardMap):
     """`ShardMap` under SP with each region's entry and exit as collective-
     matmul rings: tp - 1 ppermutes of one sequence chunk each, a chunk's
-    matmul running while the next one travels. The loss's entry (no matmul
-    chunked along T there) stays `f_sp`'s all-gather."""
+    matmul running while the next one travels. Only the blocks' regions use
+    it: the embedding's reduce-scatter and the LM head's all-gather (whose
+    matmul runs per loss chunk) are not overlapped yet."""
 
     def enter(self, x_BtD, mm: Callable | None = None):
         return super().enter(x_BtD) if mm is None else allgather_matmul(x_BtD, mm)
@@ -211,16 +212,16 @@ def region(module, x_BTD):
 
     GSPMD: pinning the output replicated tells the partitioner where g goes;
     it adds f in the backward pass itself. shard_map: f and g written out by
-    the `Local` (as rings under `layout.ring`).
+    the `Local` (as rings under `layout.overlap`).
     The sum carries the remat name `module.tag`: every remat policy keeps it
     (jaxtp.model.transformer.REMAT_POLICIES), so recomputing a block in the
     backward pass never repeats g's collective.
     """
     layout = module.layout
     if layout.impl == "shard_map":
-        spec, local = act_spec(layout.sp), (Ring if layout.ring else ShardMap)(layout)
+        spec, local = act_spec(layout.sp), (Ring if layout.overlap else ShardMap)(layout)
         y = run_sharded(module, lambda m, x: m.region(x, local), x_BTD, arg_specs=(spec,),
-                        out_specs=spec, vary_params=layout.ring)
+                        out_specs=spec, vary_params=layout.overlap)
     else:
         if layout.sp:
             # the norm's output stays on its shard: else GSPMD may gather first

@@ -203,7 +203,9 @@ def _overlap(cfg: Config) -> str:
     if p.impl == "shard_map":
         return ", overlap: collective-matmul rings of ppermutes"
     if jax.default_backend() == "cpu":
-        return ", overlap: none here (XLA's CPU compiler has no windowed-einsum pass)"
+        from ..parallel import CPU_HAS_NO_WINDOWED_EINSUM
+
+        return f", overlap: none here ({CPU_HAS_NO_WINDOWED_EINSUM})"
     return ", overlap: XLA's windowed einsum asked for"
 
 

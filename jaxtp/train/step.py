@@ -118,7 +118,8 @@ def step_controls(max_loss: float = float("inf"), grad_scale: float = 1.0) -> np
 def make_eval_step(state: TrainState) -> Callable:
     graphdef = state.graphdef
     return jax.jit(lambda params, tokens: loss_fn(graphdef, params, tokens),
-                   in_shardings=(state.param_shardings, named(state.mesh, "batch", None)))
+                   in_shardings=(state.param_shardings, named(state.mesh, "batch", None)),
+                   compiler_options=state.compiler_options)
 
 
 def compile_train_step(state: TrainState, batch_size: int, seq_len: int,

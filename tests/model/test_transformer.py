@@ -116,17 +116,19 @@ def test_sequence_parallel_matches_single_device_reference(variant, tp, impl):
 test_sequence_parallel_matches_single_device_reference.fast_cases = {'llama-gqa-8-gspmd'}
 
 
-@pytest.mark.parametrize("variant, tp, scan", [
-    ("gpt2", 2, False), ("gpt2", 4, False), ("gpt2", 8, False), ("gpt2", 8, True),
-    ("llama-gqa", 2, False), ("llama-gqa", 4, False), ("llama-gqa", 8, False),
-    ("llama-gqa", 8, True)])
-def test_collective_matmul_matches_single_device_reference(variant, tp, scan):
+@pytest.mark.parametrize("variant, tp, scan, remat", [
+    ("gpt2", 2, False, "none"), ("gpt2", 4, False, "none"), ("gpt2", 8, False, "none"),
+    ("gpt2", 8, True, "none"), ("gpt2", 4, False, "dots"), ("llama-gqa", 2, False, "none"),
+    ("llama-gqa", 4, False, "none"), ("llama-gqa", 8, False, "none"),
+    ("llama-gqa", 8, True, "full")])
+def test_collective_matmul_matches_single_device_reference(variant, tp, scan, remat):
     """SP's entries and exits as ppermute rings (shard_map, overlap=
     collective_matmul): loss and every gradient as on one device, with the kv
-    heads sharded (GQA at tp 2, 4) and replicated (tp 8). A scanned stack
+    heads sharded (GQA at tp 2, 4) and replicated (tp 8), with remat (the
+    entry's ring run again in the backward pass). A scanned stack
     (initialised per layer slice, so other values than the reference's)
     against the same stack with overlap=none."""
-    model = dataclasses.replace(VARIANTS[variant], scan_layers=scan)
+    model = dataclasses.replace(VARIANTS[variant], scan_layers=scan, remat=remat)
     cfg = lambda overlap: make_cfg(tp, "shard_map", model=model, sp=True, overlap=overlap)
     _, _, loss, grads, _ = run_model(cfg("collective_matmul"))
     if scan:
@@ -137,7 +139,7 @@ def test_collective_matmul_matches_single_device_reference(variant, tp, scan):
     assert_trees_close(grads, ref_grads)
 
 
-test_collective_matmul_matches_single_device_reference.fast_cases = {"llama-gqa-8-False"}
+test_collective_matmul_matches_single_device_reference.fast_cases = {"llama-gqa-8-False-none"}
 
 
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
