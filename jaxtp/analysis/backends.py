@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from ..config import Config
 
 if TYPE_CHECKING:
-    from .budget import Expected
+    from .rows import Expected
 
 
 def on_backend(rows: list[Expected], cfg: Config, impl: str, platform: str) -> list[Expected]:

@@ -17,7 +17,8 @@ from typing import Callable
 
 from .. import hlo
 from ..config import IMPLS, Config
-from .budget import budget_for, check, collective_key, expected_collectives
+from .budget import budget_for, expected_collectives
+from .rows import check, collective_key
 
 # XLA's GPU combiners concatenate small collectives into one flat buffer (the
 # CPU ones build tuples, which jaxtp.hlo splits again): the bytes stay, the

@@ -22,7 +22,7 @@ import dataclasses
 from typing import Callable
 
 from ..config import Config, IMPLS
-from .budget import HLO_DTYPES, Expected, check
+from .rows import HLO_DTYPES, Expected, check
 from .compare import format_table
 
 

@@ -32,7 +32,9 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from .. import hlo
+from ..config import load_config
 from ..parallel import IMPL_AXIS as TP
+from .report import section
 
 OPS = ("all-reduce", "reduce-scatter", "all-gather")
 
@@ -181,3 +183,25 @@ def collective_share(run_step, hlo_text: str | None = None, steps: int = 2) -> d
             "step_ms": float(np.mean([(e - s) / 1e6 for s, e, _ in spans.values()])),
             "collective_ms": float(np.mean([c / 1e6 for *_, c in spans.values()])),
             "module": step, "reason": None}
+
+
+def bench_collectives(plan: dict) -> dict:
+    """The suite's `collectives` section: each op and dtype at each payload of the plan."""
+    rows, n = [], min(8, jax.device_count())
+    for name in plan["payloads"]:
+        cfg = load_config(name)
+        elements = cfg.train.batch_size * cfg.model.seq_len * cfg.model.d_model
+        for dtype in ("float32", "bfloat16"):
+            for op in OPS:
+                r = time_collective(op, n, elements, dtype, samples=plan["samples"])
+                rows.append({"payload": f"{name} b*s*h", **r, "MiB": r["bytes"] / 2**20})
+    cols = [("payload", "payload"), ("op", "op"), ("dtype", "dtype"), ("wire_dtype", "HLO dtype"),
+            ("ranks", "ranks"), ("MiB", "size MiB"), ("mean_us", "mean us"),
+            ("median_us", "median us"), ("p95_us", "p95 us"),
+            ("algbw_GBps", "algbw GB/s"), ("busbw_GBps", "busbw GB/s"), ("reps", "reps")]
+    notes = ["each sample: `reps` back-to-back collectives in one jitted shard_map loop, "
+             "divided; bandwidths from the median; size and busbw as nccl-tests define them "
+             "(all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n)",
+             "HLO dtype: what the compiled collective carries (XLA's CPU backend converts bf16 "
+             "to f32 around every collective, all-gather included, so bf16 is slower there)"]
+    return section("collectives", f"Collectives over the tp axis ({n} ranks)", cols, rows, notes)

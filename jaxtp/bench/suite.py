@@ -30,6 +30,7 @@ from ..parallel import make_mesh
 from ..train.state import abstract_train_state
 from ..train.step import compile_train_step
 from . import collectives as bc
+from .collectives import bench_collectives
 from .decode import bench_decode
 from .timing import build, paired_ratio, time_alternating
 from .report import RATIO_COLUMNS, format_section, machine_info, section
@@ -204,27 +205,6 @@ def bench_compile(plan: dict) -> dict:
         ("compile_s", "trace + compile s")], rows,
         ["the train step traced, lowered and compiled on abstract shapes, once per row, in "
          "this order (run alone, the first row also pays the process's first compile)"])
-
-
-def bench_collectives(plan: dict) -> dict:
-    rows, n = [], min(8, jax.device_count())
-    for name in plan["payloads"]:
-        cfg = load_config(name)
-        elements = cfg.train.batch_size * cfg.model.seq_len * cfg.model.d_model
-        for dtype in ("float32", "bfloat16"):
-            for op in bc.OPS:
-                r = bc.time_collective(op, n, elements, dtype, samples=plan["samples"])
-                rows.append({"payload": f"{name} b*s*h", **r, "MiB": r["bytes"] / 2**20})
-    cols = [("payload", "payload"), ("op", "op"), ("dtype", "dtype"), ("wire_dtype", "HLO dtype"),
-            ("ranks", "ranks"), ("MiB", "size MiB"), ("mean_us", "mean us"),
-            ("median_us", "median us"), ("p95_us", "p95 us"),
-            ("algbw_GBps", "algbw GB/s"), ("busbw_GBps", "busbw GB/s"), ("reps", "reps")]
-    notes = ["each sample: `reps` back-to-back collectives in one jitted shard_map loop, "
-             "divided; bandwidths from the median; size and busbw as nccl-tests define them "
-             "(all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n)",
-             "HLO dtype: what the compiled collective carries (XLA's CPU backend converts bf16 "
-             "to f32 around every collective, all-gather included, so bf16 is slower there)"]
-    return section("collectives", f"Collectives over the tp axis ({n} ranks)", cols, rows, notes)
 
 
 def bench_profile(plan: dict, cache: dict) -> dict:

@@ -7,8 +7,8 @@ from .layout import (DATA_AXIS, FSDP_PARAM_RULES, IMPL_AXIS, MESH_AXES, RULES, L
                      mesh_size, named, spec, split_over_tp)
 from .inference import cache_spec, cached_region, vocab_sample
 from .overlap import CPU_HAS_NO_WINDOWED_EINSUM, NO_XLA_OVERLAP, compiler_options
-from .regions import (BF16_CPU_SHARD_MAP, GSPMD, Ring, ShardMap, act_spec, embed, region,
-                      run_sharded, vocab_losses)
+from .locals import GSPMD, Ring, ShardMap
+from .regions import BF16_CPU_SHARD_MAP, act_spec, embed, region, run_sharded, vocab_losses
 
 __all__ = ["f", "f_sp", "g", "g_sp", "global_norm", "DATA_AXIS", "FSDP_PARAM_RULES", "IMPL_AXIS",
            "MESH_AXES", "RULES", "Layout", "check_device_count", "constrain", "ensure_devices",

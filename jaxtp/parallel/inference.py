@@ -10,7 +10,8 @@ from jax.sharding import PartitionSpec as P
 
 from .collectives import g
 from .layout import DATA_AXIS, IMPL_AXIS, constrain
-from .regions import GSPMD, ShardMap, act_spec, run_sharded
+from .locals import GSPMD, ShardMap
+from .regions import act_spec, run_sharded
 
 
 def cached_region(module, x_BTD, k_BSKH, v_BSKH, pos_BT, prefill: bool):

@@ -16,14 +16,14 @@ cross-entropy. `Local` says how that math reaches the other tp ranks:
 - `Ring`: `ShardMap` with SP's entry and exit matmuls as collective-matmul
   rings of ppermutes (`jaxtp.parallel.overlap`).
 
-`region`, `embed` and `vocab_losses` run a module one way or the other by
-its `Layout`. A new way to communicate is one more `Local` and one more
-branch here, not edits in the model.
+The `Local`s live in `jaxtp.parallel.locals`; `region`, `embed` and
+`vocab_losses` here run a module one way or the other by its `Layout`. A new
+way to communicate is one more `Local` and one more branch here, not edits
+in the model.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import jax
@@ -32,178 +32,13 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from .collectives import f, f_sp, g, g_sp, gather, pmax, pmin, rank
-from .layout import DATA_AXIS, IMPL_AXIS, Layout, constrain
-from .overlap import allgather_matmul, matmul_reducescatter
+from .collectives import g, g_sp
+from .layout import DATA_AXIS, IMPL_AXIS, constrain
+from .locals import GSPMD, Ring, ShardMap
 
 BF16_CPU_SHARD_MAP = ("impl='shard_map' with model.dtype=bfloat16 crashes XLA's CPU compiler "
                       "(jax 0.10.2); on CPU use model.dtype=float32 (or float16), or "
                       "impl=gspmd")
-
-
-class GSPMD:
-    """A region on global arrays: GSPMD partitions it by the layouts pinned here."""
-
-    def __init__(self, layout: Layout):
-        self.layout = layout
-
-    def enter(self, x_BTD, mm: Callable | None = None):
-        """The region's input, whole along T (under SP an all-gather), or
-        `mm` of it (the column-parallel matmul)."""
-        x_BTD = constrain(x_BTD, "batch", "seq", "embed") if self.layout.sp else x_BTD
-        return x_BTD if mm is None else mm(x_BTD)
-
-    def exit(self, h, mm: Callable):
-        """The region's output `mm(h)` (the row-parallel matmul): GSPMD sums
-        the partial products where `region` pins the result."""
-        return mm(h)
-
-    def constrain(self, x, *logical):
-        return constrain(x, *logical)
-
-    def kv_for_heads(self, kv_BTCKH, n_heads: int):
-        """Replicated kv heads as GSPMD sees them: one kv copy per query head,
-        split over tp like the queries (each rank slices its own; the backward
-        pass sums the copies, an all-reduce of dkv). Pinning kv replicated
-        first also pins its gradient (the transpose of a sharding constraint is
-        the same constraint), so dW_kv stays replicated like W_kv; grouping q as
-        [K, G] instead would need a tiling over two dims that one mesh axis
-        cannot name, and GSPMD then gathers weights."""
-        K = kv_BTCKH.shape[3]
-        kv_BTCKH = constrain(kv_BTCKH, "batch", "seq", None, None, "head_dim")
-        return constrain(jnp.repeat(kv_BTCKH, n_heads // K, axis=3),
-                         "batch", "seq", None, "heads", "head_dim")
-
-    def kv_per_rank(self, kv_BTCKH):
-        """Replicated kv heads for a KV cache: tp copies split over tp, copy r
-        the kv head rank r's query heads use (one per rank, not one per query
-        head as in training's `kv_for_heads`)."""
-        K, tp = kv_BTCKH.shape[3], self.layout.tp
-        kv_BTCKH = constrain(kv_BTCKH, "batch", "seq", None, None, "head_dim")
-        return constrain(jnp.repeat(kv_BTCKH, tp // K, axis=3),
-                         "batch", "seq", None, "heads", "head_dim")
-
-    def vocab_rows(self, table_VD, ids_BT, dtype):
-        """table[ids]: GSPMD masks each shard's rows and sums them at the gather."""
-        return _cast_lookup(table_VD, ids_BT, dtype)
-
-    def _by_shard(self, x_BV):
-        """[B, V] as [B, tp, V/tp] with the tp dim split: a reduction over the
-        last dim stays on each shard, and only [B, tp] values move."""
-        B, V = x_BV.shape
-        tp = self.layout.tp
-        return constrain(x_BV.reshape(B, tp, V // tp), "batch", "vocab", None)
-
-    def row_start(self, B: int):
-        """The global index of this array's first row (the arrays are global)."""
-        return 0
-
-    def vocab_argmax(self, scores_BV):
-        """The lowest id of the highest score [B], from each shard's best."""
-        s_BRV = self._by_shard(scores_BV)
-        best_BR, at_BR = s_BRV.max(-1), s_BRV.argmax(-1)
-        r_B = best_BR.argmax(-1)
-        return r_B * s_BRV.shape[-1] + jnp.take_along_axis(at_BR, r_B[:, None], 1)[:, 0]
-
-    def vocab_top(self, scores_BV, c: int):
-        """Each shard's `c` best (scores, ids), side by side [B, tp*c]."""
-        s_BRV = self._by_shard(scores_BV)
-        top_BRc, at_BRc = jax.lax.top_k(s_BRV, min(c, s_BRV.shape[-1]))
-        ids_BRc = at_BRc + (jnp.arange(s_BRV.shape[1]) * s_BRV.shape[-1])[:, None]
-        B = top_BRc.shape[0]
-        return top_BRc.reshape(B, -1), ids_BRc.reshape(B, -1)
-
-    def vocab_start(self, rows: int):
-        return 0
-
-    def batch_per_dp_rank(self, B: int) -> int:
-        return B // self.layout.dp  # the arrays are global
-
-    def vocab_max(self, v):
-        return v
-
-    def vocab_sum(self, v):
-        return v
-
-
-class ShardMap:
-    """A region per tp shard inside jax.shard_map: f and g written out."""
-
-    def __init__(self, layout: Layout):
-        self.layout = layout
-
-    def enter(self, x_BTD, mm: Callable | None = None):
-        """f (SP: f_sp, an all-gather along T), then `mm`."""
-        x_BTD = f_sp(x_BTD) if self.layout.sp else f(x_BTD)
-        return x_BTD if mm is None else mm(x_BTD)
-
-    def exit(self, h, mm: Callable):
-        """This rank's partial product `mm(h)`, then g (SP: g_sp, a
-        reduce-scatter along T)."""
-        return (g_sp if self.layout.sp else g)(mm(h))
-
-    def constrain(self, x, *logical):
-        return x
-
-    def kv_for_heads(self, kv_BTCKH, n_heads: int):
-        """This rank's N/tp query heads all use one kv head: its slice."""
-        group = n_heads * self.layout.tp // kv_BTCKH.shape[3]  # query heads per kv head
-        return jax.lax.dynamic_slice_in_dim(kv_BTCKH, rank() * n_heads // group, 1, 3)
-
-    def kv_per_rank(self, kv_BTCKH):
-        """The kv head this rank's query heads use, for its KV cache."""
-        K = kv_BTCKH.shape[3]
-        return jax.lax.dynamic_slice_in_dim(kv_BTCKH, rank() * K // self.layout.tp, 1, 3)
-
-    def row_start(self, B: int):
-        """The global index of this dp rank's first row (of B)."""
-        return jax.lax.axis_index(DATA_AXIS) * B if self.layout.dp > 1 else 0
-
-    def vocab_argmax(self, scores_BV):
-        """The lowest id of the highest score over every shard [B]: a max and a
-        min of B values over tp."""
-        best_B = pmax(scores_BV.max(-1))
-        at_B = scores_BV.argmax(-1) + self.vocab_start(scores_BV.shape[-1])
-        return pmin(jnp.where(scores_BV.max(-1) == best_B, at_B, jnp.iinfo(at_B.dtype).max))
-
-    def vocab_top(self, scores_BV, c: int):
-        """Each shard's `c` best (scores, ids), side by side [B, tp*c]."""
-        top_Bc, at_Bc = jax.lax.top_k(scores_BV, min(c, scores_BV.shape[-1]))
-        return gather(top_Bc, 1), gather(at_Bc + self.vocab_start(scores_BV.shape[-1]), 1)
-
-    def vocab_rows(self, table_VD, ids_BT, dtype):
-        """This rank's rows of table[ids]; zero for the ids other ranks hold."""
-        start = self.vocab_start(table_VD.shape[0])
-        local_BT = ids_BT - start
-        hit_BT = (local_BT >= 0) & (local_BT < table_VD.shape[0])
-        x_BTD = jnp.take(table_VD, jnp.where(hit_BT, local_BT, 0), axis=0)
-        return jnp.where(hit_BT[..., None], x_BTD, 0).astype(dtype)  # g sums in dtype
-
-    def vocab_start(self, rows: int):
-        return rank() * rows
-
-    def batch_per_dp_rank(self, B: int) -> int:
-        return B  # the arrays are this rank's
-
-    def vocab_max(self, v):
-        return pmax(v)
-
-    def vocab_sum(self, v):
-        return g(v)
-
-
-class Ring(ShardMap):
-    """`ShardMap` under SP with each region's entry and exit as collective-
-    matmul rings: tp - 1 ppermutes of one sequence chunk each, a chunk's
-    matmul running while the next one travels. Only the blocks' regions use
-    it: the embedding's reduce-scatter and the LM head's all-gather (whose
-    matmul runs per loss chunk) are not overlapped yet."""
-
-    def enter(self, x_BtD, mm: Callable | None = None):
-        return super().enter(x_BtD) if mm is None else allgather_matmul(x_BtD, mm)
-
-    def exit(self, h, mm: Callable):
-        return matmul_reducescatter(h, mm)
 
 
 def region(module, x_BTD):
@@ -369,25 +204,3 @@ def _platform(mesh) -> str:
     if device is None and hasattr(mesh, "devices"):
         device = mesh.devices.flat[0]
     return getattr(device, "platform", jax.default_backend())
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _cast_lookup(table_VD, ids_BT, dtype):
-    """table[ids] in `dtype`, gathered from the table cast to it, so that the
-    rows are summed over tp in the compute dtype (GSPMD sums them right at the
-    gather, before any later cast). Every id is a valid row (the data is
-    checked against the vocabulary); the gradient is scatter-added in the
-    table's dtype, as a plain lookup's would be."""
-    return table_VD.astype(dtype).at[ids_BT].get(mode="promise_in_bounds")
-
-
-def _cast_lookup_fwd(table_VD, ids_BT, dtype):
-    return _cast_lookup(table_VD, ids_BT, dtype), (ids_BT, jnp.zeros_like(table_VD))
-
-
-def _cast_lookup_bwd(dtype, res, dx_BTD):
-    ids_BT, zeros_VD = res
-    return zeros_VD.at[ids_BT].add(dx_BTD.astype(zeros_VD.dtype)), None
-
-
-_cast_lookup.defvjp(_cast_lookup_fwd, _cast_lookup_bwd)

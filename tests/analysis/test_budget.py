@@ -9,7 +9,8 @@ import pytest
 
 import train
 from jaxtp import hlo
-from jaxtp.analysis.budget import Budget, check, expected_collectives
+from jaxtp.analysis.budget import Budget, expected_collectives
+from jaxtp.analysis.rows import check
 from jaxtp.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from jaxtp.parallel import make_mesh
 from jaxtp.train.state import abstract_train_state
@@ -308,7 +309,7 @@ test_budgets_hold_compiled_for_an_accelerator.fast_cases = set()
 
 
 def test_a_budget_row_without_a_collective_shows_its_element_count():
-    from jaxtp.analysis.budget import Expected
+    from jaxtp.analysis.rows import Expected
     from jaxtp.analysis.compare import format_table
 
     row = Expected("SP embedding: its rows", "reduce-scatter", "forward", "embed", 32768,

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from jaxtp import hlo
-from jaxtp.analysis.budget import check
+from jaxtp.analysis.rows import check
 from jaxtp.analysis.decode import compare_decode, decode_budget, decode_hlo
 from jaxtp.config import apply_overrides, load_config
 from jaxtp.generate.load import generation_config

@@ -141,7 +141,8 @@ def test_cudnn_lowers_for_an_h100_inside_both_impls(impl):
     forward and backward per rank's heads, and no gather of q, k or v (the
     collectives are exactly the budget)."""
     from jaxtp import hlo
-    from jaxtp.analysis.budget import check, expected_collectives
+    from jaxtp.analysis.budget import expected_collectives
+    from jaxtp.analysis.rows import check
     from jaxtp.config import apply_overrides, load_config, validate
     from jaxtp.analysis.targets import target_mesh
     from jaxtp.train.state import abstract_train_state, resolve_attention

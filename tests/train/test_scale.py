@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 
 from jaxtp import hlo
-from jaxtp.analysis.budget import check, expected_collectives
+from jaxtp.analysis.budget import expected_collectives
+from jaxtp.analysis.rows import check
 from jaxtp.config import Config, ModelConfig, ParallelConfig, TrainConfig, validate
 from jaxtp.model import stack_layers
 from jaxtp.parallel import make_mesh
