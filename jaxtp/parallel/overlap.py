@@ -21,10 +21,11 @@ all-gathered by one (`jaxtp.analysis.budget` counts them). The rings are
 one-directional: a bidirectional ring would halve the hops on links that
 carry both directions at once, at twice the number of (half-size) matmuls.
 
-For GSPMD the same intent is XLA's: its GPU and TPU compilers decompose an
-all-gather or reduce-scatter next to a dot into a loop of collective-permutes
-themselves ("windowed einsum"), when asked (`xla_options`). XLA's CPU
-compiler has no such pass.
+For GSPMD the same intent is XLA's: its GPU and TPU partitioners can
+decompose an all-gather or reduce-scatter next to a dot into a loop of
+collective-permutes themselves ("windowed einsum"), when asked
+(`xla_options`). XLA's CPU compiler has no such pass, and compiled for 8
+H100s (jaxlib 0.10.2) it formed no such loop for jaxtp's regions.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ from .layout import IMPL_AXIS
 # XLA's options that turn windowed einsum on, per platform. GPU: a threshold
 # of 0 MiB decomposes every all-gather / reduce-scatter feeding a dot, on
 # multiple streams, with the latency-hiding scheduler placing the permutes
-# beside the matmuls (xla/debug_options_flags.cc). TPU: libtpu's collective
-# matmul for both directions, with async collective-permutes (the flags
-# MaxText's collective-matmul configs pass in LIBTPU_INIT_ARGS).
+# beside the matmuls (xla/debug_options_flags.cc). TPU: libtpu's windowed
+# einsum for both directions, with async collective-permutes (flags that
+# public TPU training configs pass in LIBTPU_INIT_ARGS; passed here as the
+# jit's compiler options, untried: libtpu is not installed where this was
+# written).
 XLA_OVERLAP_OPTIONS = {
     "gpu": {"xla_gpu_threshold_for_windowed_einsum_mib": 0,
             "xla_gpu_multi_streamed_windowed_einsum": True,
