@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxtp.config import ATTENTIONS, IMPLS
+from jaxtp.config import ATTENTIONS, INFERENCE_IMPLS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -36,7 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     ap.add_argument("--tp", type=int, help="tensor-parallel degree (default: the run's; 1 "
                                            "for --hf)")
-    ap.add_argument("--impl", choices=IMPLS, help="gspmd or shard_map (default: the run's)")
+    ap.add_argument("--impl", choices=INFERENCE_IMPLS,
+                    help="gspmd or shard_map (default: the run's; gspmd for a run trained "
+                         "under explicit)")
     ap.add_argument("--attention", choices=ATTENTIONS, help="the prefill's attention kernel")
     ap.add_argument("--tokenizer", metavar="PATH",
                     help="tokenizer.json (or a directory holding one), where the run has none")

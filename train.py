@@ -67,7 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tp", type=int, help="tensor-parallel degree (mesh axis 'tp')")
     ap.add_argument("--dp", type=int, help="data-parallel degree (mesh axis 'dp')")
     ap.add_argument("--impl", choices=IMPLS,
-                    help="gspmd: XLA inserts the collectives; shard_map: written out")
+                    help="gspmd: XLA inserts the collectives; shard_map: written out; "
+                         "explicit: sharding in types (Explicit mesh axes)")
     ap.add_argument("--sp", action="store_true", default=None,
                     help="sequence parallelism: split the residual stream over tp along the "
                          "sequence (all-gather / reduce-scatter instead of all-reduce)")

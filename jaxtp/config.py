@@ -20,7 +20,13 @@ _HERE = Path(__file__).resolve().parent
 CONFIG_DIR = next((d for d in (_HERE / "configs", _HERE.parent / "configs") if d.is_dir()),
                   _HERE / "configs")
 DTYPES = ("float32", "bfloat16", "float16")
-IMPLS = ("gspmd", "shard_map")
+# how the tp collectives are placed (jaxtp.parallel.regions): by GSPMD from
+# sharding constraints, written out in shard_map, or by JAX's sharding-in-types
+# on a mesh of Explicit axes
+IMPLS = ("gspmd", "shard_map", "explicit")
+# generation's KV-cache regions exist for these two; a run trained under
+# explicit generates under gspmd (the same parameters)
+INFERENCE_IMPLS = ("gspmd", "shard_map")
 # how SP's all-gathers and reduce-scatters meet the matmuls they feed
 # (jaxtp.parallel.overlap): one collective each, or collective-matmul rings
 OVERLAPS = ("none", "collective_matmul")
@@ -132,7 +138,9 @@ class TrainConfig:
 class ParallelConfig:
     dp: int = 1
     tp: int = 1
-    impl: str = "gspmd"  # "gspmd": XLA inserts collectives; "shard_map": written out
+    # "gspmd": XLA inserts collectives; "shard_map": written out; "explicit":
+    # typed shardings on an Explicit mesh (reductions named by out_sharding)
+    impl: str = "gspmd"
     sp: bool = False  # sequence parallelism: residual stream split over tp along T (tp > 1)
     # FSDP-style: also split parameters and optimizer state over dp (their
     # "embed" dim), gathered for use and reduce-scattered as gradients

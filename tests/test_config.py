@@ -93,6 +93,8 @@ def test_overrides_are_typed():
      r"parallel.overlap='collective_matmul' overlaps sequence parallelism.*add --sp"),
     (["parallel.overlap=ring"],
      r"parallel.overlap='ring'; choose one of \('none', 'collective_matmul'\)"),
+    (["parallel.impl=explicit", "parallel.fsdp=true", "parallel.dp=2", "parallel.tp=4"],
+     r"parallel.fsdp is not built for impl=explicit"),
 ])
 def test_inconsistent_values_are_rejected(overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -145,6 +147,8 @@ def test_bad_files_are_rejected(tmp_path):
     (["--tp", "2", "--out", "/dev/null"], "--out /dev/null is a file, not a directory"),
     (["--tp", "8", "--overlap", "collective_matmul"], "it is built for SP only (a region's "
      "one all-reduce is not decomposed): add --sp, or --overlap none"),
+    (["--dp", "2", "--tp", "4", "--impl", "explicit", "--fsdp"],
+     "use --impl gspmd or shard_map with --fsdp, or drop --fsdp"),
 ])
 def test_cli_rejects_bad_input_before_compiling(argv, match, tmp_path, capsys):
     if "--resume" not in argv and "--out" not in argv:

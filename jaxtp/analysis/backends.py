@@ -24,9 +24,10 @@ def on_backend(rows: list[Expected], cfg: Config, impl: str, platform: str) -> l
         whole = lambda r: dataclasses.replace(r, kind="all-reduce", elements=r.elements * tp,
                                               name=r.name + " [as all-reduce + slice]")
         if platform == "cpu":
-            # no reduce-scatter creator: GSPMD's stays an all-reduce of the
+            # no reduce-scatter creator: GSPMD's (and explicit's, which the
+            # partitioner lowers from its types) stays an all-reduce of the
             # full buffer and a slice (shard_map's psum_scatter is kept)
-            if r.kind == "reduce-scatter" and impl == "gspmd":
+            if r.kind == "reduce-scatter" and impl != "shard_map":
                 r = whole(r)
             # the CPU runtime carries 16-bit collectives in fp32
             if r.dtype in ("bf16", "f16"):
@@ -45,9 +46,10 @@ def on_backend(rows: list[Expected], cfg: Config, impl: str, platform: str) -> l
             # gradient rows are gathered, not summed (half the ring bytes)
             r = dataclasses.replace(r, kind="all-gather")
         if platform in ("gpu", "cuda"):
-            if r.role == "head_dx" and impl == "gspmd" and sixteen:
-                # GSPMD reduces the LM head's dX in the fp32 of the logits'
-                # gradient, before the cast (and so no reduce-scatter under SP)
+            if r.role == "head_dx" and impl != "shard_map" and sixteen:
+                # GSPMD (and explicit, lowered by it) reduces the LM head's dX
+                # in the fp32 of the logits' gradient, before the cast (and so
+                # no reduce-scatter under SP)
                 r = dataclasses.replace(r, dtype="f32")
                 if r.kind == "reduce-scatter":
                     r = whole(r)

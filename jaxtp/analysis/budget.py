@@ -182,7 +182,9 @@ def _kv_rows(cfg: Config, impl: str, E, kv: int) -> list[Expected]:
     K = m.kv_heads
     if K >= tp:
         return []
-    if impl == "shard_map" or K == 1:
+    # explicit picks each rank's kv head by a contraction over tp
+    # (`jaxtp.parallel.Explicit.kv_for_heads`): the same one sum as shard_map
+    if impl != "gspmd" or K == 1:
         return [E("kv gradient: sum over the ranks sharing a kv head", "all-reduce",
                   "backward", "attention", kv, L, role="kv_grad")]
     # GSPMD splits the same sum: within each kv group, then gathered
@@ -214,14 +216,16 @@ def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int):
     Megatron-SP does (Korthikanti et al. 2022, Sec. 4.2.2): one more
     all-gather per region and layer.
 
-    With fewer kv heads than tp, GSPMD sums the kv gradient as it does without
-    SP (`_kv_rows`), so the kv branch's dX is whole while the queries' is
+    With fewer kv heads than tp, GSPMD and explicit sum the kv gradient as
+    they do without SP (`_kv_rows`), so the kv branch's dX is whole while the queries' is
     partial: the attention's backward entry stays an all-reduce of b*s*h."""
     m, tp = cfg.model, cfg.parallel.tp
     shard, pd = act // tp, HLO_DTYPES[m.param_dtype]  # parameter gradients: param dtype
     n, c = loss_chunks(m.loss_chunk, b, s)
-    gspmd_kv = impl == "gspmd" and m.kv_heads < tp
-    rows = _sp_regions(cfg, E, act, shard, L, gspmd_kv, impl)
+    # GSPMD and explicit sum the kv gradient as they do without SP
+    # (`_kv_rows`); shard_map sums the replicated kv weight's gradient instead
+    xla_kv = impl != "shard_map" and m.kv_heads < tp
+    rows = _sp_regions(cfg, E, act, shard, L, xla_kv, impl)
     norm_params = (2 * L + 1) * (1 if m.style == "llama" else 2)
     rows += [
         E("SP embedding: reduce-scatter of the looked-up rows", "reduce-scatter", "forward",
@@ -243,12 +247,16 @@ def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int):
         # GSPMD sums the attention's from the output gradient it gathered anyway
         rows += [E(f"{scope} row-parallel bias on sequence shards: gradient sum",
                    "all-reduce", "backward", scope, m.d_model, L, role="seq_shard_param")
-                 for scope in ("attention", "mlp") if impl == "shard_map" or scope == "mlp"]
+                 for scope in ("attention", "mlp") if impl != "gspmd" or scope == "mlp"]
     if m.style != "llama":
-        rows.append(E("learned positions on sequence shards: gradient sum", "all-reduce",
+        # explicit: the positions are resharded from replicated to the sequence
+        # split, whose transpose gathers the gradient's rows (half the bytes)
+        rows.append(E("learned positions on sequence shards: gradient sum"
+                      + (" (gathered rows)" if impl == "explicit" else ""),
+                      "all-gather" if impl == "explicit" else "all-reduce",
                       "backward", "", s * m.d_model, 1, pd, role="positions"))
     K, H = m.kv_heads, m.head_dim
-    if gspmd_kv:
+    if xla_kv:
         rows += _kv_rows(cfg, impl, E, b * s * 2 * K * H)
     elif K < tp:  # replicated kv projection fed the gathered x: its weight gradient,
         # summed as the compute-dtype weight it multiplied; inside shard_map
@@ -260,7 +268,7 @@ def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int):
     return rows
 
 
-def _sp_regions(cfg: Config, E, act: int, shard: int, L: int, gspmd_kv: bool,
+def _sp_regions(cfg: Config, E, act: int, shard: int, L: int, xla_kv: bool,
                 impl: str) -> list:
     """Each region's SP entry and exit, forward and backward (and a remat's regather)."""
     if impl == "shard_map" and cfg.parallel.overlap == "collective_matmul":
@@ -275,7 +283,7 @@ def _sp_regions(cfg: Config, E, act: int, shard: int, L: int, gspmd_kv: bool,
                    "all-gather", "backward", scope, act, L, role=f"gather_grad_{scope}"),
                  E(f"SP entry, backward: all-reduce of dX into {scope} (the kv branch's dX "
                    "is whole)", "all-reduce", "backward", scope, act, L)
-                 if scope == "attention" and gspmd_kv else
+                 if scope == "attention" and xla_kv else
                  E(f"SP entry, backward: reduce-scatter of dX into {scope}",
                    "reduce-scatter", "backward", scope, shard, L)]
         if cfg.model.remat != "none":

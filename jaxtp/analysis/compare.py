@@ -37,7 +37,7 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
     `mesh`: a (dp, tp) mesh to compile for, e.g. of compile-only devices of
     another platform (`jax.experimental.topologies`); default: this machine's.
     """
-    from ..parallel import make_mesh
+    from ..parallel import make_mesh, mesh_for
 
     p = cfg.parallel
     out = Path(out_dir)
@@ -46,7 +46,8 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
     impls, colls_by_impl, expected_by_impl = {}, {}, {}
     for impl in IMPLS:
         colls_by_impl[impl], expected_by_impl[impl], impls[impl] = _compile_and_check(
-            dataclasses.replace(cfg, parallel=dataclasses.replace(p, impl=impl)), mesh, out, log)
+            dataclasses.replace(cfg, parallel=dataclasses.replace(p, impl=impl)),
+            mesh_for(mesh, impl), out, log)
     budget = budget_for(cfg)
     ring = {impl: sum(e.count * e.ring_bytes for e in rows)
             for impl, rows in expected_by_impl.items()}
@@ -94,8 +95,8 @@ def _compile_and_check(cfg: Config, mesh, out: Path, log) -> tuple[list, list, d
     expected = expected_collectives(cfg, impl, platform)
     diff = check(colls, expected)
     extra = {}
-    if cfg.parallel.overlap != "none" and impl == "gspmd":
-        log(windowed_einsum_line(colls, platform))
+    if cfg.parallel.overlap != "none" and impl != "shard_map":
+        log(windowed_einsum_line(colls, platform, impl))
         # the permutes of XLA's windowed-einsum loops: none seen yet (CPU, H100), so
         # the budget is plain SP's and a loop XLA forms shows up as a deviation
         extra["windowed_einsum_permutes"] = sum(c.count for c in colls
@@ -106,16 +107,16 @@ def _compile_and_check(cfg: Config, mesh, out: Path, log) -> tuple[list, list, d
                              "verdict": "matches budget" if diff is None else diff}
 
 
-def windowed_einsum_line(colls: list, platform: str) -> str:
+def windowed_einsum_line(colls: list, platform: str, impl: str = "gspmd") -> str:
     """What XLA made of GSPMD's overlap request: the collective-permutes of
     the windowed-einsum loops it formed (none: each SP collective stayed whole)."""
     from ..parallel import NO_XLA_OVERLAP
 
     n = sum(c.count for c in colls if c.kind == "collective-permute")
     if platform == "cpu":
-        return f"gspmd: {NO_XLA_OVERLAP}"
-    return (f"gspmd on {platform}: XLA's windowed einsum formed loops of {n} collective-permutes"
-            if n else f"gspmd on {platform}: XLA formed no windowed-einsum loop (0 "
+        return f"{impl}: {NO_XLA_OVERLAP}"
+    return (f"{impl} on {platform}: XLA's windowed einsum formed loops of {n} collective-permutes"
+            if n else f"{impl} on {platform}: XLA formed no windowed-einsum loop (0 "
             "collective-permutes): every SP all-gather and reduce-scatter stayed whole")
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from ..config import Config, IMPLS
+from ..config import Config, INFERENCE_IMPLS
 from .rows import HLO_DTYPES, Expected, check
 from .compare import format_table
 
@@ -81,7 +81,7 @@ def compare_decode(cfg: Config, batch: int, length: int,
     from .. import hlo
 
     colls, expected, ok = {}, {}, True
-    for impl in IMPLS:
+    for impl in INFERENCE_IMPLS:
         c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, impl=impl))
         log(f"compiling the {impl} decode step (tp={c.parallel.tp}, batch {batch}, cache "
             f"{length}) ...")
@@ -90,11 +90,11 @@ def compare_decode(cfg: Config, batch: int, length: int,
         diff = check(colls[impl], expected[impl])
         ok &= diff is None
         expected[impl + " verdict"] = "matches budget" if diff is None else diff
-    for line in format_table(colls, {i: expected[i] for i in IMPLS}):
+    for line in format_table(colls, {i: expected[i] for i in INFERENCE_IMPLS}):
         log(line)
     m = cfg.model
     log(f"analytic (Megatron, one token per row): per block 2 all-reduces of B*1*D = "
         f"{batch}*{m.d_model}, {2 * m.n_layers + 1} with the lookup's")
-    for impl in IMPLS:
+    for impl in INFERENCE_IMPLS:
         log(f"{impl}: {expected[impl + ' verdict']}")
     return ok

@@ -81,7 +81,7 @@ def analyze(cfg: Config, mesh=None) -> dict:
     """Compile the train step of `cfg` (abstract shapes) on `mesh` (default: this
     machine's CPU devices; or compile-only devices of an accelerator,
     `jaxtp.analysis.targets`) and account for it."""
-    from ..parallel import make_mesh
+    from ..parallel import make_mesh, mesh_for
     from ..train.state import abstract_train_state, resolve_attention
     from ..train.step import compile_train_step
 
@@ -89,6 +89,7 @@ def analyze(cfg: Config, mesh=None) -> dict:
     t0 = time.perf_counter()
     # fake CPU devices: planning needs no accelerator, nor as many as tp
     mesh = make_mesh(p.dp, p.tp, devices=jax.devices("cpu")) if mesh is None else mesh
+    mesh = mesh_for(mesh, p.impl)
     cfg = resolve_attention(cfg, mesh.devices.flat[0])
     state = abstract_train_state(cfg, mesh)
     on_cpu = mesh.devices.flat[0].platform == "cpu"

@@ -108,26 +108,32 @@ def _paired(plan: dict, base, run, base_ms: str, run_ms: str, **fields) -> dict:
             **fields}
 
 
-def bench_impl(plan: dict, cache: dict) -> dict:
+def bench_impl(plan: dict, cache: dict, log=print) -> dict:
+    """shard_map and explicit against gspmd: the train step at the largest tp
+    <= 8, each pair timed alternately."""
     rows, notes = [], []
+    cases = []
     for name in plan["presets"]:
         tps, why = valid_tps(name, (8, 4, 2, 1))
-        tp = max(tps)
         notes += why[:1]
+        cases += [(name, max(tps), impl) for impl in ("shard_map", "explicit")]
+    for i, (name, tp, impl) in enumerate(cases, 1):
+        log(f"impl {i}/{len(cases)}: {name} tp={tp} {impl} / gspmd")
         gs, cut = _get(plan, cache, name, tp, "gspmd")
-        sm, _ = _get(plan, cache, name, tp, "shard_map")
-        rows.append(_paired(plan, gs, sm, "gspmd_ms", "shard_map_ms",
+        other, _ = _get(plan, cache, name, tp, impl)
+        rows.append(_paired(plan, gs, other, "gspmd_ms", "impl_ms",
                             case=_case(f"{name} tp={tp}", gs.cfg, cut),
-                            measured="train step time, shard_map / gspmd",
-                            gspmd_compile_s=gs.compile_s, shard_map_compile_s=sm.compile_s,
+                            measured=f"train step time, {impl} / gspmd", impl=impl,
+                            gspmd_compile_s=gs.compile_s, impl_compile_s=other.compile_s,
                             steps=plan["steps"]))
-    return section("impl", "GSPMD vs shard_map: train step at the largest tp <= 8", PAIRED + [
-        ("gspmd_ms", "gspmd ms (median)"), ("shard_map_ms", "shard_map ms (median)"),
-        ("gspmd_compile_s", "gspmd compile s"), ("shard_map_compile_s", "shard_map compile s"),
+    return section("impl", "shard_map and explicit against GSPMD: train step at the largest "
+                   "tp <= 8", PAIRED + [
+        ("impl", "impl"), ("gspmd_ms", "gspmd ms (median)"), ("impl_ms", "impl ms (median)"),
+        ("gspmd_compile_s", "gspmd compile s"), ("impl_compile_s", "impl compile s"),
         ("steps", "timed steps")], rows, [
-        f"the two compiled in one process, warm-up {plan['warmup']} step(s) each, then timed "
-        "alternately; value: median over rounds of the paired ratio; < 1: shard_map faster",
-        *notes])
+        f"each pair compiled in one process, warm-up {plan['warmup']} step(s) each, then timed "
+        "alternately; value: median over rounds of the paired ratio; < 1: the impl is faster "
+        "than gspmd", *notes])
 
 
 def bench_scaling(plan: dict, cache: dict) -> dict:
@@ -329,7 +335,7 @@ def run_suite(quick: bool = False, only=None, log: Callable[[str], None] = print
     only = check_only(only)
     plan, cache, sections = PLANS["quick" if quick else "full"], {}, []
     t0 = time.perf_counter()
-    jobs = {"impl": lambda: bench_impl(plan, cache),
+    jobs = {"impl": lambda: bench_impl(plan, cache, log),
             "scaling": lambda: bench_scaling(plan, cache),
             "overlap": lambda: bench_overlap(plan, cache, log),
             "compile": lambda: bench_compile(plan),

@@ -41,7 +41,7 @@ def build(name: str, cfg: Config) -> Run:
     """Initialise `cfg` on its own (dp, tp) mesh, compile its train step, place a
     batch of random tokens (the step's time does not depend on their values)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    mesh = make_mesh(p.dp, p.tp, devices=jax.devices()[: p.dp * p.tp])
+    mesh = make_mesh(p.dp, p.tp, devices=jax.devices()[: p.dp * p.tp], impl=p.impl)
     state = init_train_state(cfg, mesh)
     t0 = time.perf_counter()
     step = compile_train_step(state, t.batch_size, m.seq_len)

@@ -8,7 +8,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..config import Config, ConfigError, ParallelConfig, validate
+from ..config import INFERENCE_IMPLS, Config, ConfigError, ParallelConfig, validate
 
 
 class ByteTokenizer:
@@ -73,11 +73,15 @@ class HFTokenizer:
 def generation_config(cfg: Config, tp: int | None, impl: str | None,
                       attention: str | None) -> Config:
     """A run's config as generation uses it: one dp rank, tp (default the
-    run's), no SP or FSDP (the checkpoint reshards into this layout)."""
+    run's), no SP or FSDP (the checkpoint reshards into this layout). A run
+    trained under impl explicit generates under gspmd (`INFERENCE_IMPLS`)."""
     p = cfg.parallel
     model = dataclasses.replace(cfg.model, attention=attention or cfg.model.attention)
-    return validate(Config(model, cfg.train, ParallelConfig(
-        dp=1, tp=tp or p.tp, impl=impl or p.impl)))
+    impl = impl or (p.impl if p.impl in INFERENCE_IMPLS else "gspmd")
+    if impl not in INFERENCE_IMPLS:
+        raise ConfigError(f"generation runs under impl {' or '.join(INFERENCE_IMPLS)}, not "
+                          f"{impl!r} (a run trained under explicit generates under gspmd)")
+    return validate(Config(model, cfg.train, ParallelConfig(dp=1, tp=tp or p.tp, impl=impl)))
 
 
 def from_run(run_dir: str | Path, tp: int | None = None, impl: str | None = None,
@@ -132,9 +136,15 @@ class LoopSampler:
         from ..generate import Generator
         from ..train.state import abstract_model
 
-        plain = dataclasses.replace(cfg, parallel=cfg.parallel.without_sp())
-        graphdef, abstract = abstract_model(plain, mesh)  # no SP: one token per step
-        self.gen = Generator(nnx.merge(graphdef, abstract), mesh)
+        from ..parallel import mesh_for
+
+        parallel = cfg.parallel.without_sp()  # no SP: one token per step
+        if parallel.impl not in INFERENCE_IMPLS:  # explicit: generated under gspmd
+            parallel = dataclasses.replace(parallel, impl="gspmd")
+        self.mesh = mesh_for(mesh, parallel.impl)
+        graphdef, abstract = abstract_model(dataclasses.replace(cfg, parallel=parallel),
+                                            self.mesh)
+        self.gen = Generator(nnx.merge(graphdef, abstract), self.mesh)
         self.prompts = [prompt] * cfg.parallel.dp  # a row per dp rank
         self.new = min(new, cfg.model.seq_len - len(prompt))
         tok = Path(run_dir) / "tokenizer.json"
@@ -142,8 +152,15 @@ class LoopSampler:
                           ByteTokenizer() if cfg.model.vocab_size == 256 else None)
 
     def __call__(self, params) -> str:
+        import jax
+        from jax.sharding import NamedSharding
+
+        if jax.tree.leaves(params)[0].sharding.mesh != self.mesh:  # the same devices
+            params = jax.tree.map(
+                lambda x: jax.device_put(x, NamedSharding(self.mesh, x.sharding.spec)), params)
         self.gen.params = params
-        ids = self.gen.generate(self.prompts, self.new)[0]
+        with jax.set_mesh(self.mesh):  # not the loop's, when that one is Explicit
+            ids = self.gen.generate(self.prompts, self.new)[0]
         if self.tokenizer is None:
             return " ".join(map(str, ids))
         return self.tokenizer.decoder()(ids)

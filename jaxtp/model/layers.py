@@ -73,9 +73,11 @@ class RowParallelLinear(nnx.Module):
                            layout) if use_bias else None)
         self.dtype, self.letters = dtype, letters
 
-    def partial(self, x):
+    def partial(self, x, out_sharding=None):
+        """X W; `out_sharding` (impl explicit) names the summed output's
+        sharding, which makes the contraction over tp a reduction."""
         return jnp.einsum(f"...{self.letters},{self.letters}D->...D", x.astype(self.dtype),
-                          self.kernel[...].astype(self.dtype))
+                          self.kernel[...].astype(self.dtype), out_sharding=out_sharding)
 
     def add_bias(self, y):
         return y if self.bias is None else y + self.bias[...].astype(self.dtype)

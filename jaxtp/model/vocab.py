@@ -169,7 +169,10 @@ class VocabEmbed(nnx.Module):
         return jnp.take_along_axis(ids_BM, score_BM.argmax(-1)[:, None], -1)[:, 0]
 
     def logits(self, x_BTD):
-        """Full fp32 logits [B, T, vocab_size] (unpadded), for inference."""
+        """Full fp32 logits [B, T, vocab_size] (unpadded), for inference:
+        x whole along T (under SP gathered), the vocab gathered before the
+        padding is cut (impl explicit types both moves; GSPMD needs them too)."""
+        x_BTD = parallel.constrain(x_BTD, "batch", "seq", "embed")
         logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD.astype(jnp.float32),
                                 self.embedding[...].astype(jnp.float32))
-        return logits_BTV[..., : self.vocab_size]
+        return parallel.constrain(logits_BTV, "batch", "seq", None)[..., : self.vocab_size]

@@ -69,7 +69,9 @@ class Layout:
 
     dp: int = 1
     tp: int = 1
-    impl: str = "gspmd"  # "gspmd": XLA places f and g; "shard_map": written out
+    # "gspmd": XLA places f and g; "shard_map": written out; "explicit": typed
+    # shardings on a mesh of Explicit axes name each reduction
+    impl: str = "gspmd"
     sp: bool = False
     fsdp: bool = False
     kv_sharded: bool = True
@@ -103,16 +105,33 @@ def split_over_tp(s: P) -> bool:
     return IMPL_AXIS in jax.tree.leaves(tuple(s))
 
 
-def make_mesh(dp: int = 1, tp: int = 1, devices=None) -> Mesh:
-    """A (dp, tp) mesh with Auto axes, so GSPMD may insert collectives itself.
+def make_mesh(dp: int = 1, tp: int = 1, devices=None, *, impl: str = "gspmd") -> Mesh:
+    """A (dp, tp) mesh for `impl`: Auto axes, so GSPMD may insert collectives
+    itself (gspmd, and shard_map, which is manual inside its regions only), or
+    Explicit axes for impl="explicit", where every array's type carries its
+    sharding and an ambiguous contraction must name its `out_sharding`.
 
-    jax.make_mesh defaults to Explicit axes, under which a row-parallel matmul
-    needs an explicit out_sharding; the Megatron GSPMD path wants Auto.
+    jax.make_mesh defaults to Explicit axes; the Megatron GSPMD path wants Auto.
     """
     devices = jax.devices() if devices is None else devices
     check_device_count(dp * tp, len(devices), devices[0].platform, dp=dp, tp=tp)
-    return jax.make_mesh((dp, tp), MESH_AXES, axis_types=(AxisType.Auto, AxisType.Auto),
+    kind = AxisType.Explicit if impl == "explicit" else AxisType.Auto
+    return jax.make_mesh((dp, tp), MESH_AXES, axis_types=(kind, kind),
                          devices=devices[: dp * tp])
+
+
+def mesh_for(mesh: Mesh, impl: str) -> Mesh:
+    """`mesh`'s devices as the mesh `impl` wants (its axis types)."""
+    kind = AxisType.Explicit if impl == "explicit" else AxisType.Auto
+    if all(t == kind for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(kind,) * len(mesh.axis_names))
+
+
+def explicit_mesh() -> bool:
+    """Whether the mesh in context has Explicit axes (sharding in types)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and mesh.are_all_axes_explicit
 
 
 def check_device_count(needed: int, available: int, platform: str, *, dp: int, tp: int):
@@ -159,7 +178,12 @@ def in_region() -> bool:
 
 
 def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
-    """Pin an activation's layout for GSPMD (no-op inside shard_map or without a mesh)."""
-    if jax.sharding.get_abstract_mesh().empty or in_region():
+    """Pin an activation's layout: a constraint for GSPMD, a `reshard` of its
+    type on an Explicit mesh (where a constraint may only restate the type);
+    a no-op inside shard_map or without a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or in_region():
         return x
+    if mesh.are_all_axes_explicit:
+        return jax.sharding.reshard(x, spec(*logical))
     return jax.lax.with_sharding_constraint(x, spec(*logical))

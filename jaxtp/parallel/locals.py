@@ -1,9 +1,11 @@
 """The `Local`s: how a region's local math reaches the other tp ranks.
 
 `GSPMD` works on global arrays and pins layouts for the partitioner;
-`ShardMap` works per shard inside `jax.shard_map` with f, g and the loss
-reductions written out; `Ring` is `ShardMap` with SP's entry and exit as
-collective-matmul rings. `jaxtp.parallel.regions` picks one by the `Layout`.
+`Explicit` works on global arrays whose types carry their shardings and
+names each reduction; `ShardMap` works per shard inside `jax.shard_map` with
+f, g and the loss reductions written out; `Ring` is `ShardMap` with SP's
+entry and exit as collective-matmul rings. `jaxtp.parallel.regions` picks
+one by the `Layout`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .collectives import f, f_sp, g, g_sp, gather, pmax, pmin, rank
-from .layout import DATA_AXIS, Layout, constrain
+from .layout import DATA_AXIS, Layout, constrain, explicit_mesh, spec
 from .overlap import allgather_matmul, matmul_reducescatter
 
 
@@ -104,6 +106,62 @@ class GSPMD:
         return v
 
 
+class Explicit(GSPMD):
+    """A region on global arrays whose types carry their shardings (a mesh
+    of Explicit axes): JAX's sharding-in-types propagates the column-parallel
+    split from the weights, and each reduction over tp is named where it
+    happens. Constraints become `reshard`s (`constrain` on an Explicit mesh)."""
+
+    def __init__(self, layout: Layout):
+        if not explicit_mesh():
+            raise ValueError("impl='explicit' runs on a mesh of Explicit axes: build it with "
+                             "make_mesh(dp, tp, impl='explicit') (a TrainState's mesh is one) "
+                             "and call the model under `with jax.set_mesh(mesh):`")
+        super().__init__(layout)
+
+    def enter(self, x_BTD, mm: Callable | None = None):
+        """Under SP, the all-gather along T is a reshard to the whole sequence."""
+        if self.layout.sp:
+            x_BTD = jax.sharding.reshard(x_BTD, spec("batch", "seq", "embed"))
+        return x_BTD if mm is None else mm(x_BTD)
+
+    def exit(self, h, mm: Callable):
+        """The row-parallel contraction runs over the tp-split dim of both
+        operands, so its output sharding is ambiguous and JAX requires it named
+        (`out_sharding`): replicated over tp is g (an all-reduce), split along
+        T under SP is g_sp (a reduce-scatter)."""
+        return mm(h, out_sharding=spec(*self.layout.residual))
+
+    def vocab_rows(self, table_VD, ids_BT, dtype):
+        """table[ids] from a table split over tp along V: JAX cannot tell the
+        gather's output sharding from the operands' (the indexed dim is the
+        split one), so it is named: the residual's sharding (under SP split
+        along T). With `out_sharding`, JAX computes the gather in Auto mode
+        (`auto_axes`): GSPMD partitions it as in impl gspmd (each shard's
+        masked rows, summed: an all-reduce, or under SP a reduce-scatter) and
+        the result is typed again."""
+        rows_BTD = _cast_lookup(table_VD, ids_BT, dtype, spec("batch", "seq", "embed"))
+        # under SP, the split along T after the sum (named as the gather's
+        # output, GSPMD gathers the small table instead and reduces its
+        # gradient over tp)
+        return jax.sharding.reshard(rows_BTD, spec(*self.layout.residual))
+
+    def kv_for_heads(self, kv_BTCKH, n_heads: int):
+        """Replicated kv heads [B, T, C, K, H] -> [B, T, C, tp, H] split over
+        tp: copy r the kv head rank r's query heads use, as in shard_map.
+        Picked by a 0/1 matrix [K, tp] split over tp, so that the backward
+        pass is a contraction over tp named replicated: one all-reduce of the
+        kv gradient. (GSPMD's repeat to one copy per query head, resharded,
+        types its gradient as an all-gather of every copy, tp/K times larger.)"""
+        K, tp = kv_BTCKH.shape[3], self.layout.tp
+        pick_KR = jax.sharding.reshard(
+            (jnp.arange(K)[:, None] == jnp.arange(tp)[None] * K // tp).astype(kv_BTCKH.dtype),
+            spec(None, "heads"))
+        return jnp.einsum("BTCKH,KR->BTCRH", kv_BTCKH, pick_KR,
+                          precision=jax.lax.Precision.HIGHEST,  # a copy, exact in any dtype
+                          out_sharding=spec("batch", "seq", None, "heads", "head_dim"))
+
+
 class ShardMap:
     """A region per tp shard inside jax.shard_map: f and g written out."""
 
@@ -184,23 +242,27 @@ class Ring(ShardMap):
         return matmul_reducescatter(h, mm)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _cast_lookup(table_VD, ids_BT, dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _cast_lookup(table_VD, ids_BT, dtype, out=None):
     """table[ids] in `dtype`, gathered from the table cast to it, so that the
     rows are summed over tp in the compute dtype (GSPMD sums them right at the
     gather, before any later cast). Every id is a valid row (the data is
     checked against the vocabulary); the gradient is scatter-added in the
-    table's dtype, as a plain lookup's would be."""
-    return table_VD.astype(dtype).at[ids_BT].get(mode="promise_in_bounds")
+    table's dtype, as a plain lookup's would be. `out`: the rows' sharding
+    (impl explicit; see `Explicit.vocab_rows`)."""
+    return table_VD.astype(dtype).at[ids_BT].get(mode="promise_in_bounds", out_sharding=out)
 
 
-def _cast_lookup_fwd(table_VD, ids_BT, dtype):
-    return _cast_lookup(table_VD, ids_BT, dtype), (ids_BT, jnp.zeros_like(table_VD))
+def _cast_lookup_fwd(table_VD, ids_BT, dtype, out):
+    return _cast_lookup(table_VD, ids_BT, dtype, out), (ids_BT, jnp.zeros_like(table_VD))
 
 
-def _cast_lookup_bwd(dtype, res, dx_BTD):
+def _cast_lookup_bwd(dtype, out, res, dx_BTD):
     ids_BT, zeros_VD = res
-    return zeros_VD.at[ids_BT].add(dx_BTD.astype(zeros_VD.dtype)), None
+    # explicit: a scatter into the split dim has no sharding rule either; the
+    # gradient is named the table's own sharding
+    table = None if out is None else jax.typeof(zeros_VD).sharding
+    return zeros_VD.at[ids_BT].add(dx_BTD.astype(zeros_VD.dtype), out_sharding=table), None
 
 
 _cast_lookup.defvjp(_cast_lookup_fwd, _cast_lookup_bwd)

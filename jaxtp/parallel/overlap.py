@@ -54,7 +54,7 @@ XLA_OVERLAP_OPTIONS = {
             "xla_enable_async_collective_permute": True},
 }
 CPU_HAS_NO_WINDOWED_EINSUM = "XLA's CPU compiler has no windowed-einsum pass"
-NO_XLA_OVERLAP = (f"{CPU_HAS_NO_WINDOWED_EINSUM}: under impl=gspmd, parallel.overlap="
+NO_XLA_OVERLAP = (f"{CPU_HAS_NO_WINDOWED_EINSUM}: under impl=gspmd or explicit, parallel.overlap="
                   "collective_matmul compiles here as overlap=none (shard_map writes its rings "
                   "out and runs them on any backend)")
 
@@ -67,8 +67,9 @@ def xla_options(platform: str) -> dict:
 
 def compiler_options(layout, platform: str) -> dict | None:
     """XLA options for a step of `layout` on `platform`: windowed einsum for
-    GSPMD under `layout.overlap`; None otherwise (and on CPU)."""
-    if layout.overlap and layout.impl == "gspmd":
+    XLA's partitioner (impl gspmd, and explicit, which it lowers from the
+    types) under `layout.overlap`; None otherwise (and on CPU)."""
+    if layout.overlap and layout.impl != "shard_map":
         return xla_options(platform) or None
     return None
 

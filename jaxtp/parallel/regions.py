@@ -15,6 +15,8 @@ cross-entropy. `Local` says how that math reaches the other tp ranks:
   PartitionSpec), with f, g, f_sp, g_sp and the loss reductions written out.
 - `Ring`: `ShardMap` with SP's entry and exit matmuls as collective-matmul
   rings of ppermutes (`jaxtp.parallel.overlap`).
+- `Explicit`: global arrays on a mesh of Explicit axes (sharding in types):
+  each reduction over tp named by its `out_sharding`, layouts `reshard`ed.
 
 The `Local`s live in `jaxtp.parallel.locals`; `region`, `embed` and
 `vocab_losses` here run a module one way or the other by its `Layout`. A new
@@ -34,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from .collectives import g, g_sp
 from .layout import DATA_AXIS, IMPL_AXIS, constrain
-from .locals import GSPMD, Ring, ShardMap
+from .locals import GSPMD, Explicit, Ring, ShardMap
 
 BF16_CPU_SHARD_MAP = ("impl='shard_map' with model.dtype=bfloat16 crashes XLA's CPU compiler "
                       "(jax 0.10.2); on CPU use model.dtype=float32 (or float16), or "
@@ -47,7 +49,8 @@ def region(module, x_BTD):
 
     GSPMD: pinning the output replicated tells the partitioner where g goes;
     it adds f in the backward pass itself. shard_map: f and g written out by
-    the `Local` (as rings under `layout.overlap`).
+    the `Local` (as rings under `layout.overlap`). explicit: the types say
+    it, g named by the row-parallel matmul's out_sharding.
     The sum carries the remat name `module.tag`: every remat policy keeps it
     (jaxtp.model.transformer.REMAT_POLICIES), so recomputing a block in the
     backward pass never repeats g's collective.
@@ -57,6 +60,8 @@ def region(module, x_BTD):
         spec, local = act_spec(layout.sp), (Ring if layout.overlap else ShardMap)(layout)
         y = run_sharded(module, lambda m, x: m.region(x, local), x_BTD, arg_specs=(spec,),
                         out_specs=spec, vary_params=layout.overlap)
+    elif layout.impl == "explicit":
+        y = module.region(x_BTD, Explicit(layout))
     else:
         if layout.sp:
             # the norm's output stays on its shard: else GSPMD may gather first
@@ -86,6 +91,8 @@ def embed(module, ids_BT):
         local = ShardMap(layout)
         return run_sharded(module, lambda m, ids: exit_(m.rows(ids, local)), ids_BT,
                            out_specs=act_spec(layout.sp))
+    if layout.impl == "explicit":
+        return module.rows(ids_BT, Explicit(layout))  # typed as the residual
     x_BTD = constrain(module.rows(ids_BT, GSPMD(layout)), "batch", "seq", "embed")
     return constrain(x_BTD, *layout.residual)
 
@@ -100,7 +107,7 @@ def vocab_losses(module, x_BTD, targets_BT):
         local = ShardMap(layout)
         return run_sharded(module, lambda m, x, t: m.losses(local.enter(x), t, local),
                            x_BTD, targets_BT, arg_specs=(act_spec(layout.sp), act_spec()))
-    local = GSPMD(layout)
+    local = Explicit(layout) if layout.impl == "explicit" else GSPMD(layout)
     if layout.sp:  # the final norm stays on its shard (see `region`)
         x_BTD = constrain(x_BTD, *layout.residual)
     return module.losses(local.enter(x_BTD), targets_BT, local)

@@ -104,7 +104,7 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None, *,
     check_options(check, resume, until, inject_nan_at, peak_tflops)
     log = log if jax.process_index() == 0 else (lambda _: None)
     data, data_id, tokenizer = load_data(data_path, cfg, (launch or {}).get("init_from_hf"))
-    mesh = make_mesh(cfg.parallel.dp, cfg.parallel.tp)
+    mesh = make_mesh(cfg.parallel.dp, cfg.parallel.tp, impl=cfg.parallel.impl)
     asked = cfg  # as given: the run records "auto", not the kernel this machine picks
     cfg = resolve_attention(cfg, mesh.devices.flat[0])  # a KernelError before writing
     out = Path(out_dir)

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ..config import Config
 from ..model import Transformer
 from ..model import kernels
-from ..parallel import Layout, compiler_options
+from ..parallel import Layout, compiler_options, mesh_for
 from .optim import make_optimizer
 
 
@@ -57,6 +57,7 @@ def build_model(cfg: Config, seed: int = 0, device=None) -> Transformer:
 
 def abstract_model(cfg: Config, mesh: Mesh):
     """(graphdef, abstract params) without allocating anything."""
+    mesh = mesh_for(mesh, cfg.parallel.impl)  # explicit: Explicit axes
     with jax.set_mesh(mesh):
         model = nnx.eval_shape(lambda: build_model(cfg, device=mesh.devices.flat[0]))
     graphdef, params = nnx.split(model)
@@ -68,6 +69,7 @@ def init_params(cfg: Config, mesh: Mesh):
 
     Threefry is partitionable, so the values are identical for every tp and dp.
     """
+    mesh = mesh_for(mesh, cfg.parallel.impl)  # explicit: Explicit axes
     graphdef, abstract = abstract_model(cfg, mesh)
     shardings = nnx.get_named_sharding(abstract, mesh)
 
@@ -80,16 +82,18 @@ def init_params(cfg: Config, mesh: Mesh):
 
 
 def _state(cfg: Config, mesh: Mesh, graphdef, params, param_shardings) -> TrainState:
+    mesh = mesh_for(mesh, cfg.parallel.impl)  # explicit: Explicit axes
     tx = make_optimizer(cfg.train)
-    # Adam's mu and nu mirror the parameters, so they take the same layout.
-    opt_shardings = optax.tree_map_params(
-        tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_shardings,
-        transform_non_params=lambda _: NamedSharding(mesh, P()))
-    if isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct):
-        opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                 jax.eval_shape(tx.init, params), opt_shardings)
-    else:
-        with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh):  # this mesh, whatever mesh the caller is under
+        # Adam's mu and nu mirror the parameters, so they take the same layout.
+        opt_shardings = optax.tree_map_params(
+            tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_shardings,
+            transform_non_params=lambda _: NamedSharding(mesh, P()))
+        if isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct):
+            opt_state = jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                jax.eval_shape(tx.init, params), opt_shardings)
+        else:
             opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
     options = compiler_options(Layout.of(cfg), mesh.devices.flat[0].platform)
     return TrainState(graphdef, params, opt_state, tx, mesh, param_shardings, opt_shardings,
@@ -112,6 +116,7 @@ def place_params(cfg: Config, mesh: Mesh, values):
     The layout metadata is part of the pytree (a kv projection is sharded at
     one tp and replicated at another), so values go through a plain dict.
     """
+    mesh = mesh_for(mesh, cfg.parallel.impl)  # explicit: Explicit axes
     graphdef, abstract = abstract_model(cfg, mesh)
     shardings = nnx.get_named_sharding(abstract, mesh)
     pure = values if isinstance(values, dict) else nnx.to_pure_dict(values)
@@ -126,6 +131,7 @@ def place_params(cfg: Config, mesh: Mesh, values):
 
 def abstract_train_state(cfg: Config, mesh: Mesh) -> TrainState:
     """A TrainState of ShapeDtypeStructs: enough to compile a step, allocates nothing."""
+    mesh = mesh_for(mesh, cfg.parallel.impl)  # explicit: Explicit axes
     graphdef, abstract = abstract_model(cfg, mesh)
     param_shardings = nnx.get_named_sharding(abstract, mesh)
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),

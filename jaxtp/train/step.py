@@ -53,7 +53,8 @@ def grads_of(graphdef, params, tokens_BT1, key, microbatches: int = 1):
     tokens_MBT = constrain(tokens_BT1.reshape(B // microbatches, microbatches, T1),
                            "batch", None, None).transpose(1, 0, 2)
     tokens_MBT = constrain(tokens_MBT, None, "batch", None)
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    # zeros_like: typed like each parameter (its sharding, under impl explicit)
+    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
 
     def body(carry, xs):
         loss_sum, grad_sum = carry
@@ -161,6 +162,8 @@ def single_device_check(cfg: Config, params0, batches, keys, loss: float, grad_n
     step = make_train_step(state, use_dropout=cfg.model.dropout > 0,
                            microbatches=cfg.train.microbatches)
     params, opt_state = state.params, state.opt_state
+    # the run's keys live on its mesh (typed with it under impl explicit)
+    keys = [jax.device_put(k, NamedSharding(mesh, P())) for k in keys]
     with jax.set_mesh(mesh):
         for tokens, key in zip(batches, keys):
             params, opt_state, metrics = step(params, opt_state, tokens, key, step_controls())

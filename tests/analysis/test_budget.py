@@ -1,5 +1,5 @@
 """The analytic budget on a hand-worked example, the budget against compiled
-HLO for both implementations, and `--compare-hlo` / run.json end to end."""
+HLO for the three implementations, and `--compare-hlo` / run.json end to end."""
 
 import dataclasses
 import json
@@ -44,7 +44,7 @@ def compiled(tp, impl, model=MODEL):
     return cfg, colls
 
 
-@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_budget_holds_in_compiled_hlo(tp, impl):
     cfg, colls = compiled(tp, impl)
@@ -68,14 +68,16 @@ def test_budget_holds_in_compiled_hlo(tp, impl):
     assert all(c.bytes == act * 4 for c in colls if c.elements == act)
 
 
-test_budget_holds_in_compiled_hlo.fast_cases = {'8-shard_map', '8-gspmd'}
+test_budget_holds_in_compiled_hlo.fast_cases = {'8-shard_map', '8-gspmd', '8-explicit'}
 
 
-@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
 @pytest.mark.parametrize("tp", [2, 8])
 def test_llama_gqa_budget(tp, impl):
     """2 kv heads: sharded at tp=2; at tp=8 replicated, so the kv gradient
-    (b*s*2*K*H per block) is summed over the ranks sharing each kv head."""
+    (b*s*2*K*H per block) is summed over the ranks sharing each kv head:
+    shard_map and explicit (which picks each rank's kv head by a contraction
+    over tp) in one all-reduce, GSPMD in two steps."""
     cfg, colls = compiled(tp, impl, LLAMA)
     assert check(colls, expected_collectives(cfg, impl)) is None
     kv = Counter()
@@ -84,7 +86,7 @@ def test_llama_gqa_budget(tp, impl):
             kv[(c.kind, c.elements, c.group_size)] += c.count
     if tp == 2:
         assert kv == {}
-    elif impl == "shard_map":  # one all-reduce over tp of the whole kv gradient, per block
+    elif impl != "gspmd":  # one all-reduce over tp of the whole kv gradient, per block
         assert kv == {("all-reduce", 4 * 16 * 2 * 2 * 8, 8): 2}
     else:  # GSPMD: within each 4-rank group, then gathered over the 2 groups
         assert kv == {("all-reduce", 4 * 16 * 2 * 8, 4): 2,
@@ -122,6 +124,30 @@ def test_sequence_parallel_budget_in_shard_map(model, tp):
 
 
 test_sequence_parallel_budget_in_shard_map.fast_cases = set()
+
+
+@pytest.mark.parametrize("model", [MODEL, LLAMA], ids=["gpt2", "llama-gqa"])
+def test_sequence_parallel_budget_in_explicit(model):
+    """impl explicit with SP at tp=8 holds the budget as XLA's CPU pipeline
+    carries it out: each exit reshard is an all-reduce and a slice there (no
+    reduce-scatter creator, as for GSPMD); by hand, per block 2 all-gathers
+    into the regions and 2 of the output gradients, 2 + 2 all-reduces of
+    b*s*h for the exits and the backward entries."""
+    tp, L, act = 8, model.n_layers, 4 * 16 * model.d_model
+    cfg = Config(model, TrainConfig(batch_size=4),
+                 ParallelConfig(tp=tp, impl="explicit", sp=True))
+    state = abstract_train_state(cfg, make_mesh(1, tp, impl="explicit"))
+    colls = hlo.collectives(compile_train_step(state, 4, model.seq_len).as_text())
+    assert check(colls, expected_collectives(cfg, "explicit", "cpu")) is None
+    blocks = Counter()
+    for c in colls:
+        if c.scope in ("attention", "mlp") and c.elements == act:
+            blocks[(c.kind, c.pass_)] += c.count
+    assert blocks == {("all-gather", "forward"): 2 * L, ("all-reduce", "forward"): 2 * L,
+                      ("all-gather", "backward"): 2 * L, ("all-reduce", "backward"): 2 * L}
+
+
+test_sequence_parallel_budget_in_explicit.fast_cases = set()
 
 
 @pytest.mark.parametrize("model, dp, tp, remat", [
@@ -196,7 +222,8 @@ def test_check_names_the_first_difference():
 def test_compare_hlo_end_to_end(tmp_path, capsys):
     assert train.main(["--tp", "8", "--compare-hlo", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    assert "gspmd: matches budget" in printed and "shard_map: matches budget" in printed
+    for impl in ("gspmd", "shard_map", "explicit"):
+        assert f"{impl}: matches budget" in printed
     report = json.loads((tmp_path / "comm_report.json").read_text())
     assert {"tp", "layers", "batch", "seq", "d_model", "dtype_bytes", "analytic",
             "impls"} <= set(report)
@@ -205,14 +232,16 @@ def test_compare_hlo_end_to_end(tmp_path, capsys):
     assert (report["tp"], report["layers"], report["batch"], report["seq"],
             report["d_model"]) == (8, 4, 16, 128, 128)
     assert report["analytic"]["bytes_per_all_reduce"] == 16 * 128 * 128 * 4
-    for impl in ("gspmd", "shard_map"):
+    assert set(report["impls"]) == {"gspmd", "shard_map", "explicit"}
+    for impl in report["impls"]:
         r = report["impls"][impl]
         assert r["matches_budget"] is True
         assert all({"kind", "pass", "count", "shape", "dtype", "bytes"} <= set(c)
                    for c in r["collectives"])
         assert (tmp_path / f"hlo_{impl}.txt").read_text().startswith("HloModule")
-    # the two implementations communicate identically
+    # the three implementations communicate identically
     assert report["impls"]["gspmd"]["collectives"] == report["impls"]["shard_map"]["collectives"]
+    assert report["impls"]["gspmd"]["collectives"] == report["impls"]["explicit"]["collectives"]
 
 
 @pytest.mark.slow
@@ -254,11 +283,12 @@ def test_run_json_records_the_experiment(tmp_path):
 
 @pytest.mark.slow
 def test_compare_hlo_on_the_llama_preset(tmp_path):
-    """GQA with kv heads replicated at tp=8, vocab-parallel loss: both impls
-    hold the extended budget."""
+    """GQA with kv heads replicated at tp=8, vocab-parallel loss: the three
+    impls hold the extended budget."""
     assert train.main(["--tp", "8", "--config", "llama-tiny", "--compare-hlo",
                        "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "comm_report.json").read_text())
+    assert len(report["impls"]) == 3
     assert all(r["matches_budget"] for r in report["impls"].values())
     names = {e["name"] for e in report["impls"]["gspmd"]["expected"]}
     assert "kv gradient: gathered across the K groups" in names

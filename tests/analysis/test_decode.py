@@ -7,7 +7,7 @@ import pytest
 from jaxtp import hlo
 from jaxtp.analysis.rows import check
 from jaxtp.analysis.decode import compare_decode, decode_budget, decode_hlo
-from jaxtp.config import apply_overrides, load_config
+from jaxtp.config import ConfigError, apply_overrides, load_config
 from jaxtp.generate.load import generation_config
 
 
@@ -38,3 +38,16 @@ def test_generate_compare_hlo_prints_the_table(capsys):
     assert "all-reduce  other  attention" in out
     cfg = apply_overrides(load_config("llama-tiny"), ["parallel.tp=4"])
     assert compare_decode(generation_config(cfg, 4, None, None), 2, 32, log=lambda _: None)
+
+
+def test_a_run_trained_under_explicit_generates_under_gspmd():
+    """Generation's KV-cache regions exist for gspmd and shard_map; the
+    parameters of an explicit run are the same arrays, generated under gspmd."""
+    cfg = load_config("tiny")
+    trained = dataclasses.replace(cfg, parallel=dataclasses.replace(
+        cfg.parallel, tp=8, impl="explicit", sp=True))
+    got = generation_config(trained, None, None, None).parallel
+    assert (got.impl, got.tp, got.sp) == ("gspmd", 8, False)
+    assert generation_config(trained, 4, "shard_map", None).parallel.impl == "shard_map"
+    with pytest.raises(ConfigError, match="generation runs under impl gspmd or shard_map"):
+        generation_config(trained, None, "explicit", None)

@@ -2,7 +2,8 @@
 
 The reference is tests/reference.py (plain jnp, one device), fed the same
 parameters; jaxtp at tp in {1, 2, 4, 8}, under gspmd and shard_map, must match
-its logits, loss and every gradient to fp32 tolerance.
+its logits, loss and every gradient to fp32 tolerance; so must explicit
+(sharding in types) for GPT-2 and GQA, kv heads sharded and replicated.
 """
 
 import dataclasses
@@ -43,7 +44,7 @@ def tokens(cfg, batch=4, seed=1):
 
 def run_model(cfg):
     """(params on host, logits, loss, grads on host) from jaxtp at cfg's tp (one jit)."""
-    mesh = make_mesh(1, cfg.parallel.tp)
+    mesh = make_mesh(1, cfg.parallel.tp, impl=cfg.parallel.impl)
     graphdef, params, _ = init_params(cfg, mesh)
     toks = tokens(cfg)
 
@@ -101,7 +102,25 @@ def test_matches_single_device_reference(variant, tp, impl):
 test_matches_single_device_reference.fast_cases = {'llama-gqa-8-shard_map', 'gpt2-8-gspmd'}
 
 
-@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("variant, tp", [(v, tp) for v in ("gpt2", "llama-gqa")
+                                         for tp in (1, 2, 4, 8)] + [("llama-mqa", 8)])
+def test_explicit_matches_single_device_reference(variant, tp):
+    """impl explicit, on a mesh of Explicit axes: the same parameters, logits,
+    loss and gradients as one device, the kv heads sharded (GQA at tp 2, 4),
+    replicated and picked per rank (GQA at tp 8, MQA)."""
+    ref_params, ref_logits, ref_l, ref_grads = reference(variant)
+    params, logits, loss, grads, _ = run_model(make_cfg(tp, "explicit",
+                                                        model=VARIANTS[variant]))
+    assert_trees_close(params, ref_params)
+    np.testing.assert_allclose(logits, ref_logits, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(loss, ref_l, rtol=RTOL, atol=ATOL)
+    assert_trees_close(grads, ref_grads)
+
+
+test_explicit_matches_single_device_reference.fast_cases = {'llama-gqa-8'}
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
 @pytest.mark.parametrize("tp", [2, 4, 8])
 @pytest.mark.parametrize("variant", ["gpt2", "llama-gqa"])
 def test_sequence_parallel_matches_single_device_reference(variant, tp, impl):
@@ -113,7 +132,8 @@ def test_sequence_parallel_matches_single_device_reference(variant, tp, impl):
     assert_trees_close(grads, ref_grads)
 
 
-test_sequence_parallel_matches_single_device_reference.fast_cases = {'llama-gqa-8-gspmd'}
+test_sequence_parallel_matches_single_device_reference.fast_cases = {'llama-gqa-8-gspmd',
+                                                                      'gpt2-4-explicit'}
 
 
 @pytest.mark.parametrize("variant, tp, scan, remat", [
@@ -171,7 +191,7 @@ def test_sequence_longer_than_model_is_rejected():
         nnx.merge(graphdef, params)(jnp.zeros((1, 17), jnp.int32))
 
 
-@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
 def test_dropout_masks_do_not_depend_on_tp(impl):
     """Dropout acts on the replicated residual stream with a partitionable
     threefry key, so tp=8 drops exactly the units tp=1 drops."""
@@ -179,7 +199,7 @@ def test_dropout_masks_do_not_depend_on_tp(impl):
     toks = tokens(make_cfg(1, model=model))[:, :-1]
     out = []
     for tp in (1, 8):
-        mesh = make_mesh(1, tp)
+        mesh = make_mesh(1, tp, impl=impl)
         graphdef, params, _ = init_params(make_cfg(tp, impl, model=model), mesh)
         with jax.set_mesh(mesh):
             out.append(np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(

@@ -156,3 +156,33 @@ def test_sample_every_prints_the_greedy_continuation_of_the_trained_model(tmp_pa
     model, mesh, _ = from_run(tmp_path, tp=1, log=lambda _: None)
     ids = Generator(model, mesh).generate([list(map(int, prompt))], 32)[0]
     assert said == f"sample at step 4: {ByteTokenizer().decoder()(ids)!r}"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_under_another_impl(tmp_path):
+    """The checkpoint is the same arrays whatever placed the collectives: a
+    tp=4 run saved at step 3 under gspmd resumes under explicit, one saved
+    under explicit resumes under shard_map, and each logs the losses, grad
+    norms and eval losses of the run that never stopped (the impls agree to
+    fp32 round-off, so steps after the switch match to 1e-6, not bit for bit)."""
+    def cfg(impl):
+        return apply_overrides(load_config("tiny"), SMALL + [
+            "parallel.tp=4", f"parallel.impl={impl}", "train.steps=6"])
+
+    quiet = lambda _: None
+    straight = tmp_path / "straight"
+    train(cfg("gspmd"), straight, log=quiet)
+    want = logged(straight)
+    for first, then in (("gspmd", "explicit"), ("explicit", "shard_map")):
+        out = tmp_path / f"{first}-{then}"
+        train(cfg(first), out, log=quiet, until=3)
+        said = []
+        train(cfg(then), out, log=said.append, resume=True)
+        assert any("resumed from" in s and "step 3" in s for s in said), said
+        got = logged(out)
+        assert [r["step"] for r in got] == [r["step"] for r in want]
+        assert got[:3] == want[:3] or first != "gspmd"  # the same program up to the save
+        for g, w in zip(got, want):
+            for k in ("loss", "grad_norm", "eval_loss"):
+                if k in w:
+                    np.testing.assert_allclose(g[k], w[k], rtol=1e-6, err_msg=f"{k} {g['step']}")

@@ -15,7 +15,7 @@ from flax import nnx
 from jaxtp import hlo
 from jaxtp.analysis.budget import expected_collectives
 from jaxtp.analysis.rows import check
-from jaxtp.config import Config, ModelConfig, ParallelConfig, TrainConfig, validate
+from jaxtp.config import REMATS, Config, ModelConfig, ParallelConfig, TrainConfig, validate
 from jaxtp.model import stack_layers
 from jaxtp.parallel import make_mesh
 from jaxtp.train.state import abstract_train_state, init_params, init_train_state, place_params
@@ -36,7 +36,7 @@ def cfg_of(model=MODEL, dp=1, tp=1, **kw):
 
 def loss_and_grads(cfg, values=None, tokens=TOKENS, key=None):
     """(loss, {path: full gradient}) of one batch; `values` as `place_params` takes them."""
-    mesh = make_mesh(cfg.parallel.dp, cfg.parallel.tp)
+    mesh = make_mesh(cfg.parallel.dp, cfg.parallel.tp, impl=cfg.parallel.impl)
     if values is None:
         graphdef, params, _ = init_params(cfg, mesh)
     else:
@@ -67,12 +67,15 @@ def assert_same(a, b, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(ga[k], gb[k], rtol=rtol, atol=atol, err_msg=k)
 
 
-@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
 @pytest.mark.parametrize("model", [MODEL, GQA], ids=["gpt2", "llama-gqa"])
 def test_dp2_tp4_fsdp_and_sp_equal_one_device(model, impl):
+    """dp=2 x tp=4, with SP, and with FSDP (not built for explicit: refused
+    by the config check, tests/test_config.py)."""
     ref = one_device(model)
     assert_same(loss_and_grads(cfg_of(model, dp=2, tp=4, impl=impl)), ref)
-    assert_same(loss_and_grads(cfg_of(model, dp=2, tp=4, impl=impl, fsdp=True)), ref)
+    if impl != "explicit":
+        assert_same(loss_and_grads(cfg_of(model, dp=2, tp=4, impl=impl, fsdp=True)), ref)
     assert_same(loss_and_grads(cfg_of(model, dp=2, tp=4, impl=impl, sp=True)), ref)
 
 
@@ -128,6 +131,8 @@ def test_four_microbatches_equal_one_batch():
     ref = loss_and_grads(cfg_of(), values)
     assert_same(loss_and_grads(cfg_of(microbatches=4), values), ref)
     assert_same(loss_and_grads(cfg_of(dp=2, tp=2, microbatches=2, fsdp=True), values), ref)
+    # explicit: the accumulators typed like the parameters they sum
+    assert_same(loss_and_grads(cfg_of(dp=2, tp=2, microbatches=2, impl="explicit"), values), ref)
 
 
 @functools.cache
@@ -139,13 +144,15 @@ def unscanned(impl):
     return values, loss_and_grads(plain, values, key=jax.random.key(3))
 
 
-@pytest.mark.parametrize("remat", ["none", "full", "dots", "minimal"])
-@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("impl, remat", [
+    (impl, remat) for impl in ("gspmd", "shard_map") for remat in REMATS] + [
+    ("explicit", "none"), ("explicit", "minimal"), ("explicit-sp", "full")])
 def test_scanned_stack_equals_unscanned(impl, remat):
     """Same parameters, stacked on a layer axis: same loss and every gradient,
-    with dropout on (the per-layer keys are the same)."""
+    with dropout on (the per-layer keys are the same); explicit also under SP."""
+    impl, sp = impl.split("-")[0], impl.endswith("-sp")
     values, ref = unscanned(impl)
-    scanned = cfg_of(GQA, tp=4, impl=impl, dropout=0.1, scan_layers=True, remat=remat)
+    scanned = cfg_of(GQA, tp=4, impl=impl, dropout=0.1, scan_layers=True, remat=remat, sp=sp)
     loss, grads = loss_and_grads(scanned, stack_layers(values), key=jax.random.key(3))
     unstacked = {}
     for k, g in grads.items():
@@ -241,7 +248,7 @@ def test_mixed_precision_keeps_fp32_master_weights_and_loss():
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["plain", "sp"])
-@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
 @pytest.mark.parametrize("model", [MODEL, GQA], ids=["gpt2", "llama-gqa"])
 def test_dp2_tp4_collectives_match_the_budget(model, impl, sp):
     """dp=2 x tp=4: the tp budget per dp rank (b = B/dp) plus the dp rows (one
