@@ -74,8 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "sequence (all-gather / reduce-scatter instead of all-reduce)")
     ap.add_argument("--overlap", choices=OVERLAPS,
                     help="with --sp: collective_matmul overlaps each region's all-gather and "
-                         "reduce-scatter with its matmuls (shard_map: ppermute rings; gspmd: "
-                         "XLA's windowed einsum asked for on GPU/TPU, none on CPU)")
+                         "reduce-scatter with its matmuls (shard_map: ppermute rings; gspmd "
+                         "and explicit: XLA's windowed einsum asked for on GPU/TPU, none on "
+                         "CPU)")
     ap.add_argument("--fsdp", action="store_true", default=None,
                     help="also split parameters and optimizer state over dp (FSDP-style)")
     ap.add_argument("--microbatches", type=int,
@@ -139,9 +140,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="fine-tune a Hugging Face Llama checkpoint (save_pretrained dir); "
                          "its config.json replaces the model section, then overrides apply")
     ap.add_argument("--compare-hlo", action="store_true",
-                    help="no training: compile the train step under gspmd and shard_map, "
-                         "compare their collectives with the Megatron budget, write "
-                         "comm_report.json and both HLO texts to --out; exit 1 on a deviation")
+                    help="no training: compile the train step under gspmd, shard_map and "
+                         "explicit, compare their collectives with the Megatron budget, write "
+                         "comm_report.json, collectives.svg and the HLO texts to --out; exit "
+                         "1 on a deviation")
     ap.add_argument("--plan", action="store_true",
                     help="no training: compile the train step at tp in {1,2,4,8} (or --tp) on "
                          "abstract shapes and print per-device memory, collectives, flops, "

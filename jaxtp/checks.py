@@ -122,7 +122,7 @@ def _check_layout(cfg: Config) -> None:
             f"{p.dp}*{t.microbatches}; set train.batch_size to a multiple of "
             f"{p.dp * t.microbatches}"
         )
-    if p.fsdp and p.dp > 1 and p.impl == "explicit":
+    if p.fsdp and p.impl == "explicit":
         # a weight split over dp along its model dim meets the batch split over
         # dp in one contraction, which explicit mode refuses as ambiguous;
         # FSDP there needs each weight resharded (gathered) where it is used

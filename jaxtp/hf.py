@@ -244,15 +244,16 @@ def read_hf(path: str | Path, **overrides) -> tuple[ModelConfig, dict]:
 def load_hf(path: str | Path, tp: int = 1, impl: str = "gspmd", **overrides):
     """A jaxtp Transformer holding the checkpoint at `path`, sharded over a
     (1, tp) mesh (kept as `model.mesh`). `model(tokens [B, T] int32)` ->
-    logits [B, T, vocab_size]. Under jit with impl="shard_map", call it inside
-    `with jax.set_mesh(model.mesh):` (shard_map needs the mesh while tracing).
+    logits [B, T, vocab_size]. Under jit with impl="shard_map" or "explicit",
+    call it inside `with jax.set_mesh(model.mesh):` (both need the mesh while
+    tracing; explicit's has Explicit axes).
     """
     from .parallel import make_mesh
     from .train.state import place_params
 
     model_cfg, values = read_hf(path, **overrides)
     cfg = validate(Config(model=model_cfg, parallel=ParallelConfig(tp=tp, impl=impl)))
-    mesh = make_mesh(1, tp)
+    mesh = make_mesh(1, tp, impl=impl)
     graphdef, params, _ = place_params(cfg, mesh, values)
     model = nnx.merge(graphdef, params)
     model.mesh = mesh

@@ -33,7 +33,7 @@ def on_backend(rows: list[Expected], cfg: Config, impl: str, platform: str) -> l
             if r.dtype in ("bf16", "f16"):
                 r = dataclasses.replace(r, dtype="f32")
         elif platform == "tpu":
-            if r.kind == "reduce-scatter":  # libtpu: all-reduce + slice, both impls
+            if r.kind == "reduce-scatter":  # libtpu: all-reduce + slice, every impl
                 r = whole(r)
             # fp32 activations and gradients on their way into a matmul travel
             # in bf16, the precision a default-precision TPU matmul reads them in

@@ -1,7 +1,8 @@
-"""`--compare-hlo`: compile the train step under both implementations and hold
+"""`--compare-hlo`: compile the train step under the three implementations and hold
 each against the analytic budget of `jaxtp.analysis.budget`, side by side.
 
-Writes the optimized HLO of each and `comm_report.json`; the table lists every
+Writes the optimized HLO of each, `comm_report.json` and `collectives.svg`
+(`jaxtp.analysis.picture`); the table lists every
 collective (kind, pass, scope, dtype[shape], devices, bytes) with its count
 per impl and in the budget, and the budget row's role (f, g, their SP forms
 and rings, the loss's reductions). Under `parallel.overlap` it also says
@@ -30,9 +31,10 @@ GPU_UNCOMBINED = {"xla_gpu_all_reduce_combine_threshold_bytes": 0,
 
 def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = print,
                 mesh=None) -> dict:
-    """Compile the train step under both impls, check each against the budget.
+    """Compile the train step under each impl, check each against the budget.
 
-    Writes `hlo_<impl>.txt` (optimized HLO) and `comm_report.json` into
+    Writes `hlo_<impl>.txt` (optimized HLO), `comm_report.json` and
+    `collectives.svg` into
     `out_dir`; returns the report (its `ok` is False on any deviation).
     `mesh`: a (dp, tp) mesh to compile for, e.g. of compile-only devices of
     another platform (`jax.experimental.topologies`); default: this machine's.
@@ -67,6 +69,8 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
         },
         "impls": impls,
         "ok": all(v["matches_budget"] for v in impls.values()),
+        # the rows of the table below, which `collectives.svg` draws
+        "table": table_rows(colls_by_impl, expected_by_impl),
     }
     (out / "comm_report.json").write_text(json.dumps(report, indent=2) + "\n")
     for line in format_table(colls_by_impl, expected_by_impl):
@@ -76,6 +80,9 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
     for impl, r in impls.items():
         log(f"{impl}: {r['verdict']}")
     log(f"wrote {out / 'comm_report.json'} and hlo_<impl>.txt")
+    from .picture import write  # (it reads this module's table helpers)
+
+    write(report, out, log)
     return report
 
 
@@ -140,36 +147,59 @@ def _size(b: float) -> str:
     return f"{b / 2**20:.3f} MiB" if b >= 2**10 else f"{b:.0f} B"
 
 
-def format_table(colls_by_impl: dict, expected_by_impl: dict) -> list[str]:
-    """Side by side: each collective (kind, pass, scope, dtype[shape], devices,
-    bytes) with its count per impl and in the budget, and the budget's role
-    for it (Megatron's f or g, their SP forms and rings, the loss's reductions)."""
-    impls = list(colls_by_impl)
+def table_rows(colls_by_impl: dict, expected_by_impl: dict) -> list[dict]:
+    """Every collective (kind, pass, scope, dtype, shape, devices, bytes) with
+    its count per impl (`counts`) and in each impl's budget (`budget`), and
+    the budget's roles for it (Megatron's f or g, their SP forms and rings,
+    the loss's reductions): the data of the table and of the picture."""
     cells: dict[tuple, dict] = {}
-    for impl in impls:
+    for impl in colls_by_impl:
         for c in colls_by_impl[impl]:
             cell = cells.setdefault(collective_key(c), {"shape": c.shape, "bytes": c.bytes})
-            cell[impl] = cell.get(impl, 0) + c.count
+            cell.setdefault("counts", {})[impl] = cell.get("counts", {}).get(impl, 0) + c.count
         for e in expected_by_impl[impl]:
             cell = cells.setdefault(e.key, {"shape": None, "bytes": e.bytes})
-            cell[f"budget {impl}"] = cell.get(f"budget {impl}", 0) + e.count
+            cell.setdefault("budget", {})[impl] = cell.get("budget", {}).get(impl, 0) + e.count
             roles = cell.setdefault("roles", [])
             if e.role_label not in roles:
                 roles.append(e.role_label)
+    order = {"forward": 0, "backward": 1, "other": 2}
+    rows = []
+    for key in sorted(cells, key=lambda k: (order.get(k[1], 3), k[2], k[0], -k[3])):
+        kind, pass_, scope, n, dt, group = key
+        cell = cells[key]
+        rows.append({"kind": kind, "pass": pass_, "scope": scope, "elements": n, "dtype": dt,
+                     "devices": group, "bytes": cell["bytes"],
+                     "shape": list(cell["shape"]) if cell["shape"] is not None else None,
+                     "counts": {i: cell.get("counts", {}).get(i, 0) for i in colls_by_impl},
+                     "budget": {i: cell.get("budget", {}).get(i, 0) for i in colls_by_impl},
+                     "roles": cell.get("roles", [])})
+    return rows
+
+
+def role_text(row: dict) -> str:
+    return " / ".join(row["roles"]) or "(not in the budget)"
+
+
+def shape_text(row: dict) -> str:
+    shape = row["shape"] if row["shape"] is not None else f"[{row['elements']} elements]"
+    return f"{row['dtype']}{shape}"
+
+
+def format_table(colls_by_impl: dict, expected_by_impl: dict) -> list[str]:
+    """`table_rows` side by side: per impl its count and its budget's, then the role."""
+    impls = list(colls_by_impl)
     head = ["kind", "pass", "scope", "dtype[shape]", "devices", "bytes each"]
     for impl in impls:
         head += [impl, "budget"]
     head.append("role")
     rows = [head]
-    order = {"forward": 0, "backward": 1, "other": 2}
-    for key in sorted(cells, key=lambda k: (order.get(k[1], 3), k[2], k[0], -k[3])):
-        kind, pass_, scope, n, dt, group = key
-        cell = cells[key]
-        shape = list(cell["shape"]) if cell["shape"] is not None else f"[{n} elements]"
-        row = [kind, pass_, scope or "-", f"{dt}{shape}", str(group), _size(cell["bytes"])]
+    for r in table_rows(colls_by_impl, expected_by_impl):
+        row = [r["kind"], r["pass"], r["scope"] or "-", shape_text(r), str(r["devices"]),
+               _size(r["bytes"])]
         for impl in impls:
-            row += [str(cell.get(impl, 0)), str(cell.get(f"budget {impl}", 0))]
-        rows.append(row + [" / ".join(cell.get("roles", ["(not in the budget)"]))])
+            row += [str(r["counts"][impl]), str(r["budget"][impl])]
+        rows.append(row + [role_text(r)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -185,16 +185,17 @@ def collective_share(run_step, hlo_text: str | None = None, steps: int = 2) -> d
             "module": step, "reason": None}
 
 
-def bench_collectives(plan: dict) -> dict:
+def bench_collectives(plan: dict, log=print) -> dict:
     """The suite's `collectives` section: each op and dtype at each payload of the plan."""
     rows, n = [], min(8, jax.device_count())
-    for name in plan["payloads"]:
+    cases = [(name, dtype, op) for name in plan["payloads"] for dtype in ("float32", "bfloat16")
+             for op in OPS]
+    for i, (name, dtype, op) in enumerate(cases, 1):
+        log(f"collectives {i}/{len(cases)}: {op} {dtype}, {name} b*s*h")
         cfg = load_config(name)
         elements = cfg.train.batch_size * cfg.model.seq_len * cfg.model.d_model
-        for dtype in ("float32", "bfloat16"):
-            for op in OPS:
-                r = time_collective(op, n, elements, dtype, samples=plan["samples"])
-                rows.append({"payload": f"{name} b*s*h", **r, "MiB": r["bytes"] / 2**20})
+        r = time_collective(op, n, elements, dtype, samples=plan["samples"])
+        rows.append({"payload": f"{name} b*s*h", **r, "MiB": r["bytes"] / 2**20})
     cols = [("payload", "payload"), ("op", "op"), ("dtype", "dtype"), ("wire_dtype", "HLO dtype"),
             ("ranks", "ranks"), ("MiB", "size MiB"), ("mean_us", "mean us"),
             ("median_us", "median us"), ("p95_us", "p95 us"),

@@ -136,24 +136,28 @@ def bench_impl(plan: dict, cache: dict, log=print) -> dict:
         "than gspmd", *notes])
 
 
-def bench_scaling(plan: dict, cache: dict) -> dict:
+def bench_scaling(plan: dict, cache: dict, log=print) -> dict:
     rows, notes = [], []
+    groups = []
     for name in plan["presets"]:
         tps, why = valid_tps(name, plan["tps"])
         notes += why
-        for impl in plan["impls"] if name == "tiny" else ("gspmd",):
-            runs = [_get(plan, cache, name, tp, impl, sp) for tp in tps for sp in (False, True)
-                    if not (sp and tp == 1)]
-            t = time_alternating([r for r, _ in runs], plan["warmup"], plan["steps"])
-            for r, cut in runs:
-                p = r.cfg.parallel
-                ratio, lo, hi = paired_ratio(t, r.name, runs[0][0].name)
-                rows.append({"case": _case(f"{name} {impl} tp={p.tp} sp={'on' if p.sp else 'off'}",
-                                           r.cfg, cut),
-                             "measured": "train step time / tp=1", "value": ratio,
-                             "unit": "ratio", "ratio_min": lo, "ratio_max": hi,
-                             "step_ms": np.median(t[r.name]) * 1e3, "compile_s": r.compile_s,
-                             **dict(tp=p.tp, sp=p.sp, impl=impl)})
+        groups += [(name, impl, [(tp, sp) for tp in tps for sp in (False, True)
+                                 if not (sp and tp == 1)])
+                   for impl in (plan["impls"] if name == "tiny" else ("gspmd",))]
+    for i, (name, impl, cases) in enumerate(groups, 1):
+        log(f"scaling {i}/{len(groups)}: {name} {impl}, {len(cases)} layouts")
+        runs = [_get(plan, cache, name, tp, impl, sp) for tp, sp in cases]
+        t = time_alternating([r for r, _ in runs], plan["warmup"], plan["steps"])
+        for r, cut in runs:
+            p = r.cfg.parallel
+            ratio, lo, hi = paired_ratio(t, r.name, runs[0][0].name)
+            rows.append({"case": _case(f"{name} {impl} tp={p.tp} sp={'on' if p.sp else 'off'}",
+                                       r.cfg, cut),
+                         "measured": "train step time / tp=1", "value": ratio,
+                         "unit": "ratio", "ratio_min": lo, "ratio_max": hi,
+                         "step_ms": np.median(t[r.name]) * 1e3, "compile_s": r.compile_s,
+                         **dict(tp=p.tp, sp=p.sp, impl=impl)})
     note = ("the tp ranks are fake CPU devices sharing the host's cores, no more compute "
             "than tp=1 has: the ratios show partitioning overhead and how XLA's CPU runtime "
             "spreads the work, not a speed-up" if jax.default_backend() == "cpu"
@@ -192,11 +196,12 @@ def bench_overlap(plan: dict, cache: dict, log=print) -> dict:
                    rows, notes)
 
 
-def bench_compile(plan: dict) -> dict:
+def bench_compile(plan: dict, log=print) -> dict:
     rows, base = [], None
     tp = min(8, jax.device_count())
     cases = [(d, True) for d in plan["depths"]] + [(d, False) for d in plan["unscanned"]]
-    for depth, scan in cases:
+    for i, (depth, scan) in enumerate(cases, 1):
+        log(f"compile {i}/{len(cases)}: tiny L={depth} {'scanned' if scan else 'unscanned'}")
         cfg, _ = preset("tiny", f"model.n_layers={depth}", f"model.scan_layers={str(scan).lower()}",
                         f"parallel.tp={tp}")
         state = abstract_train_state(cfg, make_mesh(1, tp, devices=jax.devices()[:tp]))
@@ -336,10 +341,10 @@ def run_suite(quick: bool = False, only=None, log: Callable[[str], None] = print
     plan, cache, sections = PLANS["quick" if quick else "full"], {}, []
     t0 = time.perf_counter()
     jobs = {"impl": lambda: bench_impl(plan, cache, log),
-            "scaling": lambda: bench_scaling(plan, cache),
+            "scaling": lambda: bench_scaling(plan, cache, log),
             "overlap": lambda: bench_overlap(plan, cache, log),
-            "compile": lambda: bench_compile(plan),
-            "collectives": lambda: bench_collectives(plan),
+            "compile": lambda: bench_compile(plan, log),
+            "collectives": lambda: bench_collectives(plan, log),
             "profile": lambda: bench_profile(plan, cache), "peer": lambda: bench_peer(plan),
             "attention": lambda: bench_attention(plan), "loop": lambda: bench_loop(plan),
             "decode": lambda: bench_decode(plan)}

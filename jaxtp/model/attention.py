@@ -65,7 +65,8 @@ class Attention(nnx.Module):
         kernel = self.kernel
         if kernel == "auto":  # a module used on its own; a model resolves it when built
             kernel = kernels.choose(kernel, q_BTKGH.dtype, H, T, jax.devices()[0])
-        o_BTKGH = kernels.attend(q_BTKGH, k_BTKH, v_BTKH, kernel, self.block)
+        o_BTKGH = local.attend(lambda q, k, v: kernels.attend(q, k, v, kernel, self.block),
+                               q_BTKGH, k_BTKH, v_BTKH)
         o_BTKGH = checkpoint_name(o_BTKGH, "attn_core")
         return local.exit(o_BTKGH.reshape(B, T, K * G, H), self.out.partial)
 
@@ -133,5 +134,5 @@ class Attention(nnx.Module):
         q_BTNH, kv_BTCKH = checkpoint_name(q_BTNH, "qkv"), checkpoint_name(kv_BTCKH, "qkv")
         kv_BTCKH = local.kv_for_heads(kv_BTCKH, q_BTNH.shape[2])
         B, T, N, H = q_BTNH.shape
-        K = kv_BTCKH.shape[3]  # kv heads this rank sees: one, or N copies under GSPMD
+        K = kv_BTCKH.shape[3]  # kv heads this rank sees: one, N copies (GSPMD), tp (explicit)
         return q_BTNH.reshape(B, T, K, N // K, H), kv_BTCKH[:, :, 0], kv_BTCKH[:, :, 1]

@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ATTENTIONS
-from ..parallel.layout import explicit_mesh
 
 KERNELS = ATTENTIONS  # the config owns the names
 # `auto` takes blockwise from this sequence length on (measured on CPU,
@@ -81,13 +80,6 @@ def attend(q_BTKGH, k_BTKH, v_BTKH, kernel: str = "xla", block: int = 512):
     if kernel == "blockwise":
         return blockwise_attention(q_BTKGH, k_BTKH, v_BTKH, block)
     if kernel == "cudnn":
-        if explicit_mesh():
-            # cuDNN's attention partitions itself (custom_partitioning), and
-            # its VJP hands back cotangents without the operands' sharding
-            # types, which explicit mode rejects: it runs in Auto mode
-            # (`auto_axes`), its output typed like q
-            return jax.sharding.auto_axes(cudnn_attention, out_sharding=jax.typeof(
-                q_BTKGH).sharding)(q_BTKGH, k_BTKH, v_BTKH)
         return cudnn_attention(q_BTKGH, k_BTKH, v_BTKH)
     raise KernelError(f"unknown attention kernel {kernel!r}; choose one of {KERNELS[1:]}")
 

@@ -77,7 +77,7 @@ class Layout:
     kv_sharded: bool = True
     # SP's entry all-gather and exit reduce-scatter overlapped with their
     # matmuls: collective-matmul rings (shard_map), XLA's windowed einsum
-    # asked for (gspmd); only with sp
+    # asked for (gspmd, explicit); only with sp
     overlap: bool = False
 
     @classmethod

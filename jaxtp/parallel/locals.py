@@ -41,6 +41,10 @@ class GSPMD:
     def constrain(self, x, *logical):
         return constrain(x, *logical)
 
+    def attend(self, kernel: Callable, q, k, v):
+        """The attention core `kernel(q, k, v)`: local to each rank's heads."""
+        return kernel(q, k, v)
+
     def kv_for_heads(self, kv_BTCKH, n_heads: int):
         """Replicated kv heads as GSPMD sees them: one kv copy per query head,
         split over tp like the queries (each rank slices its own; the backward
@@ -114,9 +118,11 @@ class Explicit(GSPMD):
 
     def __init__(self, layout: Layout):
         if not explicit_mesh():
-            raise ValueError("impl='explicit' runs on a mesh of Explicit axes: build it with "
-                             "make_mesh(dp, tp, impl='explicit') (a TrainState's mesh is one) "
-                             "and call the model under `with jax.set_mesh(mesh):`")
+            raise ValueError("impl='explicit' runs on a mesh of Explicit axes, and the mesh "
+                             "in context has none (or Auto axes): build it with make_mesh(dp, "
+                             "tp, impl='explicit') or mesh_for(mesh, 'explicit') (a "
+                             "TrainState's .mesh is one) and call the model under "
+                             "`with jax.set_mesh(mesh):`")
         super().__init__(layout)
 
     def enter(self, x_BTD, mm: Callable | None = None):
@@ -124,6 +130,14 @@ class Explicit(GSPMD):
         if self.layout.sp:
             x_BTD = jax.sharding.reshard(x_BTD, spec("batch", "seq", "embed"))
         return x_BTD if mm is None else mm(x_BTD)
+
+    def attend(self, kernel: Callable, q, k, v):
+        """The attention kernels are opaque to the types: blockwise's loop
+        carries start untyped (they meet sharded values in its custom VJP),
+        cuDNN partitions itself and hands back untyped cotangents. So the core
+        runs in Auto mode (`auto_axes`), split by heads as its operands are,
+        its output typed like q."""
+        return jax.sharding.auto_axes(kernel, out_sharding=jax.typeof(q).sharding)(q, k, v)
 
     def exit(self, h, mm: Callable):
         """The row-parallel contraction runs over the tp-split dim of both
@@ -180,6 +194,9 @@ class ShardMap:
 
     def constrain(self, x, *logical):
         return x
+
+    def attend(self, kernel: Callable, q, k, v):
+        return kernel(q, k, v)
 
     def kv_for_heads(self, kv_BTCKH, n_heads: int):
         """This rank's N/tp query heads all use one kv head: its slice."""

@@ -261,7 +261,9 @@ class _Loop:
         self.history.append(row)
         if row["tokens_per_sec"]:
             self.rates.append(row["tokens_per_sec"])
-        self.log(progress_line(row, t.steps, dt, self.eval_loss if is_eval else None))
+        self.log(progress_line(row, t.steps, dt, self.eval_loss if is_eval else None,
+                               time.perf_counter() - self.t_start,
+                               (self.until or t.steps) - step))
         if self.sampler is not None and step % t.sample_every == 0:
             self.log(f"sample at step {step}: {self.sampler(self.params)!r}")
         self.last_logged = step

@@ -116,8 +116,19 @@ def metrics_row(step: int, metrics: dict, loop: dict, speed_fields: dict) -> dic
             "skipped": loop["row_skipped"], **speed_fields}
 
 
-def progress_line(row: dict, steps: int, dt: float | None, eval_loss: float | None) -> str:
-    """The printed line of a metrics row."""
+def clock(seconds: float) -> str:
+    """A duration as h:mm:ss, or m:ss under an hour."""
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def progress_line(row: dict, steps: int, dt: float | None, eval_loss: float | None,
+                  elapsed: float | None = None, left: int = 0) -> str:
+    """The printed line of a metrics row; `elapsed`: seconds since the loop
+    started, `left`: steps still to run (the ETA is `left` at `dt` a step,
+    evaluations and saves not counted)."""
+    when = ("" if elapsed is None else f" | {clock(elapsed)} elapsed"
+            + (f", ETA {clock(left * dt)}" if dt and left else ""))
     return (f"step {row['step']:>5}/{steps} | loss "
             + (f"{row['loss']:.4f}" if row["loss"] is not None else "-")
             + " | grad_norm " + (f"{row['grad_norm']:.3f}" if row["grad_norm"] is not None
@@ -127,7 +138,7 @@ def progress_line(row: dict, steps: int, dt: float | None, eval_loss: float | No
                if dt else "first step")
             + (f", MFU {row['mfu']:.1%}" if row["mfu"] else "")
             + (f" | {row['skipped']} skipped" if row["skipped"] else "")
-            + (f" | eval_loss {eval_loss:.4f}" if eval_loss is not None else ""))
+            + (f" | eval_loss {eval_loss:.4f}" if eval_loss is not None else "") + when)
 
 
 class MetricsLog:

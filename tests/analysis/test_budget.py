@@ -298,8 +298,8 @@ def test_compare_hlo_on_the_llama_preset(tmp_path):
 def test_gspmd_sequence_parallel_on_the_cpu_pipeline(tmp_path):
     """XLA's CPU pipeline forms no reduce-scatter: GSPMD's SP exits are an
     all-reduce of the full buffer and a slice (the same ring bytes as
-    reduce-scatter + all-gather). The budget for the CPU says so, and both
-    impls hold it, as does a chunked loss with remat (the region input
+    reduce-scatter + all-gather). The budget for the CPU says so, and each of the three
+    impls holds it, as does a chunked loss with remat (the region input
     gathered again for the weight gradient)."""
     assert train.main(["--tp", "8", "--sp", "--compare-hlo", "--out", str(tmp_path),
                        "model.n_layers=2", "model.remat=minimal", "model.loss_chunk=600"]) == 0
@@ -323,7 +323,7 @@ TARGETS = {"h100": "jax_cuda12_plugin", "tpu-v5p": "libtpu"}
     ids=["gpt2-sp", "llama-gqa-sp", "llama-gqa-bf16", "gpt2-sp-overlap"])
 def test_budgets_hold_compiled_for_an_accelerator(target, config, extra, tmp_path):
     """--compare-hlo --hardware: the step compiled for 8 H100s or a v5p 2x2x2
-    without having them; both impls hold the budget as that compiler carries
+    without having them; each impl holds the budget as that compiler carries
     it out (jaxtp.analysis.backends.on_backend)."""
     import importlib.util
 

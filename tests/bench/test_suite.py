@@ -88,6 +88,16 @@ def test_quick_suite_end_to_end(tmp_path):
     assert f"jax {meta['versions']['jax']}, jaxlib" in md.splitlines()[0]
     assert md.count("\n| ") >= sum(len(s["rows"]) + 1 for s in report["sections"])
 
+    # the figures of this report: three, each naming the machine and date
+    from jaxtp.plot.__main__ import main as plot_main
+
+    assert plot_main(["bench", str(tmp_path)]) == 0
+    for sid in ("scaling", "collectives", "compile"):
+        for ext in ("png", "svg"):
+            assert (tmp_path / f"bench_{sid}.{ext}").stat().st_size > 1000, (sid, ext)
+        svg = (tmp_path / f"bench_{sid}.svg").read_text()
+        assert meta["date"] in svg and "measured on" in svg, sid
+
 
 def test_bandwidth_arithmetic_as_nccl_tests():
     # 1 GiB in 10 ms: algbw = 2**30 / 0.01 = 107.374 GB/s

@@ -135,8 +135,8 @@ CUDA = importlib.util.find_spec("jax_cuda12_plugin") is not None
 
 @pytest.mark.skipif(not CUDA, reason="the CUDA plugin (pip install 'jax[cuda12]') is not "
                     "installed: cannot compile for an H100 here")
-@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
-def test_cudnn_lowers_for_an_h100_inside_both_impls(impl):
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
+def test_cudnn_lowers_for_an_h100_inside_each_impl(impl):
     """The train step compiled for 8 H100s without one: cuDNN's fused attention
     forward and backward per rank's heads, and no gather of q, k or v (the
     collectives are exactly the budget)."""

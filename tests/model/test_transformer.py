@@ -217,7 +217,7 @@ BLOCKWISE = dataclasses.replace(VARIANTS["llama-gqa"], attention="blockwise",
 
 @pytest.mark.parametrize("tp, sp, impl", [
     (1, False, "gspmd"), (2, True, "gspmd"), (2, False, "shard_map"), (8, False, "gspmd"),
-    (8, True, "shard_map")])
+    (8, True, "shard_map"), (2, True, "explicit"), (8, False, "explicit")])
 def test_blockwise_attention_in_the_model_matches_the_reference(tp, sp, impl):
     """Heads split over tp (kv sharded at tp=2, replicated at tp=8), with and
     without SP: the logits, the loss and every gradient as on one device."""
@@ -231,7 +231,7 @@ def test_blockwise_attention_in_the_model_matches_the_reference(tp, sp, impl):
 test_blockwise_attention_in_the_model_matches_the_reference.fast_cases = {'8-True-shard_map'}
 
 
-@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
 @pytest.mark.parametrize("tp", [1, 8])
 def test_chunked_loss_matches_the_reference(tp, impl):
     """loss_chunk=24 tokens of 4 rows: chunks of 6 positions, T=16 padded to 18

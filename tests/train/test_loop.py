@@ -4,6 +4,7 @@ Resume equivalence (bit for bit on CPU), SIGTERM, fault handling and the
 metrics rows. (Resuming at another dp x tp, from two processes:
 tests/test_multihost.py; restoring into other layouts: tests/test_checkpoint.py.)"""
 
+import json
 import signal
 import subprocess
 import sys
@@ -147,7 +148,9 @@ def test_sample_every_prints_the_greedy_continuation_of_the_trained_model(tmp_pa
 
     cfg = Config(ModelConfig(n_layers=1, d_model=32, n_heads=4, d_ff=64, seq_len=48),
                  TrainConfig(steps=4, batch_size=8, log_every=2, eval_every=100,
-                             eval_batches=1, sample_every=4), ParallelConfig(tp=2, sp=True))
+                             eval_batches=1, sample_every=4),
+                 # explicit: the sampler and from_run generate its parameters under gspmd
+                 ParallelConfig(tp=2, sp=True, impl="explicit"))
     lines = []
     train(cfg, tmp_path, log=lines.append)
     (said,) = [line for line in lines if line.startswith("sample at step 4: ")]
@@ -179,6 +182,10 @@ def test_a_checkpoint_resumes_under_another_impl(tmp_path):
         said = []
         train(cfg(then), out, log=said.append, resume=True)
         assert any("resumed from" in s and "step 3" in s for s in said), said
+        # the resumed steps ran under the new impl: the history and run.json say so
+        (entry,) = [json.loads(line) for line in (out / "resumes.jsonl").read_text().splitlines()]
+        assert entry["changes"]["parallel.impl"] == [first, then] and entry["step"] == 3
+        assert json.loads((out / "run.json").read_text())["impl"] == then
         got = logged(out)
         assert [r["step"] for r in got] == [r["step"] for r in want]
         assert got[:3] == want[:3] or first != "gspmd"  # the same program up to the save

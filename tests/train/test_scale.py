@@ -253,7 +253,7 @@ def test_mixed_precision_keeps_fp32_master_weights_and_loss():
 def test_dp2_tp4_collectives_match_the_budget(model, impl, sp):
     """dp=2 x tp=4: the tp budget per dp rank (b = B/dp) plus the dp rows (one
     scalar for the loss mean, every parameter gradient's tp shard summed over
-    dp, by total elements), for both impls, with and without SP: shard_map
+    dp, by total elements), for the three impls, with and without SP: shard_map
     writes dp out too, so no activation is gathered over dp."""
     cfg = cfg_of(model, dp=2, tp=4, impl=impl, sp=sp)
     colls = hlo.collectives(compile_train_step(abstract_train_state(cfg, make_mesh(2, 4)),

@@ -1,0 +1,183 @@
+"""`collectives.svg`: where each collective of the compiled train step sits.
+
+One transformer block drawn as a column of its modules (with the embedding
+and the LM head at the ends), and beside each module the collectives the
+compiled HLO holds there: forward on the left, backward on the right, one
+column per impl, each marked with its Megatron role (f, g, their SP forms,
+the loss's reductions), payload and bytes; a count that differs from the
+budget is drawn in a warning colour. It is drawn from `comm_report.json`'s
+`table` (`jaxtp.analysis.compare.table_rows`), never by hand. The SVG needs
+nothing; the PNG (the same layout) needs matplotlib.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from xml.sax.saxutils import quoteattr
+
+from .compare import role_text, shape_text
+
+# the modules top to bottom: (slot, label)
+MODULES = (("embedding", "embedding (vocab-parallel), positions"),
+           ("norm", "norms (two per block, the final one)"),
+           ("attn_in", "attention q / kv (column-parallel)"),
+           ("attn_core", "attention core (heads split over tp)"),
+           ("attn_out", "attention out (row-parallel)"),
+           ("mlp_up", "MLP up (column-parallel)"),
+           ("mlp_down", "MLP down (row-parallel)"),
+           ("head", "LM head (vocab-parallel)"),
+           ("loss", "cross-entropy (vocab-parallel)"),
+           ("grads", "gradients: global norm, dp sum"))
+BLOCK = ("norm", "attn_in", "attn_core", "attn_out", "mlp_up", "mlp_down")
+OK, WARN, INK, BOX = "#1f4e79", "#c0392b", "#222222", "#eef3f8"
+LINE, FONT, PAD, MODULE_W, COLUMN_W, TOP = 14, 11, 6, 300, 310, 64
+
+
+def slot(row: dict) -> str:
+    """The module a collective belongs to, from its scope and budget role."""
+    role, scope = role_text(row), row["scope"]
+    if scope in ("attention", "mlp"):
+        entry, exit_ = ("attn_in", "attn_out") if scope == "attention" else ("mlp_up", "mlp_down")
+        if role.startswith("kv gradient"):
+            return "attn_core"
+        if role.startswith(("g", "SP exit")) or "bias" in role:
+            return exit_  # g, g_sp and its ring, the row-parallel bias
+        return entry  # f, f_sp and its ring, a remat's regather, the kv weight
+    if scope == "embed":
+        return "embedding"
+    if scope == "cross_entropy":
+        return "loss" if role.startswith("cross-entropy") else "head"
+    if role.startswith("norm weights"):
+        return "norm"
+    return "embedding" if role.startswith("learned positions") else "grads"
+
+
+def _fit(text: str, width: int = 0) -> str:
+    """`text` cut to what a column holds (monospace, about 0.6 em a character)."""
+    chars = int((width or COLUMN_W - 8) / (0.6 * (FONT - 1)))
+    return text if len(text) <= chars else text[: chars - 3] + "..."
+
+
+def _size(b: float) -> str:
+    return f"{b / 2**20:.3f} MiB" if b >= 2**10 else f"{b:.0f} B"
+
+
+def layout(report: dict) -> tuple[list[tuple], int, int]:
+    """(primitives, width, height): ("rect", x, y, w, h, fill, stroke) and
+    ("text", x, y, text, size, colour, bold, data) in pixels."""
+    impls = list(report["impls"])
+    rows = report["table"]
+    cells: dict[tuple, list] = {}  # (slot, side, impl) -> [(text, colour, data)]
+    for r in rows:
+        side = "forward" if r["pass"] == "forward" else "backward"
+        for impl in impls:
+            got, want = r["counts"][impl], r["budget"][impl]
+            if not got and not want:
+                continue
+            head = f"{got}x {r['kind']}: {role_text(r)}"
+            payload = (f"   {shape_text(r).replace(' ', '')}, {_size(r['bytes'])}"
+                       + (f"; budget {want}" if got != want else ""))
+            data = {"impl": impl, "pass": r["pass"], "kind": r["kind"], "role": role_text(r),
+                    "count": got, "budget": want}
+            colour = OK if got == want else WARN
+            cells.setdefault((slot(r), side, impl), []).extend(
+                [(_fit(head), colour, data), (_fit(payload), colour, None)])
+    n = len(impls)
+    width = 2 * n * COLUMN_W + MODULE_W + 2 * PAD
+    mx = PAD + n * COLUMN_W  # the module column's left edge
+    out = [("rect", 0, 0, width, 0, "#ffffff", None)]  # height set below
+    title = (f"collectives of the compiled train step: tp={report['tp']}, dp={report['dp']}, "
+             f"{report['layers']} blocks, b={report['batch']} s={report['seq']} "
+             f"h={report['d_model']}, {report['device_kind']} ({report['platform']}); counts per "
+             "step (all blocks); red: differs from the budget")
+    out.append(("text", PAD, 20, title, FONT + 2, INK, True, None))
+    for i, impl in enumerate(impls):
+        for side, x in (("forward", PAD + i * COLUMN_W), ("backward", mx + MODULE_W + i * COLUMN_W)):
+            verdict = report["impls"][impl].get("verdict", "")
+            out.append(("text", x + 4, 44, f"{side}: {impl}", FONT + 1, INK, True, None))
+            out.append(("text", x + 4, 58, verdict[:48], FONT - 1,
+                        OK if verdict == "matches budget" else WARN, False, None))
+    out.append(("text", mx + 4, 44, "module", FONT + 1, INK, True, None))
+    y = TOP
+    for name, label in MODULES:
+        lines = max([len(cells.get((name, side, impl), [])) for side in ("forward", "backward")
+                     for impl in impls] + [1])
+        h = lines * LINE + 2 * PAD
+        in_block = name in BLOCK
+        out.append(("rect", mx, y, MODULE_W, h - 2, BOX if in_block else "#f6f6f6", "#8899aa"))
+        out.append(("text", mx + 6, y + PAD + FONT, label, FONT, INK, in_block, None))
+        for i, impl in enumerate(impls):
+            for side, x in (("forward", PAD + i * COLUMN_W),
+                            ("backward", mx + MODULE_W + i * COLUMN_W)):
+                for j, (text, colour, data) in enumerate(cells.get((name, side, impl), [])):
+                    out.append(("text", x + 4, y + PAD + FONT + j * LINE, text, FONT - 1,
+                                colour, False, data))
+        y += h
+    out.append(("text", mx + 6, y + 16, f"block: the shaded modules, x{report['layers']}",
+                FONT - 1, INK, False, None))
+    height = y + 30
+    out[0] = ("rect", 0, 0, width, height, "#ffffff", None)
+    return out, width, height
+
+
+def to_svg(report: dict) -> str:
+    prims, width, height = layout(report)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" font-family="monospace">']
+    for p in prims:
+        if p[0] == "rect":
+            _, x, y, w, h, fill, stroke = p
+            edge = f' stroke="{stroke}"' if stroke else ""
+            parts.append(f'<rect x="{x}" y="{y}" width="{w}" height="{h}" fill="{fill}"{edge}/>')
+        else:
+            _, x, y, text, size, colour, bold, data = p
+            attrs = "".join(f" data-{k}={quoteattr(str(v))}" for k, v in (data or {}).items())
+            cls = ' class="collective"' if data else ""
+            weight = ' font-weight="bold"' if bold else ""
+            parts.append(f'<text x="{x}" y="{y}" font-size="{size}" fill="{colour}"{weight}'
+                         f'{cls}{attrs}>{_escape(text)}</text>')
+    return "\n".join(parts + ["</svg>"]) + "\n"
+
+
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def to_png(report: dict, path: Path) -> bool:
+    """The same layout drawn with matplotlib; False where it is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Rectangle
+    except ImportError:
+        return False
+    prims, width, height = layout(report)
+    fig = plt.figure(figsize=(width / 100, height / 100), dpi=100)
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_xlim(0, width)
+    ax.set_ylim(height, 0)
+    ax.axis("off")
+    for p in prims:
+        if p[0] == "rect":
+            _, x, y, w, h, fill, stroke = p
+            ax.add_patch(Rectangle((x, y), w, h, facecolor=fill, edgecolor=stroke or fill))
+        else:
+            _, x, y, text, size, colour, bold, _ = p
+            ax.text(x, y, text, fontsize=size * 0.75, color=colour, family="monospace",
+                    weight="bold" if bold else "normal", va="baseline")
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def write(report: dict, out_dir: Path, log=print) -> list[Path]:
+    """`collectives.svg` (and `.png` with matplotlib) in `out_dir`."""
+    out_dir = Path(out_dir)
+    svg = out_dir / "collectives.svg"
+    svg.write_text(to_svg(report))
+    written = [svg]
+    if to_png(report, out_dir / "collectives.png"):
+        written.append(out_dir / "collectives.png")
+    log(f"drew {' and '.join(str(p) for p in written)}")
+    return written

@@ -1,0 +1,45 @@
+"""`python -m jaxtp.plot runs RUN_DIR... | bench BENCH_DIR`: figures as PNG
+and SVG next to their inputs (or in --out). Exit status 2 without
+matplotlib (with the install hint) or for a directory that holds no run or
+report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import NoMatplotlib
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jaxtp.plot", description=__doc__)
+    sub = ap.add_subparsers(dest="what", required=True)
+    runs = sub.add_parser("runs", help="loss (against step and tokens), tokens/s and MFU of "
+                          "training runs, overlaid")
+    runs.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    bench = sub.add_parser("bench", help="step time against tp, collective bandwidth against "
+                           "payload, compile time against depth")
+    bench.add_argument("bench_dir", metavar="BENCH_DIR")
+    for p in (runs, bench):
+        p.add_argument("--out", help="directory for the figures (default: next to the inputs)")
+    args = ap.parse_args(argv)
+    try:
+        if args.what == "runs":
+            from .runs import plot_runs
+            paths = plot_runs(args.run_dirs, args.out)
+        else:
+            from .bench import plot_bench
+            paths = plot_bench(args.bench_dir, args.out)
+    except NoMatplotlib as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for p in paths:
+        print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""The pictures: collectives.svg drawn from --compare-hlo's report (every
+collective row in it, deviations in the warning colour, no matplotlib
+needed), and `python -m jaxtp.plot runs` on runs trained here."""
+
+import json
+import shutil
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+import train
+from jaxtp.analysis import picture
+from jaxtp.analysis.compare import role_text
+from jaxtp.config import apply_overrides, load_config
+from jaxtp.plot.runs import labels
+from jaxtp.train.loop import train as train_run
+from procs import SMALL
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def drawn(svg_text: str) -> list[dict]:
+    """The collective entries of a collectives.svg, read back: (data, text, colour)."""
+    root = ET.fromstring(svg_text)
+    return [{**{k[5:]: v for k, v in e.attrib.items() if k.startswith("data-")},
+             "text": e.text, "fill": e.attrib["fill"]}
+            for e in root.iter(f"{SVG}text") if e.attrib.get("class") == "collective"]
+
+
+@pytest.fixture(scope="module")
+def sp_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare")
+    assert train.main(["--tp", "4", "--sp", "--compare-hlo", "--out", str(out),
+                       "model.n_layers=1", "model.d_model=64", "model.d_ff=128",
+                       "model.seq_len=32", "train.batch_size=4"]) == 0
+    return out, json.loads((out / "comm_report.json").read_text())
+
+
+def test_the_svg_holds_every_collective_row_of_the_report(sp_report):
+    out, report = sp_report
+    entries = drawn((out / "collectives.svg").read_text())
+    want = [(impl, r["pass"], r["kind"], role_text(r), str(r["counts"][impl]))
+            for r in report["table"] for impl in report["impls"]
+            if r["counts"][impl] or r["budget"][impl]]
+    got = [(e["impl"], e["pass"], e["kind"], e["role"], e["count"]) for e in entries]
+    assert sorted(got) == sorted(want) and len(want) > 20
+    for e in entries:  # the visible text says the same
+        assert e["text"].startswith(f"{e['count']}x {e['kind']}: ")
+        assert e["fill"] == (picture.OK if e["count"] == e["budget"] else picture.WARN)
+    assert {e["fill"] for e in entries} == {picture.OK}  # all three match here
+    assert set(report["impls"]) == {"gspmd", "shard_map", "explicit"}
+
+
+def test_a_deviation_is_drawn_in_the_warning_colour(sp_report):
+    _, report = sp_report
+    row = next(r for r in report["table"] if r["kind"] == "all-gather" and r["scope"] == "mlp")
+    row["counts"]["gspmd"] += 1
+    (e,) = [e for e in drawn(picture.to_svg(report)) if e["fill"] == picture.WARN]
+    assert (e["impl"], e["kind"], e["role"], e["pass"]) == (
+        "gspmd", "all-gather", role_text(row), row["pass"])
+    assert e["count"] == str(row["counts"]["gspmd"]) and e["count"] != e["budget"]
+
+
+def test_each_collective_sits_beside_its_module():
+    row = lambda scope, *roles: {"scope": scope, "roles": list(roles)}
+    assert picture.slot(row("attention", "g")) == "attn_out"
+    assert picture.slot(row("attention", "f")) == "attn_in"
+    assert picture.slot(row("mlp", "SP exit, backward")) == "mlp_down"
+    assert picture.slot(row("mlp", "f_sp ring, backward")) == "mlp_up"
+    assert picture.slot(row("attention", "kv gradient")) == "attn_core"
+    assert picture.slot(row("cross_entropy", "cross-entropy")) == "loss"
+    assert picture.slot(row("cross_entropy", "SP LM head entry")) == "head"
+    assert picture.slot(row("", "norm weights used on sequence shards")) == "norm"
+    assert picture.slot(row("", "gradient norm")) == "grads"
+    assert picture.slot(row("embed", "g")) == "embedding"
+
+
+def test_without_matplotlib_plot_exits_2_and_the_svg_is_still_drawn(sp_report, tmp_path,
+                                                                    monkeypatch, capsys):
+    out, report = sp_report
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    from jaxtp.plot.__main__ import main
+
+    assert main(["runs", str(out)]) == 2
+    assert 'pip install -e ".[plot]"' in capsys.readouterr().err
+    assert picture.write(report, tmp_path, log=lambda _: None) == [tmp_path / "collectives.svg"]
+    assert drawn((tmp_path / "collectives.svg").read_text())
+
+
+def test_legends_name_what_differs_between_runs():
+    a = {"parallel.tp": 1, "parallel.impl": "gspmd", "train.lr": 1e-3}
+    b = {**a, "parallel.tp": 8}
+    c = {**b, "parallel.impl": "shard_map"}
+    assert labels([a, b], ["x", "y"]) == ["tp=1", "tp=8"]
+    assert labels([a, b, c], ["x", "y", "z"]) == [
+        "impl=gspmd, tp=1", "impl=gspmd, tp=8", "impl=shard_map, tp=8"]
+    assert labels([a, a], ["x", "y"]) == ["x", "y"]
+
+
+def test_plot_runs_overlays_runs_trained_here(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from jaxtp.plot.__main__ import main
+
+    cfg = apply_overrides(load_config("tiny"), SMALL + ["parallel.tp=2", "train.steps=3",
+                                                        "train.eval_every=2"])
+    train_run(cfg, tmp_path / "tp2", log=lambda _: None, inject_nan_at=(2,))
+    shutil.copytree(tmp_path / "tp2", tmp_path / "tp1")  # the same rows, another config
+    conf = json.loads((tmp_path / "tp1" / "config.json").read_text())
+    conf["parallel"]["tp"] = 1
+    (tmp_path / "tp1" / "config.json").write_text(json.dumps(conf))
+    assert main(["runs", str(tmp_path / "tp1"), str(tmp_path / "tp2")]) == 0
+    for ext in ("png", "svg"):
+        assert (tmp_path / f"runs.{ext}").stat().st_size > 1000
+    svg = (tmp_path / "runs.svg").read_text()
+    assert "tp=1" in svg and "tp=8" not in svg and "skipped" in svg
+    assert main(["runs", str(tmp_path / "nothing")]) == 2
+    assert "not a training run" in capsys.readouterr().err
