@@ -274,11 +274,12 @@ def bench_peer(plan: dict) -> dict:
         "timed alternately in one process; value: median over rounds of the paired ratio"])
 
 
-def bench_attention(plan: dict) -> dict:
+def bench_attention(plan: dict, log=print) -> dict:
     """The tiny train step with blockwise attention against xla attention, at
     growing sequence lengths (batch 2), timed alternately."""
     rows = []
-    for T in plan["attention_seqs"]:
+    for i, T in enumerate(plan["attention_seqs"], 1):
+        log(f"attention {i}/{len(plan['attention_seqs'])}: T={T}, blockwise / xla")
         runs = []
         for kernel in ("xla", "blockwise"):
             cfg, _ = preset("tiny", *plan["small"], "parallel.tp=1", f"model.seq_len={T}",
@@ -346,7 +347,7 @@ def run_suite(quick: bool = False, only=None, log: Callable[[str], None] = print
             "compile": lambda: bench_compile(plan, log),
             "collectives": lambda: bench_collectives(plan, log),
             "profile": lambda: bench_profile(plan, cache), "peer": lambda: bench_peer(plan),
-            "attention": lambda: bench_attention(plan), "loop": lambda: bench_loop(plan),
+            "attention": lambda: bench_attention(plan, log), "loop": lambda: bench_loop(plan),
             "decode": lambda: bench_decode(plan)}
     for sid in SECTIONS:
         if sid in only:
