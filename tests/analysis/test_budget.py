@@ -200,6 +200,11 @@ def test_collective_matmul_under_gspmd_on_cpu_is_plain_sp(tmp_path, capsys):
     assert "collective-permute" not in kinds and "all-gather" in kinds
     assert "collective-permute" in {c["kind"] for c in report["impls"]["shard_map"]["collectives"]}
     assert report["ok"]
+    # the picture holds one entry per collective row and impl (the full check
+    # of its contents: tests/plot/test_plot.py)
+    svg = (tmp_path / "collectives.svg").read_text()
+    assert svg.count('class="collective"') == sum(
+        1 for r in report["table"] for i in report["impls"] if r["counts"][i] or r["budget"][i])
 
 
 def test_check_names_the_first_difference():

@@ -65,8 +65,7 @@ def test_greedy_with_the_cache_equals_the_full_forward(name, tp, impl):
     assert gen.generate(PROMPTS, NEW) == reference_greedy(name)
 
 
-test_greedy_with_the_cache_equals_the_full_forward.fast_cases = {
-    "llama-gqa-8-shard_map", "gpt2-2-gspmd"}
+test_greedy_with_the_cache_equals_the_full_forward.fast_cases = {"llama-gqa-8-shard_map"}
 
 
 @pytest.mark.slow
