@@ -3,6 +3,7 @@ placed by their PartitionSpecs, and AdamW's state laid out like them."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -84,12 +85,16 @@ def init_params(cfg: Config, mesh: Mesh):
 def _state(cfg: Config, mesh: Mesh, graphdef, params, param_shardings) -> TrainState:
     mesh = mesh_for(mesh, cfg.parallel.impl)  # explicit: Explicit axes
     tx = make_optimizer(cfg.train)
-    with jax.set_mesh(mesh):  # this mesh, whatever mesh the caller is under
+    abstract = isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct)
+    # placed parameters: under this mesh, whatever mesh the caller is under
+    # (the single-device check runs inside the loop's); abstract ones may be
+    # on compile-only devices, on which nothing can run eagerly
+    with contextlib.nullcontext() if abstract else jax.set_mesh(mesh):
         # Adam's mu and nu mirror the parameters, so they take the same layout.
         opt_shardings = optax.tree_map_params(
             tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_shardings,
             transform_non_params=lambda _: NamedSharding(mesh, P()))
-        if isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct):
+        if abstract:
             opt_state = jax.tree.map(
                 lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                 jax.eval_shape(tx.init, params), opt_shardings)
