@@ -217,16 +217,16 @@ def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int):
     all-gather per region and layer.
 
     With fewer kv heads than tp, GSPMD and explicit sum the kv gradient as
-    they do without SP (`_kv_rows`), so the kv branch's dX is whole while the queries' is
-    partial: the attention's backward entry stays an all-reduce of b*s*h."""
+    they do without SP (`_kv_rows`), so the kv branch's dX is whole while the
+    queries' is partial: the attention's backward entry stays an all-reduce of
+    b*s*h."""
     m, tp = cfg.model, cfg.parallel.tp
-    shard, pd = act // tp, HLO_DTYPES[m.param_dtype]  # parameter gradients: param dtype
+    shard = act // tp
     n, c = loss_chunks(m.loss_chunk, b, s)
     # GSPMD and explicit sum the kv gradient as they do without SP
     # (`_kv_rows`); shard_map sums the replicated kv weight's gradient instead
     xla_kv = impl != "shard_map" and m.kv_heads < tp
     rows = _sp_regions(cfg, E, act, shard, L, xla_kv, impl)
-    norm_params = (2 * L + 1) * (1 if m.style == "llama" else 2)
     rows += [
         E("SP embedding: reduce-scatter of the looked-up rows", "reduce-scatter", "forward",
           "embed", shard, 1, role="embed"),
@@ -240,9 +240,29 @@ def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int):
           "all-reduce", "backward", "cross_entropy", b * c * m.d_model, n, role="head_dx"),
         *_cross_entropy(E, b, n, c),
         E("gradient norm: one sum of squares", "all-reduce", "other", "", 1, 1, "f32"),
-        E("norm weights used on sequence shards: gradient sum", "all-reduce", "backward", "",
-          m.d_model, norm_params, pd, role="seq_shard_param"),
     ]
+    rows += _seq_shard_params(cfg, impl, E, s, L)
+    K, H = m.kv_heads, m.head_dim
+    if xla_kv:
+        rows += _kv_rows(cfg, impl, E, b * s * 2 * K * H)
+    elif K < tp:  # replicated kv projection fed the gathered x: its weight gradient,
+        # summed as the compute-dtype weight it multiplied; inside shard_map
+        # over dp and tp at once (one psum: `_expected_dp` leaves it out)
+        dp = cfg.parallel.dp
+        rows.append(E("replicated kv weight gradient: sum over tp"
+                      + (" and dp" if dp > 1 else ""), "all-reduce", "backward", "attention",
+                      m.d_model * 2 * K * H, L, group=tp * dp))
+    return rows
+
+
+def _seq_shard_params(cfg: Config, impl: str, E, s: int, L: int) -> list:
+    """Replicated parameters used on sequence shards under SP: each rank's
+    gradient is partial, summed over tp (in the parameter dtype; a
+    row-parallel bias's in the compute dtype, from the output gradient)."""
+    m, pd = cfg.model, HLO_DTYPES[cfg.model.param_dtype]
+    norm_params = (2 * L + 1) * (1 if m.style == "llama" else 2)
+    rows = [E("norm weights used on sequence shards: gradient sum", "all-reduce", "backward",
+              "", m.d_model, norm_params, pd, role="seq_shard_param")]
     if m.use_bias:
         # GSPMD sums the attention's from the output gradient it gathered anyway
         rows += [E(f"{scope} row-parallel bias on sequence shards: gradient sum",
@@ -255,16 +275,6 @@ def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int):
                       + (" (gathered rows)" if impl == "explicit" else ""),
                       "all-gather" if impl == "explicit" else "all-reduce",
                       "backward", "", s * m.d_model, 1, pd, role="positions"))
-    K, H = m.kv_heads, m.head_dim
-    if xla_kv:
-        rows += _kv_rows(cfg, impl, E, b * s * 2 * K * H)
-    elif K < tp:  # replicated kv projection fed the gathered x: its weight gradient,
-        # summed as the compute-dtype weight it multiplied; inside shard_map
-        # over dp and tp at once (one psum: `_expected_dp` leaves it out)
-        dp = cfg.parallel.dp
-        rows.append(E("replicated kv weight gradient: sum over tp"
-                      + (" and dp" if dp > 1 else ""), "all-reduce", "backward", "attention",
-                      m.d_model * 2 * K * H, L, group=tp * dp))
     return rows
 
 

@@ -52,9 +52,9 @@ def slot(row: dict) -> str:
     return "embedding" if role.startswith("learned positions") else "grads"
 
 
-def _fit(text: str, width: int = 0) -> str:
+def _fit(text: str) -> str:
     """`text` cut to what a column holds (monospace, about 0.6 em a character)."""
-    chars = int((width or COLUMN_W - 8) / (0.6 * (FONT - 1)))
+    chars = int((COLUMN_W - 8) / (0.6 * (FONT - 1)))
     return text if len(text) <= chars else text[: chars - 3] + "..."
 
 

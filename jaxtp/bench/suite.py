@@ -25,13 +25,13 @@ from typing import Callable
 import jax
 import numpy as np
 
-from ..config import Config, apply_overrides, load_config, validate
 from ..parallel import make_mesh
 from ..train.state import abstract_train_state
 from ..train.step import compile_train_step
 from . import collectives as bc
 from .collectives import bench_collectives
 from .decode import bench_decode
+from .cases import PAIRED, _case, _get, _paired, preset, valid_tps
 from .timing import build, paired_ratio, time_alternating
 from .report import RATIO_COLUMNS, format_section, machine_info, section
 
@@ -52,62 +52,6 @@ PLANS = {
                  attention_seqs=(256, 512, 1024, 2048), loop_steps=60, decode_batch=8,
                  decode_prompt=64, decode_tokens=64, decode_reps=3, small=()),
 }
-# A full GPT-2-small step (8 x 1024 tokens) takes minutes on a few CPU cores.
-CPU_REDUCED = {"gpt2-small": ("model.n_layers=2", "train.batch_size=2", "model.seq_len=256")}
-# a timed ratio, with the spread of its per-round values
-PAIRED = RATIO_COLUMNS + [("ratio_min", "min ratio"), ("ratio_max", "max ratio")]
-
-
-def preset(name: str, *overrides: str) -> tuple[Config, list[str]]:
-    """(config, the CPU reductions applied): on CPU, CPU_REDUCED shrinks big presets."""
-    cut = list(CPU_REDUCED.get(name, ())) if jax.default_backend() == "cpu" else []
-    return validate(apply_overrides(load_config(name), cut + list(overrides))), cut
-
-
-def _case(name: str, cfg: Config, cut: list[str]) -> str:
-    m, t = cfg.model, cfg.train
-    shape = f"L={m.n_layers} B={t.batch_size} T={m.seq_len}"
-    return f"{name} ({shape}{', reduced for CPU' if cut else ''})"
-
-
-def valid_tps(name: str, tps) -> tuple[list[int], list[str]]:
-    """The tps (up to the device count) that the preset's sizes allow, and why the others
-    are left out (GPT-2 small's 12 heads do not split over 8)."""
-    ok, why = [], []
-    for tp in tps:
-        try:
-            if tp > jax.device_count():
-                raise ValueError(f"only {jax.device_count()} devices")
-            preset(name, f"parallel.tp={tp}")
-            ok.append(tp)
-        except ValueError as e:  # ConfigError
-            why.append(f"{name} tp={tp} left out: {str(e).split(';')[0]}")
-    return ok, why
-
-
-def _get(plan: dict, cache: dict, preset_name: str, tp: int, impl: str = "gspmd",
-         sp: bool = False, overlap: str = "none"):
-    key = (f"{preset_name} {impl} tp={tp}{' sp' if sp else ''}"
-           f"{' ' + overlap if overlap != 'none' else ''}")
-    if key not in cache:
-        cfg, cut = preset(preset_name, f"parallel.tp={tp}", f"parallel.impl={impl}",
-                          f"parallel.sp={str(sp).lower()}", f"parallel.overlap={overlap}",
-                          *plan["small"])
-        cache[key] = (build(key, cfg), cut)
-    return cache[key]
-
-
-def _paired(plan: dict, base, run, base_ms: str, run_ms: str, **fields) -> dict:
-    """A row timing `run` against `base` alternately: the paired ratio, its
-    spread, and each one's median step time in ms (under `base_ms`, `run_ms`)."""
-    t = time_alternating([base, run], plan["warmup"], plan["steps"])
-    ratio, lo, hi = paired_ratio(t, run.name, base.name)
-    return {"case": fields.pop("case"), "measured": fields.pop("measured"), "value": ratio,
-            "unit": "ratio", "ratio_min": lo, "ratio_max": hi,
-            base_ms: np.median(t[base.name]) * 1e3, run_ms: np.median(t[run.name]) * 1e3,
-            **fields}
-
-
 def bench_impl(plan: dict, cache: dict, log=print) -> dict:
     """shard_map and explicit against gspmd: the train step at the largest tp
     <= 8, each pair timed alternately."""
