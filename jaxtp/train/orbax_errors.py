@@ -34,9 +34,13 @@ class _QuietOrbax(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR:
             return True
-        tb = record.exc_info[2] if record.exc_info else None
+        exc, tb = record.exc_info[1:] if record.exc_info else (None, None)
         frames = traceback.extract_tb(tb) if tb is not None else []
-        return not ("orbax" in record.pathname or any("orbax" in f.filename for f in frames))
+        # a tensorstore write's error reaches asyncio without orbax's frames
+        # (set on its future from C++); it names orbax's temporary directory
+        mentions = f"{record.getMessage()} {exc}"
+        return not ("orbax" in record.pathname or any("orbax" in f.filename for f in frames)
+                    or ".orbax-checkpoint-tmp" in mentions)
 
 
 def quiet_orbax() -> None:

@@ -307,3 +307,25 @@ def test_fingerprint_is_exact_and_layout_independent():
     got = fingerprints([jax.device_put(v) for v in variants])
     assert got == [host_fingerprint(v) for v in variants]
     assert len(set(got)) == len(got)
+
+
+def test_orbax_write_errors_logged_by_asyncio_are_dropped_and_others_kept():
+    """A failed background save's errors reach asyncio's logger ("Future
+    exception was never retrieved") with orbax's frames or, set on the future
+    by tensorstore, with none but naming orbax's temporary directory; the
+    save's one-line report covers them. Any other error record goes on."""
+    import logging
+
+    from jaxtp.train.orbax_errors import _QuietOrbax
+
+    def record(exc, msg="Future exception was never retrieved"):
+        return logging.LogRecord("asyncio", logging.ERROR, "/usr/lib/asyncio/base_events.py",
+                                 1, msg, (), (type(exc), exc, None))
+
+    store = ValueError('OUT_OF_RANGE: Error writing "params" in OCDBT database at local file '
+                       '"/run/checkpoints/4.orbax-checkpoint-tmp/arrays.orbax-checkpoint-tmp/"')
+    quiet = _QuietOrbax()
+    assert not quiet.filter(record(store))
+    assert quiet.filter(record(ValueError("a user's own coroutine failed")))
+    assert quiet.filter(logging.LogRecord("asyncio", logging.WARNING, "x.py", 1,
+                                          "orbax-checkpoint-tmp is slow", (), None))
