@@ -29,6 +29,10 @@ if _cpu and "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS"
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_backend_optimization_level=0"
                                " --xla_llvm_disable_expensive_passes=true"
+                               # the older elemental emitters compile the
+                               # suite's fusions in half the time of the new
+                               # (MLIR) fusion emitters
+                               " --xla_cpu_use_fusion_emitters=false"
                                # one thread per device program: the two test
                                # workers (pyproject) already fill the cores
                                " --xla_cpu_multi_thread_eigen=false"

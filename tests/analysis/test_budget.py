@@ -45,7 +45,7 @@ def compiled(tp, impl, model=MODEL):
 
 
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
-@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("tp", [2, 8])  # tp=4 (with dp=2): tests/train/test_scale.py
 def test_budget_holds_in_compiled_hlo(tp, impl):
     cfg, colls = compiled(tp, impl)
     assert check(colls, expected_collectives(cfg, impl)) is None

@@ -18,7 +18,8 @@ from jaxtp.analysis.rows import check
 from jaxtp.config import REMATS, Config, ModelConfig, ParallelConfig, TrainConfig, validate
 from jaxtp.model import stack_layers
 from jaxtp.parallel import make_mesh
-from jaxtp.train.state import abstract_train_state, init_params, init_train_state, place_params
+from jaxtp.train.state import abstract_train_state, init_train_state, place_params
+from cached import initial_params, initial_values
 from jaxtp.train.step import compile_train_step, grads_of, make_train_step, step_controls
 
 MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, seq_len=16)
@@ -38,7 +39,7 @@ def loss_and_grads(cfg, values=None, tokens=TOKENS, key=None):
     """(loss, {path: full gradient}) of one batch; `values` as `place_params` takes them."""
     mesh = make_mesh(cfg.parallel.dp, cfg.parallel.tp, impl=cfg.parallel.impl)
     if values is None:
-        graphdef, params, _ = init_params(cfg, mesh)
+        graphdef, params, _ = initial_params(cfg, mesh)
     else:
         graphdef, params, _ = place_params(cfg, mesh, values)
     with jax.set_mesh(mesh):
@@ -52,11 +53,6 @@ def loss_and_grads(cfg, values=None, tokens=TOKENS, key=None):
 def one_device(model):
     """loss_and_grads on one device (dp=1, tp=1), once per model."""
     return loss_and_grads(cfg_of(model))
-
-
-def host_values(cfg):
-    mesh = make_mesh(cfg.parallel.dp, cfg.parallel.tp)
-    return jax.tree.map(np.asarray, nnx.to_pure_dict(jax.device_get(init_params(cfg, mesh)[1])))
 
 
 def assert_same(a, b, rtol=1e-5, atol=1e-6):
@@ -127,7 +123,7 @@ def test_fsdp_splits_parameters_and_adam_state_over_dp():
 
 @pytest.mark.slow
 def test_four_microbatches_equal_one_batch():
-    values = host_values(cfg_of())
+    values = initial_values(cfg_of())
     ref = loss_and_grads(cfg_of(), values)
     assert_same(loss_and_grads(cfg_of(microbatches=4), values), ref)
     assert_same(loss_and_grads(cfg_of(dp=2, tp=2, microbatches=2, fsdp=True), values), ref)
@@ -140,7 +136,7 @@ def unscanned(impl):
     """(parameter values, loss and gradients) of the unscanned GQA stack with
     dropout, once per impl: what every remat policy's scanned stack must equal."""
     plain = cfg_of(GQA, tp=4, impl=impl, dropout=0.1)
-    values = host_values(plain)
+    values = initial_values(plain)
     return values, loss_and_grads(plain, values, key=jax.random.key(3))
 
 
@@ -192,7 +188,7 @@ test_scanned_collectives_per_layer_and_compile_time.fast_cases = set()
 
 def run(cfg, n, controls):
     mesh = make_mesh(cfg.parallel.dp, cfg.parallel.tp)
-    state = init_train_state(cfg, mesh)
+    state = init_train_state(cfg, mesh, initial_values(cfg))
     step = make_train_step(state, use_dropout=False)
     p, o, out = state.params, state.opt_state, []
     with jax.set_mesh(mesh):
