@@ -68,18 +68,24 @@ def abstract_model(cfg: Config, mesh: Mesh):
 def init_params(cfg: Config, mesh: Mesh):
     """Initialise directly into the sharded layout.
 
-    Threefry is partitionable, so the values are identical for every tp and dp.
+    Threefry is partitionable and GSPMD partitions the draw, so every tp and
+    dp draws the bits one device draws. The draw runs on the mesh's Auto axes
+    for every impl: typed on Explicit axes it is computed replicated and then
+    sliced, and XLA compiles the float transform of the bits differently (up
+    to 3 ulp off one device's). Explicit's arrays are then retyped onto its
+    mesh (the same devices and layout).
     """
     mesh = mesh_for(mesh, cfg.parallel.impl)  # explicit: Explicit axes
     graphdef, abstract = abstract_model(cfg, mesh)
     shardings = nnx.get_named_sharding(abstract, mesh)
+    auto = mesh_for(mesh, "gspmd")
 
     def create():
         return nnx.split(build_model(cfg, cfg.train.seed, mesh.devices.flat[0]))[1]
 
-    with jax.set_mesh(mesh):
-        params = jax.jit(create, out_shardings=shardings)()
-    return graphdef, params, shardings
+    with jax.set_mesh(auto):
+        params = jax.jit(create, out_shardings=nnx.get_named_sharding(abstract, auto))()
+    return graphdef, jax.device_put(params, shardings), shardings
 
 
 def _state(cfg: Config, mesh: Mesh, graphdef, params, param_shardings) -> TrainState:

@@ -160,7 +160,8 @@ def test_collective_matmul_budget_in_shard_map(model, dp, tp, remat):
     collective-permutes of one sequence chunk (b*s*h/tp) forward and tp - 1
     backward (a remat policy runs the entry's ring once more), the ring bytes
     of the SP collectives they replace."""
-    model = dataclasses.replace(model, remat=remat)
+    # 2 layers: the rings (tp - 1 steps each, unrolled) make long programs
+    model = dataclasses.replace(model, remat=remat, n_layers=2)
     cfg = Config(model, TrainConfig(batch_size=4 * dp),
                  ParallelConfig(dp=dp, tp=tp, impl="shard_map", sp=True,
                                 overlap="collective_matmul"))

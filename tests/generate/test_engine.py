@@ -79,8 +79,8 @@ def test_scanned_layers_generate_the_same(impl):
     assert gen.generate(PROMPTS, NEW) == reference_greedy("llama-gqa", scan=True)
 
 
-SAMPLINGS = {"temperature": Sampling(0.9), "top-k": Sampling(1.2, top_k=5),
-             "top-p": Sampling(1.0, top_p=0.8), "top-k-p": Sampling(0.7, top_k=20, top_p=0.9)}
+# the filters one at a time: test_the_sampler_draws_from_the_filtered_softmax
+SAMPLINGS = {"temperature": Sampling(0.9), "top-k-p": Sampling(0.7, top_k=20, top_p=0.9)}
 
 
 @pytest.mark.parametrize("how", list(SAMPLINGS))
@@ -93,7 +93,7 @@ def test_seeded_sampling_is_the_same_at_tp1_and_tp8(how):
     assert tp1.generate(PROMPTS, NEW, seed=4) != one  # the seed matters
 
 
-test_seeded_sampling_is_the_same_at_tp1_and_tp8.fast_cases = {"top-k"}
+test_seeded_sampling_is_the_same_at_tp1_and_tp8.fast_cases = {"top-k-p"}
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ its logits, loss and every gradient to fp32 tolerance; so must explicit
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -85,19 +86,24 @@ def assert_trees_close(got, want):
                                    err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("variant", ["gpt2", "llama-gqa", "llama-mqa"])
+@pytest.mark.parametrize("variant", ["gpt2", "llama-gqa"])
 def test_init_is_the_same_in_every_layout(variant):
-    """Threefry is partitionable: `init_params` draws the same values at every
-    tp (the kv heads sharded at tp=2, replicated at 8), on a mesh of Explicit
-    axes, and split over dp by FSDP, as on one device. (shard_map's parameters
-    are gspmd's.) (So the other tests take them from one init, tests/cached.py.)"""
+    """Threefry is partitionable: `init_params` draws the same values, bit for
+    bit, as one device at every tp (the kv heads sharded at tp=2, replicated
+    at 8), split over dp by FSDP, and on a mesh of Explicit axes (drawn on its
+    Auto twin: typed on Explicit axes a third of the normal draws came out up
+    to 3 ulp off); shard_map's parameters are gspmd's. So the other tests take
+    them from one init (tests/cached.py)."""
     model = VARIANTS[variant]
     want = initial_values(make_cfg(1, model=model))
     for par in (ParallelConfig(tp=2), ParallelConfig(tp=8), ParallelConfig(tp=8, impl="explicit"),
                 ParallelConfig(dp=2, tp=4, fsdp=True)):
         mesh = make_mesh(par.dp, par.tp, impl=par.impl)
-        params = init_params(Config(model=model, parallel=par), mesh)[1]
-        assert_trees_close(host_params(params), want)
+        got = host_params(init_params(Config(model=model, parallel=par), mesh)[1])
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for path, w in jax.tree_util.tree_flatten_with_path(want)[0]:
+            g = functools.reduce(lambda d, k: d[k.key], path, got)
+            np.testing.assert_array_equal(g, w, err_msg=f"{par} {jax.tree_util.keystr(path)}")
 
 
 test_init_is_the_same_in_every_layout.fast_cases = {"llama-gqa"}

@@ -21,7 +21,7 @@ from jaxtp.parallel import Layout, f, g, make_mesh
 RTOL, ATOL = 1e-5, 1e-6
 CFGS = {
     "gpt2": ModelConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=8, d_ff=64, seq_len=16),
-    # SwiGLU, RoPE and 2 kv heads (replicated at tp=4 and 8), with biases
+    # SwiGLU, RoPE and 2 kv heads (sharded at tp=2, replicated at 8), with biases
     "llama": ModelConfig(style="llama", vocab_size=64, n_layers=2, d_model=64, n_heads=8,
                          n_kv_heads=2, d_ff=64, seq_len=16),
 }
@@ -68,7 +68,7 @@ def reference_of(name, style):
 
 
 @pytest.mark.parametrize("style, tp", [("gpt2", 1)] + [(s, tp) for s in sorted(CFGS)
-                                                        for tp in (2, 4, 8)])
+                                                        for tp in (2, 8)])
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_module_matches_gspmd_and_reference(name, tp, style):
     cls, ref_fn = MODULES[name]

@@ -87,16 +87,16 @@ def test_key_bias_gradient_is_round_off():
 @pytest.mark.slow
 def test_short_run_on_builtin_corpus_learns(tmp_path):
     model = ModelConfig(n_layers=2, d_model=64, n_heads=8, d_ff=256, seq_len=64)
-    cfg = Config(model, TrainConfig(steps=80, batch_size=16, lr=3e-3, warmup_steps=10,
-                                    log_every=20, eval_every=40, eval_batches=2),
+    cfg = Config(model, TrainConfig(steps=40, batch_size=16, lr=6e-3, warmup_steps=5,
+                                    log_every=10, eval_every=20, eval_batches=2),
                  ParallelConfig(tp=4))
     summary = train(cfg, tmp_path, log=lambda s: None)
-    # byte-level loss starts at ln(256) = 5.55; 80 steps on Python source
-    # reach well under 3.5
+    # byte-level loss starts at ln(256) = 5.55; 40 steps on Python source
+    # reach well under 3.5 (5.42 -> eval 2.91 measured)
     assert summary["first_loss"] > 5.0
     assert summary["final_eval_loss"] < summary["first_loss"] - 2.0
     rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 20, 40, 60, 80]
+    assert [r["step"] for r in rows] == [1, 10, 20, 30, 40]
     assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec"} <= set(rows[0])
     assert "eval_loss" in rows[2] and "eval_loss" not in rows[1]
     assert (tmp_path / "config.json").is_file()
