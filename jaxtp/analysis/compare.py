@@ -135,15 +135,15 @@ def _analytic_line(budget, sp: bool, ring: dict, overlap: bool = False) -> str:
                              f"{budget.all_reduce_per_layer_bwd} bwd all-reduces")
     return (f"analytic (Megatron{'-SP' if sp else ''}): per block {per_block.strip()} "
             f"of b*s*h = {budget.batch}*{budget.seq}*{budget.d_model} = "
-            f"{_size(budget.bytes_per_all_reduce)}; ring traffic per "
-            f"rank {_size(budget.ring_bytes_per_all_reduce)} each, "
-            f"{_size(budget.ring_bytes_per_layer)} per block, "
-            f"{_size(budget.ring_bytes_blocks_per_step)} for the blocks per step; with the "
+            f"{size_text(budget.bytes_per_all_reduce)}; ring traffic per "
+            f"rank {size_text(budget.ring_bytes_per_all_reduce)} each, "
+            f"{size_text(budget.ring_bytes_per_layer)} per block, "
+            f"{size_text(budget.ring_bytes_blocks_per_step)} for the blocks per step; with the "
             "collectives outside the blocks: " + ", ".join(
-                f"{_size(v)} ({k})" for k, v in ring.items()))
+                f"{size_text(v)} ({k})" for k, v in ring.items()))
 
 
-def _size(b: float) -> str:
+def size_text(b: float) -> str:
     return f"{b / 2**20:.3f} MiB" if b >= 2**10 else f"{b:.0f} B"
 
 
@@ -196,7 +196,7 @@ def format_table(colls_by_impl: dict, expected_by_impl: dict) -> list[str]:
     rows = [head]
     for r in table_rows(colls_by_impl, expected_by_impl):
         row = [r["kind"], r["pass"], r["scope"] or "-", shape_text(r), str(r["devices"]),
-               _size(r["bytes"])]
+               size_text(r["bytes"])]
         for impl in impls:
             row += [str(r["counts"][impl]), str(r["budget"][impl])]
         rows.append(row + [role_text(r)])

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from xml.sax.saxutils import quoteattr
 
-from .compare import role_text, shape_text
+from .compare import role_text, shape_text, size_text
 
 # the modules top to bottom: (slot, label)
 MODULES = (("embedding", "embedding (vocab-parallel), positions"),
@@ -58,10 +58,6 @@ def _fit(text: str) -> str:
     return text if len(text) <= chars else text[: chars - 3] + "..."
 
 
-def _size(b: float) -> str:
-    return f"{b / 2**20:.3f} MiB" if b >= 2**10 else f"{b:.0f} B"
-
-
 def layout(report: dict) -> tuple[list[tuple], int, int]:
     """(primitives, width, height): ("rect", x, y, w, h, fill, stroke) and
     ("text", x, y, text, size, colour, bold, data) in pixels."""
@@ -75,7 +71,7 @@ def layout(report: dict) -> tuple[list[tuple], int, int]:
             if not got and not want:
                 continue
             head = f"{got}x {r['kind']}: {role_text(r)}"
-            payload = (f"   {shape_text(r).replace(' ', '')}, {_size(r['bytes'])}"
+            payload = (f"   {shape_text(r).replace(' ', '')}, {size_text(r['bytes'])}"
                        + (f"; budget {want}" if got != want else ""))
             data = {"impl": impl, "pass": r["pass"], "kind": r["kind"], "role": role_text(r),
                     "count": got, "budget": want}
@@ -145,13 +141,14 @@ def _escape(text: str) -> str:
 
 def to_png(report: dict, path: Path) -> bool:
     """The same layout drawn with matplotlib; False where it is not installed."""
+    from ..plot import NoMatplotlib, pyplot
+
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Rectangle
-    except ImportError:
+        plt = pyplot()
+    except NoMatplotlib:
         return False
+    from matplotlib.patches import Rectangle
+
     prims, width, height = layout(report)
     fig = plt.figure(figsize=(width / 100, height / 100), dpi=100)
     ax = fig.add_axes((0, 0, 1, 1))

@@ -30,10 +30,7 @@ def main(argv=None) -> int:
         else:
             from .bench import plot_bench
             paths = plot_bench(args.bench_dir, args.out)
-    except NoMatplotlib as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, OSError) as e:
+    except (NoMatplotlib, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for p in paths:
