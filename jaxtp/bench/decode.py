@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ..config import load_config
+from ..config import apply_overrides, load_config
 from ..generate import Generator, cache_bytes_per_device
 from ..generate.load import generation_config
 from ..parallel import make_mesh
@@ -41,7 +41,8 @@ def bench_decode(plan: dict) -> dict:
     prompts = [list(map(int, text[b * P:(b + 1) * P])) for b in range(B)]
     rows, base = [], None
     for tp in tps:
-        cfg = generation_config(load_config("tiny"), tp, "gspmd", "xla")
+        cfg = generation_config(apply_overrides(load_config("tiny"), plan["small"]), tp,
+                                "gspmd", "xla")
         mesh = make_mesh(1, tp)
         graphdef, params, _ = init_params(cfg, mesh)
         gen = Generator(nnx.merge(graphdef, params), mesh)
@@ -50,7 +51,7 @@ def bench_decode(plan: dict) -> dict:
             k, v = gen.empty_cache(B, P + new)
         held = sum(s.data.nbytes for a in (k, v) for s in a.addressable_shards) / tp
         base = base or (prefill_s, tok_s)
-        rows.append({"case": f"tiny tp={tp} (B={B}, prompt {P}, {new} new)",
+        rows.append({"case": f"tiny tp={tp} (L={cfg.model.n_layers} B={B}, prompt {P}, {new} new)",
                      "measured": "decode tokens/s, against tp=1", "value": tok_s / base[1],
                      "unit": "ratio", "prefill_ms": prefill_s * 1e3,
                      "prefill_ratio": prefill_s / base[0], "decode_tok_s": tok_s,
