@@ -35,15 +35,21 @@ def module_value_and_grads(cls, tp, impl, CFG):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(4, CFG.seq_len, CFG.d_model)).astype(np.float32)
     c = rng.normal(size=x.shape).astype(np.float32)
-    with jax.set_mesh(mesh):
-        # created under the mesh: eager sharding lays each weight out by its spec
-        layout = Layout(tp=tp, impl=impl, kv_sharded=CFG.kv_heads % tp == 0)
-        graphdef, params = nnx.split(cls(CFG, layout, rngs=nnx.Rngs(3)))
+    layout = Layout(tp=tp, impl=impl, kv_sharded=CFG.kv_heads % tp == 0)
+
+    def create():
+        params = nnx.split(cls(CFG, layout, rngs=nnx.Rngs(3)))[1]
         # non-zero biases, so a row-parallel bias added before the reduction
         # (tp times) would show
-        params = jax.tree_util.tree_map_with_path(
+        return jax.tree_util.tree_map_with_path(
             lambda path, v: v + 0.1 * (1 + jnp.arange(v.size).reshape(v.shape) % 7)
             if "bias" in jax.tree_util.keystr(path) else v, params)
+
+    with jax.set_mesh(mesh):
+        # one program lays each weight out by its spec (eagerly: a program per op)
+        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: cls(CFG, layout,
+                                                                  rngs=nnx.Rngs(3))))
+        params = jax.jit(create, out_shardings=nnx.get_named_sharding(abstract, mesh))()
 
         def loss(params, x):
             y = nnx.merge(graphdef, params)(x)

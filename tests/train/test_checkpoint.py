@@ -111,15 +111,23 @@ def test_keep_prunes_to_the_last_steps(tmp_path, gpt2_tp8):
     ckpt.close()
 
 
-def two_steps(tmp_path, gpt2_tp8):
-    """Save steps 1 (the fixture's values) and 2 (other values); return step 1's values."""
-    p1, o1, v1 = gpt2_tp8
+@pytest.fixture(scope="module")
+def saved_two_steps(tmp_path_factory, gpt2_tp8):
+    """A directory with steps 1 (the fixture's values) and 2 (other values), saved once."""
+    where = tmp_path_factory.mktemp("two_steps")
+    p1, o1, _ = gpt2_tp8
     p2, o2, _ = known_state(GPT2, 8, offset=5.0)
-    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt = Checkpointer(where, async_save=False)
     ckpt.save(1, p1, o1, meta_of(GPT2, 8))
     ckpt.save(2, p2, o2, meta_of(GPT2, 8))
     ckpt.close()
-    return v1
+    return where
+
+
+def two_steps(tmp_path, gpt2_tp8, saved):
+    """Steps 1 and 2 (`saved_two_steps`) copied into tmp_path; return step 1's values."""
+    shutil.copytree(saved, tmp_path, dirs_exist_ok=True)
+    return gpt2_tp8[2]
 
 
 def stored_chunk(step_dir, key="params['wte']['embedding'].value/0.0"):
@@ -178,8 +186,8 @@ def truncate_largest_file(step_dir):
     ("largest", "cannot read its arrays"), ("meta", "does not match its checksum")])
 # Orbax leaves the other reads of a failed restore to the garbage collector.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_corrupt_latest_step_falls_back(tmp_path, gpt2_tp8, damage, reason):
-    values = two_steps(tmp_path, gpt2_tp8)
+def test_corrupt_latest_step_falls_back(tmp_path, gpt2_tp8, saved_two_steps, damage, reason):
+    values = two_steps(tmp_path, gpt2_tp8, saved_two_steps)
     if damage == "largest":
         truncate_largest_file(tmp_path / "2")
     elif damage == "meta":
@@ -208,8 +216,8 @@ def test_corrupt_latest_step_falls_back(tmp_path, gpt2_tp8, damage, reason):
 test_corrupt_latest_step_falls_back.fast_cases = set()
 
 
-def test_only_step_corrupt_raises(tmp_path, gpt2_tp8):
-    two_steps(tmp_path, gpt2_tp8)
+def test_only_step_corrupt_raises(tmp_path, gpt2_tp8, saved_two_steps):
+    two_steps(tmp_path, gpt2_tp8, saved_two_steps)
     shutil.rmtree(tmp_path / "1")
     flip_byte(*stored_chunk(tmp_path / "2"))
     logs = []

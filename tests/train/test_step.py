@@ -76,7 +76,7 @@ def test_key_bias_gradient_is_round_off():
     cfg = Config(MODEL, TRAIN)
     state = init_train_state(cfg, mesh, initial_values(cfg))
     toks = np.random.default_rng(0).integers(0, 64, (8, 17)).astype(np.int32)
-    grads = jax.grad(lambda p: loss_fn(state.graphdef, p, toks))(state.params)
+    grads = jax.jit(jax.grad(lambda p: loss_fn(state.graphdef, p, toks)))(state.params)
     for path, g in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(grads))[0]:
         if _is_key_bias(path):
             g = np.asarray(g)
