@@ -1,9 +1,9 @@
-"""Every tp degree and both implementations compute what one device computes.
+"""Every tp degree and every implementation compute what one device computes.
 
 The reference is tests/reference.py (plain jnp, one device), fed the same
-parameters; jaxtp at tp in {1, 2, 4, 8}, under gspmd and shard_map, must match
-its logits, loss and every gradient to fp32 tolerance; so must explicit
-(sharding in types) for GPT-2 and GQA, kv heads sharded and replicated.
+parameters; jaxtp at tp 1, 2 and 8, under gspmd and shard_map, must match its
+logits, loss and every gradient to fp32 tolerance; so must explicit (sharding
+in types) for GPT-2 and GQA, kv heads sharded and replicated.
 
 The cases cover each model and kv layout (sharded, replicated) under each impl
 at tp 2 and 8, not every product of them: tp=4 runs at dp=2 x tp=4

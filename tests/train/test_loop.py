@@ -2,7 +2,8 @@
 
 Resume equivalence (bit for bit on CPU), SIGTERM, fault handling and the
 metrics rows. (Resuming at another dp x tp, from two processes:
-tests/test_multihost.py; restoring into other layouts: tests/test_checkpoint.py.)"""
+tests/parallel/test_distributed.py; restoring into other layouts:
+tests/train/test_checkpoint.py.)"""
 
 import json
 import signal
@@ -53,32 +54,17 @@ def final_params(out: Path, step: int) -> dict:
 
 
 @pytest.mark.slow
-def test_resume_in_a_new_process_is_bit_identical(tmp_path):
-    a, b = tmp_path / "straight", tmp_path / "split"
-    # the straight run in this process (the same XLA flags as the children's)
-    cfg = apply_overrides(load_config("tiny"), SMALL + ["parallel.tp=4", "train.steps=8"])
-    train(cfg, a, log=lambda _: None)
-    r = cli("--tp", "4", "--steps", "8", "--until", "3", "--out", str(b))
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "stopped after step 3" in r.stdout and [x["step"] for x in rows(b)] == [1, 2, 3]
-    r = cli("--tp", "4", "--steps", "8", "--resume", "--out", str(b))
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "resumed from" in r.stdout and "step 3" in r.stdout
-    assert logged(b) == logged(a)  # every loss, grad norm and eval loss, exactly
-    pa, pb = final_params(a, 8), final_params(b, 8)
-    assert pa.keys() == pb.keys()
-    for k in pa:
-        assert np.array_equal(pa[k], pb[k]), k
-
-
-@pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_that_resumes(tmp_path):
-    out = tmp_path / "run"
-    env = child_env()
-    proc = subprocess.Popen([sys.executable, "-u", str(ROOT / "train.py"), "--tp", "2",
-                             "--steps", "100000", "--out", str(out), *SMALL],
+def test_sigterm_saves_a_checkpoint_that_a_new_process_resumes_bit_identically(tmp_path):
+    """SIGTERM during a run: it saves a checkpoint and exits resumable
+    (128 + SIGTERM); a new process resumes it and logs, and ends with, exactly
+    what a run that never stopped logs and ends with (CPU: bit for bit)."""
+    out, straight = tmp_path / "run", tmp_path / "straight"
+    # a schedule far longer than the run, so the signal lands mid-run
+    long = ["--tp", "4", "--steps", "100000"]
+    proc = subprocess.Popen([sys.executable, "-u", str(ROOT / "train.py"), *long,
+                             "--out", str(out), *SMALL],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, env=env)
+                            cwd=ROOT, env=child_env())
     try:
         for line in proc.stdout:
             if line.startswith("step     2/"):
@@ -91,10 +77,19 @@ def test_sigterm_saves_a_checkpoint_that_resumes(tmp_path):
     assert "SIGTERM received: saved a checkpoint at step" in stdout
     step = int(stdout.split("saved a checkpoint at step ")[1].split()[0])
     assert (out / "checkpoints" / str(step)).is_dir()
-    r = cli("--tp", "2", "--steps", "100000", "--until", str(step + 2), "--resume",
-            "--out", str(out))
+    end = step + 3  # past an eval (every 4 steps)
+    r = cli(*long, "--until", str(end), "--resume", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
-    assert [x["step"] for x in rows(out)] == list(range(1, step + 3))
+    assert "resumed from" in r.stdout and f"step {step}" in r.stdout
+    assert [x["step"] for x in rows(out)] == list(range(1, end + 1))
+    # the straight run in this process (the same XLA flags as the children's)
+    cfg = apply_overrides(load_config("tiny"), SMALL + ["parallel.tp=4", "train.steps=100000"])
+    train(cfg, straight, log=lambda _: None, until=end)
+    assert logged(out) == logged(straight)  # every loss, grad norm and eval loss, exactly
+    pa, pb = final_params(straight, end), final_params(out, end)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert np.array_equal(pa[k], pb[k]), k
 
 
 @pytest.mark.slow
