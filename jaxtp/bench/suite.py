@@ -184,13 +184,14 @@ def bench_profile(plan: dict, cache: dict) -> dict:
         rows, notes)
 
 
-def bench_peer(plan: dict) -> dict:
-    """jaxtp's tiny train step at tp=1 against the same model written in plain
-    JAX (`jaxtp.bench.peer`), timed alternately in one process."""
+def bench_peer(plan: dict, cache: dict) -> dict:
+    """jaxtp's tiny train step at tp=1 (the scaling section's, when it ran)
+    against the same model written in plain JAX (`jaxtp.bench.peer`), timed
+    alternately in one process."""
     from . import peer as bp
 
-    cfg, cut = preset("tiny", "parallel.tp=1", *plan["small"])
-    run = build("jaxtp tiny tp=1", cfg)
+    run, cut = _get(plan, cache, "tiny", 1)
+    cfg = run.cfg
     step, params, opt_state = bp.make_step(cfg)
     tokens = jax.device_put(np.asarray(run.tokens), jax.devices()[0])
     state = {"params": params, "opt_state": opt_state}
@@ -290,7 +291,7 @@ def run_suite(quick: bool = False, only=None, log: Callable[[str], None] = print
             "overlap": lambda: bench_overlap(plan, cache, log),
             "compile": lambda: bench_compile(plan, log),
             "collectives": lambda: bench_collectives(plan, log),
-            "profile": lambda: bench_profile(plan, cache), "peer": lambda: bench_peer(plan),
+            "profile": lambda: bench_profile(plan, cache), "peer": lambda: bench_peer(plan, cache),
             "attention": lambda: bench_attention(plan, log), "loop": lambda: bench_loop(plan),
             "decode": lambda: bench_decode(plan)}
     for sid in SECTIONS:

@@ -13,7 +13,7 @@ from jaxtp.config import Config, ModelConfig, ParallelConfig, TrainConfig, valid
 from jaxtp.generate import Generator, Sampling, cache_bytes_per_device
 from jaxtp.model.transformer import unstack_layers
 from jaxtp.parallel import make_mesh
-from cached import initial_params
+from cached import OPTIMISED, initial_params
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11]]  # three lengths in one batch
 NEW = 8
@@ -133,7 +133,7 @@ def _draws(head, x_BD, sampling: Sampling, keys) -> np.ndarray:
     def draw(key):
         return head.next_token(x_BD, key, temperature=sampling.temperature,
                                top_k=sampling.top_k, top_p=sampling.top_p)
-    return np.asarray(jax.jit(jax.vmap(draw))(keys))
+    return np.asarray(jax.jit(jax.vmap(draw)).lower(keys).compile(OPTIMISED)(keys))
 
 
 @pytest.mark.slow  # 3 x 4000 x 8 draws; the fast tier keeps the seeded tp1 = tp8 check
