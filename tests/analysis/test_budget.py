@@ -292,9 +292,10 @@ def test_run_json_records_the_experiment(tmp_path):
 @pytest.mark.slow
 def test_compare_hlo_on_the_llama_preset(tmp_path):
     """GQA with kv heads replicated at tp=8, vocab-parallel loss: the three
-    impls hold the extended budget."""
+    impls hold the extended budget (one of the preset's blocks: the budget is
+    per block, the 2-layer tests above count it per layer)."""
     assert train.main(["--tp", "8", "--config", "llama-tiny", "--compare-hlo",
-                       "--out", str(tmp_path)]) == 0
+                       "--out", str(tmp_path), "model.n_layers=1"]) == 0
     report = json.loads((tmp_path / "comm_report.json").read_text())
     assert len(report["impls"]) == 3
     assert all(r["matches_budget"] for r in report["impls"].values())
