@@ -154,8 +154,9 @@ test_sequence_parallel_budget_in_explicit.fast_cases = set()
 
 
 @pytest.mark.parametrize("model, dp, tp, remat", [
-    (MODEL, 1, 8, "none"), (MODEL, 2, 4, "none"), (LLAMA, 1, 8, "dots")],
-    ids=["gpt2-tp8", "gpt2-dp2-tp4", "llama-gqa-remat-dots"])
+    (MODEL, 1, 8, "none"), (MODEL, 2, 4, "none"), (MODEL, 1, 8, "minimal"),
+    (LLAMA, 1, 8, "dots")],
+    ids=["gpt2-tp8", "gpt2-dp2-tp4", "gpt2-remat", "llama-gqa-remat-dots"])
 def test_collective_matmul_budget_in_shard_map(model, dp, tp, remat):
     """overlap=collective_matmul: inside the blocks no all-gather or
     reduce-scatter is left; each region's entry and exit is tp - 1

@@ -1,4 +1,4 @@
-"""Every tp degree and every implementation compute what one device computes.
+"""tp degrees 1, 2 and 8 and every implementation compute what one device computes.
 
 The reference is tests/reference.py (plain jnp, one device), fed the same
 parameters; jaxtp at tp 1, 2 and 8, under gspmd and shard_map, must match its
@@ -33,7 +33,7 @@ LLAMA = dict(style="llama", vocab_size=61, n_layers=2, d_model=64, n_heads=8, d_
 VARIANTS = {
     "gpt2": MODEL,
     "llama-mha": ModelConfig(**LLAMA, n_kv_heads=8),
-    # 4 kv heads: sharded at tp=2 and 4, replicated (2 ranks per kv head) at tp=8
+    # 4 kv heads: sharded at tp=2, replicated (2 ranks per kv head) at tp=8
     "llama-gqa": ModelConfig(**LLAMA, n_kv_heads=4),
     "llama-mqa": ModelConfig(**LLAMA, n_kv_heads=1),
 }
@@ -132,12 +132,12 @@ def test_matches_single_device_reference(variant, tp, impl):
 test_matches_single_device_reference.fast_cases = {'llama-gqa-8-shard_map', 'gpt2-8-gspmd'}
 
 
-@pytest.mark.parametrize("variant, tp", [(v, tp) for v in ("gpt2", "llama-gqa")
-                                         for tp in (2, 8)] + [("llama-mqa", 8)])
+@pytest.mark.parametrize("variant, tp", [("gpt2", 1)] + [
+    (v, tp) for v in ("gpt2", "llama-gqa") for tp in (2, 8)] + [("llama-mqa", 8)])
 def test_explicit_matches_single_device_reference(variant, tp):
-    """impl explicit, on a mesh of Explicit axes: the same parameters, logits,
-    loss and gradients as one device, the kv heads sharded (GQA at tp 2),
-    replicated and picked per rank (GQA at tp 8, MQA)."""
+    """impl explicit, on a mesh of Explicit axes (of size 1 too): the same
+    parameters, logits, loss and gradients as one device, the kv heads sharded
+    (GQA at tp 2), replicated and picked per rank (GQA at tp 8, MQA)."""
     _, ref_logits, ref_l, ref_grads = reference(variant)
     params, logits, loss, grads, _ = run_model(make_cfg(tp, "explicit",
                                                         model=VARIANTS[variant]))

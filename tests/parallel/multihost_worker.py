@@ -1,4 +1,4 @@
-"""One process of a multi-process training run (tests/test_multihost.py starts two).
+"""One process of a multi-process training run (tests/parallel/test_distributed.py starts two).
 
     python tests/parallel/multihost_worker.py --coordinator localhost:PORT --num-processes 2 \\
         --process-id I --out FILE [--local-devices 4]

@@ -1,11 +1,11 @@
 """Multi-process training on one machine: two CPU processes x 4 devices = 8 devices.
 
 Two `tests/parallel/multihost_worker.py` processes join through `jaxtp.parallel.distributed`
-(gloo collectives over localhost TCP) and train at dp=1 x tp=8 on a mesh that
-spans both (tp all-reduces cross processes); this pytest process runs the
-same steps on its own 8 devices. Two `train.py` processes train at dp=2 x
-tp=4 (each process is one dp replica and feeds only its half of each batch)
-and checkpoint; one process resumes.
+(gloo collectives over localhost TCP) and train on meshes that span both:
+dp=1 x tp=8 (tp all-reduces cross processes) and dp=2 x tp=4 (each process is
+one dp replica and feeds only its half of each batch). This pytest process
+runs the same steps on its own 8 devices. Two `train.py` processes train at
+dp=2 x tp=4 and checkpoint; one process resumes.
 
 Tolerance: rtol 1e-6 (about 8 float32 ulps). The two runs compile the same
 partitioned program, but a cross-process all-reduce (gloo) adds the 8 partial
@@ -102,14 +102,11 @@ def _wait(procs, logs, deadline: float) -> None:
 
 
 def test_two_processes_train_like_one(tmp_path):
-    """dp=1 x tp=8 over two processes: every tp all-reduce crosses them. (dp=2
-    x tp=4, each process one dp replica feeding its half of each batch:
-    train.py's own multi-process run, the next test.)"""
     deadline = time.monotonic() + TIMEOUT_S
-    meshes = ("1x8",)
+    meshes = multihost_worker.MESHES
     out, procs, logs = _run_workers(tmp_path, ",".join(meshes))
     try:
-        # the single-process reference runs while the workers start up
+        # the single-process references run while the workers start up
         refs = {m: multihost_worker.run(*map(int, m.split("x"))) for m in meshes}
     finally:
         _wait(procs, logs, deadline)
@@ -125,8 +122,9 @@ def test_two_processes_train_like_one(tmp_path):
             np.testing.assert_allclose(got[key], ref[key], rtol=RTOL, atol=0,
                                        err_msg=f"{mesh} {key}")
         assert got["losses"][-1] < got["losses"][0]  # steps 2-3 really trained
-    # the mesh does cross processes where the test says it does
+    # the meshes do cross processes where the test says they do
     assert results["1x8"]["mesh_processes"] == [[0] * 4 + [1] * 4]
+    assert results["2x4"]["mesh_processes"] == [[0] * 4, [1] * 4]
 
 
 @pytest.mark.parametrize("dp,tp", [(1, 8), (2, 4), (8, 1)])

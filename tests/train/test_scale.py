@@ -141,13 +141,13 @@ def unscanned(impl):
 
 
 @pytest.mark.parametrize("impl, remat", [
-    ("gspmd", "none"), ("gspmd", "full"), ("shard_map", "dots"), ("shard_map", "minimal"),
-    ("explicit", "none"), ("explicit-sp", "full")])
+    ("gspmd", "none"), ("gspmd", "full"), ("shard_map", "full"), ("shard_map", "dots"),
+    ("shard_map", "minimal"), ("explicit", "none"), ("explicit-sp", "full")])
 def test_scanned_stack_equals_unscanned(impl, remat):
     """Same parameters, stacked on a layer axis: same loss and every gradient,
     with dropout on (the per-layer keys are the same); explicit also under SP.
-    Each remat policy under at least one impl, and the two that keep named
-    tensors (dots, minimal) under shard_map, whose psums they sit beside."""
+    Each remat policy under shard_map, whose psums the policies' saved names
+    sit beside, and none and full under the other impls."""
     impl, sp = impl.split("-")[0], impl.endswith("-sp")
     values, ref = unscanned(impl)
     scanned = cfg_of(GQA, tp=4, impl=impl, dropout=0.1, scan_layers=True, remat=remat, sp=sp)
@@ -247,20 +247,16 @@ def test_mixed_precision_keeps_fp32_master_weights_and_loss():
     assert not bool(metrics["skipped"])
 
 
-@pytest.mark.parametrize("model, impl, sp", [
-    (model, impl, False) for model in ("gpt2", "llama-gqa")
-    for impl in ("gspmd", "shard_map", "explicit")] + [
-    ("gpt2", "gspmd", True), ("gpt2", "shard_map", True), ("llama-gqa", "shard_map", True),
-    ("llama-gqa", "explicit", True)], ids=lambda v: v if isinstance(v, str) else
-    ("sp" if v else "plain"))
+@pytest.mark.parametrize("sp", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
+@pytest.mark.parametrize("model", [MODEL, GQA], ids=["gpt2", "llama-gqa"])
 def test_dp2_tp4_collectives_match_the_budget(model, impl, sp):
     """dp=2 x tp=4: the tp budget per dp rank (b = B/dp) plus the dp rows (one
     scalar for the loss mean, every parameter gradient's tp shard summed over
-    dp, by total elements), for the three impls and both models (tied and
-    untied embeddings, kv sharded and replicated), and with SP under each impl
-    (shard_map for both models): shard_map writes dp out too, so no activation
-    is gathered over dp."""
-    model = {"gpt2": MODEL, "llama-gqa": GQA}[model]
+    dp, by total elements), for the three impls, with and without SP (each
+    pair reaches its own budget rows: the learned positions' dp slice, GSPMD's
+    two-step kv gradient): shard_map writes dp out too, so no activation is
+    gathered over dp."""
     cfg = cfg_of(model, dp=2, tp=4, impl=impl, sp=sp)
     colls = hlo.collectives(compile_train_step(abstract_train_state(cfg, make_mesh(2, 4)),
                                                8, MODEL.seq_len).as_text())
