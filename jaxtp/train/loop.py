@@ -3,7 +3,9 @@
 Every run writes into its output directory (a new run refuses a directory
 that already holds one; `resume=True` continues the run in it, or starts it):
 - `config.json`, `launch.json`, `resumes.jsonl`: the run's config as it
-  started, its data and HF paths, each resume's changes (`jaxtp.train.rundir`);
+  started, its data and HF paths, each resume's changes; `writer.lock`,
+  held while the run is written: a second writer is refused
+  (`jaxtp.train.rundir`);
 - `metrics.jsonl`: one JSON object per logged step (step 1, then every
   `log_every`): `step`, `loss` (mean train loss of the applied steps since the
   previous row), `grad_norm` (pre-clip, this step), `lr` (this step's),
@@ -63,7 +65,7 @@ from .record import run_record
 from .rundir import RunDir, write_atomic
 from .runstate import RunState
 from .start import (Signals, check_options, claim, count_params, describe, idle_summary,
-                    load_data, process0, restore_or_init)
+                    load_data, process0, restore_or_init, config_warnings)
 from .state import abstract_model, resolve_attention
 from .step import ReplayCheck, make_eval_step
 
@@ -109,9 +111,14 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None, *,
     cfg = resolve_attention(cfg, mesh.devices.flat[0])  # a KernelError before writing
     out = Path(out_dir)
     rerun = resume and RunDir(out).has_run()
-    changes = claim(RunDir(out), resume, tensorboard, asked, data_path,
-                    (launch or {}).get("init_from_hf"), tokenizer, log)
-    ckpt = Checkpointer(out / "checkpoints", keep=cfg.train.keep_checkpoints, log=log)
+    changes, lock = claim(RunDir(out), resume, tensorboard, asked, data_path,
+                          (launch or {}).get("init_from_hf"), tokenizer, log)
+    try:
+        ckpt = Checkpointer(out / "checkpoints", keep=cfg.train.keep_checkpoints, log=log)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     try:
         run = RunState.of(cfg, data_id)
         state, run = restore_or_init(run, ckpt, cfg, mesh, init_params, rerun, log)
@@ -135,6 +142,8 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None, *,
         return loop.summary()
     finally:
         ckpt.close()
+        if lock is not None:
+            lock.release()
 
 
 class _Loop:
@@ -148,10 +157,11 @@ class _Loop:
             cfg, mesh, out, ckpt, run, log)
         self.until, self.started = until, started
         # before compiling: a damaged log is repaired or refused first
-        self.metrics_log = process0(lambda: MetricsLog(out, run.step, tensorboard, log),
-                                    "open metrics.jsonl")
+        self.metrics_log = process0(
+            lambda: MetricsLog(out, run.step, tensorboard, log, saved_row=run.row),
+            "open metrics.jsonl")
         self.n_params = count_params(state.params)
-        for line in describe(cfg, self.n_params, data):
+        for line in describe(cfg, self.n_params, data) + config_warnings(cfg):
             log(line)
         self.loop = LoopState.start(t.seed, mesh, run.loop)
         self.step_fn, self.record = self._compile(state, inject_nan_at)
@@ -273,7 +283,8 @@ class _Loop:
         if self.saved_step == step:
             return  # e.g. a signal during the last step, already saved
         self.saved_step, self.t_saved = step, time.perf_counter()
-        self.run_state.save(self.ckpt, step, loop, self.params, self.opt_state)
+        row = self.history[-1] if self.history and self.history[-1]["step"] == step else None
+        self.run_state.save(self.ckpt, step, loop, self.params, self.opt_state, row)
 
     def _save_due(self) -> bool:
         """train.checkpoint_minutes since the last save (checked at rows; the

@@ -9,7 +9,11 @@ before JAX starts (the saved tp and dp decide how many devices to make).
 - `launch.json`: the first start's `--data` and `--init-from-hf` (absolute
   paths), so that `python train.py --resume --out DIR` alone restarts it,
   and the end-of-text id(s) of its tokenizer (`eos`, for generate.py);
-- `tokenizer.json`: the tokenizer of a token file or HF checkpoint, if any.
+- `tokenizer.json`: the tokenizer of a token file or HF checkpoint, if any;
+- `writer.lock`: an exclusive advisory lock (flock) held by the one process
+  that writes the run, with its host, PID and start time. The kernel drops
+  it when that process dies, however it dies, so a requeued job never finds
+  a stale lock; a second writer while it lives is refused (`RunInUse`).
 
 A resume may change only what leaves the run the same run (`RESUMABLE`):
 the layout (checkpoints reshard), how the same math is computed (remat,
@@ -20,8 +24,11 @@ Anything else is refused, naming the key.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -56,6 +63,23 @@ def _apply(cfg: Config, values: dict) -> Config:
     return Config.from_dict(d)
 
 
+class RunInUse(ConfigError):
+    """Another live process writes this run directory."""
+
+
+class RunLock:
+    """The run directory's writer lock, held from `RunDir.lock` until `release`
+    (or the process's death)."""
+
+    def __init__(self, fd: int):
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor drops the flock
+            self._fd = None
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temporary file and a rename."""
     tmp = path.with_name(path.name + ".tmp")
@@ -74,6 +98,32 @@ class RunDir:
 
     def has_run(self) -> bool:
         return self.config_path.is_file()
+
+    def lock(self) -> RunLock:
+        """Take the writer lock (creating the directory), before anything of
+        the run is written. RunInUse names the live holder; an OSError (with
+        its strerror) if the directory cannot be written."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        path = self.path / "writer.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            raise RunInUse(f"--out {self.path} is being written by another run "
+                           f"({_holder(path)}): wait for it to finish, or stop it; then "
+                           f"--resume --out {self.path} continues the run") from None
+        holder = {"host": socket.gethostname(), "pid": os.getpid(),
+                  "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        except OSError:
+            os.close(fd)
+            raise
+        return RunLock(fd)
 
     def _read_json(self, path: Path):
         try:
@@ -142,4 +192,13 @@ class RunDir:
         write_atomic(self.history_path, "".join(line + "\n" for line in lines))
 
 
-__all__ = ["RunDir", "RESUMABLE", "flat", "write_atomic"]
+def _holder(path: Path) -> str:
+    """Who holds the lock at `path`, as its file says."""
+    try:
+        h = json.loads(path.read_text())
+        return f"process {h['pid']} on {h['host']}, since {h['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its lock file {path} names no holder yet"
+
+
+__all__ = ["RunDir", "RunInUse", "RunLock", "RESUMABLE", "flat", "write_atomic"]

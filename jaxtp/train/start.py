@@ -23,13 +23,26 @@ from ..config import Config
 from ..parallel.distributed import any_process
 from .data import Dataset
 from .metrics import MetricsLog
-from .rundir import RunDir
+from .checkpoint import SaveFailed
+from .rundir import RunDir, RunLock
 from .runstate import RunState
 from .state import TrainState, init_train_state
 
 
 def count_params(params) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """What a legal config does that its user may not expect, a line each."""
+    t = cfg.train
+    said = []
+    if t.warmup_steps >= t.steps:
+        said.append(f"warning: train.warmup_steps={t.warmup_steps} is not below train.steps="
+                    f"{t.steps}: the learning rate only warms up (to {t.lr:.2e} x "
+                    f"{min(t.steps, t.warmup_steps)}/{t.warmup_steps} at the last step) and "
+                    "never decays; lower train.warmup_steps for a full schedule")
+    return said
 
 
 def check_options(check: bool, resume: bool, until, inject_nan_at, peak_tflops) -> None:
@@ -67,26 +80,33 @@ def prepare_out_dir(out_dir: str | Path) -> Path:
 
 def claim(run_dir: RunDir, resume: bool, tensorboard: bool, cfg: Config,
           data_path: str | None, init_from_hf: str | None,
-          tokenizer: tuple[Path | None, list[int]], log: Callable[[str], None]) -> dict:
-    """Check (process 0) that the run directory can take this run, and record
-    a new run there before anything else (so that a run killed from here on
-    is resumable); the changes a resume makes to the run's config, said in
-    the log. A refusal stops every process, not only process 0 while the
-    others wait in a barrier."""
+          tokenizer: tuple[Path | None, list[int]],
+          log: Callable[[str], None]) -> tuple[dict, RunLock | None]:
+    """Take the run directory's writer lock (process 0, for the whole job),
+    check that it can take this run, and record a new run there before
+    anything else (so that a run killed from here on is resumable). Returns
+    the changes a resume makes to the run's config (said in the log) and the
+    lock, for the caller to release. A refusal stops every process, not only
+    process 0 while the others wait in a barrier."""
     if resume and not run_dir.has_run():
         log(f"--resume: {run_dir.path} holds no run yet: starting it")
-    refused, changes = None, {}
+    refused, changes, lock = None, {}, None
     try:
         if tensorboard and jax.process_index() == 0:
             MetricsLog.check_tensorboard()
         if jax.process_index() == 0:
             if resume and run_dir.has_run():
+                lock = _lock(run_dir, existing=True)
                 changes = run_dir.changes(cfg)  # or a ConfigError naming the key
             else:
-                prepare_out_dir(run_dir.path)
+                prepare_out_dir(run_dir.path)  # its refusals first, with their reasons
+                lock = _lock(run_dir, existing=False)
+                prepare_out_dir(run_dir.path)  # again: a run may have started meanwhile
                 run_dir.start(cfg, data_path, init_from_hf, *tokenizer)
-    except (OSError, ImportError, ValueError) as e:
+    except (OSError, ImportError, ValueError, SaveFailed) as e:
         refused = e
+        if lock is not None:
+            lock.release()
     if any_process(refused is not None):
         raise refused or FileExistsError(f"process 0 refused --out {run_dir.path}: see its log")
     if changes:
@@ -95,7 +115,23 @@ def claim(run_dir: RunDir, resume: bool, tensorboard: bool, cfg: Config,
     if "train.steps" in changes:
         log(f"warning: the lr schedule now spans {cfg.train.steps} steps: the steps left "
             "run at other learning rates than the run first planned")
-    return changes
+    return changes, lock
+
+
+def _lock(run_dir: RunDir, existing: bool) -> RunLock:
+    """The writer lock; a directory it cannot be written in is, for a run
+    that exists, a file system fault (SaveFailed: nothing of the run was
+    changed), and for a new one a bad --out."""
+    try:
+        return run_dir.lock()
+    except OSError as e:
+        if existing:
+            raise SaveFailed(f"cannot write in the run directory {run_dir.path} "
+                             f"({e.strerror or e}): nothing of the run was changed and its "
+                             "checkpoints are intact; make it writable and --resume "
+                             "again") from None
+        raise OSError(f"--out {run_dir.path}: cannot write a run there "
+                      f"({e.strerror or e})") from None
 
 
 def load_data(data_path: str | None, cfg: Config, init_from_hf: str | None):
@@ -108,7 +144,7 @@ def load_data(data_path: str | None, cfg: Config, init_from_hf: str | None):
     header = token_files.read_header(data_path) if data_path and \
         token_files.is_token_file(data_path) else {}
     data = Dataset(tokens, cfg.model.seq_len, cfg.model.vocab_size,
-                   max_id=header.get("max_id"))
+                   max_id=header.get("max_id"), vocab_of=init_from_hf)
     tokenizer = check_data(data_path, data, cfg, init_from_hf)
     return data, data_identity(tokens, data_path and os.path.abspath(data_path)), tokenizer
 
