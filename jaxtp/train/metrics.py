@@ -146,14 +146,21 @@ class MetricsLog:
     scalars. A resumed run's log is first cut back to what a straight run
     would hold at `resumed_at`: a trailing line that a kill cut short is
     dropped (said once through `log`), and so are the rows after
-    `resumed_at`, which the resumed run logs again."""
+    `resumed_at`, which the resumed run logs again. `saved_row`, the row of
+    `resumed_at` its checkpoint kept, is put back where the log lacks it
+    (cut short as the checkpoint was written)."""
 
     def __init__(self, out: Path, resumed_at: int = 0, tensorboard: bool = False,
-                 log=print):
+                 log=print, saved_row: dict | None = None):
         self.path, self.error = out / "metrics.jsonl", None
         if self.path.exists():
-            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self._rows(log)
-                                            if r["step"] <= resumed_at))
+            rows = [r for r in self._rows(log) if r["step"] <= resumed_at]
+            if saved_row is not None and saved_row.get("step") == resumed_at and \
+                    not any(r["step"] == resumed_at for r in rows):
+                rows.append(saved_row)
+                log(f"{self.path}: its row of step {resumed_at} is restored from the "
+                    "checkpoint of that step")
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in rows))
         self.writer = (self.check_tensorboard()(str(out / "tensorboard")) if tensorboard
                        else None)
         self.file = open(self.path, "a")

@@ -35,6 +35,7 @@ class RunState:
     schedule: dict
     data_position: int = 0  # the step saved: batches 1..data_position were consumed
     loop: dict | None = None  # LoopState.to_json() at that step
+    row: dict | None = None  # the metrics row logged at that step, if one was
 
     @classmethod
     def of(cls, cfg: Config, data: dict) -> "RunState":
@@ -48,9 +49,12 @@ class RunState:
     def step(self) -> int:
         return self.data_position
 
-    def save(self, ckpt: Checkpointer, step: int, loop: dict, params, opt_state) -> "RunState":
-        """Checkpoint `params`, `opt_state` and this run at `step`; the saved state."""
-        saved = dataclasses.replace(self, data_position=step, loop=loop | {"step": step})
+    def save(self, ckpt: Checkpointer, step: int, loop: dict, params, opt_state,
+             row: dict | None = None) -> "RunState":
+        """Checkpoint `params`, `opt_state` and this run at `step` (with the
+        metrics row of `step`, so a log cut there can be made whole); the saved state."""
+        saved = dataclasses.replace(self, data_position=step, loop=loop | {"step": step},
+                                    row=row)
         ckpt.save(step, params, opt_state, dataclasses.asdict(saved))
         return saved
 
@@ -80,7 +84,8 @@ class RunState:
         log(f"resumed from {ckpt.directory} step {step} (saved at dp={saved.dp} x "
             f"tp={saved.tp}; now dp={self.dp} x tp={self.tp})")
         state = dataclasses.replace(target, params=params, opt_state=opt_state)
-        return state, dataclasses.replace(self, data_position=step, loop=saved.loop)
+        return state, dataclasses.replace(self, data_position=step, loop=saved.loop,
+                                          row=saved.row)
 
 
 def _said(data: dict | str) -> str:
