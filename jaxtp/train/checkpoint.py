@@ -137,6 +137,9 @@ class Checkpointer:
         oflat, _ = _flatten("opt_state", opt_state)
         arrays = {**pflat, **oflat}
         self.check_space(nbytes(arrays.values()), f"save checkpoint step {step}")
+        if (self.directory / f"{step}.orbax-checkpoint-tmp").exists():
+            self.log(f"note: step {step} in {self.directory} was half-written by a save that "
+                     "was cut short; orbax replaces it")
         manifest = {"format": FORMAT, "arrays": {
             name: {"shape": list(x.shape), "dtype": jnp.dtype(x.dtype).name, "fingerprint": fp}
             for (name, x), fp in zip(arrays.items(), fingerprints(list(arrays.values())))}}

@@ -121,13 +121,18 @@ class Dataset:
     """Train/validation token arrays with random (train) and fixed (eval) windows."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, vocab_size: int,
-                 val_fraction: float = 0.1, max_id: int | None = None):
+                 val_fraction: float = 0.1, max_id: int | None = None,
+                 vocab_of: str | None = None):
         """`max_id`: the largest id, where known (a token file's header), so
-        that a memory-mapped file is not read whole to find it."""
+        that a memory-mapped file is not read whole to find it. `vocab_of`: a
+        checkpoint directory that fixes the vocabulary (no raising it then)."""
         top = max_id if max_id is not None else int(tokens.max()) if tokens.size else -1
         if top >= vocab_size:
+            fix = (f"the checkpoint {vocab_of} fixes it: tokenize the data with its tokenizer "
+                   f"(python -m jaxtp.data prepare --tokenizer {vocab_of} ...)" if vocab_of
+                   else "raise model.vocab_size above it")
             raise ValueError(f"data has token id {top} but model.vocab_size="
-                             f"{vocab_size}; raise model.vocab_size above it")
+                             f"{vocab_size}; {fix}")
         n_val = int(len(tokens) * val_fraction)
         self.train, self.val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
         need = seq_len + 2

@@ -1,6 +1,7 @@
 """What orbax says when something fails, as one line: `brief` names an
 exception's root cause, and `quiet_orbax` silences the tracebacks orbax and
-tensorstore print for errors `jaxtp.train.checkpoint` reports itself."""
+tensorstore print for errors `jaxtp.train.checkpoint` reports itself (and
+orbax's warning on replacing a half-written step, which it notes itself)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ class _QuietOrbax(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR:
-            return True
+            # a step a killed save left half-written: Checkpointer.save says so itself
+            return not record.getMessage().startswith("Attempted to create temporary directory")
         exc, tb = record.exc_info[1:] if record.exc_info else (None, None)
         frames = traceback.extract_tb(tb) if tb is not None else []
         # a tensorstore write's error reaches asyncio without orbax's frames
