@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 
+from jaxtp.cli import Parser, positive
 from jaxtp.config import (ATTENTIONS, COORDINATOR_TIMEOUT_S, IMPLS, OVERLAPS, REMATS, Config,
                           ConfigError, apply_overrides, load_config, preset_names, validate)
 from jaxtp.train.metrics import HARDWARE, TARGET_NAMES
@@ -46,21 +47,9 @@ def _steps(text: str) -> set[int]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected step numbers like 3 or 3,7")
 
 
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not 0 < value < float("inf"):
-            raise argparse.ArgumentTypeError(f"{text!r}: expected a positive {kind.__name__}")
-        return value
-    return parse
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="train.py", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config",
                     help=f"preset name ({', '.join(preset_names())}) or a .json path "
                          "(default: tiny; with --resume: the run's own config)")
@@ -119,7 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--inject-nan-at", type=_steps, default=(), metavar="STEP[,STEP...]",
                     help="fault drill: make the gradients of these steps NaN (they are "
                          "skipped and logged)")
-    ap.add_argument("--peak-tflops", type=_positive(float),
+    ap.add_argument("--peak-tflops", type=positive(float),
                     help="per-device peak TFLOP/s for MFU, where the device is not known")
     ap.add_argument("--tensorboard", action="store_true",
                     help="also write TensorBoard scalars to --out/tensorboard (needs "
@@ -129,7 +118,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "or a launcher such as srun/mpirun)")
     ap.add_argument("--num-processes", type=int, help="multi-process: how many")
     ap.add_argument("--process-id", type=int, help="multi-process: this one (0..n-1)")
-    ap.add_argument("--coordinator-timeout", type=_positive(float), default=COORDINATOR_TIMEOUT_S,
+    ap.add_argument("--coordinator-timeout", type=positive(float), default=COORDINATOR_TIMEOUT_S,
                     metavar="SECONDS",
                     help="multi-process: how long to wait for every process to arrive "
                          "(default: %(default)s)")
@@ -280,6 +269,10 @@ def start_jax(args, cfg: Config) -> str | None:
     # flags, JAX's environment variables or a launcher (srun, mpirun) make a multi-process run
     try:
         multi, n = distributed.requested(args.coordinator, args.num_processes, args.process_id)
+        if multi and n and not args.local_devices and (p.dp * p.tp) % n:
+            return (f"--num-processes {n}: the mesh's dp*tp = {p.dp * p.tp} devices do not "
+                    f"split evenly over {n} processes; choose --dp/--tp whose product "
+                    f"divides by {n}, or give --local-devices")
         if multi:
             print(distributed.initialize(
                 args.coordinator, args.num_processes, args.process_id,
@@ -354,4 +347,12 @@ def default_out(args, cfg: Config) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == EXIT_SAVE:
+        # orbax's threads of a save that failed at its directory (read-only,
+        # no inodes) wait ~300 s for a signal that cannot come, and the
+        # interpreter would join them: abandon them, what was written is kept
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -153,6 +153,10 @@ def _given(coordinator, num_processes, process_id) -> dict:
     coordinator = coordinator or os.environ.get(ENV_COORDINATOR) or None
     num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
     process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
+    host, _, port = (coordinator or "").rpartition(":")
+    if coordinator is not None and not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"coordinator {coordinator!r}: expected HOST:PORT, process 0's "
+                         "address and a free port, e.g. node0:1234")
     if num_processes is not None and num_processes < 1:
         raise ValueError(f"num_processes={num_processes} must be >= 1")
     if None not in (num_processes, process_id) and not 0 <= process_id < num_processes:

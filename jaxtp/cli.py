@@ -1,0 +1,36 @@
+"""What the command-line tools share: usage errors as one line.
+
+argparse prints its whole usage block (16 lines for train.py) before the
+reason of a bad flag; a user needs the reason and where to read more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EXIT_USAGE = 2
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr, exit 2."""
+
+    def error(self, message: str):
+        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        sys.exit(EXIT_USAGE)
+
+
+def positive(kind):
+    """An argparse type: a finite number of `kind` above 0."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a positive {kind.__name__}")
+        return value
+    return parse
+
+
+__all__ = ["EXIT_USAGE", "Parser", "positive"]
