@@ -5,7 +5,9 @@ A thin CLI over `jaxtp.generate`: the KV cache is split over tp by kv heads,
 one prefill call fills it, then one jitted decode step per token; each token
 is chosen over the vocab shards (greedy at --temperature 0), so tp changes no
 token. Prompts of one batch are left-aligned (see jaxtp/generate/engine.py).
-Exit status: 0 done, 2 a usage or input error.
+The text goes to stdout alone; what the tool says of its work (devices,
+the checkpoint loaded) goes to stderr. Exit status: 0 done, 2 a usage or
+input error, 130 stopped by Ctrl-C (the text so far is kept).
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxtp.cli import Parser, positive
 from jaxtp.config import ATTENTIONS, INFERENCE_IMPLS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="generate.py", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--run", metavar="DIR", help="a train.py run directory (any tp/dp)")
     src.add_argument("--hf", metavar="DIR", help="a Hugging Face Llama directory "
@@ -34,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--top-p", type=float, default=1.0,
                     help="keep the smallest set with this probability (1: off)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
-    ap.add_argument("--tp", type=int, help="tensor-parallel degree (default: the run's; 1 "
+    ap.add_argument("--tp", type=positive(int), help="tensor-parallel degree (default: the run's; 1 "
                                            "for --hf)")
     ap.add_argument("--impl", choices=INFERENCE_IMPLS,
                     help="gspmd or shard_map (default: the run's; gspmd for a run trained "
@@ -60,7 +63,7 @@ def compare(args) -> int:
 
     base = RunDir(args.run).config() if args.run else load_config(args.config)
     cfg = generation_config(base, args.tp or 8, None, args.attention)
-    print(ensure_devices(cfg.parallel.tp))
+    print(ensure_devices(cfg.parallel.tp), file=sys.stderr)
     from jaxtp.analysis.decode import compare_decode
 
     return 0 if compare_decode(cfg, args.batch, cfg.model.seq_len) else 1
@@ -89,62 +92,80 @@ def main(argv=None) -> int:
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
-        model, mesh, tokenizer = load(args)
+        tokenizer = tokenizer_of(args)  # before the checkpoint: a bad prompt is refused at once
         ids = [tokenizer.encode(p) for p in prompts]
+        model, mesh = load(args)
         gen = Generator(model, mesh, sampling)
         stream(gen, ids, prompts, tokenizer, args)
     except (ValueError, OSError, ImportError, KeyError, RuntimeError) as e:
         # ConfigError is a ValueError, CheckpointError a RuntimeError
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("stopped by Ctrl-C", file=sys.stderr)
+        return 130
     return 0
 
 
-def load(args):
-    from jaxtp.parallel import ensure_devices
-
-    tp = args.tp or (1 if args.hf else None)
-    if args.run and tp is None:
-        from jaxtp.train.rundir import RunDir
-
-        tp = RunDir(args.run).config().parallel.tp if RunDir(args.run).has_run() else 1
-    print(ensure_devices(tp))
-    from jaxtp.generate.load import HFTokenizer, from_hf, from_run
+def tokenizer_of(args):
+    """--tokenizer, else the run's (or the HF directory's) tokenizer."""
+    from jaxtp.generate.load import HFTokenizer, hf_eos, run_tokenizer
+    from jaxtp.train.rundir import RunDir
 
     if args.hf:
-        model, mesh, tokenizer = from_hf(args.hf, tp, args.impl or "gspmd", args.attention)
-    else:
-        model, mesh, tokenizer = from_run(args.run, tp, args.impl, args.step, args.attention)
-    if args.tokenizer:
-        tokenizer = HFTokenizer(args.tokenizer)
+        return HFTokenizer(args.tokenizer or args.hf, eos=hf_eos(args.hf))
+    run = RunDir(args.run)
+    if not run.has_run():
+        raise ValueError(f"--run {args.run}: no training run there (no config.json)")
+    vocab = run.config().model.vocab_size
+    tokenizer = (HFTokenizer(args.tokenizer) if args.tokenizer else
+                 run_tokenizer(run.path, vocab, run.launch().get("eos")))
     if tokenizer is None:
-        raise ValueError(f"the run's data has no tokenizer (token ids, vocab "
-                         f"{model.cfg.vocab_size}): pass --tokenizer PATH")
-    return model, mesh, tokenizer
+        raise ValueError(f"the run's data has no tokenizer (token ids, vocab {vocab:,}): "
+                         "pass --tokenizer PATH")
+    return tokenizer
+
+
+def load(args):
+    """(model, mesh) at --tp (default: the run's; 1 for --hf)."""
+    from jaxtp.generate.load import from_hf, from_run
+    from jaxtp.parallel import ensure_devices
+    from jaxtp.train.rundir import RunDir
+
+    tp = args.tp or (1 if args.hf else RunDir(args.run).config().parallel.tp)
+    print(ensure_devices(tp), file=sys.stderr)
+    if args.hf:
+        return from_hf(args.hf, tp, args.impl or "gspmd", args.attention,
+                       tokenizer=args.tokenizer)[:2]
+    return from_run(args.run, tp, args.impl, args.step, args.attention,
+                    log=lambda line: print(line, file=sys.stderr))[:2]
 
 
 def stream(gen, ids, prompts, tokenizer, args) -> None:
-    """Print each prompt's completion; a single prompt as its tokens come."""
+    """Print each prompt's completion; a single prompt as its tokens come.
+    Ctrl-C ends it with the text so far printed (then KeyboardInterrupt)."""
     decoders = [tokenizer.decoder() for _ in prompts]
     texts = ["" for _ in prompts]
     done = [False] * len(prompts)
-    for i, toks in enumerate(gen.stream(ids, args.max_new_tokens, seed=args.seed,
-                                        eos=tokenizer.eos)):
-        if i == 0 and len(prompts) == 1:  # once the request is accepted
-            print(prompts[0], end="", flush=True)
-        for b, t in enumerate(toks):
-            if done[b]:
-                continue
-            done[b] = int(t) in tokenizer.eos
-            piece = "" if done[b] else decoders[b]([int(t)])
-            texts[b] += piece
-            if len(prompts) == 1:
-                print(piece, end="", flush=True)
-    if len(prompts) == 1:
-        print()
-        return
-    for p, t in zip(prompts, texts):
-        print(f"--- {p!r}\n{p}{t}")
+    try:
+        for i, toks in enumerate(gen.stream(ids, args.max_new_tokens, seed=args.seed,
+                                            eos=tokenizer.eos)):
+            if i == 0 and len(prompts) == 1:  # once the request is accepted
+                print(prompts[0], end="", flush=True)
+            for b, t in enumerate(toks):
+                if done[b]:
+                    continue
+                done[b] = int(t) in tokenizer.eos
+                piece = "" if done[b] else decoders[b]([int(t)])
+                texts[b] += piece
+                if len(prompts) == 1:
+                    print(piece, end="", flush=True)
+    finally:  # done, or stopped: what was generated is printed
+        if len(prompts) == 1:
+            print(flush=True)
+        else:
+            for p, t in zip(prompts, texts):
+                print(f"--- {p!r}\n{p}{t}", flush=True)
 
 
 if __name__ == "__main__":

@@ -36,23 +36,19 @@ class HFTokenizer:
     trained on a token file, whose text was encoded without them)."""
 
     def __init__(self, path: str | Path, eos=None, special: bool = True):
-        path = Path(path)
-        file = path / "tokenizer.json" if path.is_dir() else path
-        if not file.is_file():
-            raise FileNotFoundError(f"no tokenizer.json at {path}")
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise ImportError("reading a tokenizer needs the tokenizers package: "
-                              "pip install -e '.[data]'") from None
-        self.tok, self.name, self.special = Tokenizer.from_file(str(file)), str(file), special
-        if eos is None:
-            config = file.parent / "config.json"
-            eos = json.loads(config.read_text()).get("eos_token_id") if config.is_file() else ()
-        self.eos = frozenset(eos if isinstance(eos, list) else () if eos is None else [eos])
+        from ..data import load_tokenizer
+
+        self.tok, file = load_tokenizer(path, "tokenizer")
+        self.name, self.special = str(file), special
+        self.eos = frozenset(hf_eos(file.parent) if eos is None else eos)
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=self.special).ids
+        try:
+            return self.tok.encode(text, add_special_tokens=self.special).ids
+        except Exception as e:  # the Rust binding raises a bare Exception
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ValueError(f"the tokenizer {self.name} cannot encode {text[:40]!r} "
+                             f"({reason}): use a prompt of its vocabulary") from None
 
     def decoder(self):
         """New ids -> the text they add (decoding the whole sequence so far, as
@@ -68,6 +64,13 @@ class HFTokenizer:
             out, said = text[len(said):], text
             return out
         return more
+
+
+def hf_eos(directory: str | Path) -> list[int]:
+    """An HF checkpoint's end-of-text id(s): its config.json's `eos_token_id`."""
+    config = Path(directory) / "config.json"
+    eos = json.loads(config.read_text()).get("eos_token_id") if config.is_file() else None
+    return eos if isinstance(eos, list) else [] if eos is None else [eos]
 
 
 def generation_config(cfg: Config, tp: int | None, impl: str | None,
@@ -110,19 +113,28 @@ def from_run(run_dir: str | Path, tp: int | None = None, impl: str | None = None
         ckpt.close()
     log(f"loaded {run_dir} step {got} at tp={cfg.parallel.tp} ({cfg.parallel.impl})")
     model = nnx.merge(target.graphdef, params)
-    eos = run.launch().get("eos")
-    tokenizer = (HFTokenizer(run.path, eos=eos or [], special=False)
-                 if (run.path / "tokenizer.json").is_file()
-                 else ByteTokenizer() if cfg.model.vocab_size == 256 else None)
-    return model, mesh, tokenizer
+    return model, mesh, run_tokenizer(run.path, cfg.model.vocab_size, run.launch().get("eos"))
 
 
-def from_hf(path: str | Path, tp: int = 1, impl: str = "gspmd", attention: str | None = None):
-    """(model, mesh, tokenizer) of a Hugging Face Llama directory, at `tp`."""
+def run_tokenizer(run_dir: str | Path, vocab_size: int, eos=None):
+    """The tokenizer a run's data was made with: its tokenizer.json (encoding
+    without special tokens, as a token file's text was), bytes for a
+    byte-level model, else None (token ids without a tokenizer)."""
+    tok = Path(run_dir) / "tokenizer.json"
+    return (HFTokenizer(tok, eos=eos or [], special=False) if tok.is_file() else
+            ByteTokenizer() if vocab_size == 256 else None)
+
+
+def from_hf(path: str | Path, tp: int = 1, impl: str = "gspmd", attention: str | None = None,
+            tokenizer: str | Path | None = None):
+    """(model, mesh, tokenizer) of a Hugging Face Llama directory, at `tp`;
+    the tokenizer is the directory's, or `tokenizer` (a tokenizer.json)."""
     from ..hf import load_hf
 
+    # before loading: a missing or unreadable one is refused at once
+    tok = HFTokenizer(tokenizer, eos=hf_eos(path)) if tokenizer else HFTokenizer(path)
     model = load_hf(path, tp=tp, impl=impl, **({"attention": attention} if attention else {}))
-    return model, model.mesh, HFTokenizer(path)
+    return model, model.mesh, tok
 
 
 class LoopSampler:
@@ -147,9 +159,7 @@ class LoopSampler:
         self.gen = Generator(nnx.merge(graphdef, abstract), self.mesh)
         self.prompts = [prompt] * cfg.parallel.dp  # a row per dp rank
         self.new = min(new, cfg.model.seq_len - len(prompt))
-        tok = Path(run_dir) / "tokenizer.json"
-        self.tokenizer = (HFTokenizer(tok, eos=[], special=False) if tok.is_file() else
-                          ByteTokenizer() if cfg.model.vocab_size == 256 else None)
+        self.tokenizer = run_tokenizer(run_dir, cfg.model.vocab_size)
 
     def __call__(self, params) -> str:
         import jax

@@ -23,9 +23,9 @@ def test_a_run_trained_at_tp2_generates_the_same_greedy_text_at_tp1_and_tp8(run_
         assert generate.main(["--run", str(run_dir), "--prompt", "def f(x):", "--tp", str(tp),
                               "--impl", impl, "--temperature", "0",
                               "--max-new-tokens", "12"]) == 0
-        out = capsys.readouterr().out
-        assert f"at tp={tp} ({impl})" in out
-        texts[tp] = out.splitlines()[-1]
+        got = capsys.readouterr()
+        assert f"at tp={tp} ({impl})" in got.err  # status on stderr, the text alone on stdout
+        texts[tp] = got.out.rstrip("\n")
     assert texts[1] == texts[8] == texts[2] and texts[1].startswith("def f(x):")
     assert len(texts[1]) > len("def f(x):")
 
@@ -38,5 +38,5 @@ def test_bad_requests_are_one_line(run_dir, tmp_path, capsys):
              (["--run", str(run_dir), "--prompt", "x" * 40], "longer than model.seq_len=32")]
     for argv, said in cases:
         assert generate.main(argv) == 2, argv
-        err = capsys.readouterr().err
-        assert said in err and len(err.strip().splitlines()) == 1, err
+        err = capsys.readouterr().err.strip().splitlines()  # status lines, then the error
+        assert said in err[-1] and [x for x in err if x.startswith("error")] == err[-1:], err
