@@ -24,6 +24,7 @@ import numpy as np
 MAGIC = b"JAXTPTOK"
 HEADER_BYTES = 4096
 FORMAT = 1
+DTYPES = ("uint16", "uint32")  # the ids' types the format defines (little-endian)
 EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eot_id|>")
 
 
@@ -46,6 +47,10 @@ def read_header(path: str | os.PathLike) -> dict:
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not a readable token file ({e}); prepare it again with "
                          "python -m jaxtp.data prepare") from None
+    if header.get("dtype") not in DTYPES:
+        raise ValueError(f"{path}: its header's dtype {header.get('dtype')!r} is not one a "
+                         f"token file holds ({', '.join(DTYPES)}); prepare it again with "
+                         "python -m jaxtp.data prepare")
     size = os.path.getsize(path) - HEADER_BYTES
     want = header["n_tokens"] * np.dtype(header["dtype"]).itemsize
     if size != want:
@@ -70,6 +75,27 @@ def _write_header(f, header: dict) -> None:
     f.write((MAGIC + len(body).to_bytes(4, "little") + body).ljust(HEADER_BYTES, b" "))
 
 
+def load_tokenizer(path: str | os.PathLike, what: str = "--tokenizer"):
+    """(a `tokenizers.Tokenizer`, its file) from tokenizer.json or a directory
+    holding one; one-line errors for a missing package, file or a file the
+    package cannot read."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ImportError("reading a tokenizer needs the tokenizers package: "
+                          "pip install -e '.[data]'") from None
+    file = Path(path)
+    file = file / "tokenizer.json" if file.is_dir() else file
+    if not file.is_file():
+        raise FileNotFoundError(f"{what} {path}: no tokenizer.json there")
+    try:
+        return Tokenizer.from_file(str(file)), file
+    except Exception as e:  # the Rust binding raises a bare Exception
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"{what} {file}: not a tokenizer.json the tokenizers package can "
+                         f"read ({reason})") from None
+
+
 def eos_id(tokenizer, name: str | None = None) -> int:
     """The id of `name`, or of the first of the usual end-of-text tokens the
     tokenizer knows."""
@@ -87,7 +113,12 @@ def _chunks(path: Path, size: int = 2**20) -> Iterable[str]:
     with open(path, encoding="utf-8") as f:
         rest = ""
         while True:
-            block = f.read(size)
+            try:
+                block = f.read(size)
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte "
+                                 f"{e.start} of a block): convert it, e.g. iconv -t utf-8"
+                                 ) from None
             if not block:
                 break
             block = rest + block
@@ -108,29 +139,43 @@ def prepare(tokenizer_path: str | os.PathLike, out: str | os.PathLike,
     token file `out`; returns its header. Files are encoded in pieces of
     about 1 MiB cut at newlines (a token never spans a piece; a normalizer
     that prepends "▁" to its input adds one at each piece)."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise ImportError("python -m jaxtp.data prepare needs the tokenizers package: "
-                          "pip install -e '.[data]'") from None
-    tok_file = Path(tokenizer_path)
-    tok_file = tok_file / "tokenizer.json" if tok_file.is_dir() else tok_file
-    if not tok_file.is_file():
-        raise FileNotFoundError(f"--tokenizer {tokenizer_path}: no tokenizer.json there")
+    out = Path(out)
+    if out.is_dir():
+        raise IsADirectoryError(f"--out {out} is a directory: give the token file's path, "
+                                f"e.g. {out / 'tokens.bin'}")
     for t in texts:
         if not Path(t).is_file():
             raise FileNotFoundError(f"{t}: no such file")
-    tokenizer = Tokenizer.from_file(str(tok_file))
+        if Path(t).stat().st_size == 0:
+            raise ValueError(f"{t} is empty: there is no text to tokenize")
+    tokenizer, tok_file = load_tokenizer(tokenizer_path)
     vocab = tokenizer.get_vocab_size()
     dtype = np.dtype("<u2" if vocab <= 2**16 else "<u4")
     header = {"format": FORMAT, "dtype": dtype.name, "vocab_size": vocab,
               "tokenizer": tok_file.name, "eos_id": eos_id(tokenizer, eos),
               "tokenizer_sha256": hashlib.sha256(tok_file.read_bytes()).hexdigest(),
               "n_tokens": 0, "max_id": 0, "documents": 0}
-    t0 = last = time.perf_counter()
-    out = Path(out)
+    t0 = time.perf_counter()
     tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "wb") as f:
+    try:
+        _write_tokens(tmp, header, tokenizer, texts, dtype, log, t0)
+    except BaseException:  # an error or Ctrl-C: no half-written file is left
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, out)
+    (out.with_name(out.name + ".tokenizer.json")).write_bytes(tok_file.read_bytes())
+    dt = time.perf_counter() - t0
+    log(f"wrote {out}: {header['n_tokens']:,} {dtype.name} tokens of {len(texts)} "
+        f"documents in {dt:.1f}s ({header['n_tokens'] / max(dt, 1e-9):,.0f} tokens/s); "
+        f"vocabulary {vocab:,}")
+    return header
+
+
+def _write_tokens(path: Path, header: dict, tokenizer, texts, dtype, log, t0: float) -> None:
+    """The token file at `path`: its header, then each text's ids and an EOS;
+    the header again with the counts."""
+    last = t0
+    with open(path, "wb") as f:
         _write_header(f, header)
         for doc in texts:
             for piece in _chunks(Path(doc)):
@@ -147,14 +192,7 @@ def prepare(tokenizer_path: str | os.PathLike, out: str | os.PathLike,
             header["documents"] += 1
         header["max_id"] = max(header["max_id"], header["eos_id"])
         _write_header(f, header)
-    os.replace(tmp, out)
-    (out.with_name(out.name + ".tokenizer.json")).write_bytes(tok_file.read_bytes())
-    dt = time.perf_counter() - t0
-    log(f"wrote {out}: {header['n_tokens']:,} {dtype.name} tokens of {len(texts)} "
-        f"documents in {dt:.1f}s ({header['n_tokens'] / max(dt, 1e-9):,.0f} tokens/s); "
-        f"vocabulary {vocab:,}")
-    return header
 
 
 __all__ = ["MAGIC", "HEADER_BYTES", "is_token_file", "read_header", "read_tokens", "prepare",
-           "eos_id"]
+           "eos_id", "load_tokenizer", "DTYPES"]

@@ -2,7 +2,8 @@
 
 Tokenize UTF-8 text with a Hugging Face tokenizer (tokenizer.json, or a
 checkpoint directory holding one) into a token file for `train.py --data`.
-Needs the tokenizers package: pip install -e ".[data]".
+Needs the tokenizers package: pip install -e ".[data]". Exit status: 0
+written, 2 a usage or input error, 130 stopped by Ctrl-C (nothing written).
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..cli import Parser
 from . import prepare
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxtp.data", description=__doc__,
+    ap = Parser(prog="python -m jaxtp.data", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="tokenize text files into a token file")
@@ -31,6 +33,9 @@ def main(argv=None) -> int:
     except (ValueError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"stopped by Ctrl-C: {args.out} was not written", file=sys.stderr)
+        return 130
     return 0
 
 
