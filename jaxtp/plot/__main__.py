@@ -1,18 +1,19 @@
 """`python -m jaxtp.plot runs RUN_DIR... | bench BENCH_DIR`: figures as PNG
-and SVG next to their inputs (or in --out). Exit status 2 without
+and SVG in --out, else next to their input (one run, a bench directory) or
+in the current directory (several runs); each path written is printed. Exit status 2 without
 matplotlib (with the install hint) or for a directory that holds no run or
 report."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from ..cli import Parser
 from . import NoMatplotlib
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxtp.plot", description=__doc__)
+    ap = Parser(prog="python -m jaxtp.plot", description=__doc__)
     sub = ap.add_subparsers(dest="what", required=True)
     runs = sub.add_parser("runs", help="loss (against step and tokens), tokens/s and MFU of "
                           "training runs, overlaid")
@@ -21,7 +22,8 @@ def main(argv=None) -> int:
                            "payload, compile time against depth")
     bench.add_argument("bench_dir", metavar="BENCH_DIR")
     for p in (runs, bench):
-        p.add_argument("--out", help="directory for the figures (default: next to the inputs)")
+        p.add_argument("--out", help="directory for the figures (default: next to the input; "
+                                     "several runs: the current directory)")
     args = ap.parse_args(argv)
     try:
         if args.what == "runs":

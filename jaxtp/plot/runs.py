@@ -19,7 +19,14 @@ def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
         raise ValueError(f"{run_dir}: not a training run (no config.json and metrics.jsonl)")
     cfg = json.loads(cfg_path.read_text())
     flat = {f"{sec}.{k}": v for sec, d in cfg.items() for k, v in d.items()}
-    rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
+    rows = []
+    for n, line in enumerate(rows_path.read_text().splitlines(), 1):
+        try:
+            rows += [json.loads(line)] if line.strip() else []
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{rows_path}, line {n}: not a metrics row ({e.msg}); a line cut "
+                             "by a kill or damaged: remove it, or plot the run after "
+                             "train.py --resume repairs it") from None
     if not rows:
         raise ValueError(f"{run_dir}: metrics.jsonl has no rows yet")
     return flat, rows
@@ -38,8 +45,8 @@ def labels(configs: list[dict], names: list[str]) -> list[str]:
 
 
 def plot_runs(run_dirs: list, out_dir=None) -> list[Path]:
-    """runs.png / runs.svg in `out_dir` (default: the runs' common parent, or
-    the run itself when there is one)."""
+    """runs.png / runs.svg in `out_dir` (default: the run itself when there is
+    one, the current directory for several)."""
     plt = pyplot()
     runs = [read_run(Path(d)) for d in run_dirs]
     names = [Path(d).resolve().name for d in run_dirs]
@@ -84,18 +91,7 @@ def plot_runs(run_dirs: list, out_dir=None) -> list[Path]:
     fig.suptitle("  vs  ".join(legend) if len(legend) > 1 else legend[0])
     fig.tight_layout()
     if out_dir is None:
-        dirs = [Path(d).resolve() for d in run_dirs]
-        out_dir = dirs[0] if len(dirs) == 1 else Path(*_common(dirs))
+        out_dir = Path(run_dirs[0]) if len(run_dirs) == 1 else Path.cwd()
     paths = save(fig, out_dir, "runs")
     plt.close(fig)
     return paths
-
-
-def _common(dirs: list[Path]) -> tuple:
-    parts = [d.parts for d in dirs]
-    common = []
-    for level in zip(*parts):
-        if len(set(level)) > 1:
-            break
-        common.append(level[0])
-    return tuple(common) or ("/",)

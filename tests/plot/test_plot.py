@@ -108,7 +108,7 @@ def test_legends_name_what_differs_between_runs():
 
 
 @pytest.mark.slow
-def test_plot_runs_overlays_runs_trained_here(tmp_path, capsys):
+def test_plot_runs_overlays_runs_trained_here(tmp_path, capsys, monkeypatch):
     pytest.importorskip("matplotlib")
     from jaxtp.plot.__main__ import main
 
@@ -119,10 +119,25 @@ def test_plot_runs_overlays_runs_trained_here(tmp_path, capsys):
     conf = json.loads((tmp_path / "tp1" / "config.json").read_text())
     conf["parallel"]["tp"] = 1
     (tmp_path / "tp1" / "config.json").write_text(json.dumps(conf))
+    # several runs: drawn where the user is (not into the runs' common parent)
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    capsys.readouterr()
     assert main(["runs", str(tmp_path / "tp1"), str(tmp_path / "tp2")]) == 0
+    assert capsys.readouterr().out.split() == [
+        "wrote", str(tmp_path / "here" / "runs.png"), "wrote", str(tmp_path / "here" / "runs.svg")]
     for ext in ("png", "svg"):
-        assert (tmp_path / f"runs.{ext}").stat().st_size > 1000
-    svg = (tmp_path / "runs.svg").read_text()
+        assert (tmp_path / "here" / f"runs.{ext}").stat().st_size > 1000
+        assert not (tmp_path / f"runs.{ext}").exists()
+    svg = (tmp_path / "here" / "runs.svg").read_text()
     assert "tp=1" in svg and "tp=8" not in svg and "skipped" in svg
     assert main(["runs", str(tmp_path / "nothing")]) == 2
     assert "not a training run" in capsys.readouterr().err
+    # a damaged row: one line naming the file and the line
+    with open(tmp_path / "tp1" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "loss"\n')
+    assert main(["runs", str(tmp_path / "tp1")]) == 2
+    err = capsys.readouterr().err
+    n = len((tmp_path / "tp1" / "metrics.jsonl").read_text().splitlines())
+    assert err.startswith(f"error: {tmp_path / 'tp1' / 'metrics.jsonl'}, line {n}: not a "
+                          "metrics row") and len(err.splitlines()) == 1, err
