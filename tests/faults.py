@@ -398,7 +398,7 @@ CASES = [
          "error: saving checkpoint step 600 in ", _exit_within(10), mounts=True),
     Case("train: no inodes left at a save's first file",
          _checkpoints_fail(("size=64m", "nr_inodes=40"), read_only_after_first=False), 3,
-         "error: saving checkpoint step ", _exit_within(60), mounts=True),
+         "error: saving checkpoint step ", _exit_within(30), mounts=True),
     Case("train: resume over a half-written step", _half_written_step, 0, None),
     Case("train: the last row cut at a checkpointed step", _row_cut_at_checkpoint, 0, None,
          _rows_complete([1, 2, 3, 4, 5])),

@@ -102,6 +102,12 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None, *,
     `train.steps`): a run split into jobs of fixed length.
     `launch`: what else a new run records in launch.json (train.py: the
     `--init-from-hf` path); `data_path` is recorded there too.
+
+    The run directory is locked for the call (`RunDir.lock`: another live
+    writer is refused with `RunInUse`). After a `SaveFailed` whose save died
+    at its directory (read-only, no inodes), orbax's threads of that save
+    wait out orbax's timeout (~300 s) before the interpreter can exit;
+    train.py leaves with `os._exit` instead.
     """
     check_options(check, resume, until, inject_nan_at, peak_tflops)
     log = log if jax.process_index() == 0 else (lambda _: None)
