@@ -189,14 +189,21 @@ def _flag(*argv):
 
 
 def _second_writer(work, tmp):
+    """A requeue that lands while the old job still runs (held still by
+    SIGSTOP meanwhile, so that it is alive whatever the machine's speed)."""
     out = tmp / "run"
-    first, t0 = started(TRAIN, "--tp", "2", "--steps", "60", "--checkpoint-every", "2",
-                        *SMALL, "train.eval_every=1000", "--out", out, until="step     3/")
-    second = run(TRAIN, "--resume", "--out", out)
+    first, t0 = started(TRAIN, "--tp", "2", "--steps", "12", "--checkpoint-every", "4",
+                        *SMALL, "--out", out, until="step     3/")
+    first.send_signal(signal.SIGSTOP)
+    try:
+        second = run(TRAIN, "--resume", "--out", out)
+    finally:
+        first.send_signal(signal.SIGCONT)
     first_done = finish(first, t0)
     assert first_done.rc == 0 and first_done.err == "", first_done.err[-2000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 61)), [r["step"] for r in rows]
+    assert [r["step"] for r in rows] == list(range(1, 13)), [r["step"] for r in rows]
+    assert "resumed" not in first_done.out and not (out / "resumes.jsonl").exists()
     return second
 
 
@@ -209,17 +216,15 @@ def _read_only_run_dir(work, tmp):
 
 
 def _checkpoints_fail(options: tuple[str, ...], read_only_after_first: bool):
+    """The base run resumed with its checkpoints on a tmpfs of `options`:
+    remounted read-only once a save there completed, or left to fail."""
     def go(work, tmp):
-        out = tmp / "run"
-        r = run(TRAIN, *BASE, "--until", "2", "--out", out)
-        assert r.rc == 0, r.err[-2000:]
-        saved = tmp / "saved"
-        shutil.move(out / "checkpoints", saved)
+        out = copy_run(work, tmp)
+        shutil.move(out / "checkpoints", tmp / "saved")
         with Tmpfs(out / "checkpoints", *options) as fs:
-            for step in saved.iterdir():
-                shutil.copytree(step, fs.path / step.name)
+            shutil.copytree(tmp / "saved" / "4", fs.path / "4")  # the latest: 30 inodes
             argv = [TRAIN, "--resume", "--out", out, "--steps", "4000", "--checkpoint-every",
-                    "300" if read_only_after_first else "3"]
+                    "300" if read_only_after_first else "5"]
             if not read_only_after_first:
                 return run(*argv)
             proc, t0 = started(*argv, until="step   301/")
