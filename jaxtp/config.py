@@ -20,7 +20,7 @@ _HERE = Path(__file__).resolve().parent
 CONFIG_DIR = next((d for d in (_HERE / "configs", _HERE.parent / "configs") if d.is_dir()),
                   _HERE / "configs")
 DTYPES = ("float32", "bfloat16", "float16")
-# how the tp collectives are placed (jaxtp.parallel.regions): by GSPMD from
+# how the tp collectives are placed (jaxtp.parallel.locals): by GSPMD from
 # sharding constraints, written out in shard_map, or by JAX's sharding-in-types
 # on a mesh of Explicit axes
 IMPLS = ("gspmd", "shard_map", "explicit")

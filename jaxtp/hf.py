@@ -248,12 +248,12 @@ def load_hf(path: str | Path, tp: int = 1, impl: str = "gspmd", **overrides):
     call it inside `with jax.set_mesh(model.mesh):` (both need the mesh while
     tracing; explicit's has Explicit axes).
     """
-    from .parallel import make_mesh
+    from .parallel import Layout
     from .train.state import place_params
 
     model_cfg, values = read_hf(path, **overrides)
     cfg = validate(Config(model=model_cfg, parallel=ParallelConfig(tp=tp, impl=impl)))
-    mesh = make_mesh(1, tp, impl=impl)
+    mesh = Layout.of(cfg).mesh()
     graphdef, params, _ = place_params(cfg, mesh, values)
     model = nnx.merge(graphdef, params)
     model.mesh = mesh

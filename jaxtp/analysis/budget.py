@@ -97,13 +97,11 @@ def param_shard_elements(cfg: Config) -> list[int]:
     """Elements of each parameter one tp rank holds (its shard), no allocation."""
     import jax
     from flax import nnx
-    from jax.sharding import AbstractMesh, AxisType
 
     from ..model import Transformer
-    from ..parallel import MESH_AXES
 
-    p = cfg.parallel
-    mesh = AbstractMesh((p.dp, p.tp), MESH_AXES, axis_types=(AxisType.Auto,) * 2)
+    # Auto axes whatever the impl: shapes only, no contraction is typed
+    mesh = dataclasses.replace(Layout.of(cfg), impl="gspmd").abstract_mesh()
     model = dataclasses.replace(cfg.model, attention="xla")  # shapes only
     with jax.sharding.use_abstract_mesh(mesh):
         params = nnx.state(nnx.eval_shape(
@@ -111,7 +109,7 @@ def param_shard_elements(cfg: Config) -> list[int]:
     out = []
     for v in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
         spec = v.get_metadata().get("out_sharding") or ()
-        out.append(int(np.prod(v.shape)) // (p.tp if split_over_tp(spec) else 1))
+        out.append(int(np.prod(v.shape)) // (cfg.parallel.tp if split_over_tp(spec) else 1))
     return out
 
 

@@ -35,7 +35,6 @@ import numpy as np
 
 from .. import hlo
 from ..config import Config
-from ..parallel import IMPL_AXIS
 from ..train.metrics import HARDWARE, model_flops_per_token
 
 # Planning on CPU: XLA's CPU scheduler orders work for speed, and keeps more
@@ -201,10 +200,10 @@ def _verdict(r: dict, cfg: Config, tp: int, base: float | None, target) -> None:
 def _print(cfg: Config, rows: list[dict], target, on_target: bool, log) -> None:
     gib = lambda b: f"{b / 2**30:,.2f} G" if b >= 2**30 else f"{b / 2**20:,.1f} M"
     num = lambda x, f: "-" if x != x else f.format(x)  # NaN: no cost analysis
-    head = [IMPL_AXIS, "params B", "optim B", "temps B", "total B", "fits", "acts est. B",
+    head = ["tp", "params B", "optim B", "temps B", "total B", "fits", "acts est. B",
             "collectives", "coll. B", "GFLOP/dev", "redundancy", "F/tp", "bound"]
     table = [head] + [[
-        str(r[IMPL_AXIS]), gib(r["memory"]["params"]), gib(r["memory"]["optimizer"]),
+        str(r["tp"]), gib(r["memory"]["params"]), gib(r["memory"]["optimizer"]),
         gib(r["memory"]["temporaries"]), gib(r["memory"]["total"]),
         "yes" if r["fits"] else "NO",
         gib(r["analytic_memory"]["activations_korthikanti"]), str(r["collectives_per_step"]),

@@ -33,7 +33,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from .. import hlo
 from ..config import load_config
-from ..parallel import IMPL_AXIS as TP
+from ..parallel import TP_AXIS as TP
 from .report import section
 
 OPS = ("all-reduce", "reduce-scatter", "all-gather")

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from ..config import Config
-from ..parallel import make_mesh, named
+from ..parallel import Layout, named
 from ..train.state import init_train_state
 from ..train.step import compile_train_step, step_controls
 
@@ -40,8 +40,8 @@ class Run:
 def build(name: str, cfg: Config) -> Run:
     """Initialise `cfg` on its own (dp, tp) mesh, compile its train step, place a
     batch of random tokens (the step's time does not depend on their values)."""
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    mesh = make_mesh(p.dp, p.tp, devices=jax.devices()[: p.dp * p.tp], impl=p.impl)
+    m, t = cfg.model, cfg.train
+    mesh = Layout.of(cfg).mesh()
     state = init_train_state(cfg, mesh)
     t0 = time.perf_counter()
     step = compile_train_step(state, t.batch_size, m.seq_len)

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ATTENTIONS
+from ..parallel.collectives import vary, varying_axes
 
 KERNELS = ATTENTIONS  # the config owns the names
 # `auto` takes blockwise from this sequence length on (measured on CPU,
@@ -209,15 +210,7 @@ def _full(likes, shape, value, dtype=jnp.float32):
     """A constant that varies over the manual axes any of `likes` varies over:
     inside shard_map a loop carry must keep one type, and what the loop adds
     to it varies with the inputs (over tp, for a rank's heads)."""
-    x = jnp.full(shape, value, dtype)
-    vma = tuple(sorted(set().union(*(_varying_axes(a) for a in likes))))
-    return jax.lax.pcast(x, vma, to="varying") if vma else x
-
-
-def _varying_axes(x) -> frozenset:
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; earlier: aval.vma
-    return mat.varying if mat is not None else frozenset(getattr(aval, "vma", ()))
+    return vary(jnp.full(shape, value, dtype), set().union(*map(varying_axes, likes)))
 
 
 def _scores(q_BKRH, k_BKSH):

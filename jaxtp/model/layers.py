@@ -4,7 +4,7 @@ Every weight is created with its PartitionSpec in the metadata
 (`out_sharding=layout.param_spec(...)`), so the parameters themselves carry
 their split over the mesh. A layer's math is plain local math written as an
 einsum over shape letters: correct on global arrays (GSPMD partitions it) and
-on per-shard arrays inside `jax.shard_map` (`jaxtp.parallel.regions`).
+on per-shard arrays inside `jax.shard_map` (`jaxtp.parallel.locals`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ brackets it with two operators:
 Sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2) splits each into
 an all-gather and a reduce-scatter of the same bytes (`f_sp`, `g_sp`).
 These are written out for the shard_map implementation; under GSPMD the
-partitioner derives them from the PartitionSpecs (`jaxtp.parallel.regions`).
+partitioner derives them from the PartitionSpecs (`jaxtp.parallel.locals`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from .layout import IMPL_AXIS, MESH_AXES, mesh_size
+from .layout import TP_AXIS, keep_axes, mesh_size, spec_axes
 
 
 def f(x):
@@ -37,7 +37,7 @@ def f(x):
     is exactly the backward all-reduce of dX. No psum of any gradient is written
     by hand: that one would count it twice.
     """
-    return jax.lax.pcast(x, IMPL_AXIS, to="varying")
+    return jax.lax.pcast(x, TP_AXIS, to="varying")
 
 
 def g(y_partial):
@@ -46,30 +46,30 @@ def g(y_partial):
     psum turns the tp-varying partial sums into a tp-invariant total; its
     transpose hands each rank the (invariant) output gradient unchanged.
     """
-    return jax.lax.psum(y_partial, IMPL_AXIS)
+    return jax.lax.psum(y_partial, TP_AXIS)
 
 
 def f_sp(x_BTD):
     """Megatron-SP entry: all-gather the sequence-split input forward (tiled
     along T); the transpose is a reduce-scatter of dX. Same bytes as f's
     all-reduce, split in two."""
-    return jax.lax.all_gather(x_BTD, IMPL_AXIS, axis=1, tiled=True)
+    return jax.lax.all_gather(x_BTD, TP_AXIS, axis=1, tiled=True)
 
 
 def g_sp(y_partial_BTD):
     """Megatron-SP exit: reduce-scatter the partial output along the sequence;
     the transpose all-gathers the output gradient."""
-    return jax.lax.psum_scatter(y_partial_BTD, IMPL_AXIS, scatter_dimension=1, tiled=True)
+    return jax.lax.psum_scatter(y_partial_BTD, TP_AXIS, scatter_dimension=1, tiled=True)
 
 
 def pmax(x):
     """The maximum over tp (the vocab-parallel loss's running max)."""
-    return jax.lax.pmax(x, IMPL_AXIS)
+    return jax.lax.pmax(x, TP_AXIS)
 
 
 def pmin(x):
     """The minimum over tp (the lowest token id among the shards' best)."""
-    return jax.lax.pmin(x, IMPL_AXIS)
+    return jax.lax.pmin(x, TP_AXIS)
 
 
 def gather(x, axis: int):
@@ -77,16 +77,30 @@ def gather(x, axis: int):
     each rank places its shard in a zero array and the sum over tp fills it
     (an all-reduce of tp x the shard: jax 0.10's public all_gather returns a
     value check_vma counts as varying over tp)."""
-    tp = jax.lax.axis_size(IMPL_AXIS)
+    tp = jax.lax.axis_size(TP_AXIS)
     placed = jnp.zeros(x.shape[:axis] + (tp,) + x.shape[axis:], x.dtype)
     placed = jax.lax.dynamic_update_index_in_dim(placed, x, rank(), axis)
-    whole = jax.lax.psum(placed, IMPL_AXIS)
+    whole = jax.lax.psum(placed, TP_AXIS)
     return whole.reshape(x.shape[:axis] + (tp * x.shape[axis],) + x.shape[axis + 1:])
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes x varies over, inside shard_map (check_vma)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; earlier: aval.vma
+    return mat.varying if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def vary(x, axes):
+    """x cast to varying over those of `axes` it is invariant over: the
+    transpose is one psum of its gradient over them (no forward collective)."""
+    invariant = tuple(a for a in sorted(axes) if a not in varying_axes(x))
+    return jax.lax.pcast(x, invariant, to="varying") if invariant else x
 
 
 def rank():
     """This shard's index on the tp axis (only inside shard_map)."""
-    return jax.lax.axis_index(IMPL_AXIS)
+    return jax.lax.axis_index(TP_AXIS)
 
 
 def global_norm(grads, specs):
@@ -101,12 +115,14 @@ def global_norm(grads, specs):
     """
     leaves = jax.tree.leaves(grads)
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    split = [set(a for a in jax.tree.leaves(tuple(s)) if a in MESH_AXES) for s in spec_leaves]
-    axes = tuple(a for a in MESH_AXES if mesh_size(a) > 1 and any(a in s for s in split))
+    mesh = jax.sharding.get_abstract_mesh()
+    names = () if mesh.empty else mesh.axis_names
+    split = [set(a for e in s for a in spec_axes(e) if a in names) for s in spec_leaves]
+    axes = tuple(a for a in names if mesh_size(a) > 1 and any(a in s for s in split))
     if not axes:
         return optax.tree.norm(grads)
     size = {a: mesh_size(a) for a in axes}
-    in_specs = tuple(P(*(a if a in axes else None for a in s)) for s in spec_leaves)
+    in_specs = tuple(keep_axes(s, axes) for s in spec_leaves)
 
     def local(*leaves):
         total = jnp.float32(0)

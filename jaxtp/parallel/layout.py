@@ -1,74 +1,84 @@
 """The mesh, the logical-axis rules, and the `Layout` of a run.
 
 Model code names logical axes ("embed", "mlp", "heads", ...); `RULES` maps
-them to the two mesh axes `dp` and `tp`. Weights get their PartitionSpec at
-construction from `Layout.param_spec`, so changing a table changes the
-layout without touching the model. `Layout` is everything the model needs
-to know about parallelism, decided once from the config.
+each to a tuple of mesh axes (empty: not split; two: split over both, the
+first outermost). Weights get their PartitionSpec at construction from
+`Layout.param_spec`, so changing a table changes the layout without
+touching the model. `Layout` is everything the model needs to know about
+parallelism, decided once from the config, and it builds the mesh: an
+ordered mapping of mesh axis name to size (today dp, tp; a later axis is
+one more entry).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 DATA_AXIS = "dp"  # the axis data parallelism splits the batch over
-IMPL_AXIS = "tp"  # the axis tensor parallelism splits
-MESH_AXES = (DATA_AXIS, IMPL_AXIS)
+TP_AXIS = "tp"  # the axis tensor parallelism splits
 
 # Megatron layout: the hidden dims of the MLP, the attention heads and the
 # vocabulary are split over tp; the model dim and sequence stay whole on every
 # tp rank; the batch is split over dp.
-RULES: dict[str, str | None] = {
-    "batch": "dp",
-    "seq": None,
-    "sp_seq": "tp",  # the residual stream's sequence under sequence parallelism
-    "embed": None,
-    "vocab": "tp",  # vocab-parallel embedding, LM head and cross-entropy
-    "mlp": "tp",
-    "heads": "tp",
-    "kv_heads": "tp",  # when tp divides them; else the kv projection is replicated
-    "head_dim": None,
+RULES: dict[str, tuple[str, ...]] = {
+    "batch": (DATA_AXIS,),
+    "seq": (),
+    "sp_seq": (TP_AXIS,),  # the residual stream's sequence under sequence parallelism
+    "embed": (),
+    "vocab": (TP_AXIS,),  # vocab-parallel embedding, LM head and cross-entropy
+    "mlp": (TP_AXIS,),
+    "heads": (TP_AXIS,),
+    "kv_heads": (TP_AXIS,),  # when tp divides them; else the kv projection is replicated
+    "head_dim": (),
 }
 # FSDP-style: parameters (and so the optimizer state, which mirrors them) are
 # also split over dp along their model dim. Only parameters: an activation's
 # model dim stays whole, its batch is what dp splits.
-FSDP_PARAM_RULES = {**RULES, "embed": "dp"}
+FSDP_PARAM_RULES = {**RULES, "embed": (DATA_AXIS,)}
 
 
-def spec(*logical: str | None, rules: dict[str, str | None] | None = None) -> P:
-    """PartitionSpec for a tensor whose dims carry these logical names.
+def spec(*logical: str | None, rules: dict[str, tuple[str, ...]] | None = None) -> P:
+    """PartitionSpec for a tensor whose dims carry these logical names (a dim
+    over one mesh axis names it, over several a tuple of them).
 
     >>> spec("embed", "mlp")
     PartitionSpec(None, 'tp')
     """
     rules = RULES if rules is None else rules
-    axes = []
+    dims = []
     for name in logical:
         if name is not None and name not in rules:
             raise KeyError(f"unknown logical axis {name!r}; known: {sorted(rules)}")
-        axes.append(None if name is None else rules[name])
-    used = [a for a in axes if a is not None]
+        dims.append(() if name is None else tuple(rules[name]))
+    used = [a for axes in dims for a in axes]
     if len(used) != len(set(used)):
         raise ValueError(
-            f"logical axes {logical} map two dims to the same mesh axis ({axes}); "
+            f"logical axes {logical} map two dims to the same mesh axis ({dims}); "
             "a tensor can be split over a mesh axis only once"
         )
-    return P(*axes)
+    return P(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in dims))
+
+
+def spec_axes(entry) -> tuple[str, ...]:
+    """The mesh axes one entry of a PartitionSpec names (None, a name, a tuple)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """How a run is split, decided once from the config and handed to every
-    module: the mesh shape, the implementation of the tp collectives, sequence
-    parallelism (only where tp > 1) and its overlap with the matmuls, FSDP,
-    and whether tp divides the kv heads
-    (each rank holds K/tp of them) or not (the kv projection is replicated)."""
+    module: the mesh's axes and sizes, the implementation of the tp
+    collectives, sequence parallelism (only where tp > 1) and its overlap
+    with the matmuls, FSDP, and whether tp divides the kv heads (each rank
+    holds K/tp of them) or not (the kv projection is replicated)."""
 
-    dp: int = 1
-    tp: int = 1
+    # mesh axis -> size, outermost first: tp innermost, on the fastest links
+    # (a tuple of pairs, so that a Layout is hashable)
+    axes: tuple[tuple[str, int], ...] = ((DATA_AXIS, 1), (TP_AXIS, 1))
     # "gspmd": XLA places f and g; "shard_map": written out; "explicit": typed
     # shardings on a mesh of Explicit axes name each reduction
     impl: str = "gspmd"
@@ -80,14 +90,72 @@ class Layout:
     # asked for (gspmd, explicit); only with sp
     overlap: bool = False
 
+    def __post_init__(self):
+        axes = tuple(self.axes.items()) if isinstance(self.axes, dict) else tuple(self.axes)
+        for name, size in axes:
+            if not (isinstance(size, int) and size >= 1):
+                raise ValueError(f"mesh axis {name!r} has size {size!r}: must be an int >= 1")
+        object.__setattr__(self, "axes", axes)
+
+    @classmethod
+    def make(cls, dp: int = 1, tp: int = 1, **kw) -> "Layout":
+        """A layout of the config's degrees (`parallel.dp`, `parallel.tp`)."""
+        return cls(axes=((DATA_AXIS, dp), (TP_AXIS, tp)), **kw)
+
     @classmethod
     def of(cls, cfg) -> "Layout":
         """The layout of a `jaxtp.config.Config`."""
         p, m = cfg.parallel, cfg.model
         sp = p.sp and p.tp > 1
-        return cls(dp=p.dp, tp=p.tp, impl=p.impl, sp=sp, fsdp=p.fsdp,
-                   kv_sharded=m.kv_heads % p.tp == 0,
-                   overlap=sp and p.overlap == "collective_matmul")
+        return cls.make(p.dp, p.tp, impl=p.impl, sp=sp, fsdp=p.fsdp,
+                        kv_sharded=m.kv_heads % p.tp == 0,
+                        overlap=sp and p.overlap == "collective_matmul")
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.axes)
+
+    @property
+    def dp(self) -> int:
+        return self.sizes.get(DATA_AXIS, 1)
+
+    @property
+    def tp(self) -> int:
+        return self.sizes.get(TP_AXIS, 1)
+
+    @property
+    def devices(self) -> int:
+        """The mesh's device count: the product of its axes' sizes."""
+        return math.prod(self.sizes.values())
+
+    def _axis_types(self) -> tuple:
+        kind = AxisType.Explicit if self.impl == "explicit" else AxisType.Auto
+        return (kind,) * len(self.axes)
+
+    def mesh(self, devices=None) -> Mesh:
+        """The mesh of these axes over the first `self.devices` of `devices`
+        (default: every device), with the impl's axis types: Auto, so GSPMD
+        may insert collectives itself (gspmd, and shard_map, which is manual
+        inside its regions only), or Explicit for impl="explicit", where every
+        array's type carries its sharding and an ambiguous contraction must
+        name its `out_sharding`. (jax.make_mesh defaults to Explicit axes; the
+        Megatron GSPMD path wants Auto.)"""
+        devices = jax.devices() if devices is None else devices
+        check_device_count(self.sizes, len(devices), devices[0].platform)
+        names, shape = zip(*self.axes)
+        return jax.make_mesh(shape, names, axis_types=self._axis_types(),
+                             devices=devices[: self.devices])
+
+    def on(self, mesh: Mesh) -> Mesh:
+        """`mesh`'s devices with this layout's axis types (Explicit for impl
+        "explicit", else Auto)."""
+        return mesh_for(mesh, self.impl)
+
+    def abstract_mesh(self) -> AbstractMesh:
+        """The mesh's shape, names and axis types, without devices (for
+        tracing and analysis)."""
+        names, shape = zip(*self.axes)
+        return AbstractMesh(shape, names, axis_types=self._axis_types())
 
     def param_spec(self, *logical: str | None) -> P:
         """A parameter's PartitionSpec (FSDP also splits its "embed" dim over dp)."""
@@ -100,24 +168,20 @@ class Layout:
         return ("batch", "sp_seq" if self.sp else "seq", "embed")
 
 
+def keep_axes(s: P, axes) -> P:
+    """`s` naming only the mesh axes in `axes` (the others: not split)."""
+    kept = [tuple(a for a in spec_axes(entry) if a in axes) for entry in s]
+    return P(*(None if not k else k[0] if len(k) == 1 else k for k in kept))
+
+
 def split_over_tp(s: P) -> bool:
     """Whether a PartitionSpec splits a dim over the tp axis."""
-    return IMPL_AXIS in jax.tree.leaves(tuple(s))
+    return any(TP_AXIS in spec_axes(entry) for entry in s)
 
 
 def make_mesh(dp: int = 1, tp: int = 1, devices=None, *, impl: str = "gspmd") -> Mesh:
-    """A (dp, tp) mesh for `impl`: Auto axes, so GSPMD may insert collectives
-    itself (gspmd, and shard_map, which is manual inside its regions only), or
-    Explicit axes for impl="explicit", where every array's type carries its
-    sharding and an ambiguous contraction must name its `out_sharding`.
-
-    jax.make_mesh defaults to Explicit axes; the Megatron GSPMD path wants Auto.
-    """
-    devices = jax.devices() if devices is None else devices
-    check_device_count(dp * tp, len(devices), devices[0].platform, dp=dp, tp=tp)
-    kind = AxisType.Explicit if impl == "explicit" else AxisType.Auto
-    return jax.make_mesh((dp, tp), MESH_AXES, axis_types=(kind, kind),
-                         devices=devices[: dp * tp])
+    """`Layout.make(dp, tp, impl=impl).mesh(devices)`: a (dp, tp) mesh for `impl`."""
+    return Layout.make(dp, tp, impl=impl).mesh(devices)
 
 
 def mesh_for(mesh: Mesh, impl: str) -> Mesh:
@@ -134,13 +198,15 @@ def explicit_mesh() -> bool:
     return not mesh.empty and mesh.are_all_axes_explicit
 
 
-def check_device_count(needed: int, available: int, platform: str, *, dp: int, tp: int):
+def check_device_count(sizes: dict[str, int], available: int, platform: str) -> None:
+    """Refuse a mesh of more devices than `available`, naming each axis."""
+    needed = math.prod(sizes.values())
     if needed > available:
         hint = ("lower --tp/--dp" if platform == "cpu" else
                 "lower --tp/--dp, or simulate on CPU with JAX_PLATFORMS=cpu")
         raise ValueError(
-            f"dp*tp = {dp}*{tp} = {needed} devices requested but this machine has "
-            f"{available} {platform} device(s); {hint}")
+            f"{'*'.join(sizes)} = {'*'.join(map(str, sizes.values()))} = {needed} devices "
+            f"requested but this machine has {available} {platform} device(s); {hint}")
 
 
 def ensure_devices(n: int) -> str:
@@ -168,13 +234,18 @@ def mesh_size(name: str) -> int:
     return 1 if mesh.empty else dict(mesh.shape).get(name, 1)
 
 
+def cache_spec() -> P:
+    """A KV cache [B, S, Kc, H]: batch over dp, its kv heads over tp."""
+    return spec("batch", None, "kv_heads", None)
+
+
 def named(mesh: Mesh, *logical: str | None) -> NamedSharding:
     return NamedSharding(mesh, spec(*logical))
 
 
 def in_region() -> bool:
     """True inside a shard_map manual over tp (per-shard arrays)."""
-    return IMPL_AXIS in jax.sharding.get_abstract_mesh().manual_axes
+    return TP_AXIS in jax.sharding.get_abstract_mesh().manual_axes
 
 
 def constrain(x: jax.Array, *logical: str | None) -> jax.Array:

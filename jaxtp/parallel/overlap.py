@@ -35,7 +35,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from .layout import IMPL_AXIS
+from .layout import TP_AXIS
 
 # XLA's options that turn windowed einsum on, per platform. GPU: a threshold
 # of 0 MiB decomposes every all-gather / reduce-scatter feeding a dot, on
@@ -78,7 +78,7 @@ def _ring(tp: int) -> list[tuple[int, int]]:
     return [(j, (j + 1) % tp) for j in range(tp)]
 
 
-def allgather_matmul(x_BtD, mm: Callable, axis: str = IMPL_AXIS):
+def allgather_matmul(x_BtD, mm: Callable, axis: str = TP_AXIS):
     """mm(all_gather(x along T)) as a ring, for `mm` that maps each position
     on its own (a column-parallel matmul): x [B, T/tp, D] -> mm's outputs
     (any pytree) with T whole, [B, T, ...].
@@ -100,7 +100,7 @@ def allgather_matmul(x_BtD, mm: Callable, axis: str = IMPL_AXIS):
     return y
 
 
-def matmul_reducescatter(h_BT, mm: Callable, axis: str = IMPL_AXIS):
+def matmul_reducescatter(h_BT, mm: Callable, axis: str = TP_AXIS):
     """reduce_scatter(mm(h) along T) as a ring, for `mm` that maps each
     position on its own (a row-parallel matmul's partial sum): h (any pytree
     of [B, T, ...]) -> [B, T/tp, D], this rank's chunk of the sum over tp.

@@ -53,7 +53,7 @@ import numpy as np
 from flax import nnx
 
 from ..config import Config
-from ..parallel import make_mesh, named
+from ..parallel import Layout, named
 from ..parallel.distributed import any_process
 from .checkpoint import Checkpointer, SaveFailed, nbytes
 from .data import to_mesh
@@ -112,7 +112,7 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None, *,
     check_options(check, resume, until, inject_nan_at, peak_tflops)
     log = log if jax.process_index() == 0 else (lambda _: None)
     data, data_id, tokenizer = load_data(data_path, cfg, (launch or {}).get("init_from_hf"))
-    mesh = make_mesh(cfg.parallel.dp, cfg.parallel.tp, impl=cfg.parallel.impl)
+    mesh = Layout.of(cfg).mesh()
     asked = cfg  # as given: the run records "auto", not the kernel this machine picks
     cfg = resolve_attention(cfg, mesh.devices.flat[0])  # a KernelError before writing
     out = Path(out_dir)

@@ -57,8 +57,10 @@ def build_model(cfg: Config, seed: int = 0, device=None) -> Transformer:
 
 
 def abstract_model(cfg: Config, mesh: Mesh):
-    """(graphdef, abstract params) without allocating anything."""
-    mesh = mesh_for(mesh, cfg.parallel.impl)  # explicit: Explicit axes
+    """(graphdef, abstract params) without allocating anything. (Here and in
+    each function below, `mesh` may have any axis types: it is retyped for
+    the impl, `Layout.on`.)"""
+    mesh = Layout.of(cfg).on(mesh)
     with jax.set_mesh(mesh):
         model = nnx.eval_shape(lambda: build_model(cfg, device=mesh.devices.flat[0]))
     graphdef, params = nnx.split(model)
@@ -75,7 +77,7 @@ def init_params(cfg: Config, mesh: Mesh):
     to 3 ulp off one device's). Explicit's arrays are then retyped onto its
     mesh (the same devices and layout).
     """
-    mesh = mesh_for(mesh, cfg.parallel.impl)  # explicit: Explicit axes
+    mesh = Layout.of(cfg).on(mesh)
     graphdef, abstract = abstract_model(cfg, mesh)
     shardings = nnx.get_named_sharding(abstract, mesh)
     auto = mesh_for(mesh, "gspmd")
@@ -89,7 +91,7 @@ def init_params(cfg: Config, mesh: Mesh):
 
 
 def _state(cfg: Config, mesh: Mesh, graphdef, params, param_shardings) -> TrainState:
-    mesh = mesh_for(mesh, cfg.parallel.impl)  # explicit: Explicit axes
+    mesh = Layout.of(cfg).on(mesh)
     tx = make_optimizer(cfg.train)
     abstract = isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct)
     # placed parameters: under this mesh, whatever mesh the caller is under
@@ -127,7 +129,7 @@ def place_params(cfg: Config, mesh: Mesh, values):
     The layout metadata is part of the pytree (a kv projection is sharded at
     one tp and replicated at another), so values go through a plain dict.
     """
-    mesh = mesh_for(mesh, cfg.parallel.impl)  # explicit: Explicit axes
+    mesh = Layout.of(cfg).on(mesh)
     graphdef, abstract = abstract_model(cfg, mesh)
     shardings = nnx.get_named_sharding(abstract, mesh)
     pure = values if isinstance(values, dict) else nnx.to_pure_dict(values)
@@ -142,7 +144,7 @@ def place_params(cfg: Config, mesh: Mesh, values):
 
 def abstract_train_state(cfg: Config, mesh: Mesh) -> TrainState:
     """A TrainState of ShapeDtypeStructs: enough to compile a step, allocates nothing."""
-    mesh = mesh_for(mesh, cfg.parallel.impl)  # explicit: Explicit axes
+    mesh = Layout.of(cfg).on(mesh)
     graphdef, abstract = abstract_model(cfg, mesh)
     param_shardings = nnx.get_named_sharding(abstract, mesh)
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),

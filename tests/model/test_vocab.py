@@ -16,7 +16,7 @@ CFG = ModelConfig(vocab_size=61, vocab_multiple=16, d_model=8)  # padded to 64
 def make(tp, impl, pad_value=None):
     mesh = make_mesh(1, tp)
     with jax.set_mesh(mesh):
-        graphdef, params = nnx.split(VocabEmbed(CFG, Layout(tp=tp, impl=impl), rngs=nnx.Rngs(0)))
+        graphdef, params = nnx.split(VocabEmbed(CFG, Layout.make(tp=tp, impl=impl), rngs=nnx.Rngs(0)))
         if pad_value is not None:  # poison the padding rows
             table = params["embedding"][...]
             params["embedding"][...] = table.at[CFG.vocab_size:].set(pad_value)

@@ -1,7 +1,7 @@
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from jaxtp.parallel import check_device_count, make_mesh, spec
+from jaxtp.parallel import Layout, check_device_count, keep_axes, make_mesh, spec
 
 
 def test_logical_axes_map_through_the_rules():
@@ -16,9 +16,12 @@ def test_two_dims_on_one_mesh_axis_is_an_error():
         spec("heads", "mlp")
     with pytest.raises(KeyError, match="unknown logical axis 'hidden'"):
         spec("hidden")
-    rules = {"embed": "tp", "mlp": "tp"}  # an FSDP-like table mistake
+    rules = {"embed": ("tp",), "mlp": ("tp",)}  # an FSDP-like table mistake
     with pytest.raises(ValueError, match="same mesh axis"):
         spec("embed", "mlp", rules=rules)
+    rules = {"seq": ("cp", "tp"), "mlp": ("tp",)}  # one axis inside a tuple too
+    with pytest.raises(ValueError, match="same mesh axis"):
+        spec("seq", "mlp", rules=rules)
 
 
 def test_mesh_is_auto_dp_by_tp():
@@ -32,5 +35,25 @@ def test_too_many_devices_is_a_clear_error():
                                          r"machine has 8 cpu"):
         make_mesh(2, 8)
     with pytest.raises(ValueError, match=r"has 4 gpu device\(s\).*JAX_PLATFORMS=cpu"):
-        check_device_count(8, 4, "gpu", dp=1, tp=8)
-    check_device_count(8, 8, "gpu", dp=1, tp=8)
+        check_device_count({"dp": 1, "tp": 8}, 4, "gpu")
+    check_device_count({"dp": 1, "tp": 8}, 8, "gpu")
+
+
+def test_a_layout_takes_any_set_of_named_axes():
+    """A third axis is one more entry: the mesh, its abstract twin, the
+    device count and a dim split over two axes at once."""
+    layout = Layout(axes={"dp": 2, "cp": 2, "tp": 2}, impl="explicit")
+    assert layout.axes == (("dp", 2), ("cp", 2), ("tp", 2)) and layout.devices == 8
+    assert (layout.dp, layout.tp) == (2, 2)
+    mesh = layout.mesh()
+    assert mesh.axis_names == ("dp", "cp", "tp") and mesh.axis_types == (AxisType.Explicit,) * 3
+    abstract = layout.abstract_mesh()
+    assert dict(abstract.shape) == {"dp": 2, "cp": 2, "tp": 2}
+    assert abstract.axis_types == (AxisType.Explicit,) * 3
+    rules = {"batch": ("dp",), "sp_seq": ("cp", "tp"), "embed": ()}
+    assert spec("batch", "sp_seq", "embed", rules=rules) == P("dp", ("cp", "tp"), None)
+    assert keep_axes(P("dp", ("cp", "tp"), None), {"tp"}) == P(None, "tp", None)
+    with pytest.raises(ValueError, match=r"dp\*cp\*tp = 2\*2\*4 = 16 devices requested"):
+        Layout(axes={"dp": 2, "cp": 2, "tp": 4}).mesh()
+    with pytest.raises(ValueError, match="mesh axis 'cp' has size 0"):
+        Layout(axes={"dp": 1, "cp": 0})

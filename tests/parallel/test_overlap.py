@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxtp import hlo
-from jaxtp.parallel import IMPL_AXIS, make_mesh
+from jaxtp.parallel import TP_AXIS, make_mesh
 from jaxtp.parallel.overlap import allgather_matmul, matmul_reducescatter, xla_options
 
 B, T, D, F = 2, 16, 8, 12
@@ -16,7 +16,7 @@ B, T, D, F = 2, 16, 8, 12
 def sharded(fn, in_specs, out_specs, tp):
     mesh = make_mesh(1, tp)
     return mesh, jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                                       axis_names={IMPL_AXIS}, check_vma=False))
+                                       axis_names={TP_AXIS}, check_vma=False))
 
 
 def check_ring(ring, mesh, x, w, tp: int, replaces: str, tol: float):
@@ -45,7 +45,7 @@ def test_allgather_matmul_equals_gather_then_matmul(tp):
     w = jax.random.normal(jax.random.PRNGKey(1), (D, F))
     # w replicated: every rank computes the whole [B, T, F]
     mesh, ring = sharded(lambda x, w: allgather_matmul(x, lambda c: c @ w),
-                         (P(None, IMPL_AXIS), P()), P(), tp)
+                         (P(None, TP_AXIS), P()), P(), tp)
     check_ring(ring, mesh, x, w, tp, "all-gather", tol=1e-5)  # the same products
 
 
@@ -55,7 +55,7 @@ def test_matmul_reducescatter_equals_matmul_then_reduce_scatter(tp):
     x = jax.random.normal(jax.random.PRNGKey(2), (B, T, F * tp))
     w = jax.random.normal(jax.random.PRNGKey(3), (F * tp, D))
     mesh, ring = sharded(lambda x, w: matmul_reducescatter(x, lambda c: c @ w),
-                         (P(None, None, IMPL_AXIS), P(IMPL_AXIS)), P(None, IMPL_AXIS), tp)
+                         (P(None, None, TP_AXIS), P(TP_AXIS)), P(None, TP_AXIS), tp)
     check_ring(ring, mesh, x, w, tp, "reduce-scatter", tol=1e-4)  # summed in ring order
 
 
@@ -71,7 +71,7 @@ def test_an_entry_ring_carries_several_outputs():
     x = jax.random.normal(jax.random.PRNGKey(4), (B, T, D))
     w1, w2 = (jax.random.normal(jax.random.PRNGKey(k), (D, n)) for k, n in ((5, F), (6, 3)))
     mesh, ring = sharded(lambda x: allgather_matmul(x, lambda c: (c @ w1, c @ w2)),
-                         (P(None, IMPL_AXIS),), (P(), P()), tp)
+                         (P(None, TP_AXIS),), (P(), P()), tp)
     with jax.set_mesh(mesh):
         a, b = ring(x)
         kinds = [c.kind for c in hlo.collectives(ring.lower(x).compile().as_text())]

@@ -35,7 +35,7 @@ def module_value_and_grads(cls, tp, impl, CFG):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(4, CFG.seq_len, CFG.d_model)).astype(np.float32)
     c = rng.normal(size=x.shape).astype(np.float32)
-    layout = Layout(tp=tp, impl=impl, kv_sharded=CFG.kv_heads % tp == 0)
+    layout = Layout.make(tp=tp, impl=impl, kv_sharded=CFG.kv_heads % tp == 0)
 
     def create():
         params = nnx.split(cls(CFG, layout, rngs=nnx.Rngs(3)))[1]
