@@ -109,7 +109,7 @@ def main(argv=None) -> int:
 
 def tokenizer_of(args):
     """--tokenizer, else the run's (or the HF directory's) tokenizer."""
-    from jaxtp.generate.load import HFTokenizer, hf_eos, run_tokenizer
+    from jaxtp.data.tokenizer import HFTokenizer, hf_eos, run_tokenizer
     from jaxtp.train.rundir import RunDir
 
     if args.hf:

@@ -1,13 +1,38 @@
-"""The rules a config must keep, each failure a ConfigError that names the
-value and the fix (`jaxtp.config.validate` applies them before anything is
-compiled)."""
+"""The rules a config must keep: the choices each key may take, and checks
+whose every failure is a ConfigError that names the value and the fix
+(`jaxtp.config.validate` applies them before anything is compiled). It
+imports nothing of `jaxtp.config`, which re-exports the choices."""
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-from .config import (ATTENTIONS, DTYPES, IMPLS, OVERLAPS, REMATS, STYLES, Config, ConfigError,
-                     ModelConfig)
+if TYPE_CHECKING:  # annotations only: jaxtp.config imports this module
+    from .config import Config, ModelConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+# how the tp collectives are placed (jaxtp.parallel.locals): by GSPMD from
+# sharding constraints, written out in shard_map, or by JAX's sharding-in-types
+# on a mesh of Explicit axes
+IMPLS = ("gspmd", "shard_map", "explicit")
+# generation's KV-cache regions exist for these two; a run trained under
+# explicit generates under gspmd (the same parameters)
+INFERENCE_IMPLS = ("gspmd", "shard_map")
+# how SP's all-gathers and reduce-scatters meet the matmuls they feed
+# (jaxtp.parallel.overlap): one collective each, or collective-matmul rings
+OVERLAPS = ("none", "collective_matmul")
+STYLES = ("gpt2", "llama")
+REMATS = ("none", "full", "dots", "minimal")  # jaxtp.model.transformer.REMAT_POLICIES
+ATTENTIONS = ("auto", "xla", "blockwise", "cudnn")  # jaxtp.model.kernels (auto: per device)
+# how long a multi-process start waits for every process (jaxtp.parallel.distributed)
+COORDINATOR_TIMEOUT_S = 300
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type or inconsistent."""
+
+
 
 
 def check(cfg: Config) -> None:

@@ -14,33 +14,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+# the choices a config may make, the error of one it may not, and the rules
+# (jaxtp.checks, which imports nothing of this module)
+from .checks import (ATTENTIONS, COORDINATOR_TIMEOUT_S, DTYPES, IMPLS, INFERENCE_IMPLS,
+                     OVERLAPS, REMATS, STYLES, ConfigError, check)
+
 # the presets: `jaxtp/configs/` in an installed wheel (pyproject maps the
 # repository's top-level `configs/` there), the repository's own in a checkout
 _HERE = Path(__file__).resolve().parent
 CONFIG_DIR = next((d for d in (_HERE / "configs", _HERE.parent / "configs") if d.is_dir()),
                   _HERE / "configs")
-DTYPES = ("float32", "bfloat16", "float16")
-# how the tp collectives are placed (jaxtp.parallel.locals): by GSPMD from
-# sharding constraints, written out in shard_map, or by JAX's sharding-in-types
-# on a mesh of Explicit axes
-IMPLS = ("gspmd", "shard_map", "explicit")
-# generation's KV-cache regions exist for these two; a run trained under
-# explicit generates under gspmd (the same parameters)
-INFERENCE_IMPLS = ("gspmd", "shard_map")
-# how SP's all-gathers and reduce-scatters meet the matmuls they feed
-# (jaxtp.parallel.overlap): one collective each, or collective-matmul rings
-OVERLAPS = ("none", "collective_matmul")
-STYLES = ("gpt2", "llama")
-REMATS = ("none", "full", "dots", "minimal")  # jaxtp.model.transformer.REMAT_POLICIES
-ATTENTIONS = ("auto", "xla", "blockwise", "cudnn")  # jaxtp.model.kernels (auto: per device)
-# how long a multi-process start waits for every process (jaxtp.parallel.distributed)
-COORDINATOR_TIMEOUT_S = 300
-
-
-class ConfigError(ValueError):
-    """A configuration value is unknown, of the wrong type or inconsistent."""
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     # "gpt2": LayerNorm, learned positions, GELU MLP;
@@ -275,7 +258,11 @@ def load_config(name_or_path: str = "tiny") -> Config:
 def validate(cfg: Config) -> Config:
     """Check sizes and layout; raises ConfigError naming the value and the fix
     (the rules: `jaxtp.checks`)."""
-    from .checks import check
-
     check(cfg)
     return cfg
+
+
+__all__ = ["ATTENTIONS", "CONFIG_DIR", "COORDINATOR_TIMEOUT_S", "Config", "ConfigError",
+           "DTYPES", "IMPLS", "INFERENCE_IMPLS", "ModelConfig", "OVERLAPS",
+           "ParallelConfig", "REMATS", "STYLES", "TrainConfig", "apply_overrides",
+           "load_config", "preset_names", "validate"]

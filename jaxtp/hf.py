@@ -40,11 +40,14 @@ import numpy as np
 from flax import nnx
 
 from .config import Config, ModelConfig, ParallelConfig, validate
+from .model import stack_layers, unstack_layers
+from .parallel import Layout
+from .train.state import place_params
 
 
 def _safetensors():
     try:
-        from safetensors.numpy import load_file, save_file
+        from safetensors.numpy import load_file, save_file  # optional dependency ([hf])
     except ImportError:
         raise ImportError("reading Hugging Face checkpoints needs the safetensors package: "
                           "pip install -e '.[hf]' (or pip install safetensors)") from None
@@ -153,7 +156,6 @@ def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
         raise ValueError(f"checkpoint tensors not mapped to jaxtp: {unused[:5]}"
                          f"{' ...' if len(unused) > 5 else ''}")
     if cfg.scan_layers:
-        from .model import stack_layers
 
         params = stack_layers(params)
     return jax.tree.map(lambda x: x.astype(dt), params)
@@ -163,7 +165,6 @@ def params_to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """The inverse of `hf_to_params` (tables unpadded)."""
     D, N, K, H = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
     if cfg.scan_layers:
-        from .model import unstack_layers
 
         params = unstack_layers(params)
     p = jax.tree.map(lambda x: np.ascontiguousarray(np.asarray(x, np.float32)), params)
@@ -248,8 +249,6 @@ def load_hf(path: str | Path, tp: int = 1, impl: str = "gspmd", **overrides):
     call it inside `with jax.set_mesh(model.mesh):` (both need the mesh while
     tracing; explicit's has Explicit axes).
     """
-    from .parallel import Layout
-    from .train.state import place_params
 
     model_cfg, values = read_hf(path, **overrides)
     cfg = validate(Config(model=model_cfg, parallel=ParallelConfig(tp=tp, impl=impl)))

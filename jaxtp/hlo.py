@@ -288,7 +288,7 @@ class _OpNames:
 
 def compiled_text(fn, *args, **kwargs) -> str:
     """Optimized HLO of `fn` (jitted or not) for these (possibly abstract) arguments."""
-    import jax
+    import jax  # the HLO reader itself needs no JAX (it reads text)
 
     lowerable = fn if hasattr(fn, "lower") else jax.jit(fn)
     return lowerable.lower(*args, **kwargs).compile().as_text()

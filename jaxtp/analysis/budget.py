@@ -27,14 +27,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
+from flax import nnx
 
 from ..config import Config
+from ..model import Transformer
 from ..model.vocab import loss_chunks
 from ..parallel import Layout, split_over_tp
 from .backends import on_backend
 from .rows import ANY_SCOPE, HLO_DTYPES, Expected
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +97,7 @@ def expected_collectives(cfg: Config, impl: str, platform: str = "") -> list[Exp
 
 def param_shard_elements(cfg: Config) -> list[int]:
     """Elements of each parameter one tp rank holds (its shard), no allocation."""
-    import jax
-    from flax import nnx
 
-    from ..model import Transformer
 
     # Auto axes whatever the impl: shapes only, no contraction is typed
     mesh = dataclasses.replace(Layout.of(cfg), impl="gspmd").abstract_mesh()

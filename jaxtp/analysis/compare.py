@@ -18,8 +18,12 @@ from typing import Callable
 
 from .. import hlo
 from ..config import IMPLS, Config
+from ..parallel import NO_XLA_OVERLAP, make_mesh, mesh_for
+from ..train.state import abstract_train_state
+from ..train.step import compile_train_step
 from .budget import budget_for, expected_collectives
-from .rows import check, collective_key
+from .picture import write
+from .rows import check, format_table, size_text, table_rows
 
 # XLA's GPU combiners concatenate small collectives into one flat buffer (the
 # CPU ones build tuples, which jaxtp.hlo splits again): the bytes stay, the
@@ -39,7 +43,6 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
     `mesh`: a (dp, tp) mesh to compile for, e.g. of compile-only devices of
     another platform (`jax.experimental.topologies`); default: this machine's.
     """
-    from ..parallel import make_mesh, mesh_for
 
     p = cfg.parallel
     out = Path(out_dir)
@@ -80,7 +83,6 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
     for impl, r in impls.items():
         log(f"{impl}: {r['verdict']}")
     log(f"wrote {out / 'comm_report.json'} and hlo_<impl>.txt")
-    from .picture import write  # (it reads this module's table helpers)
 
     write(report, out, log)
     return report
@@ -88,8 +90,6 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
 
 def _compile_and_check(cfg: Config, mesh, out: Path, log) -> tuple[list, list, dict]:
     """(collectives, budget, report entry) of the train step of `cfg` (one impl)."""
-    from ..train.state import abstract_train_state
-    from ..train.step import compile_train_step
 
     m, impl = cfg.model, cfg.parallel.impl
     platform = mesh.devices.flat[0].platform
@@ -117,7 +117,6 @@ def _compile_and_check(cfg: Config, mesh, out: Path, log) -> tuple[list, list, d
 def windowed_einsum_line(colls: list, platform: str, impl: str = "gspmd") -> str:
     """What XLA made of GSPMD's overlap request: the collective-permutes of
     the windowed-einsum loops it formed (none: each SP collective stayed whole)."""
-    from ..parallel import NO_XLA_OVERLAP
 
     n = sum(c.count for c in colls if c.kind == "collective-permute")
     if platform == "cpu":
@@ -141,66 +140,3 @@ def _analytic_line(budget, sp: bool, ring: dict, overlap: bool = False) -> str:
             f"{size_text(budget.ring_bytes_blocks_per_step)} for the blocks per step; with the "
             "collectives outside the blocks: " + ", ".join(
                 f"{size_text(v)} ({k})" for k, v in ring.items()))
-
-
-def size_text(b: float) -> str:
-    return f"{b / 2**20:.3f} MiB" if b >= 2**10 else f"{b:.0f} B"
-
-
-def table_rows(colls_by_impl: dict, expected_by_impl: dict) -> list[dict]:
-    """Every collective (kind, pass, scope, dtype, shape, devices, bytes) with
-    its count per impl (`counts`) and in each impl's budget (`budget`), and
-    the budget's roles for it (Megatron's f or g, their SP forms and rings,
-    the loss's reductions): the data of the table and of the picture."""
-    cells: dict[tuple, dict] = {}
-    for impl in colls_by_impl:
-        for c in colls_by_impl[impl]:
-            cell = cells.setdefault(collective_key(c), {"shape": c.shape, "bytes": c.bytes})
-            cell.setdefault("counts", {})[impl] = cell.get("counts", {}).get(impl, 0) + c.count
-        for e in expected_by_impl[impl]:
-            cell = cells.setdefault(e.key, {"shape": None, "bytes": e.bytes})
-            cell.setdefault("budget", {})[impl] = cell.get("budget", {}).get(impl, 0) + e.count
-            roles = cell.setdefault("roles", [])
-            if e.role_label not in roles:
-                roles.append(e.role_label)
-    order = {"forward": 0, "backward": 1, "other": 2}
-    rows = []
-    for key in sorted(cells, key=lambda k: (order.get(k[1], 3), k[2], k[0], -k[3])):
-        kind, pass_, scope, n, dt, group = key
-        cell = cells[key]
-        rows.append({"kind": kind, "pass": pass_, "scope": scope, "elements": n, "dtype": dt,
-                     "devices": group, "bytes": cell["bytes"],
-                     "shape": list(cell["shape"]) if cell["shape"] is not None else None,
-                     "counts": {i: cell.get("counts", {}).get(i, 0) for i in colls_by_impl},
-                     "budget": {i: cell.get("budget", {}).get(i, 0) for i in colls_by_impl},
-                     "roles": cell.get("roles", [])})
-    return rows
-
-
-def role_text(row: dict) -> str:
-    return " / ".join(row["roles"]) or "(not in the budget)"
-
-
-def shape_text(row: dict) -> str:
-    shape = row["shape"] if row["shape"] is not None else f"[{row['elements']} elements]"
-    return f"{row['dtype']}{shape}"
-
-
-def format_table(colls_by_impl: dict, expected_by_impl: dict) -> list[str]:
-    """`table_rows` side by side: per impl its count and its budget's, then the role."""
-    impls = list(colls_by_impl)
-    head = ["kind", "pass", "scope", "dtype[shape]", "devices", "bytes each"]
-    for impl in impls:
-        head += [impl, "budget"]
-    head.append("role")
-    rows = [head]
-    for r in table_rows(colls_by_impl, expected_by_impl):
-        row = [r["kind"], r["pass"], r["scope"] or "-", shape_text(r), str(r["devices"]),
-               size_text(r["bytes"])]
-        for impl in impls:
-            row += [str(r["counts"][impl]), str(r["budget"][impl])]
-        rows.append(row + [role_text(r)])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return lines

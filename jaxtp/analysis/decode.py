@@ -21,9 +21,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from ..config import Config, INFERENCE_IMPLS
-from .rows import HLO_DTYPES, Expected, check
-from .compare import format_table
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .. import hlo
+from ..config import INFERENCE_IMPLS, Config
+from ..generate import Generator
+from ..parallel import cache_spec, make_mesh, spec
+from ..train.state import abstract_model
+from .rows import HLO_DTYPES, Expected, check, format_table
 
 
 def decode_budget(cfg: Config, batch: int, impl: str) -> list[Expected]:
@@ -52,14 +60,7 @@ def decode_budget(cfg: Config, batch: int, impl: str) -> list[Expected]:
 
 def decode_hlo(cfg: Config, batch: int, length: int) -> str:
     """The compiled decode step (greedy) of `cfg` on abstract parameters."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from ..generate import Generator
-    from ..parallel import cache_spec, make_mesh, spec
-    from ..train.state import abstract_model
 
     mesh = make_mesh(1, cfg.parallel.tp)
     graphdef, params = abstract_model(cfg, mesh)
@@ -78,7 +79,6 @@ def compare_decode(cfg: Config, batch: int, length: int,
                    log: Callable[[str], None] = print) -> bool:
     """Print both impls' decode-step collectives against the budget; True if
     both match."""
-    from .. import hlo
 
     colls, expected, ok = {}, {}, True
     for impl in INFERENCE_IMPLS:

@@ -6,7 +6,7 @@ compiled HLO holds there: forward on the left, backward on the right, one
 column per impl, each marked with its Megatron role (f, g, their SP forms,
 the loss's reductions), payload and bytes; a count that differs from the
 budget is drawn in a warning colour. It is drawn from `comm_report.json`'s
-`table` (`jaxtp.analysis.compare.table_rows`), never by hand. The SVG needs
+`table` (`jaxtp.analysis.rows.table_rows`), never by hand. The SVG needs
 nothing; the PNG (the same layout) needs matplotlib.
 """
 
@@ -15,7 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from xml.sax.saxutils import quoteattr
 
-from .compare import role_text, shape_text, size_text
+from ..plot import NoMatplotlib, pyplot
+from .rows import role_text, shape_text, size_text
 
 # the modules top to bottom: (slot, label)
 MODULES = (("embedding", "embedding (vocab-parallel), positions"),
@@ -141,13 +142,12 @@ def _escape(text: str) -> str:
 
 def to_png(report: dict, path: Path) -> bool:
     """The same layout drawn with matplotlib; False where it is not installed."""
-    from ..plot import NoMatplotlib, pyplot
 
     try:
         plt = pyplot()
     except NoMatplotlib:
         return False
-    from matplotlib.patches import Rectangle
+    from matplotlib.patches import Rectangle  # optional dependency ([plot])
 
     prims, width, height = layout(report)
     fig = plt.figure(figsize=(width / 100, height / 100), dpi=100)

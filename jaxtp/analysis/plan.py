@@ -26,16 +26,22 @@ shapes (nothing is allocated at full size), next to an analytic estimate:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
+from pathlib import Path
 from typing import Callable
 
 import jax
 import numpy as np
 
 from .. import hlo
-from ..config import Config
+from ..config import Config, ConfigError, validate
+from ..parallel import make_mesh, mesh_for
 from ..train.metrics import HARDWARE, model_flops_per_token
+from ..train.state import abstract_train_state, resolve_attention
+from ..train.step import compile_train_step
+from .targets import CPU_OVERSTATES, TargetUnavailable, target_mesh
 
 # Planning on CPU: XLA's CPU scheduler orders work for speed, and keeps more
 # live than the memory-aware schedulers of the GPU and TPU compilers; its
@@ -80,9 +86,6 @@ def analyze(cfg: Config, mesh=None) -> dict:
     """Compile the train step of `cfg` (abstract shapes) on `mesh` (default: this
     machine's CPU devices; or compile-only devices of an accelerator,
     `jaxtp.analysis.targets`) and account for it."""
-    from ..parallel import make_mesh, mesh_for
-    from ..train.state import abstract_train_state, resolve_attention
-    from ..train.step import compile_train_step
 
     m, p, t = cfg.model, cfg.parallel, cfg.train
     t0 = time.perf_counter()
@@ -135,8 +138,6 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
     `compile_for_target`: compile for `hardware` itself (`jaxtp.analysis.targets`)
     where its compiler is installed; otherwise, or when it is not, compile for
     this machine's CPU, whose temporaries overstate an accelerator's."""
-    from ..config import ConfigError, validate
-    from .targets import CPU_OVERSTATES, TargetUnavailable, target_mesh
 
     target = HARDWARE[hardware]
     on_target = compile_for_target
@@ -175,8 +176,6 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
             + f"); --hardware {hardware} compiles for it where "
             + ("jax[tpu]" if target.platform == "tpu" else "jax[cuda12]") + " is installed")
     if out_dir is not None:
-        import json
-        from pathlib import Path
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)

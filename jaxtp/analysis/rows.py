@@ -103,3 +103,66 @@ def check(colls: list[hlo.Collective], expected: list[Expected]) -> str | None:
         return (f"unexpected {kind} of {n} {dt} over {group} devices x{count} "
                 f"({pass_}, scope {scope or '-'})")
     return None
+
+
+def size_text(b: float) -> str:
+    return f"{b / 2**20:.3f} MiB" if b >= 2**10 else f"{b:.0f} B"
+
+
+def table_rows(colls_by_impl: dict, expected_by_impl: dict) -> list[dict]:
+    """Every collective (kind, pass, scope, dtype, shape, devices, bytes) with
+    its count per impl (`counts`) and in each impl's budget (`budget`), and
+    the budget's roles for it (Megatron's f or g, their SP forms and rings,
+    the loss's reductions): the data of the table and of the picture."""
+    cells: dict[tuple, dict] = {}
+    for impl in colls_by_impl:
+        for c in colls_by_impl[impl]:
+            cell = cells.setdefault(collective_key(c), {"shape": c.shape, "bytes": c.bytes})
+            cell.setdefault("counts", {})[impl] = cell.get("counts", {}).get(impl, 0) + c.count
+        for e in expected_by_impl[impl]:
+            cell = cells.setdefault(e.key, {"shape": None, "bytes": e.bytes})
+            cell.setdefault("budget", {})[impl] = cell.get("budget", {}).get(impl, 0) + e.count
+            roles = cell.setdefault("roles", [])
+            if e.role_label not in roles:
+                roles.append(e.role_label)
+    order = {"forward": 0, "backward": 1, "other": 2}
+    rows = []
+    for key in sorted(cells, key=lambda k: (order.get(k[1], 3), k[2], k[0], -k[3])):
+        kind, pass_, scope, n, dt, group = key
+        cell = cells[key]
+        rows.append({"kind": kind, "pass": pass_, "scope": scope, "elements": n, "dtype": dt,
+                     "devices": group, "bytes": cell["bytes"],
+                     "shape": list(cell["shape"]) if cell["shape"] is not None else None,
+                     "counts": {i: cell.get("counts", {}).get(i, 0) for i in colls_by_impl},
+                     "budget": {i: cell.get("budget", {}).get(i, 0) for i in colls_by_impl},
+                     "roles": cell.get("roles", [])})
+    return rows
+
+
+def role_text(row: dict) -> str:
+    return " / ".join(row["roles"]) or "(not in the budget)"
+
+
+def shape_text(row: dict) -> str:
+    shape = row["shape"] if row["shape"] is not None else f"[{row['elements']} elements]"
+    return f"{row['dtype']}{shape}"
+
+
+def format_table(colls_by_impl: dict, expected_by_impl: dict) -> list[str]:
+    """`table_rows` side by side: per impl its count and its budget's, then the role."""
+    impls = list(colls_by_impl)
+    head = ["kind", "pass", "scope", "dtype[shape]", "devices", "bytes each"]
+    for impl in impls:
+        head += [impl, "budget"]
+    head.append("role")
+    rows = [head]
+    for r in table_rows(colls_by_impl, expected_by_impl):
+        row = [r["kind"], r["pass"], r["scope"] or "-", shape_text(r), str(r["devices"]),
+               size_text(r["bytes"])]
+        for impl in impls:
+            row += [str(r["counts"][impl]), str(r["budget"][impl])]
+        rows.append(row + [role_text(r)])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 
+from ..parallel import make_mesh
 from ..train.metrics import HARDWARE, Hardware
 
 # CPU temporaries / the H100 compile's for the same step (XLA's CPU backend
@@ -96,6 +97,5 @@ def compile_only_devices(name: str, n: int = 8) -> list:
 
 def target_mesh(name: str, dp: int, tp: int):
     """A (dp, tp) mesh of compile-only devices of target `name`."""
-    from ..parallel import make_mesh
 
     return make_mesh(dp, tp, devices=compile_only_devices(name, dp * tp))

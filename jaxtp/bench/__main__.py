@@ -15,6 +15,7 @@ import time
 
 from ..parallel import ensure_devices
 from . import suite
+from .gpu import gpu_bench, gpu_config
 from .report import header, readme_parts, splice_readme, write_report
 
 
@@ -44,14 +45,12 @@ def main(argv=None) -> int:
         if args.overrides and not args.gpu:
             raise ValueError("config overrides apply to --gpu only")
         if args.gpu:
-            from .gpu import gpu_config
 
             cfg = gpu_config(args.gpu_config, args.overrides)
     except (ValueError, OSError) as e:  # a ConfigError too
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.gpu:
-        from .gpu import gpu_bench
 
         report = gpu_bench(cfg, args.steps, args.warmup, args.peak_tflops, args.gpu_config)
     else:

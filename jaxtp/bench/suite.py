@@ -19,6 +19,7 @@ there show partitioning overhead, not a speed-up.
 
 from __future__ import annotations
 
+import tempfile
 import time
 from typing import Callable
 
@@ -26,14 +27,15 @@ import jax
 import numpy as np
 
 from ..parallel import make_mesh
+from ..train.loop import train
 from ..train.state import abstract_train_state
 from ..train.step import compile_train_step
-from . import collectives as bc
+from . import collectives as bc, peer as bp
+from .cases import PAIRED, _case, _get, _paired, preset, valid_tps
 from .collectives import bench_collectives
 from .decode import bench_decode
-from .cases import PAIRED, _case, _get, _paired, preset, valid_tps
-from .timing import build, paired_ratio, time_alternating
 from .report import RATIO_COLUMNS, format_section, machine_info, section
+from .timing import build, paired_ratio, time_alternating
 
 SECTIONS = ("impl", "scaling", "overlap", "compile", "collectives", "profile", "peer",
             "attention", "loop", "decode")
@@ -188,7 +190,6 @@ def bench_peer(plan: dict, cache: dict) -> dict:
     """jaxtp's tiny train step at tp=1 (the scaling section's, when it ran)
     against the same model written in plain JAX (`jaxtp.bench.peer`), timed
     alternately in one process."""
-    from . import peer as bp
 
     run, cut = _get(plan, cache, "tiny", 1)
     cfg = run.cfg
@@ -250,9 +251,7 @@ def bench_attention(plan: dict, log=print) -> dict:
 def bench_loop(plan: dict, log=print) -> dict:
     """The training loop at tp=8: host time per step outside the step call
     (data, bookkeeping, dispatch of nothing else), from the loop's own record."""
-    import tempfile
 
-    from ..train.loop import train
 
     tp = min(8, jax.device_count())
     n = plan["loop_steps"]

@@ -21,6 +21,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from .tokenizer import load_tokenizer
+
 MAGIC = b"JAXTPTOK"
 HEADER_BYTES = 4096
 FORMAT = 1
@@ -73,27 +75,6 @@ def _write_header(f, header: dict) -> None:
         raise ValueError("token file header too long")
     f.seek(0)
     f.write((MAGIC + len(body).to_bytes(4, "little") + body).ljust(HEADER_BYTES, b" "))
-
-
-def load_tokenizer(path: str | os.PathLike, what: str = "--tokenizer"):
-    """(a `tokenizers.Tokenizer`, its file) from tokenizer.json or a directory
-    holding one; one-line errors for a missing package, file or a file the
-    package cannot read."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise ImportError("reading a tokenizer needs the tokenizers package: "
-                          "pip install -e '.[data]'") from None
-    file = Path(path)
-    file = file / "tokenizer.json" if file.is_dir() else file
-    if not file.is_file():
-        raise FileNotFoundError(f"{what} {path}: no tokenizer.json there")
-    try:
-        return Tokenizer.from_file(str(file)), file
-    except Exception as e:  # the Rust binding raises a bare Exception
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"{what} {file}: not a tokenizer.json the tokenizers package can "
-                         f"read ({reason})") from None
 
 
 def eos_id(tokenizer, name: str | None = None) -> int:

@@ -8,35 +8,28 @@ heads, so none adds a collective.
 
 - `xla`: einsum, fp32 softmax, einsum; the reference. It materialises the
   [B, heads, T, T] scores.
-- `blockwise`: exact attention in O(T * block) memory (Milakov & Gimelshein
-  2018, online softmax; Rabe & Staats 2021; Dao et al. 2022, FlashAttention,
-  and Dao 2023, FlashAttention-2, for the backward pass). Queries and keys in
-  blocks; a running max and sum per query row; key blocks above the diagonal
-  are never visited; a custom VJP stores only o and the log-sum-exp and
-  recomputes each block's probabilities in the backward pass.
+- `blockwise`: exact attention in O(T * block) memory (`jaxtp.model.blockwise`).
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`, cuDNN's
   fused flash attention on NVIDIA GPUs (fp16/bf16, head dim a multiple of 8
   and at most 256; GQA native).
 
-`auto` is resolved once per model by `choose` from the device and the shapes.
+`auto` is resolved once per model by `choose` from the device and the shapes;
+this module is that choice and the `xla` and `cudnn` kernels.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
 
 from ..config import ATTENTIONS
-from ..parallel.collectives import vary, varying_axes
+from .blockwise import NEG_INF, blockwise_attention, causal, scaled
 
 KERNELS = ATTENTIONS  # the config owns the names
 # `auto` takes blockwise from this sequence length on (measured on CPU,
 # jaxtp.bench attention section: below it the T x T scores are small and the
 # single fused einsum/softmax/einsum is faster).
 BLOCKWISE_FROM_SEQ = 1024
-NEG_INF = float("-inf")
 
 
 class KernelError(ValueError):
@@ -90,23 +83,13 @@ def cached_attention(q_BTKGH, k_BSKH, v_BSKH, pos_BT):
     slot s holds position s: key s is seen where s <= the query's position
     (later slots are empty or stale). Decoding reads the whole cache once per
     token: this is xla_attention's math with a per-row mask."""
-    q = _scaled(q_BTKGH)
+    q = scaled(q_BTKGH)
     s_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q, k_BSKH, preferred_element_type=jnp.float32)
     seen_BTS = jnp.arange(k_BSKH.shape[1])[None, None] <= pos_BT[..., None]
     s_BKGTS = jnp.where(seen_BTS[:, None, None], s_BKGTS, NEG_INF)
     p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1)
     o = jnp.einsum("BKGTS,BSKH->BTKGH", p_BKGTS.astype(v_BSKH.dtype), v_BSKH)
     return o.astype(q_BTKGH.dtype)
-
-
-def _scaled(q):
-    """q / sqrt(H), folded into q (one pass over q, not over the T x T scores)."""
-    return (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(q.dtype)
-
-
-def _causal(T: int, S: int, offset=0):
-    """[T, S] bool, True where key s may be seen by query t (+ offset)."""
-    return (jnp.arange(T)[:, None] + offset) >= jnp.arange(S)[None]
 
 
 def xla_attention(q_BTKGH, k_BTKH, v_BTKH, return_lse: bool = False):
@@ -118,8 +101,8 @@ def xla_attention(q_BTKGH, k_BTKH, v_BTKH, return_lse: bool = False):
     tiny step's attention). The mask is a select fused into the max and exp.
     """
     B, T, K, G, H = q_BTKGH.shape
-    q = _scaled(q_BTKGH)
-    mask = _causal(T, T)
+    q = scaled(q_BTKGH)
+    mask = causal(T, T)
     if G == 1:
         s_BKTS = jnp.einsum("BTKH,BSKH->BKTS", q[:, :, :, 0], k_BTKH,
                             preferred_element_type=jnp.float32)
@@ -154,153 +137,3 @@ def cudnn_attention(q_BTKGH, k_BTKH, v_BTKH):
 # a query block, q [n, B, K, G*b, H] (n blocks of b positions), so every block
 # product is a 4-D einsum against k [n, B, K, b, H], and k, v are never
 # repeated per query head. Row r of a block is its query position r % b.
-
-
-def blockwise_attention(q_BTKGH, k_BTKH, v_BTKH, block: int = 512):
-    """Memory-efficient exact causal attention (see the module docstring)."""
-    return _flash(q_BTKGH, k_BTKH, v_BTKH, block)
-
-
-def blockwise_with_lse(q_BTKGH, k_BTKH, v_BTKH, block: int = 512):
-    """(o [B, T, K, G, H], lse [B, K, G, T]) of the blockwise forward pass."""
-    B, T, K, G, H = q_BTKGH.shape
-    o, lse_nBKR = _flash_fwd(q_BTKGH, k_BTKH, v_BTKH, block)
-    n, b = lse_nBKR.shape[0], lse_nBKR.shape[-1] // G
-    lse = lse_nBKR.reshape(n, B, K, G, b).transpose(1, 2, 3, 0, 4).reshape(B, K, G, n * b)
-    return o, lse[..., :T]
-
-
-def _size(T: int, block: int) -> tuple[int, int]:
-    """(block size b, number of blocks n) covering T."""
-    b = min(block, T)
-    return b, -(-T // b)
-
-
-def _rows(x_BTKGH, b: int, n: int):
-    """[B, T, K, G, H] -> [n, B, K, G*b, H], T zero-padded to n*b. Padded keys
-    sit after every real query, so the causal mask hides them; padded query
-    rows are dropped by `_unrows`."""
-    B, T, K, G, H = x_BTKGH.shape
-    x = jnp.pad(x_BTKGH, [(0, 0), (0, n * b - T), (0, 0), (0, 0), (0, 0)])
-    return x.reshape(B, n, b, K, G, H).transpose(1, 0, 3, 4, 2, 5).reshape(n, B, K, G * b, H)
-
-
-def _unrows(x_nBKRH, T: int, G: int):
-    """The inverse of `_rows`."""
-    n, B, K, R, H = x_nBKRH.shape
-    b = R // G
-    x = x_nBKRH.reshape(n, B, K, G, b, H).transpose(1, 0, 4, 2, 3, 5)
-    return x.reshape(B, n * b, K, G, H)[:, :T]
-
-
-def _kv_blocks(x_BTKH, b: int, n: int):
-    return _rows(x_BTKH[:, :, :, None], b, n)  # [n, B, K, b, H]
-
-
-def _unkv(x_nBKSH, T: int):
-    return _unrows(x_nBKSH, T, 1)[:, :, :, 0]
-
-
-def _diag_mask(G: int, b: int):
-    """[G*b, b]: in a diagonal block, row r (query r % b) sees keys c <= r % b."""
-    return jnp.tile(_causal(b, b), (G, 1))
-
-
-def _full(likes, shape, value, dtype=jnp.float32):
-    """A constant that varies over the manual axes any of `likes` varies over:
-    inside shard_map a loop carry must keep one type, and what the loop adds
-    to it varies with the inputs (over tp, for a rank's heads)."""
-    return vary(jnp.full(shape, value, dtype), set().union(*map(varying_axes, likes)))
-
-
-def _scores(q_BKRH, k_BKSH):
-    return jnp.einsum("BKRH,BKSH->BKRS", q_BKRH, k_BKSH, preferred_element_type=jnp.float32)
-
-
-def _flash_fwd(q_BTKGH, k_BTKH, v_BTKH, block):
-    """(o like q, lse [n, B, K, G*b]): per query block, the diagonal key block
-    (masked), then the blocks below it; never the ones above."""
-    B, T, K, G, H = q_BTKGH.shape
-    b, n = _size(T, block)
-    q, k, v = _rows(_scaled(q_BTKGH), b, n), _kv_blocks(k_BTKH, b, n), _kv_blocks(v_BTKH, b, n)
-    mask = _diag_mask(G, b)
-
-    def query_block(i):
-        q_i = q[i]
-
-        def visit(j, carry, masked=False):
-            m, l, acc = carry  # running max, sum of exp, weighted sum of v
-            s = _scores(q_i, k[j])
-            if masked:
-                s = jnp.where(mask, s, NEG_INF)
-            m_new = jnp.maximum(m, s.max(-1))
-            p = jnp.exp(s - m_new[..., None])
-            corr = jnp.exp(m - m_new)
-            pv = jnp.einsum("BKRS,BKSH->BKRH", p.astype(v.dtype), v[j],
-                            preferred_element_type=jnp.float32)
-            return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
-
-        likes = (q_i, k, v)
-        init = (_full(likes, q_i.shape[:3], NEG_INF), _full(likes, q_i.shape[:3], 0.0),
-                _full(likes, q_i.shape, 0.0))
-        carry = visit(i, init, masked=True)  # every row sees its own position: finite max
-        m, l, acc = jax.lax.fori_loop(0, i, visit, carry)
-        return (acc / l[..., None]).astype(q_BTKGH.dtype), m + jnp.log(l)
-
-    o, lse = jax.lax.map(query_block, jnp.arange(n))
-    return _unrows(o, T, G), lse
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash(q_BTKGH, k_BTKH, v_BTKH, block):
-    return _flash_fwd(q_BTKGH, k_BTKH, v_BTKH, block)[0]
-
-
-def _flash_fwd_rule(q_BTKGH, k_BTKH, v_BTKH, block):
-    o, lse = _flash_fwd(q_BTKGH, k_BTKH, v_BTKH, block)
-    return o, (q_BTKGH, k_BTKH, v_BTKH, o, lse)  # O(T) per head: no T x T residual
-
-
-def _flash_bwd(block, res, do_BTKGH):
-    """FlashAttention-2's backward: per key block j, the query blocks i >= j
-    recompute p = exp(s - lse); dv_j += p^T do, dk_j += ds^T q, dq_i += ds k_j,
-    with ds = p * (do v^T - rowsum(do * o))."""
-    q_BTKGH, k_BTKH, v_BTKH, o_BTKGH, lse = res
-    B, T, K, G, H = q_BTKGH.shape
-    b, n = _size(T, block)
-    q, k, v = _rows(_scaled(q_BTKGH), b, n), _kv_blocks(k_BTKH, b, n), _kv_blocks(v_BTKH, b, n)
-    do = _rows(do_BTKGH, b, n)
-    delta = jnp.einsum("nBKRH,nBKRH->nBKR", do.astype(jnp.float32),
-                       _rows(o_BTKGH, b, n).astype(jnp.float32))
-    mask = _diag_mask(G, b)
-
-    def key_block(dq, j):
-        k_j, v_j = k[j], v[j]
-
-        def visit(i, carry, masked=False):
-            dq, dk_j, dv_j = carry
-            p = jnp.exp(_scores(q[i], k_j) - lse[i][..., None])
-            if masked:
-                p = jnp.where(mask, p, 0.0)
-            dv_j += jnp.einsum("BKRS,BKRH->BKSH", p.astype(do.dtype), do[i],
-                               preferred_element_type=jnp.float32)
-            dp = jnp.einsum("BKRH,BKSH->BKRS", do[i], v_j, preferred_element_type=jnp.float32)
-            ds = p * (dp - delta[i][..., None])
-            dk_j += jnp.einsum("BKRS,BKRH->BKSH", ds.astype(q.dtype), q[i],
-                               preferred_element_type=jnp.float32)
-            dq_i = jnp.einsum("BKRS,BKSH->BKRH", ds.astype(k_j.dtype), k_j,
-                              preferred_element_type=jnp.float32)
-            return dq.at[i].add(dq_i), dk_j, dv_j
-
-        zeros = _full((q, k, v, do), k_j.shape, 0.0)
-        carry = visit(j, (dq, zeros, zeros), masked=True)
-        dq, dk_j, dv_j = jax.lax.fori_loop(j + 1, n, visit, carry)
-        return dq, (dk_j, dv_j)
-
-    dq, (dk, dv) = jax.lax.scan(key_block, _full((q, k, v, do), q.shape, 0.0), jnp.arange(n))
-    # the scores used q * H^-1/2: the chain rule scales dq by the same factor
-    dq = _unrows(dq * H ** -0.5, T, G).astype(q_BTKGH.dtype)
-    return dq, _unkv(dk, T).astype(k_BTKH.dtype), _unkv(dv, T).astype(v_BTKH.dtype)
-
-
-_flash.defvjp(_flash_fwd_rule, _flash_bwd)

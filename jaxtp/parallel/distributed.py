@@ -31,6 +31,7 @@ import threading
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from ..config import COORDINATOR_TIMEOUT_S
@@ -207,7 +208,6 @@ def any_process(flag: bool) -> bool:
     collectives would wait forever."""
     if jax.process_count() == 1:
         return flag
-    from jax.experimental import multihost_utils
 
     return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
 

@@ -3,6 +3,8 @@
 jaxtp.plot bench BENCH_DIR`. (`--compare-hlo`'s picture of the collectives
 needs nothing: `jaxtp.analysis.picture`.)"""
 
+from pathlib import Path
+
 INSTALL_HINT = 'pip install -e ".[plot]"  (or: pip install matplotlib)'
 
 
@@ -11,7 +13,8 @@ class NoMatplotlib(ImportError):
 
 
 def pyplot():
-    """matplotlib.pyplot on the non-interactive Agg backend."""
+    """matplotlib.pyplot on the non-interactive Agg backend (matplotlib is an
+    optional dependency: imported here, when a figure is drawn)."""
     try:
         import matplotlib
     except ImportError as e:
@@ -25,8 +28,6 @@ def pyplot():
 
 def save(fig, out_dir, name: str) -> list:
     """`name`.png and `name`.svg in `out_dir`; the paths written."""
-    from pathlib import Path
-
     paths = [Path(out_dir) / f"{name}.{ext}" for ext in ("png", "svg")]
     for p in paths:
         fig.savefig(p, dpi=120, bbox_inches="tight")

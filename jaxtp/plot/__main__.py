@@ -10,6 +10,8 @@ import sys
 
 from ..cli import Parser
 from . import NoMatplotlib
+from .bench import plot_bench
+from .runs import plot_runs
 
 
 def main(argv=None) -> int:
@@ -27,10 +29,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.what == "runs":
-            from .runs import plot_runs
             paths = plot_runs(args.run_dirs, args.out)
         else:
-            from .bench import plot_bench
             paths = plot_bench(args.bench_dir, args.out)
     except (NoMatplotlib, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -64,8 +64,9 @@ from .optim import lr_schedule
 from .record import run_record
 from .rundir import RunDir, write_atomic
 from .runstate import RunState
-from .start import (Signals, check_options, claim, count_params, describe, idle_summary,
-                    load_data, process0, restore_or_init, config_warnings)
+from .sampler import LoopSampler
+from .start import (Signals, check_options, claim, config_warnings, count_params, describe,
+                    idle_summary, load_data, process0, restore_or_init)
 from .state import abstract_model, resolve_attention
 from .step import ReplayCheck, make_eval_step
 
@@ -182,8 +183,6 @@ class _Loop:
         self.check = ReplayCheck(cfg, self.params, lr_schedule(t)) if check else None
         self.sampler = None
         if t.sample_every:
-            from ..generate.load import LoopSampler
-
             self.sampler = LoopSampler(cfg, mesh, list(map(int, self.eval_set[0][0][:16])), out)
         self.history, self.rates, self.host_s = [], [], []
         self.eval_loss, self.interrupted, self.step = None, None, run.step

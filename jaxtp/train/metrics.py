@@ -189,7 +189,7 @@ class MetricsLog:
     def check_tensorboard():
         """tensorboardX's SummaryWriter, or an ImportError that says what to install."""
         try:
-            from tensorboardX import SummaryWriter
+            from tensorboardX import SummaryWriter  # optional dependency ([tensorboard])
         except ImportError:
             raise ImportError("--tensorboard needs the tensorboardX package: "
                               "pip install -e '.[tensorboard]' (or tensorboardX)") from None

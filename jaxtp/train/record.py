@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
+from flax import nnx
 
 from .. import hlo
 from ..config import Config
+from ..model.layers import ColumnParallelLinear, RowParallelLinear
+from ..model.vocab import VocabEmbed
 from ..parallel import split_over_tp
 
 
 def linear_layouts(model) -> dict[str, str]:
     """'blocks.0.mlp.up' -> 'column', 'row', 'vocab-parallel' or 'replicated'
     (a kv projection with fewer kv heads than tp), for every linear and table."""
-    from flax import nnx
-
-    from ..model.layers import ColumnParallelLinear, RowParallelLinear
-    from ..model.vocab import VocabEmbed
-
     kinds = {ColumnParallelLinear: "column", RowParallelLinear: "row",
              VocabEmbed: "vocab-parallel"}
     out = {}

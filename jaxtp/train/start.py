@@ -9,7 +9,6 @@ error before anything is compiled, and nothing here leaves a directory that
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import threading
@@ -19,11 +18,14 @@ from typing import Callable
 import jax
 import numpy as np
 
+from .. import data as token_files
 from ..config import Config
+from ..data.tokenizer import hf_eos
+from ..parallel import CPU_HAS_NO_WINDOWED_EINSUM
 from ..parallel.distributed import any_process
-from .data import Dataset
-from .metrics import MetricsLog
 from .checkpoint import SaveFailed
+from .data import Dataset, data_identity, load_tokens
+from .metrics import MetricsLog
 from .rundir import RunDir, RunLock
 from .runstate import RunState
 from .state import TrainState, init_train_state
@@ -137,9 +139,6 @@ def _lock(run_dir: RunDir, existing: bool) -> RunLock:
 def load_data(data_path: str | None, cfg: Config, init_from_hf: str | None):
     """(Dataset, the data's identity for RunState, (tokenizer.json, EOS ids)):
     the tokens read (a token file memory-mapped) and checked (`check_data`)."""
-    from .. import data as token_files
-    from .data import data_identity, load_tokens
-
     tokens = load_tokens(data_path)
     header = token_files.read_header(data_path) if data_path and \
         token_files.is_token_file(data_path) else {}
@@ -155,8 +154,6 @@ def check_data(data_path: str | None, data: Dataset, cfg: Config,
     exceeds the model's, one that is not the HF checkpoint's, or a train split
     shorter than one batch. Returns the tokenizer.json the run should keep
     (for generate.py), if there is one, and its end-of-text id(s)."""
-    from .. import data as token_files
-
     m, t = cfg.model, cfg.train
     if len(data.train) < t.batch_size * (m.seq_len + 1):
         raise ValueError(f"the data's train split has {len(data.train):,} tokens, fewer than "
@@ -164,12 +161,9 @@ def check_data(data_path: str | None, data: Dataset, cfg: Config,
                          f"{t.batch_size * (m.seq_len + 1):,}): use more data")
     hf_tok = Path(init_from_hf) / "tokenizer.json" if init_from_hf else None
     hf_tok = hf_tok if hf_tok is not None and hf_tok.is_file() else None
-    hf_eos = []
-    if hf_tok is not None and (hf_tok.parent / "config.json").is_file():
-        eos = json.loads((hf_tok.parent / "config.json").read_text()).get("eos_token_id")
-        hf_eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    eos = hf_eos(hf_tok.parent) if hf_tok is not None else []
     if not (data_path and token_files.is_token_file(data_path)):
-        return hf_tok, hf_eos
+        return hf_tok, eos
     info = token_files.read_header(data_path)
     if info["vocab_size"] > m.vocab_size:
         raise ValueError(f"--data {data_path} was tokenized with a {info['vocab_size']:,}-id "
@@ -239,8 +233,6 @@ def _overlap(cfg: Config) -> str:
     if p.impl == "shard_map":
         return ", overlap: collective-matmul rings of ppermutes"
     if jax.default_backend() == "cpu":
-        from ..parallel import CPU_HAS_NO_WINDOWED_EINSUM
-
         return f", overlap: none here ({CPU_HAS_NO_WINDOWED_EINSUM})"
     return ", overlap: XLA's windowed einsum asked for"
 

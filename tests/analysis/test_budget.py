@@ -350,7 +350,7 @@ test_budgets_hold_compiled_for_an_accelerator.fast_cases = set()
 
 def test_a_budget_row_without_a_collective_shows_its_element_count():
     from jaxtp.analysis.rows import Expected
-    from jaxtp.analysis.compare import format_table
+    from jaxtp.analysis.rows import format_table
 
     row = Expected("SP embedding: its rows", "reduce-scatter", "forward", "embed", 32768,
                    "f32", 8, 1)

@@ -151,7 +151,7 @@ def test_train_on_a_token_file_then_generate_with_its_tokenizer(tmp_path, capsys
 
 
 def test_streamed_text_holds_back_a_split_character(tmp_path):
-    from jaxtp.generate.load import HFTokenizer
+    from jaxtp.data.tokenizer import HFTokenizer
 
     tok = HFTokenizer(bpe(tmp_path), eos=[], special=False)
     ids = tok.encode("café ok")

@@ -12,7 +12,7 @@ import pytest
 
 import train
 from jaxtp.analysis import picture
-from jaxtp.analysis.compare import role_text
+from jaxtp.analysis.rows import role_text
 from jaxtp.config import apply_overrides, load_config
 from jaxtp.plot.runs import labels
 from jaxtp.train.loop import train as train_run

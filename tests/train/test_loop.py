@@ -138,7 +138,8 @@ def test_metrics_rows_have_speed_and_mfu_fields(tmp_path):
 @pytest.mark.slow
 def test_sample_every_prints_the_greedy_continuation_of_the_trained_model(tmp_path):
     from jaxtp.generate import Generator
-    from jaxtp.generate.load import ByteTokenizer, from_run
+    from jaxtp.data.tokenizer import ByteTokenizer
+    from jaxtp.generate.load import from_run
     from jaxtp.train.data import Dataset, load_tokens
 
     cfg = Config(ModelConfig(n_layers=1, d_model=32, n_heads=4, d_ff=64, seq_len=48),
