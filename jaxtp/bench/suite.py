@@ -28,6 +28,7 @@ import numpy as np
 
 from ..parallel import make_mesh
 from ..train.loop import train
+from ..train.options import RunOptions
 from ..train.state import abstract_train_state
 from ..train.step import compile_train_step
 from . import collectives as bc, peer as bp
@@ -259,7 +260,7 @@ def bench_loop(plan: dict, log=print) -> dict:
                       f"train.log_every={n // 3}", f"train.eval_every={n}",
                       "train.eval_batches=1", *plan["small"])
     with tempfile.TemporaryDirectory() as out:
-        summary = train(cfg, out, log=lambda _: None)
+        summary = train(cfg, out, RunOptions(log=lambda _: None))
     rows = [{"case": _case(f"tiny tp={tp} gspmd", cfg, cut),
              "measured": "host time per step outside the step call (median)",
              "value": summary["host_ms_per_step"], "unit": "ms",

@@ -41,12 +41,12 @@ and checkpoints (one host allgather there, none per step).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import signal
 import time
 from pathlib import Path
-from typing import Callable
 
 import jax
 import numpy as np
@@ -61,6 +61,7 @@ from .loopstep import LoopState, is_row_step, make_loop_step
 from .metrics import (MetricsLog, metrics_row, model_flops_per_token, peak_flops, progress_line,
                       skip_line, speed)
 from .optim import lr_schedule
+from .options import RunOptions
 from .record import run_record
 from .rundir import RunDir, write_atomic
 from .runstate import RunState
@@ -80,29 +81,11 @@ def evaluate(eval_step, params, batches, mesh) -> float:
     return float(np.mean(jax.device_get(losses)))
 
 
-def train(cfg: Config, out_dir: str | Path, data_path: str | None = None, *,
-          log: Callable[[str], None] = print, check: bool = False, init_params=None,
-          resume: bool = False, inject_nan_at=(), peak_tflops: float | None = None,
-          tensorboard: bool = False, until: int | None = None, launch: dict | None = None,
-          argv: list[str] | None = None) -> dict:
-    """Train `cfg` and return a summary; see the module docstring for the files.
-
-    `init_params`: starting values (an nnx.State or nested dict, e.g. from
-    `jaxtp.hf.read_hf`) instead of a fresh initialisation. `resume`:
-    continue the run in `out_dir` from its latest complete checkpoint (any
-    tp/dp), or from step 0 if it has none yet (a run stopped before its
-    first save), or start it if `out_dir` holds no run: one call for a job
-    that a cluster may requeue. `cfg` may differ from the run's config only
-    where `jaxtp.train.rundir.RESUMABLE` allows; the changes are appended to
-    `resumes.jsonl` (with `argv`, the command line).
-    `check`: replay the first steps on one device and compare.
-    `inject_nan_at`: steps whose gradients are made NaN (a fault drill).
-    `peak_tflops`: per-device peak for MFU, where `jaxtp.train.metrics.HARDWARE` lacks it.
-    `tensorboard`: also write the rows as TensorBoard scalars.
-    `until`: stop after this step with a checkpoint (the schedule still spans
-    `train.steps`): a run split into jobs of fixed length.
-    `launch`: what else a new run records in launch.json (train.py: the
-    `--init-from-hf` path); `data_path` is recorded there too.
+def train(cfg: Config, out_dir: str | Path, opts: RunOptions = RunOptions()) -> dict:
+    """Train `cfg` and return a summary; see the module docstring for the
+    files and `RunOptions` for the options. `cfg` may differ from a resumed
+    run's config only where `jaxtp.train.rundir.RESUMABLE` allows; the
+    changes are appended to `resumes.jsonl` (with `opts.argv`).
 
     The run directory is locked for the call (`RunDir.lock`: another live
     writer is refused with `RunInUse`). After a `SaveFailed` whose save died
@@ -110,77 +93,81 @@ def train(cfg: Config, out_dir: str | Path, data_path: str | None = None, *,
     wait out orbax's timeout (~300 s) before the interpreter can exit;
     train.py leaves with `os._exit` instead.
     """
-    check_options(check, resume, until, inject_nan_at, peak_tflops)
-    log = log if jax.process_index() == 0 else (lambda _: None)
-    data, data_id, tokenizer = load_data(data_path, cfg, (launch or {}).get("init_from_hf"))
+    o = opts
+    check_options(o.check, o.resume, o.until, o.inject_nan_at, o.peak_tflops)
+    if jax.process_index() != 0:
+        o = dataclasses.replace(o, log=lambda _: None)
+    data, data_id, tokenizer = load_data(o.data_path, cfg, o.init_from_hf)
     mesh = Layout.of(cfg).mesh()
     asked = cfg  # as given: the run records "auto", not the kernel this machine picks
     cfg = resolve_attention(cfg, mesh.devices.flat[0])  # a KernelError before writing
     out = Path(out_dir)
-    rerun = resume and RunDir(out).has_run()
-    changes, lock = claim(RunDir(out), resume, tensorboard, asked, data_path,
-                          (launch or {}).get("init_from_hf"), tokenizer, log)
+    rerun = o.resume and RunDir(out).has_run()
+    changes, lock = claim(RunDir(out), o.resume, o.tensorboard, asked, o.data_path,
+                          o.init_from_hf, tokenizer, o.log)
     try:
-        ckpt = Checkpointer(out / "checkpoints", keep=cfg.train.keep_checkpoints, log=log)
+        ckpt = Checkpointer(out / "checkpoints", keep=cfg.train.keep_checkpoints, log=o.log)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
     try:
-        run = RunState.of(cfg, data_id)
-        state, run = restore_or_init(run, ckpt, cfg, mesh, init_params, rerun, log)
-        last = min(cfg.train.steps, until or cfg.train.steps)
-        if last <= run.step:
-            log(f"the run in {out} is already at step {run.step}"
-                + (f" (--until {until})" if until and until < cfg.train.steps else
-                   f" of {cfg.train.steps}: finished; raise --steps to train further")
-                + ": nothing to do")
-            return idle_summary(run.step, cfg, out, state.params)
-        # a disk too small for one checkpoint: refused now, not at the first save
-        ckpt.check_space(nbytes(jax.tree.leaves((state.params, state.opt_state))),
-                         "start the run")
-        # a resume's changes become the run's once a step ran with them (not
-        # when the resume dies in compile, e.g. out of memory at another tp)
-        started = functools.partial(process0, lambda: RunDir(out).resumed(
-            changes, run.step, list(argv or [])), "record the resume in resumes.jsonl")
-        loop = _Loop(cfg, mesh, out, ckpt, run, state, data, log, check, inject_nan_at,
-                     peak_tflops, tensorboard, until, started)
-        loop.run(last)
-        return loop.summary()
+        return _run(cfg, mesh, out, ckpt, RunState.of(cfg, data_id), data, changes, rerun, o)
     finally:
         ckpt.close()
         if lock is not None:
             lock.release()
 
 
+def _run(cfg, mesh, out: Path, ckpt, run: RunState, data, changes: dict, rerun: bool,
+         o: RunOptions) -> dict:
+    """The run from its restored (or new) state to `o.until` or the end."""
+    state, run = restore_or_init(run, ckpt, cfg, mesh, o.init_params, rerun, o.log)
+    last = min(cfg.train.steps, o.until or cfg.train.steps)
+    if last <= run.step:
+        o.log(f"the run in {out} is already at step {run.step}"
+              + (f" (--until {o.until})" if o.until and o.until < cfg.train.steps else
+                 f" of {cfg.train.steps}: finished; raise --steps to train further")
+              + ": nothing to do")
+        return idle_summary(run.step, cfg, out, state.params)
+    # a disk too small for one checkpoint: refused now, not at the first save
+    ckpt.check_space(nbytes(jax.tree.leaves((state.params, state.opt_state))), "start the run")
+    # a resume's changes become the run's once a step ran with them (not
+    # when the resume dies in compile, e.g. out of memory at another tp)
+    started = functools.partial(process0, lambda: RunDir(out).resumed(
+        changes, run.step, list(o.argv)), "record the resume in resumes.jsonl")
+    loop = _Loop(cfg, mesh, out, ckpt, run, state, data, o, started)
+    loop.run(last)
+    return loop.summary()
+
+
 class _Loop:
     """One run's loop: the compiled step, the arrays it carries from step to
     step, and the host's bookkeeping (rows, rates, host time, saves)."""
 
-    def __init__(self, cfg, mesh, out, ckpt, run, state, data, log, check, inject_nan_at,
-                 peak_tflops, tensorboard, until, started):
-        m, t = cfg.model, cfg.train
+    def __init__(self, cfg, mesh, out, ckpt, run, state, data, o: RunOptions, started):
+        m, t, log = cfg.model, cfg.train, o.log
         self.cfg, self.mesh, self.out, self.ckpt, self.run_state, self.log = (
             cfg, mesh, out, ckpt, run, log)
-        self.until, self.started = until, started
+        self.until, self.started = o.until, started
         # before compiling: a damaged log is repaired or refused first
         self.metrics_log = process0(
-            lambda: MetricsLog(out, run.step, tensorboard, log, saved_row=run.row),
+            lambda: MetricsLog(out, run.step, o.tensorboard, log, saved_row=run.row),
             "open metrics.jsonl")
         self.n_params = count_params(state.params)
         for line in describe(cfg, self.n_params, data) + config_warnings(cfg):
             log(line)
         self.loop = LoopState.start(t.seed, mesh, run.loop)
-        self.step_fn, self.record = self._compile(state, inject_nan_at)
+        self.step_fn, self.record = self._compile(state, o.inject_nan_at)
         self.eval_step = make_eval_step(state)
         self.eval_set = data.eval_batches(t.batch_size, t.eval_batches)
         self.batches = data.train_batches(t.batch_size, t.seed, skip=run.step)
-        peak = peak_tflops * 1e12 if peak_tflops else peak_flops(mesh.devices.flat[0])
+        peak = o.peak_tflops * 1e12 if o.peak_tflops else peak_flops(mesh.devices.flat[0])
         self.speed = functools.partial(speed, tokens_per_step=t.batch_size * m.seq_len,
                                        flops_per_token=model_flops_per_token(cfg, self.n_params),
                                        devices=mesh.size, peak=peak)
         self.params, self.opt_state = state.params, state.opt_state
-        self.check = ReplayCheck(cfg, self.params, lr_schedule(t)) if check else None
+        self.check = ReplayCheck(cfg, self.params, lr_schedule(t)) if o.check else None
         self.sampler = None
         if t.sample_every:
             self.sampler = LoopSampler(cfg, mesh, list(map(int, self.eval_set[0][0][:16])), out)

@@ -5,6 +5,7 @@ import pytest
 import generate
 from jaxtp.config import apply_overrides, load_config
 from jaxtp.train.loop import train
+from jaxtp.train.options import RunOptions
 from procs import SMALL
 
 
@@ -12,7 +13,7 @@ from procs import SMALL
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("gen") / "run"
     cfg = apply_overrides(load_config("tiny"), SMALL + ["parallel.tp=2", "train.steps=6"])
-    train(cfg, out, log=lambda _: None)
+    train(cfg, out, RunOptions(log=lambda _: None))
     return out
 
 

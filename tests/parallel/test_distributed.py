@@ -37,6 +37,7 @@ from jaxtp.parallel import distributed
 from jaxtp.config import apply_overrides, load_config
 from jaxtp.parallel import make_mesh
 from jaxtp.train.loop import train
+from jaxtp.train.options import RunOptions
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
 TIMEOUT_S = 240  # a dead peer would otherwise leave the other waiting for minutes
@@ -209,7 +210,7 @@ def test_two_train_py_processes_checkpoint_and_resume_in_one(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     # the straight run in this process (the same XLA flags as the children's)
     train(apply_overrides(load_config("tiny"), small + ["parallel.tp=8", "train.steps=6"]),
-          straight, log=lambda _: None)
+          straight, RunOptions(log=lambda _: None))
     rows = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
     got, want = rows(run), rows(straight)
     assert [r["step"] for r in got] == list(range(1, 7))

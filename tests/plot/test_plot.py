@@ -16,6 +16,7 @@ from jaxtp.analysis.rows import role_text
 from jaxtp.config import apply_overrides, load_config
 from jaxtp.plot.runs import labels
 from jaxtp.train.loop import train as train_run
+from jaxtp.train.options import RunOptions
 from procs import SMALL
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -114,7 +115,7 @@ def test_plot_runs_overlays_runs_trained_here(tmp_path, capsys, monkeypatch):
 
     cfg = apply_overrides(load_config("tiny"), SMALL + ["parallel.tp=2", "train.steps=3",
                                                         "train.eval_every=2"])
-    train_run(cfg, tmp_path / "tp2", log=lambda _: None, inject_nan_at=(2,))
+    train_run(cfg, tmp_path / "tp2", RunOptions(log=lambda _: None, inject_nan_at=(2,)))
     shutil.copytree(tmp_path / "tp2", tmp_path / "tp1")  # the same rows, another config
     conf = json.loads((tmp_path / "tp1" / "config.json").read_text())
     conf["parallel"]["tp"] = 1

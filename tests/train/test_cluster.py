@@ -20,6 +20,7 @@ import pytest
 import train
 from jaxtp.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from jaxtp.train.loop import train as train_loop
+from jaxtp.train.options import RunOptions
 from procs import ROOT, SMALL, child_env, rows, train_py
 
 
@@ -115,19 +116,21 @@ def test_data_is_recognised_by_content_not_by_path(tmp_path, monkeypatch):
     out, lines = tmp_path / "run", []
     # checkpoint_minutes ~0: a save at every row, by the clock
     cfg = small_config(checkpoint_minutes=1e-9)
-    train_loop(cfg, out, "./corpus.txt", log=lines.append, until=2)
+    train_loop(cfg, out, RunOptions(data_path="./corpus.txt", log=lines.append, until=2))
     assert sorted(int(p.name) for p in (out / "checkpoints").iterdir()) == [1, 2]
     # the same content by its absolute path, and by a copy elsewhere: the same run
-    train_loop(cfg, out, str(tmp_path / "corpus.txt"), log=lines.append, resume=True, until=3)
+    train_loop(cfg, out, RunOptions(data_path=str(tmp_path / "corpus.txt"), log=lines.append,
+                                    resume=True, until=3))
     shutil.copy(tmp_path / "corpus.txt", tmp_path / "copy.txt")
-    train_loop(cfg, out, "copy.txt", log=lines.append, resume=True)
+    train_loop(cfg, out, RunOptions(data_path="copy.txt", log=lines.append, resume=True))
     assert any("is now read from" in line and "copy.txt" in line for line in lines)
     # different content of the same length at the same path: another run
     changed = bytearray(corpus)
     changed[len(changed) // 2] ^= 1
     (tmp_path / "corpus.txt").write_bytes(bytes(changed))
     with pytest.raises(ValueError, match="the data differs from the checkpoint's"):
-        train_loop(small_config(steps=6), out, "./corpus.txt", log=lines.append, resume=True)
+        train_loop(small_config(steps=6), out,
+                   RunOptions(data_path="./corpus.txt", log=lines.append, resume=True))
     assert [r["step"] for r in rows(out)] == [1, 2, 3, 4]
 
 

@@ -17,6 +17,7 @@ import pytest
 from jaxtp.config import (Config, ModelConfig, ParallelConfig, TrainConfig, apply_overrides,
                           load_config)
 from jaxtp.train.loop import TrainingStopped, train
+from jaxtp.train.options import RunOptions
 from procs import ROOT, SMALL, child_env, rows, train_py
 
 
@@ -84,7 +85,7 @@ def test_sigterm_saves_a_checkpoint_that_a_new_process_resumes_bit_identically(t
     assert [x["step"] for x in rows(out)] == list(range(1, end + 1))
     # the straight run in this process (the same XLA flags as the children's)
     cfg = apply_overrides(load_config("tiny"), SMALL + ["parallel.tp=4", "train.steps=100000"])
-    train(cfg, straight, log=lambda _: None, until=end)
+    train(cfg, straight, RunOptions(log=lambda _: None, until=end))
     assert logged(out) == logged(straight)  # every loss, grad norm and eval loss, exactly
     pa, pb = final_params(straight, end), final_params(out, end)
     assert pa.keys() == pb.keys()
@@ -99,7 +100,7 @@ def test_nan_steps_are_skipped_logged_and_too_many_stop_the_run(tmp_path):
                              eval_every=100, eval_batches=1, max_skipped_steps=2),
                  ParallelConfig(tp=2))
     lines = []
-    summary = train(cfg, tmp_path / "a", log=lines.append, inject_nan_at={3})
+    summary = train(cfg, tmp_path / "a", RunOptions(log=lines.append, inject_nan_at={3}))
     assert summary["finished"]
     skipped = [r["step"] for r in rows(tmp_path / "a") if r["skipped"]]
     assert skipped == [3]
@@ -109,7 +110,7 @@ def test_nan_steps_are_skipped_logged_and_too_many_stop_the_run(tmp_path):
     # the skipped step did not advance optax's count: step 4 runs at step 3's lr
     assert row4["lr"] == row3["lr"] != row2["lr"]
     with pytest.raises(TrainingStopped, match="2 steps in a row had a non-finite"):
-        train(cfg, tmp_path / "b", log=lines.append, inject_nan_at={4, 5})
+        train(cfg, tmp_path / "b", RunOptions(log=lines.append, inject_nan_at={4, 5}))
     assert (tmp_path / "b" / "checkpoints" / "5").is_dir()
 
 
@@ -117,7 +118,7 @@ def test_metrics_rows_have_speed_and_mfu_fields(tmp_path):
     cfg = Config(ModelConfig(n_layers=1, d_model=32, n_heads=4, d_ff=64, seq_len=16),
                  TrainConfig(steps=3, batch_size=8, log_every=1, eval_every=100,
                              eval_batches=1), ParallelConfig(tp=2))
-    train(cfg, tmp_path, log=lambda s: None, peak_tflops=1.0)
+    train(cfg, tmp_path, RunOptions(log=lambda s: None, peak_tflops=1.0))
     r = rows(tmp_path)
     assert r[0]["tokens_per_sec"] is None and r[0]["mfu"] is None  # includes warm-up
     # 6N + 12*L*h*s (Chowdhery et al. 2022, App. B), N by hand: the tied table
@@ -148,7 +149,7 @@ def test_sample_every_prints_the_greedy_continuation_of_the_trained_model(tmp_pa
                  # explicit: the sampler and from_run generate its parameters under gspmd
                  ParallelConfig(tp=2, sp=True, impl="explicit"))
     lines = []
-    train(cfg, tmp_path, log=lines.append)
+    train(cfg, tmp_path, RunOptions(log=lines.append))
     (said,) = [line for line in lines if line.startswith("sample at step 4: ")]
     # the same text from the saved step-4 parameters, through generate's own path
     prompt = Dataset(load_tokens(None), 48, 256).eval_batches(8, 1)[0][0][:16]
@@ -170,12 +171,12 @@ def test_a_checkpoint_resumes_under_another_impl(tmp_path):
 
     quiet = lambda _: None
     straight, out = tmp_path / "straight", tmp_path / "switched"
-    train(cfg("gspmd"), straight, log=quiet)
+    train(cfg("gspmd"), straight, RunOptions(log=quiet))
     want = logged(straight)
-    train(cfg("gspmd"), out, log=quiet, until=2)
+    train(cfg("gspmd"), out, RunOptions(log=quiet, until=2))
     for first, then, at, until in (("gspmd", "explicit", 2, 4), ("explicit", "shard_map", 4, None)):
         said = []
-        train(cfg(then), out, log=said.append, resume=True, until=until)
+        train(cfg(then), out, RunOptions(log=said.append, resume=True, until=until))
         assert any("resumed from" in s and f"step {at}" in s for s in said), said
         # the resumed steps ran under the new impl: the history and run.json say so
         entry = [json.loads(line) for line in (out / "resumes.jsonl").read_text().splitlines()][-1]

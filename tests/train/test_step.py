@@ -15,6 +15,7 @@ from jaxtp.train.state import init_train_state
 from cached import initial_values
 from jaxtp.train.step import loss_fn, make_train_step, step_controls
 from jaxtp.train.loop import train
+from jaxtp.train.options import RunOptions
 
 MODEL = ModelConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=8, d_ff=64, seq_len=16)
 TRAIN = TrainConfig(steps=10, batch_size=8, lr=1e-2, warmup_steps=2)
@@ -90,7 +91,7 @@ def test_short_run_on_builtin_corpus_learns(tmp_path):
     cfg = Config(model, TrainConfig(steps=40, batch_size=16, lr=6e-3, warmup_steps=5,
                                     log_every=10, eval_every=20, eval_batches=2),
                  ParallelConfig(tp=4))
-    summary = train(cfg, tmp_path, log=lambda s: None)
+    summary = train(cfg, tmp_path, RunOptions(log=lambda s: None))
     # byte-level loss starts at ln(256) = 5.55; 40 steps on Python source
     # reach well under 3.5 (5.42 -> eval 2.91 measured)
     assert summary["first_loss"] > 5.0
