@@ -12,6 +12,9 @@ input error, 130 stopped by Ctrl-C (the text so far is kept).
 
 from __future__ import annotations
 
+# the library's heavy parts (JAX and all that uses it) are imported inside the
+# functions that need them: --help and a usage error answer before JAX loads
+
 import argparse
 import sys
 

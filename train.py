@@ -15,6 +15,9 @@ full, file system error; the checkpoints before it are intact), 128+N stopped by
 
 from __future__ import annotations
 
+# the library's heavy parts (JAX and all that uses it) are imported inside the
+# functions that need them: --help and a usage error answer before JAX loads
+
 import argparse
 import dataclasses
 import functools

@@ -16,7 +16,7 @@ import time
 from ..parallel import ensure_devices
 from . import suite
 from .gpu import gpu_bench, gpu_config
-from .report import header, readme_parts, splice_readme, write_report
+from .report import RESULTS_PAGE, header, readme_parts, splice_readme, write_report
 
 
 def main(argv=None) -> int:
@@ -25,8 +25,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny preset, few steps (~1 min on CPU)")
     ap.add_argument("--out", help="output directory (default: runs/bench-<time>)")
     ap.add_argument("--only", help=f"comma-separated subset of {','.join(suite.SECTIONS)}")
-    ap.add_argument("--readme", metavar="PATH",
-                    help="also put bench.md into PATH between its bench:begin/end markers")
+    ap.add_argument("--readme", metavar="PATH", nargs="?", const=RESULTS_PAGE,
+                    help="also put bench.md into PATH between its bench:begin/end markers "
+                         f"(without PATH: the results page, {RESULTS_PAGE})")
     ap.add_argument("--gpu", action="store_true",
                     help="train --gpu-config on one device at tp=1; tokens/s, TFLOP/s, MFU")
     ap.add_argument("--gpu-config", default="llama-1b", help="preset for --gpu")

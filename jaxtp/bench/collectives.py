@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from .. import hlo
 from ..config import load_config
-from ..parallel import TP_AXIS as TP
+from ..parallel import Layout, f, f_sp, g, g_sp, spec
 from .report import section
 
 OPS = ("all-reduce", "reduce-scatter", "all-gather")
@@ -62,16 +62,16 @@ def summary(samples) -> dict:
 
 
 def _looped(op: str, reps: int):
-    """Per-shard body: `reps` dependent collectives over tp on a 1-D buffer."""
+    """Per-shard body: `reps` dependent collectives over tp on a 1-D buffer
+    (as a [1, E] row: the SP collectives act on dim 1)."""
 
     def one(_, x):
-        if op == "all-reduce":
-            # psum's result is tp-invariant; the loop carry must stay varying
-            return lax.pcast(lax.psum(x, TP), TP, to="varying")
+        if op == "all-reduce":  # f after g: the loop carry must stay varying
+            return f(g(x))
         if op == "reduce-scatter":  # [E] -> [E/n], written back so the next one depends on it
-            y = lax.psum_scatter(x, TP, scatter_dimension=0, tiled=True)
+            y = g_sp(x[None])[0]
             return lax.dynamic_update_slice(x, y, (0,))
-        y = lax.all_gather(x, TP, axis=0, tiled=True)  # [E/n] -> [E]
+        y = f_sp(x[None])[0]  # [E/n] -> [E]
         return y[: x.shape[0]]
 
     return lambda x: lax.fori_loop(0, reps, one, x)
@@ -81,20 +81,21 @@ def time_collective(op: str, n: int, elements: int, dtype, samples: int = 10,
                     reps: int | None = None) -> dict:
     """Time one collective of a full buffer of `elements` over n devices.
 
-    The mesh is 1-D and the shard_map manual over all of it: XLA's CPU
-    compiler aborts on a bf16 psum in a shard_map manual over only some axes.
+    The mesh is (dp=1, tp=n) and the shard_map manual over all of it: XLA's
+    CPU compiler aborts on a bf16 psum in a shard_map manual over only some
+    axes.
     """
     dtype = jnp.dtype(dtype)
     if elements % n:
         raise ValueError(f"{elements} elements do not split over {n} ranks")
     size = elements * dtype.itemsize
     reps = reps or int(min(50, max(1, math.ceil(32 * 2**20 / size))))
-    mesh = jax.make_mesh((n,), (TP,), axis_types=(AxisType.Explicit,),
-                         devices=jax.devices()[:n])
+    mesh = Layout.make(tp=n, impl="explicit").mesh()
+    split = spec("vocab")  # a 1-D buffer split over tp, as the vocabulary is
     local = elements // n if op == "all-gather" else elements  # per rank input
-    fn = jax.jit(jax.shard_map(_looped(op, reps), mesh=mesh, in_specs=P(TP),
-                               out_specs=P(TP)), donate_argnums=0)
-    x = jnp.zeros((n * local,), dtype, device=NamedSharding(mesh, P(TP)))
+    fn = jax.jit(jax.shard_map(_looped(op, reps), mesh=mesh, in_specs=split,
+                               out_specs=split), donate_argnums=0)
+    x = jnp.zeros((n * local,), dtype, device=NamedSharding(mesh, split))
     compiled = fn.lower(x).compile()
     wire = sorted({c.dtype for c in hlo.collectives(compiled.as_text())})
     x = compiled(x).block_until_ready()  # warm-up

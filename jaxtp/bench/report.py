@@ -100,7 +100,8 @@ def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:
     return out / "bench.json", out / "bench.md"
 
 
-README_BEGIN = "<!-- bench:begin (python -m jaxtp.bench --readme README.md writes this) -->"
+RESULTS_PAGE = "docs/results.md"  # where the measured results are published
+README_BEGIN = f"<!-- bench:begin (python -m jaxtp.bench --readme {RESULTS_PAGE} writes this) -->"
 README_END = "<!-- bench:end -->"
 
 

@@ -52,7 +52,7 @@ def compiled(tp, impl, model=MODEL):
 def test_budget_holds_in_compiled_hlo(tp, impl):
     cfg, colls = compiled(tp, impl)
     assert check(colls, expected_collectives(cfg, impl)) is None
-    # Independently of comm.py, by hand: per block 2 forward + 2 backward
+    # Independently of jaxtp.analysis.budget, by hand: per block 2 forward + 2 backward
     # all-reduces of b*s*h = 4*16*32; outside the blocks the vocab-parallel
     # embedding (forward), the LM head's dX (backward), three b*s fp32
     # cross-entropy reductions, and one scalar for the gradient norm.
@@ -99,6 +99,7 @@ def test_llama_gqa_budget(tp, impl):
 test_llama_gqa_budget.fast_cases = {'8-gspmd'}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, tp", [(MODEL, 2), (MODEL, 8), (LLAMA, 4)])
 def test_sequence_parallel_budget_in_shard_map(model, tp):
     """SP: no all-reduce of activations is left; per block 2 all-gathers and 2
@@ -126,9 +127,9 @@ def test_sequence_parallel_budget_in_shard_map(model, tp):
     assert in_blocks(expected_collectives(plain, "shard_map")) == pytest.approx(no_sp)
 
 
-test_sequence_parallel_budget_in_shard_map.fast_cases = set()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [MODEL, LLAMA], ids=["gpt2", "llama-gqa"])
 def test_sequence_parallel_budget_in_explicit(model):
     """impl explicit with SP at tp=8 holds the budget as XLA's CPU pipeline
@@ -150,7 +151,6 @@ def test_sequence_parallel_budget_in_explicit(model):
                       ("all-gather", "backward"): 2 * L, ("all-reduce", "backward"): 2 * L}
 
 
-test_sequence_parallel_budget_in_explicit.fast_cases = set()
 
 
 @pytest.mark.parametrize("model, dp, tp, remat", [
@@ -326,6 +326,7 @@ def test_gspmd_sequence_parallel_on_the_cpu_pipeline(tmp_path):
 TARGETS = {"h100": "jax_cuda12_plugin", "tpu-v5p": "libtpu"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @pytest.mark.parametrize("config, extra", [
     ("tiny", ["--sp"]), ("llama-tiny", ["--sp"]), ("llama-tiny", ["--bf16"]),
@@ -345,7 +346,6 @@ def test_budgets_hold_compiled_for_an_accelerator(target, config, extra, tmp_pat
     assert report["platform"] == ("gpu" if target == "h100" else "tpu")
 
 
-test_budgets_hold_compiled_for_an_accelerator.fast_cases = set()
 
 
 def test_a_budget_row_without_a_collective_shows_its_element_count():

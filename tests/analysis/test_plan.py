@@ -20,6 +20,7 @@ def at(cfg, tp, sp, impl="gspmd"):
         cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, sp=sp, impl=impl)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
 def test_sequence_parallelism_shrinks_activations_and_redundancy(impl):
     one, plain, sp = at(TINY, 1, False), at(TINY, 8, False, impl), at(TINY, 8, True, impl)
@@ -38,7 +39,6 @@ def test_sequence_parallelism_shrinks_activations_and_redundancy(impl):
     assert plain["memory"]["params"] == sp["memory"]["params"] < one["memory"]["params"] / 4
 
 
-test_sequence_parallelism_shrinks_activations_and_redundancy.fast_cases = set()
 
 
 @pytest.mark.slow

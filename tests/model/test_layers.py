@@ -52,6 +52,7 @@ def _expected(keys, model, tp):
     return want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, tp", [(GPT2, 2), (GPT2, 8), (LLAMA_GQA, 2), (LLAMA_GQA, 8)])
 def test_every_weight_has_its_layers_sharding(model, tp):
     seen = 0
@@ -69,7 +70,6 @@ def test_every_weight_has_its_layers_sharding(model, tp):
     assert seen == per_block * model.n_layers + 2  # + embedding and LM head
 
 
-test_every_weight_has_its_layers_sharding.fast_cases = set()
 
 
 @pytest.mark.slow

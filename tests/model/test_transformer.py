@@ -132,6 +132,7 @@ def test_matches_single_device_reference(variant, tp, impl):
 test_matches_single_device_reference.fast_cases = {'llama-gqa-8-shard_map', 'gpt2-8-gspmd'}
 
 
+@pytest.mark.slow  # fast tier: the budget's explicit cases
 @pytest.mark.parametrize("variant, tp", [("gpt2", 1)] + [
     (v, tp) for v in ("gpt2", "llama-gqa") for tp in (2, 8)] + [("llama-mqa", 8)])
 def test_explicit_matches_single_device_reference(variant, tp):
@@ -146,7 +147,6 @@ def test_explicit_matches_single_device_reference(variant, tp):
     assert_trees_close(grads, ref_grads)
 
 
-test_explicit_matches_single_device_reference.fast_cases = set()  # fast tier: the budget's
 
 
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
@@ -167,6 +167,7 @@ def test_sequence_parallel_matches_single_device_reference(variant, tp, impl):
 test_sequence_parallel_matches_single_device_reference.fast_cases = {'llama-gqa-8-gspmd'}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant, tp, scan, remat", [
     ("gpt2", 8, False, "none"), ("gpt2", 4, False, "dots"), ("llama-gqa", 2, False, "none"),
     ("llama-gqa", 8, True, "full")])
@@ -189,9 +190,9 @@ def test_collective_matmul_matches_single_device_reference(variant, tp, scan, re
 
 
 # fast tier: the rings' units (tests/parallel/test_overlap.py) and budget
-test_collective_matmul_matches_single_device_reference.fast_cases = set()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
 def test_untied_head_no_bias_dropout_keys(impl):
     """Untied head and bias-free layers match the reference; dropout is seeded."""
@@ -211,7 +212,6 @@ def test_untied_head_no_bias_dropout_keys(impl):
     assert not np.allclose(a, logits)
 
 
-test_untied_head_no_bias_dropout_keys.fast_cases = set()
 
 
 def test_sequence_longer_than_model_is_rejected():
@@ -235,6 +235,7 @@ _one_device_dropped = functools.cache(lambda: _dropped(make_cfg(1, model=DROPOUT
                                                        tokens(make_cfg(1))[:, :-1]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
 def test_dropout_masks_do_not_depend_on_tp(impl):
     """Dropout acts on the replicated residual stream with a partitionable
@@ -244,7 +245,6 @@ def test_dropout_masks_do_not_depend_on_tp(impl):
     np.testing.assert_allclose(got, _one_device_dropped(), rtol=RTOL, atol=ATOL)
 
 
-test_dropout_masks_do_not_depend_on_tp.fast_cases = set()
 
 
 # --- attention kernels and the chunked loss inside the whole model -----------

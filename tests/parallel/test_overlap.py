@@ -19,17 +19,18 @@ def sharded(fn, in_specs, out_specs, tp):
                                        axis_names={TP_AXIS}, check_vma=False))
 
 
-def check_ring(ring, mesh, x, w, tp: int, replaces: str, tol: float):
-    """The ring equals x @ w in value and gradient, and compiles to tp - 1
-    collective-permutes forward, 2(tp - 1) with its gradient (the reverse
-    ring), and no `replaces` (nor the other SP collective) anywhere."""
+def check_ring(ring, mesh, x, w, tp: int, replaces: str, tol: float, grad_tol: float):
+    """The ring equals x @ w in value (to `tol`) and gradient (`grad_tol`),
+    and compiles to tp - 1 collective-permutes forward, 2(tp - 1) with its
+    gradient (the reverse ring), and no `replaces` (nor the other SP
+    collective) anywhere."""
     loss = lambda x, w: (ring(x, w) ** 2).sum()
     with jax.set_mesh(mesh):
         np.testing.assert_allclose(ring(x, w), x @ w, rtol=tol, atol=tol)
         got = jax.grad(loss, (0, 1))(x, w)
         want = jax.grad(lambda x, w: ((x @ w) ** 2).sum(), (0, 1))(x, w)
         for g, r in zip(got, want):
-            np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(g, r, rtol=grad_tol, atol=grad_tol)
         text = ring.lower(x, w).compile().as_text()
         grad_text = jax.jit(jax.grad(loss, (0, 1))).lower(x, w).compile().as_text()
     kinds = [c.kind for c in hlo.collectives(text)]
@@ -46,7 +47,9 @@ def test_allgather_matmul_equals_gather_then_matmul(tp):
     # w replicated: every rank computes the whole [B, T, F]
     mesh, ring = sharded(lambda x, w: allgather_matmul(x, lambda c: c @ w),
                          (P(None, TP_AXIS), P()), P(), tp)
-    check_ring(ring, mesh, x, w, tp, "all-gather", tol=1e-5)  # the same products
+    # forward: the same products, measured equal; backward: dw sums the chunks'
+    # products in ring order (measured 1.5e-6 at tp 2 as |a-b| / (1 + |b|))
+    check_ring(ring, mesh, x, w, tp, "all-gather", tol=1e-6, grad_tol=1e-5)
 
 
 @pytest.mark.parametrize("tp", [2, 8])
@@ -56,7 +59,9 @@ def test_matmul_reducescatter_equals_matmul_then_reduce_scatter(tp):
     w = jax.random.normal(jax.random.PRNGKey(3), (F * tp, D))
     mesh, ring = sharded(lambda x, w: matmul_reducescatter(x, lambda c: c @ w),
                          (P(None, None, TP_AXIS), P(TP_AXIS)), P(None, TP_AXIS), tp)
-    check_ring(ring, mesh, x, w, tp, "reduce-scatter", tol=1e-4)  # summed in ring order
+    # forward: tp partial products summed in ring order (measured 1.9e-6 at tp
+    # 8); backward: dx and dw of those sums, reassociated (measured 2.0e-5)
+    check_ring(ring, mesh, x, w, tp, "reduce-scatter", tol=1e-5, grad_tol=1e-4)
 
 
 test_allgather_matmul_equals_gather_then_matmul.fast_cases = {"8"}

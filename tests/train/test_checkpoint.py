@@ -74,6 +74,7 @@ def check_restored(params, opt_state, target, values):
         assert np.array_equal(np.asarray(x), values[name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, layouts", [(GPT2, [(1, 4), (1, 1), (2, 4)]),
                                             (LLAMA, [(1, 2), (2, 4)])])
 def test_tp8_restores_exactly_into_other_layouts(tmp_path, gpt2_tp8, model, layouts):
@@ -95,7 +96,6 @@ def test_tp8_restores_exactly_into_other_layouts(tmp_path, gpt2_tp8, model, layo
     ckpt.close()
 
 
-test_tp8_restores_exactly_into_other_layouts.fast_cases = set()
 
 
 def test_keep_prunes_to_the_last_steps(tmp_path, gpt2_tp8):
@@ -185,6 +185,7 @@ def truncate_largest_file(step_dir):
     (zero, "cannot read its arrays"), (flip_byte, "data of params['wte']['embedding']"),
     ("largest", "cannot read its arrays"), ("meta", "does not match its checksum")])
 # Orbax leaves the other reads of a failed restore to the garbage collector.
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_corrupt_latest_step_falls_back(tmp_path, gpt2_tp8, saved_two_steps, damage, reason):
     values = two_steps(tmp_path, gpt2_tp8, saved_two_steps)
@@ -213,7 +214,6 @@ def test_corrupt_latest_step_falls_back(tmp_path, gpt2_tp8, saved_two_steps, dam
     ckpt.close()
 
 
-test_corrupt_latest_step_falls_back.fast_cases = set()
 
 
 def test_only_step_corrupt_raises(tmp_path, gpt2_tp8, saved_two_steps):

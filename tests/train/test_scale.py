@@ -78,6 +78,7 @@ def test_dp2_tp4_fsdp_and_sp_equal_one_device(model, impl):
 test_dp2_tp4_fsdp_and_sp_equal_one_device.fast_cases = {'llama-gqa-shard_map'}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [MODEL, GQA], ids=["gpt2", "llama-gqa"])
 def test_dp2_tp4_collective_matmul_with_and_without_fsdp_equals_one_device(model):
     """The shard_map rings at dp=2 x tp=4, the weights replicated over dp or
@@ -90,7 +91,6 @@ def test_dp2_tp4_collective_matmul_with_and_without_fsdp_equals_one_device(model
                                           fsdp=fsdp, overlap="collective_matmul")), ref)
 
 
-test_dp2_tp4_collective_matmul_with_and_without_fsdp_equals_one_device.fast_cases = set()
 
 
 @pytest.mark.slow
@@ -140,6 +140,7 @@ def unscanned(impl):
     return values, loss_and_grads(plain, values, key=jax.random.key(3))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl, remat", [
     ("gspmd", "none"), ("gspmd", "full"), ("shard_map", "full"), ("shard_map", "dots"),
     ("shard_map", "minimal"), ("explicit", "none"), ("explicit-sp", "full")])
@@ -162,11 +163,11 @@ def test_scanned_stack_equals_unscanned(impl, remat):
     assert_same((loss, unstacked), ref)
 
 
-test_scanned_stack_equals_unscanned.fast_cases = set()
 # every policy in REMATS is among the cases
 assert {r for _, r in test_scanned_stack_equals_unscanned.pytestmark[0].args[1]} == set(REMATS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
 def test_scanned_collectives_per_layer_and_compile_time(impl):
     """The scanned stack is a while loop: jaxtp.hlo multiplies its body's
@@ -187,7 +188,6 @@ def test_scanned_collectives_per_layer_and_compile_time(impl):
     print(f"\ncompile time, scanned, {impl}: 2 layers {times[2]:.1f}s, 8 layers {times[8]:.1f}s")
 
 
-test_scanned_collectives_per_layer_and_compile_time.fast_cases = set()
 
 
 def run(cfg, n, controls):
@@ -228,15 +228,16 @@ def test_spike_guard_skips_a_loss_above_the_limit():
 @pytest.mark.slow
 def test_mixed_precision_keeps_fp32_master_weights_and_loss():
     """bf16 compute: parameters, Adam moments and the loss stay fp32; the
-    bf16 loss is the fp32 one to bf16 accuracy (8 mantissa bits over 2
-    layers: measured 1e-3 relative, asserted 2e-2)."""
+    bf16 loss is the fp32 one to within one bf16 rounding (2**-8 relative;
+    measured 6.7e-6: at initialisation the logits are small and the loss is
+    near log V, so bf16's rounding of the matmuls barely moves it)."""
     fp32 = run(cfg_of(tp=4), 2, lambda s: step_controls())
     bf16 = run(cfg_of(tp=4, dtype="bfloat16"), 2, lambda s: step_controls())
     (params, opt), metrics = bf16[-1]
     assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype("float32")}
     assert {x.dtype for x in jax.tree.leaves(opt[0].mu)} == {np.dtype("float32")}
     assert metrics["loss"].dtype == np.float32
-    np.testing.assert_allclose(metrics["loss"], fp32[-1][1]["loss"], rtol=2e-2)
+    np.testing.assert_allclose(metrics["loss"], fp32[-1][1]["loss"], rtol=2**-8)
     assert metrics["loss"] != fp32[-1][1]["loss"]  # bf16 did run
     cfg = cfg_of(tp=4, dtype="bfloat16")
     text = compile_train_step(abstract_train_state(cfg, make_mesh(1, 4)), 8,

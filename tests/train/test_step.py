@@ -1,5 +1,5 @@
 """The train step: tp=8 follows tp=1 step for step under both implementations,
-and learns on the built-in corpus. (Its collectives: tests/test_comm.py.)"""
+and learns on the built-in corpus. (Its collectives: tests/analysis/test_budget.py.)"""
 
 import dataclasses
 import json
@@ -40,6 +40,7 @@ def _is_key_bias(path):
     return "kv" in keys and "bias" in keys  # [2, K, H]: k bias, v bias
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
 def test_ten_adamw_steps_tp8_match_tp1(impl):
     """Parameters after 10 AdamW steps agree to relative norm 1e-5, per
@@ -68,7 +69,6 @@ def test_ten_adamw_steps_tp8_match_tp1(impl):
     assert diff2 ** 0.5 <= 1e-5 * norm2 ** 0.5, (diff2 / norm2) ** 0.5
 
 
-test_ten_adamw_steps_tp8_match_tp1.fast_cases = set()
 
 
 @pytest.mark.slow

@@ -1,22 +1,20 @@
-"""The shard_map variants: same numbers as GSPMD and as one device, and the
-f/g operators produce exactly the analytic gradients (a doubled or missing
-all-reduce is caught)."""
+"""A module (MLP, attention) at tp under shard_map and gspmd against the
+single-device reference of tests/reference.py: its output, dX and every
+parameter gradient. The tests are tests/model/test_mlp.py and test_attention.py."""
 
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 import reference
-from reference import host_params
 from jaxtp.config import ModelConfig
 from jaxtp.model.attention import Attention
 from jaxtp.model.mlp import MLP
-from jaxtp.parallel import Layout, f, g, make_mesh
+from jaxtp.parallel import Layout, make_mesh
+from reference import host_params
 
 RTOL, ATOL = 1e-5, 1e-6
 CFGS = {
@@ -73,10 +71,12 @@ def reference_of(name, style):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
 
-@pytest.mark.parametrize("style, tp", [("gpt2", 1)] + [(s, tp) for s in sorted(CFGS)
-                                                        for tp in (2, 8)])
-@pytest.mark.parametrize("name", sorted(MODULES))
-def test_module_matches_gspmd_and_reference(name, tp, style):
+CASES = [("gpt2", 1)] + [(s, tp) for s in sorted(CFGS) for tp in (2, 8)]
+
+
+def check_module(name, tp, style):
+    """shard_map and gspmd: the module's output, dX and every parameter
+    gradient equal one device's reference (tests/reference.py) and each other."""
     cls, ref_fn = MODULES[name]
     CFG = CFGS[style]
     x, c, params, y_sm, dx_sm, dp_sm = module_value_and_grads(cls, tp, "shard_map", CFG)
@@ -88,66 +88,3 @@ def test_module_matches_gspmd_and_reference(name, tp, style):
         for got, want in zip(jax.tree.leaves(dp), jax.tree.leaves(ref_grads[0])):
             np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(y_sm, y_g, rtol=RTOL, atol=ATOL)
-
-
-test_module_matches_gspmd_and_reference.fast_cases = {'attention-llama-8', 'mlp-gpt2-8'}
-
-
-# --- f and g against hand-derived gradients ---------------------------------
-# y = (x A) B with A: [D, F] column-parallel and B: [F, D] row-parallel;
-# L = sum(y * C). Then dL/dx = C B^T A^T, dL/dA = x^T C B^T, dL/dB = (x A)^T C.
-
-D, F, TP = 8, 16, 4
-
-
-def _pair(x, a, b, *, body, check_vma=True):
-    return jax.shard_map(body, in_specs=(P(), P(None, "tp"), P("tp", None)), out_specs=P(),
-                         axis_names={"tp"}, check_vma=check_vma)(x, a, b)
-
-
-def megatron(x, a, b):
-    return g(f(x) @ a @ b)
-
-
-def doubled_g(x, a, b):  # the bug: reduce the partial output twice
-    return g(g(f(x) @ a @ b) / 1.0)
-
-
-def _grads(body, **kw):
-    rng = np.random.default_rng(1)
-    x, c = rng.normal(size=(3, D)).astype(np.float32), rng.normal(size=(3, D)).astype(np.float32)
-    a, b = rng.normal(size=(D, F)).astype(np.float32), rng.normal(size=(F, D)).astype(np.float32)
-    with jax.set_mesh(make_mesh(1, TP)):
-        loss = lambda x, a, b: jnp.sum(_pair(x, a, b, body=body, **kw) * c)
-        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, a, b)
-    analytic = (c @ b.T @ a.T, x.T @ (c @ b.T), (x @ a).T @ c)
-    return [np.asarray(v) for v in grads], analytic
-
-
-def test_f_and_g_give_the_analytic_gradients():
-    got, want = _grads(megatron)
-    for gv, wv in zip(got, want):
-        np.testing.assert_allclose(gv, wv, rtol=1e-5, atol=1e-5)
-
-
-def test_a_doubled_all_reduce_is_caught():
-    """psum of an already-reduced value: the output, and every gradient upstream,
-    comes out tp times too large, and the analytic comparison sees it."""
-    got, want = _grads(doubled_g, check_vma=False)
-    assert not np.allclose(got[0], want[0], rtol=1e-3)
-    np.testing.assert_allclose(got[0], TP * want[0], rtol=1e-5, atol=1e-5)
-
-
-def test_a_missing_g_is_caught():
-    """Without g each rank's output is only its partial sum x A_i B_i."""
-    got, want = _grads(lambda x, a, b: f(x) @ a @ b, check_vma=False)
-    assert not np.allclose(got[0], want[0], rtol=1e-3)
-    assert not np.allclose(got[1], want[1], rtol=1e-3)
-
-
-def test_check_vma_supplies_f_when_it_is_left_out():
-    """Under check_vma=True a replicated x meeting a tp-varying weight is cast
-    to varying automatically, so leaving out f cannot drop the dX all-reduce."""
-    got, want = _grads(lambda x, a, b: g(x @ a @ b))
-    for gv, wv in zip(got, want):
-        np.testing.assert_allclose(gv, wv, rtol=1e-5, atol=1e-5)
