@@ -40,8 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--top-p", type=float, default=1.0,
                     help="keep the smallest set with this probability (1: off)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
-    ap.add_argument("--tp", type=positive(int), help="tensor-parallel degree (default: the run's; 1 "
-                                           "for --hf)")
+    ap.add_argument("--tp", type=positive(int),
+                    help="tensor-parallel degree (default: the run's; 1 for --hf)")
     ap.add_argument("--impl", choices=INFERENCE_IMPLS,
                     help="gspmd or shard_map (default: the run's; gspmd for a run trained "
                          "under explicit)")

@@ -51,116 +51,118 @@ def _steps(text: str) -> set[int]:
 
 
 def _layout_flags(ap) -> None:
-    group = ap.add_argument_group('the model and its layout', 'what is trained and how it is split')
+    group = ap.add_argument_group("the model and its layout",
+                                  "what is trained and how it is split")
     group.add_argument("--config",
-                          help=f"preset name ({', '.join(preset_names())}) or a .json path "
+                       help=f"preset name ({', '.join(preset_names())}) or a .json path "
                             "(default: tiny; with --resume: the run's own config)")
     group.add_argument("--tp", type=int, help="tensor-parallel degree (mesh axis 'tp')")
     group.add_argument("--dp", type=int, help="data-parallel degree (mesh axis 'dp')")
     group.add_argument("--impl", choices=IMPLS,
-                          help="gspmd: XLA inserts the collectives; shard_map: written out; "
+                       help="gspmd: XLA inserts the collectives; shard_map: written out; "
                             "explicit: sharding in types (Explicit mesh axes)")
     group.add_argument("--sp", action="store_true", default=None,
-                          help="sequence parallelism: split the residual stream over tp along the "
+                       help="sequence parallelism: split the residual stream over tp along the "
                             "sequence (all-gather / reduce-scatter instead of all-reduce)")
     group.add_argument("--overlap", choices=OVERLAPS,
-                          help="with --sp: collective_matmul overlaps each region's all-gather and "
+                       help="with --sp: collective_matmul overlaps each region's all-gather and "
                             "reduce-scatter with its matmuls (shard_map: ppermute rings; gspmd "
                             "and explicit: XLA's windowed einsum asked for on GPU/TPU, none on "
                             "CPU)")
     group.add_argument("--fsdp", action="store_true", default=None,
-                          help="also split parameters and optimizer state over dp (FSDP-style)")
+                       help="also split parameters and optimizer state over dp (FSDP-style)")
     group.add_argument("--microbatches", type=int,
-                          help="gradient accumulation: run the batch in this many sequential slices")
+                       help="gradient accumulation: run the batch in this many sequential slices")
     group.add_argument("--bf16", action="store_true",
-                          help="mixed precision: bf16 compute, fp32 master weights and optimizer "
+                       help="mixed precision: bf16 compute, fp32 master weights and optimizer "
                             "state, fp32 loss/softmax (sets model.dtype=bfloat16)")
     group.add_argument("--scan", action="store_true", default=None,
-                          help="the blocks as one scan over stacked parameters (compile time "
+                       help="the blocks as one scan over stacked parameters (compile time "
                             "independent of depth)")
     group.add_argument("--remat", choices=REMATS,
-                          help="what each block keeps for the backward pass: none (everything), "
+                       help="what each block keeps for the backward pass: none (everything), "
                             "full (only the block input and the reduced region outputs), dots "
                             "(the weight-matmul outputs), minimal (q/k/v, MLP up and the region "
                             "outputs; recompute norms, activations and the attention core)")
     group.add_argument("--attention", choices=ATTENTIONS,
-                          help="attention kernel: auto (default: cudnn on NVIDIA GPUs in bf16, else "
+                       help="attention kernel: auto (default: cudnn on NVIDIA GPUs in bf16, else "
                             "blockwise for long sequences, else xla), xla (einsum/softmax), "
                             "blockwise (memory-efficient exact, plain JAX), cudnn (flash "
                             "attention, NVIDIA GPUs)")
     group.add_argument("overrides", nargs="*", metavar="section.key=value",
-                          help="config overrides, e.g. model.d_model=256 train.lr=1e-3")
-
+                       help="config overrides, e.g. model.d_model=256 train.lr=1e-3")
 
 
 def _run_flags(ap) -> None:
-    group = ap.add_argument_group('the run', 'steps, data, checkpoints and drills')
+    group = ap.add_argument_group("the run", "steps, data, checkpoints and drills")
     group.add_argument("--steps", type=int, help="training steps")
     group.add_argument("--seed", type=int, help="init, data and dropout seed")
-    group.add_argument("--out", help="output directory (default: runs/<config>-dp<dp>-tp<tp>-<time>)")
+    group.add_argument("--out",
+                       help="output directory (default: runs/<config>-dp<dp>-tp<tp>-<time>)")
     group.add_argument("--data", help="UTF-8 text file (byte-level), token file (python -m "
                                       "jaxtp.data prepare) or .bin of uint16 token ids (default: "
                                       "the Python standard library's source; with --resume: the "
                                       "run's, recognised by content)")
     group.add_argument("--resume", action="store_true",
-                          help="start or continue the run in --out with its config: from its latest "
+                       help="start or continue the run in --out with its config: from its latest "
                             "complete checkpoint (at any tp/dp), from step 0 if it has none, or "
                             "as a new run if --out holds none. Flags may change only the layout, "
                             "remat/attention, logging, checkpointing and --steps")
     group.add_argument("--until", type=int, metavar="STEP",
-                          help="stop with a checkpoint after this step (the schedule still spans "
+                       help="stop with a checkpoint after this step (the schedule still spans "
                             "--steps); continue later with --resume")
     group.add_argument("--checkpoint-every", type=int, metavar="N",
-                          help="save a checkpoint every N steps, 0: never (always: every "
+                       help="save a checkpoint every N steps, 0: never (always: every "
                             "train.checkpoint_minutes, at the end, at --until and on "
                             "SIGTERM/SIGINT)")
     group.add_argument("--inject-nan-at", type=_steps, default=(), metavar="STEP[,STEP...]",
-                          help="fault drill: make the gradients of these steps NaN (they are "
+                       help="fault drill: make the gradients of these steps NaN (they are "
                             "skipped and logged)")
     group.add_argument("--peak-tflops", type=positive(float),
-                          help="per-device peak TFLOP/s for MFU, where the device is not known")
+                       help="per-device peak TFLOP/s for MFU, where the device is not known")
     group.add_argument("--tensorboard", action="store_true",
-                          help="also write TensorBoard scalars to --out/tensorboard (needs "
+                       help="also write TensorBoard scalars to --out/tensorboard (needs "
                             "tensorboardX: pip install -e '.[tensorboard]')")
     group.add_argument("--init-from-hf", metavar="PATH",
-                          help="fine-tune a Hugging Face Llama checkpoint (save_pretrained dir); "
+                       help="fine-tune a Hugging Face Llama checkpoint (save_pretrained dir); "
                             "its config.json replaces the model section, then overrides apply")
 
 
 def _cluster_flags(ap) -> None:
-    group = ap.add_argument_group('several processes', 'a multi-process job (jax.distributed)')
+    group = ap.add_argument_group("several processes", "a multi-process job (jax.distributed)")
     group.add_argument("--coordinator", metavar="HOST:PORT",
-                          help="multi-process: process 0's address (else JAX_COORDINATOR_ADDRESS "
+                       help="multi-process: process 0's address (else JAX_COORDINATOR_ADDRESS "
                             "or a launcher such as srun/mpirun)")
     group.add_argument("--num-processes", type=int, help="multi-process: how many")
     group.add_argument("--process-id", type=int, help="multi-process: this one (0..n-1)")
     group.add_argument("--coordinator-timeout", type=positive(float), default=COORDINATOR_TIMEOUT_S,
                        metavar="SECONDS",
-                          help="multi-process: how long to wait for every process to arrive "
+                       help="multi-process: how long to wait for every process to arrive "
                             "(default: %(default)s)")
     group.add_argument("--local-devices", type=int,
-                          help="CPU only: fake devices per process (default: enough for dp*tp "
+                       help="CPU only: fake devices per process (default: enough for dp*tp "
                             "in one process)")
 
 
 def _analysis_flags(ap) -> None:
-    group = ap.add_argument_group('no training', 'compile and inspect instead, or check against one device')
+    group = ap.add_argument_group("no training",
+                                  "compile and inspect instead, or check against one device")
     group.add_argument("--compare-hlo", action="store_true",
-                          help="no training: compile the train step under gspmd, shard_map and "
+                       help="no training: compile the train step under gspmd, shard_map and "
                             "explicit, compare their collectives with the Megatron budget, write "
                             "comm_report.json, collectives.svg and the HLO texts to --out; exit "
                             "1 on a deviation")
     group.add_argument("--plan", action="store_true",
-                          help="no training: compile the train step at tp in {1,2,4,8} (or --tp) on "
+                       help="no training: compile the train step at tp in {1,2,4,8} (or --tp) on "
                             "abstract shapes and print per-device memory, collectives, flops, "
                             "redundancy and whether tp is compute- or communication-bound")
     group.add_argument("--hardware", choices=TARGET_NAMES,
-                          help="--plan and --compare-hlo: compile for this accelerator without "
+                       help="--plan and --compare-hlo: compile for this accelerator without "
                             "having it, where its compiler is installed (jax[cuda12] or "
                             "jax[tpu]), else plan on CPU; --plan's memory verdict and roofline "
                             "use it (default: h100, planned on CPU)")
     group.add_argument("--check", action="store_true",
-                          help="replay the first steps on one device, up to the first that moves "
+                       help="replay the first steps on one device, up to the first that moves "
                             "the parameters (step 2: step 1 runs at lr 0), and record loss, "
                             "grad-norm and parameter-update differences in run.json")
 

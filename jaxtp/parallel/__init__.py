@@ -1,7 +1,8 @@
-"""The only place that knows the mesh axes and how tp communicates: the mesh and
-the `Layout`, Megatron's f and g, regions run per impl, multi-process start-up."""
+"""The only place that knows the mesh axes and how tp communicates: the
+`Layout` (and the mesh it builds), Megatron's f and g, one `Local` per impl,
+multi-process start-up."""
 
-from .collectives import f, f_sp, g, g_sp, global_norm
+from .collectives import f, f_sp, g, g_sp, global_norm, vary
 from .layout import (DATA_AXIS, FSDP_PARAM_RULES, RULES, TP_AXIS, Layout, cache_spec,
                      check_device_count, constrain, ensure_devices, in_region, keep_axes,
                      make_mesh, mesh_for, mesh_size, named, spec, spec_axes, split_over_tp)
@@ -11,11 +12,11 @@ from .shardmap import BF16_CPU_SHARD_MAP, Ring, ShardMap, act_spec, run_sharded
 from .locals import (LOCALS, Local, cached_region, embed, local_of, region, vocab_losses,
                      vocab_sample)
 
-__all__ = ["f", "f_sp", "g", "g_sp", "global_norm", "DATA_AXIS", "FSDP_PARAM_RULES", "TP_AXIS",
-           "RULES", "keep_axes", "spec_axes", "Layout", "check_device_count", "constrain", "ensure_devices",
-           "in_region", "make_mesh", "mesh_for", "mesh_size", "named", "spec", "split_over_tp",
-           "BF16_CPU_SHARD_MAP", "Explicit", "GSPMD", "GlobalArrays", "LOCALS", "Local", "local_of",
-           "Ring", "ShardMap", "act_spec", "cache_spec",
-           "cached_region",
-           "embed", "region", "run_sharded", "vocab_losses", "vocab_sample", "CPU_HAS_NO_WINDOWED_EINSUM", "NO_XLA_OVERLAP",
-           "compiler_options"]
+__all__ = ["f", "f_sp", "g", "g_sp", "global_norm", "vary", "DATA_AXIS", "FSDP_PARAM_RULES",
+           "RULES", "TP_AXIS", "Layout", "cache_spec", "check_device_count", "constrain",
+           "ensure_devices", "in_region", "keep_axes", "make_mesh", "mesh_for", "mesh_size",
+           "named", "spec", "spec_axes", "split_over_tp", "CPU_HAS_NO_WINDOWED_EINSUM",
+           "NO_XLA_OVERLAP", "compiler_options", "GSPMD", "Explicit", "GlobalArrays",
+           "BF16_CPU_SHARD_MAP", "Ring", "ShardMap", "act_spec", "run_sharded", "LOCALS",
+           "Local", "cached_region", "embed", "local_of", "region", "vocab_losses",
+           "vocab_sample"]

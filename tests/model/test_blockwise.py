@@ -82,8 +82,8 @@ def test_blockwise_temporaries_grow_with_t_times_block_not_t_squared():
         g = jax.jit(jax.grad(lambda q, k, v, c: jnp.sum(fn(q, k, v) * c), argnums=(0, 1, 2)))
         return g.lower(q, k, v, c).compile().memory_analysis().temp_size_in_bytes
 
-    blockwise = lambda q, k, v: blockwise.blockwise_attention(q, k, v, 256)
+    blocks = lambda q, k, v: blockwise.blockwise_attention(q, k, v, 256)
     x1, x2 = temps(kernels.xla_attention, 2048), temps(kernels.xla_attention, 4096)
-    b1, b2 = temps(blockwise, 2048), temps(blockwise, 4096)
+    b1, b2 = temps(blocks, 2048), temps(blocks, 4096)
     assert x2 > 3.5 * x1 and b2 < 2.5 * b1
     assert b2 < x2 / 8
