@@ -55,9 +55,18 @@ def run(*argv, cwd=None, env=None, timeout=300) -> Result:
 
 def started(*argv, until: str, stream: str = "stdout") -> tuple[subprocess.Popen, float]:
     """A process, once its `stream` has printed `until` (the rest of that
-    stream is then read by `finish`)."""
-    proc = subprocess.Popen([sys.executable, "-u", *map(str, argv)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env())
+    stream is then read by `finish`). It takes SIGINT as from a terminal even
+    where this process ignores it (a shell's background job does, the child
+    would inherit that, and Python keeps an ignored SIGINT ignored)."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:  # see below: a handler here is SIG_DFL in the child
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([sys.executable, "-u", *map(str, argv)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env())
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     t0, pipe, seen = time.perf_counter(), getattr(proc, stream), ""
     while until not in seen:
         c = pipe.read(1)
