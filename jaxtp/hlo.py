@@ -2,7 +2,8 @@
 
 `collectives(text)` lists every all-reduce, all-gather, reduce-scatter,
 all-to-all and collective-permute that will run, with its dtype, shape, bytes,
-replica-group size, pass and named scope:
+replica groups (and so the mesh axes it spans, `Collective.axes`), pass and
+named scope:
 
 - an async pair (`*-start` / `*-done`) is one collective;
 - a combined (tuple-shaped) collective, as XLA's combiner passes make, is
@@ -56,6 +57,8 @@ class Collective:
     name: str  # HLO instruction name (with "#i" for an element of a tuple)
     count: int = 1  # trip count of enclosing while loops
     combined: int = 1  # how many tensors the HLO instruction carries
+    # its device groups (partition ids; a permute's source-target pairs)
+    groups: tuple | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def elements(self) -> int:
@@ -67,8 +70,13 @@ class Collective:
         full = self.elements * ((self.group_size or 1) if self.kind == "reduce-scatter" else 1)
         return full * DTYPE_BYTES.get(self.dtype, 0)
 
+    def axes(self, mesh: dict[str, int]) -> tuple[str, ...]:
+        """The mesh axes this collective spans (`axes_of`)."""
+        return axes_of(self.groups, mesh)
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
+        d.pop("groups")
         d["pass"] = d.pop("pass_")
         d["shape"] = list(self.shape)
         return d | {"elements": self.elements, "bytes": self.bytes}
@@ -128,6 +136,103 @@ def _group_size(attrs: str, num_partitions: int | None) -> int | None:
     if m:
         return len(re.findall(r"\{", m.group(1) + "}"))
     return None
+
+
+def replica_groups(attrs: str, num_partitions: int | None) -> tuple[tuple[int, ...], ...] | None:
+    """A collective's device groups (partition ids), in any form XLA prints
+    them: explicit `{{0,1},{2,3}}` (`{}`: every partition), iota
+    `[2,4]<=[8]` and its transposed form `[4,2]<=[2,4]T(1,0)`, `mesh[...]`
+    with the axes it spans, and a permute's `source_target_pairs` (each
+    pair a group). None where the text names none."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*(?:device_ids=\(([\d,\s]*)\)\s*)?"
+                  r"\{([^}]*)\}", attrs)
+    if m:  # mesh['a'=2,'b'=4] {'b'}: the devices of the mesh, grouped over the named axes
+        sizes = {k.strip().strip("'"): int(v) for k, v in
+                 (kv.split("=") for kv in m.group(1).split(","))}
+        ids = ([int(i) for i in m.group(2).split(",")] if m.group(2) else
+               list(range(math.prod(sizes.values()))))
+        return _group_over(ids, sizes, {a.strip().strip("'") for a in m.group(3).split(",")
+                                        if a.strip()})
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+    if m:  # iota: arange(prod(dims)) reshaped to dims, transposed, reshaped to [groups, size]
+        shape, dims = [int(d) for d in m.group(1).split(",")], [int(d) for d in m.group(2).split(",")]
+        perm = [int(d) for d in m.group(3).split(",")] if m.group(3) else list(range(len(dims)))
+        ids = _transposed(list(range(math.prod(dims))), dims, perm)
+        size = shape[-1]
+        return tuple(tuple(ids[i:i + size]) for i in range(0, len(ids), size))
+    m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attrs)
+    if m and m.group(1):
+        return tuple(tuple(int(i) for i in g.split(",") if i)
+                     for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
+    if m and num_partitions:  # {}: one group of every partition
+        return (tuple(range(num_partitions)),)
+    m = re.search(r"source_target_pairs=\{((?:\{[\d,]*\},?)*)\}", attrs)
+    if m:
+        return tuple(tuple(int(i) for i in g.split(","))
+                     for g in re.findall(r"\{([\d,]*)\}", m.group(1)) if g)
+    return None
+
+
+def _transposed(ids: list[int], dims: list[int], perm: list[int]) -> list[int]:
+    """`ids` laid out row-major in `dims`, read back row-major after
+    permuting the dims by `perm` (numpy's reshape(dims).transpose(perm).ravel())."""
+    strides = [math.prod(dims[k + 1:]) for k in range(len(dims))]
+    out_dims = [dims[k] for k in perm]
+    out = []
+    for flat in range(len(ids)):
+        index, rest = [], flat
+        for d in reversed(out_dims):
+            index.append(rest % d)
+            rest //= d
+        index.reverse()
+        out.append(ids[sum(index[i] * strides[perm[i]] for i in range(len(perm)))])
+    return out
+
+
+def _group_over(ids: list[int], sizes: dict[str, int], over: set[str]):
+    """The devices `ids` of a row-major mesh of `sizes`, in groups that vary
+    over the axes `over` (one group per coordinate of the other axes)."""
+    names = list(sizes)
+    groups: dict[tuple, list[int]] = {}
+    for flat, device in enumerate(ids):
+        coords = _coords(flat, [sizes[a] for a in names])
+        key = tuple(c for a, c in zip(names, coords) if a not in over)
+        groups.setdefault(key, []).append(device)
+    return tuple(tuple(g) for g in groups.values())
+
+
+def _coords(flat: int, shape: list[int]) -> list[int]:
+    out = []
+    for d in reversed(shape):
+        out.append(flat % d)
+        flat //= d
+    return out[::-1]
+
+
+def axes_of(groups, mesh: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes a collective spans: those whose coordinate differs
+    between two devices of one group (for a permute, between a source and its
+    target). `mesh`: axis -> size in the mesh's order, partition p at its
+    row-major position p (JAX numbers the partitions by mesh.devices.flat)."""
+    names, shape = list(mesh), list(mesh.values())
+    varying = set()
+    for group in groups or ():
+        coords = [_coords(d, shape) for d in group]
+        varying |= {names[k] for k in range(len(names)) if len({c[k] for c in coords}) > 1}
+    return tuple(a for a in names if a in varying)
+
+
+def by_axis(colls: list[Collective], mesh: dict[str, int]) -> dict[str, dict]:
+    """{"tp": {"collectives": n, "bytes": b}, "dp": ..., "dp+tp": ...}: the
+    collectives per step and their full-buffer bytes, by the mesh axes each
+    spans ("?" where its groups are not in the text)."""
+    out: dict[str, dict] = {}
+    for c in colls:
+        key = "+".join(c.axes(mesh)) or "?" if c.groups is not None else "?"
+        row = out.setdefault(key, {"collectives": 0, "bytes": 0})
+        row["collectives"] += c.count
+        row["bytes"] += c.count * c.bytes
+    return dict(sorted(out.items()))
 
 
 def _parse(text: str):
@@ -231,6 +336,7 @@ def collectives(text: str) -> list[Collective]:
             group = _group_size(attrs, num_partitions)
             if group == 1:
                 continue  # over one device (a psum over a mesh axis of size 1): moves nothing
+            groups = replica_groups(attrs, num_partitions)
             arrays = _arrays(type_text)
             for i, (dtype, shape) in enumerate(arrays):
                 elem_op = names.of_element(name, i, op_name) if len(arrays) > 1 else op_name
@@ -238,7 +344,7 @@ def collectives(text: str) -> list[Collective]:
                     kind=base, dtype=dtype, shape=shape, group_size=group,
                     pass_=pass_of(elem_op), scope=scope_of(elem_op), op_name=elem_op,
                     name=name if len(arrays) == 1 else f"{name}#{i}",
-                    count=count, combined=len(arrays)))
+                    count=count, combined=len(arrays), groups=groups))
     return out
 
 

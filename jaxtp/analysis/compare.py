@@ -82,6 +82,10 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
                        p.overlap != "none" and p.sequence_parallel))
     for impl, r in impls.items():
         log(f"{impl}: {r['verdict']}")
+    for impl, r in impls.items():  # full-buffer bytes, by the mesh axes each collective spans
+        log(f"{impl} by mesh axis: " + ", ".join(
+            f"{axes} {size_text(v['bytes'])} in {v['collectives']}"
+            for axes, v in r["by_axis"].items()))
     log(f"wrote {out / 'comm_report.json'} and hlo_<impl>.txt")
 
     write(report, out, log)
@@ -108,7 +112,8 @@ def _compile_and_check(cfg: Config, mesh, out: Path, log) -> tuple[list, list, d
         # the budget is plain SP's and a loop XLA forms shows up as a deviation
         extra["windowed_einsum_permutes"] = sum(c.count for c in colls
                                                 if c.kind == "collective-permute")
-    return colls, expected, {**extra, "collectives": hlo.summarize(colls),
+    by_axis = hlo.by_axis(colls, dict(mesh.shape))
+    return colls, expected, {**extra, "collectives": hlo.summarize(colls), "by_axis": by_axis,
                              "expected": [e.to_dict() for e in expected],
                              "matches_budget": diff is None,
                              "verdict": "matches budget" if diff is None else diff}

@@ -174,6 +174,17 @@ def test_collective_matmul_budget_in_shard_map(model, dp, tp, remat):
     L, act = model.n_layers, 4 * 16 * model.d_model
     blocks = [c for c in colls if c.scope in ("attention", "mlp")]
     assert not [c for c in blocks if c.kind in ("all-gather", "reduce-scatter")]
+    # by the mesh axes each spans: the rings over tp; the blocks' all-reduces
+    # over tp only sum the gradients of weights tp does not split (a bias under
+    # SP, a replicated kv projection), none activation-sized; the others are
+    # the weight gradients' over dp
+    sizes = {"dp": dp, "tp": tp}
+    assert {c.axes(sizes) for c in blocks if c.kind == "collective-permute"} == {("tp",)}
+    reduced = [c for c in blocks if c.kind == "all-reduce"]
+    assert {c.axes(sizes) for c in reduced} <= {("tp",), ("dp",)}
+    assert all(c.pass_ == "backward" and c.elements < act
+               for c in reduced if c.axes(sizes) == ("tp",))
+    assert any(c.axes(sizes) == ("dp",) for c in reduced) == (dp > 1)
     permutes = lambda pass_: sum(c.count for c in blocks if c.kind == "collective-permute"
                                  and c.pass_ == pass_ and c.elements == act // tp)
     regathers = 2 if remat != "none" else 0  # attention's and the MLP's entry, again
@@ -249,6 +260,11 @@ def test_compare_hlo_end_to_end(tmp_path, capsys):
                    for c in r["collectives"])
         assert (tmp_path / f"hlo_{impl}.txt").read_text().startswith("HloModule")
     # the three implementations communicate identically
+    # tp=8 alone: every collective spans tp (31.541 MiB of ring traffic is the budget's;
+    # by_axis sums full buffers)
+    for impl in report["impls"]:
+        assert set(report["impls"][impl]["by_axis"]) == {"tp"}
+        assert f"{impl} by mesh axis: tp " in printed
     assert report["impls"]["gspmd"]["collectives"] == report["impls"]["shard_map"]["collectives"]
     assert report["impls"]["gspmd"]["collectives"] == report["impls"]["explicit"]["collectives"]
 
