@@ -144,13 +144,13 @@ def replica_groups(attrs: str, num_partitions: int | None) -> tuple[tuple[int, .
     `[2,4]<=[8]` and its transposed form `[4,2]<=[2,4]T(1,0)`, `mesh[...]`
     with the axes it spans, and a permute's `source_target_pairs` (each
     pair a group). None where the text names none."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*(?:device_ids=\(([\d,\s]*)\)\s*)?"
-                  r"\{([^}]*)\}", attrs)
-    if m:  # mesh['a'=2,'b'=4] {'b'}: the devices of the mesh, grouped over the named axes
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\],?\s*(?:device_ids=\((\[[\d,]+\]"
+                  r"(?:T\([\d,]+\))?|[\d,\s]*)\),?\s*)?\{([^}]*)\}", attrs)
+    if m:  # mesh['a'=2,'b'=4] {'b'}: the devices of the mesh, grouped over the named axes;
+        # device_ids: the mesh's devices in order, listed or as an iota ([2,4]T(1,0))
         sizes = {k.strip().strip("'"): int(v) for k, v in
                  (kv.split("=") for kv in m.group(1).split(","))}
-        ids = ([int(i) for i in m.group(2).split(",")] if m.group(2) else
-               list(range(math.prod(sizes.values()))))
+        ids = _device_ids(m.group(2), math.prod(sizes.values()))
         return _group_over(ids, sizes, {a.strip().strip("'") for a in m.group(3).split(",")
                                         if a.strip()})
     m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
@@ -171,6 +171,18 @@ def replica_groups(attrs: str, num_partitions: int | None) -> tuple[tuple[int, .
         return tuple(tuple(int(i) for i in g.split(","))
                      for g in re.findall(r"\{([\d,]*)\}", m.group(1)) if g)
     return None
+
+
+def _device_ids(text: str | None, n: int) -> list[int]:
+    """A mesh form's device_ids: none (0..n-1), a list, or an iota `[d0,d1]T(p)`."""
+    if not text:
+        return list(range(n))
+    iota = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip())
+    if not iota:
+        return [int(i) for i in text.split(",")]
+    dims = [int(d) for d in iota.group(1).split(",")]
+    perm = [int(d) for d in iota.group(2).split(",")] if iota.group(2) else list(range(len(dims)))
+    return _transposed(list(range(math.prod(dims))), dims, perm)
 
 
 def _transposed(ids: list[int], dims: list[int], perm: list[int]) -> list[int]:

@@ -209,6 +209,11 @@ def test_each_form_of_replica_groups_is_attributed_to_its_axes(mesh):
         "replica_groups={}": ((tuple(range(dp * tp)),), ("dp", "tp")),
         f"replica_groups=mesh['axis_0'={dp},'axis_1'={tp}] {{'axis_1'}}": (over_tp, ("tp",)),
         f"replica_groups=mesh['axis_0'={dp},'axis_1'={tp}] {{'axis_0'}}": (over_dp, ("dp",)),
+        # as XLA prints it for a gradient summed over tp at dp=2 x tp=4: the mesh's
+        # devices listed as an iota, here the columns first
+        f"replica_groups=mesh['axis_0'={tp},'axis_1'=1,'axis_2'={dp}], "
+        f"device_ids=([{dp},{tp}]T(1,0)) {{'axis_0'}}, use_global_device_ids=true":
+            (over_tp, ("tp",)),
         # a ring over tp, and one step over dp
         "source_target_pairs=" + text([(r * tp + i, r * tp + (i + 1) % tp)
                                        for r in range(dp) for i in range(tp)]):

@@ -8,6 +8,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from ..config import Config
+from ..parallel import DATA_AXIS, TP_AXIS
 
 if TYPE_CHECKING:
     from .rows import Expected
@@ -72,7 +73,8 @@ def _gpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
     for r in rows:
         if r.role == "seq_shard_param":
             moved += r.elements * r.count
-            r = dataclasses.replace(r, group=p.dp * p.tp, name=r.name + " [over dp and tp]")
+            r = dataclasses.replace(r, group=p.dp * p.tp, axes=(DATA_AXIS, TP_AXIS),
+                                    name=r.name + " [over dp and tp]")
         out.append(r)
     if impl == "shard_map" and m.tie_embeddings:
         moved += m.padded_vocab // p.tp * m.d_model

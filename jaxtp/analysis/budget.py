@@ -34,7 +34,7 @@ from flax import nnx
 from ..config import Config
 from ..model import Transformer
 from ..model.vocab import loss_chunks
-from ..parallel import Layout, split_over_tp
+from ..parallel import DATA_AXIS, TP_AXIS, Layout, split_over_tp
 from .backends import on_backend
 from .rows import ANY_SCOPE, HLO_DTYPES, Expected
 
@@ -135,9 +135,9 @@ def _expected_dp(cfg: Config, impl: str) -> list[Expected]:
         grads -= m.n_layers * m.d_model * 2 * m.kv_heads * m.head_dim  # over dp and tp at once
     pd = HLO_DTYPES[m.param_dtype]
     return [Expected("dp: mean of the loss over dp", "all-reduce", "forward", "", 1, "f32",
-                     p.dp, 1),
+                     p.dp, 1, axes=(DATA_AXIS,)),
             Expected("dp: every parameter gradient (tp shard), summed over dp", "all-reduce",
-                     "backward", ANY_SCOPE, grads, pd, p.dp, 1)]
+                     "backward", ANY_SCOPE, grads, pd, p.dp, 1, axes=(DATA_AXIS,))]
 
 
 def _expected_tp(cfg: Config, impl: str) -> list[Expected]:
@@ -147,8 +147,8 @@ def _expected_tp(cfg: Config, impl: str) -> list[Expected]:
     b, s, L, dt = cfg.train.batch_size // cfg.parallel.dp, m.seq_len, m.n_layers, \
         HLO_DTYPES[m.dtype]
     act = b * s * m.d_model
-    E = lambda name, kind, pass_, scope, n, count, dtype=dt, group=tp, role="": \
-        Expected(name, kind, pass_, scope, n, dtype, group, count, role)
+    E = lambda name, kind, pass_, scope, n, count, dtype=dt, group=tp, role="", axes=(TP_AXIS,): \
+        Expected(name, kind, pass_, scope, n, dtype, group, count, role, axes)
     if cfg.parallel.sequence_parallel:
         return _expected_sp(cfg, impl, E, b, s, L, act)
     n, c = loss_chunks(m.loss_chunk, b, s)
@@ -248,7 +248,8 @@ def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int):
         dp = cfg.parallel.dp
         rows.append(E("replicated kv weight gradient: sum over tp"
                       + (" and dp" if dp > 1 else ""), "all-reduce", "backward", "attention",
-                      m.d_model * 2 * K * H, L, group=tp * dp))
+                      m.d_model * 2 * K * H, L, group=tp * dp,
+                      axes=(DATA_AXIS, TP_AXIS) if dp > 1 else (TP_AXIS,)))
     return rows
 
 

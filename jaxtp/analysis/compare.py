@@ -53,7 +53,7 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
         colls_by_impl[impl], expected_by_impl[impl], impls[impl] = _compile_and_check(
             dataclasses.replace(cfg, parallel=dataclasses.replace(p, impl=impl)),
             mesh_for(mesh, impl), out, log)
-    budget = budget_for(cfg)
+    budget, sizes = budget_for(cfg), dict(mesh.shape)
     ring = {impl: sum(e.count * e.ring_bytes for e in rows)
             for impl, rows in expected_by_impl.items()}
     report = {
@@ -73,10 +73,10 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
         "impls": impls,
         "ok": all(v["matches_budget"] for v in impls.values()),
         # the rows of the table below, which `collectives.svg` draws
-        "table": table_rows(colls_by_impl, expected_by_impl),
+        "table": table_rows(colls_by_impl, expected_by_impl, sizes),
     }
     (out / "comm_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    for line in format_table(colls_by_impl, expected_by_impl):
+    for line in format_table(colls_by_impl, expected_by_impl, sizes):
         log(line)
     log(_analytic_line(budget, p.sequence_parallel, ring,
                        p.overlap != "none" and p.sequence_parallel))
@@ -104,7 +104,7 @@ def _compile_and_check(cfg: Config, mesh, out: Path, log) -> tuple[list, list, d
     (out / f"hlo_{impl}.txt").write_text(text)
     colls = hlo.collectives(text)
     expected = expected_collectives(cfg, impl, platform)
-    diff = check(colls, expected)
+    diff = check(colls, expected, dict(mesh.shape))  # each collective on its budgeted axes
     extra = {}
     if cfg.parallel.overlap != "none" and impl != "shard_map":
         log(windowed_einsum_line(colls, platform, impl))

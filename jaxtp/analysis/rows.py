@@ -1,7 +1,8 @@
 """A row of a communication budget (`Expected`) and the check of compiled
-HLO's collectives against a list of rows: kind, pass, scope, elements, dtype
-and group must match exactly, and every collective must be budgeted. The
-budgets themselves: `jaxtp.analysis.budget` (train step), `.decode`."""
+HLO's collectives against a list of rows: kind, pass, scope, elements, dtype,
+group and (given the mesh) the mesh axes the group spans must match exactly,
+and every collective must be budgeted. The budgets themselves:
+`jaxtp.analysis.budget` (train step), `.decode`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import dataclasses
 from collections import Counter
 
 from .. import hlo
+from ..parallel import TP_AXIS
 
 HLO_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 ANY_SCOPE = "(any)"  # a budget row matched by total elements, whatever the scopes
@@ -27,10 +29,12 @@ class Expected:
     group: int
     count: int
     role: str = ""  # what the row is for, so a backend's rules can find it
+    axes: tuple[str, ...] = (TP_AXIS,)  # the mesh axes its groups span
 
     @property
     def key(self) -> tuple:
-        return (self.kind, self.pass_, self.scope, self.elements, self.dtype, self.group)
+        return (self.kind, self.pass_, self.scope, self.elements, self.dtype, self.group,
+                self.axes)
 
     @property
     def role_label(self) -> str:
@@ -61,15 +65,26 @@ class Expected:
         return d | {"bytes": self.bytes}
 
 
-def collective_key(c: hlo.Collective) -> tuple:
-    return (c.kind, c.pass_, c.scope, c.elements, c.dtype, c.group_size)
+def collective_key(c: hlo.Collective, mesh: dict[str, int] | None = None) -> tuple:
+    """A collective as a budget row's key; without a mesh its axes are not
+    known (None), and a row's are then not compared (`_key`)."""
+    return (c.kind, c.pass_, c.scope, c.elements, c.dtype, c.group_size,
+            c.axes(mesh) if mesh else None)
 
 
-def check(colls: list[hlo.Collective], expected: list[Expected]) -> str | None:
-    """None if the collectives are exactly the budget, else the first difference."""
+def _key(e: Expected, mesh) -> tuple:
+    return e.key if mesh else e.key[:-1] + (None,)
+
+
+def check(colls: list[hlo.Collective], expected: list[Expected],
+          mesh: dict[str, int] | None = None) -> str | None:
+    """None if the collectives are exactly the budget, else the first
+    difference. With `mesh` (axis -> size, in the mesh's order) each
+    collective must also span the mesh axes its row names."""
     got = Counter()
     for c in colls:
-        got[collective_key(c)] += c.count
+        got[collective_key(c, mesh)] += c.count
+    expected = [dataclasses.replace(e, axes=None) if not mesh else e for e in expected]
     merged: dict[tuple, Expected] = {}  # rows of one key (e.g. after on_backend) add up
     for e in expected:
         if e.scope != ANY_SCOPE and e.key in merged:
@@ -89,54 +104,72 @@ def check(colls: list[hlo.Collective], expected: list[Expected]) -> str | None:
             got[e.key], have = have - e.count, e.count
         if have != e.count:
             return (f"{e.name}: expected {e.count} x {e.kind} of {e.elements} {e.dtype} over "
-                    f"{e.group} devices ({e.pass_}, {e.scope or '-'}), found {have}")
+                    f"{e.group} devices{_over(e.axes)} ({e.pass_}, {e.scope or '-'}), found {have}")
     for e in expected:
         if e.scope != ANY_SCOPE:
             continue
-        same = [k for k in got if (k[0], k[1], k[4], k[5]) ==
-                (e.kind, e.pass_, e.dtype, e.group)]
+        same = [k for k in got if (k[0], k[1], k[4], k[5], k[6]) ==
+                (e.kind, e.pass_, e.dtype, e.group, e.axes)]
         have = sum(k[3] * got.pop(k) for k in same)
         if have != e.elements * e.count:
             return (f"{e.name}: expected {e.elements * e.count} {e.dtype} elements in "
                     f"{e.kind}s over {e.group} devices ({e.pass_}), found {have}")
-    for (kind, pass_, scope, n, dt, group), count in got.items():
-        return (f"unexpected {kind} of {n} {dt} over {group} devices x{count} "
+    for (kind, pass_, scope, n, dt, group, axes), count in got.items():
+        return (f"unexpected {kind} of {n} {dt} over {group} devices{_over(axes)} x{count} "
                 f"({pass_}, scope {scope or '-'})")
     return None
+
+
+def _over(axes) -> str:
+    return f" ({'+'.join(axes) or 'no axis'})" if axes is not None else ""
 
 
 def size_text(b: float) -> str:
     return f"{b / 2**20:.3f} MiB" if b >= 2**10 else f"{b:.0f} B"
 
 
-def table_rows(colls_by_impl: dict, expected_by_impl: dict) -> list[dict]:
-    """Every collective (kind, pass, scope, dtype, shape, devices, bytes) with
-    its count per impl (`counts`) and in each impl's budget (`budget`), and
-    the budget's roles for it (Megatron's f or g, their SP forms and rings,
-    the loss's reductions): the data of the table and of the picture."""
+def table_rows(colls_by_impl: dict, expected_by_impl: dict,
+               mesh: dict[str, int] | None = None) -> list[dict]:
+    """Every collective (kind, pass, scope, dtype, shape, devices, bytes; with
+    `mesh`, the mesh axes it spans) with its count per impl (`counts`) and in
+    each impl's budget (`budget`), and the budget's roles for it (Megatron's f
+    or g, their SP forms and rings, the loss's reductions): the data of the
+    table and of the picture. Rows are grouped by axes, then pass."""
     cells: dict[tuple, dict] = {}
     for impl in colls_by_impl:
         for c in colls_by_impl[impl]:
-            cell = cells.setdefault(collective_key(c), {"shape": c.shape, "bytes": c.bytes})
+            cell = cells.setdefault(collective_key(c, mesh),
+                                    {"shape": c.shape, "bytes": c.bytes})
             cell.setdefault("counts", {})[impl] = cell.get("counts", {}).get(impl, 0) + c.count
         for e in expected_by_impl[impl]:
-            cell = cells.setdefault(e.key, {"shape": None, "bytes": e.bytes})
+            cell = cells.setdefault(_key(e, mesh), {"shape": None, "bytes": e.bytes})
             cell.setdefault("budget", {})[impl] = cell.get("budget", {}).get(impl, 0) + e.count
             roles = cell.setdefault("roles", [])
             if e.role_label not in roles:
                 roles.append(e.role_label)
     order = {"forward": 0, "backward": 1, "other": 2}
     rows = []
-    for key in sorted(cells, key=lambda k: (order.get(k[1], 3), k[2], k[0], -k[3])):
-        kind, pass_, scope, n, dt, group = key
+    for key in sorted(cells, key=lambda k: (k[6] or (), order.get(k[1], 3), k[2], k[0], -k[3])):
+        kind, pass_, scope, n, dt, group, axes = key
         cell = cells[key]
         rows.append({"kind": kind, "pass": pass_, "scope": scope, "elements": n, "dtype": dt,
                      "devices": group, "bytes": cell["bytes"],
+                     "axes": list(axes) if axes is not None else None,
                      "shape": list(cell["shape"]) if cell["shape"] is not None else None,
                      "counts": {i: cell.get("counts", {}).get(i, 0) for i in colls_by_impl},
                      "budget": {i: cell.get("budget", {}).get(i, 0) for i in colls_by_impl},
                      "roles": cell.get("roles", [])})
     return rows
+
+
+def ring_bytes_by_axes(expected: list[Expected]) -> dict[str, float]:
+    """A budget's ring traffic per rank per step, by the mesh axes of its rows
+    ("tp", "dp", "dp+tp"): what each communication group's links carry."""
+    out: dict[str, float] = {}
+    for e in expected:
+        key = "+".join(e.axes)
+        out[key] = out.get(key, 0.0) + e.count * e.ring_bytes
+    return dict(sorted(out.items()))
 
 
 def role_text(row: dict) -> str:
@@ -148,21 +181,31 @@ def shape_text(row: dict) -> str:
     return f"{row['dtype']}{shape}"
 
 
-def format_table(colls_by_impl: dict, expected_by_impl: dict) -> list[str]:
-    """`table_rows` side by side: per impl its count and its budget's, then the role."""
+def format_table(colls_by_impl: dict, expected_by_impl: dict,
+                 mesh: dict[str, int] | None = None) -> list[str]:
+    """`table_rows` side by side: per impl its count and its budget's, then
+    the role; with `mesh`, an axes column, rows grouped by it, and a line per
+    axis with each impl's budgeted ring bytes per rank per step."""
     impls = list(colls_by_impl)
     head = ["kind", "pass", "scope", "dtype[shape]", "devices", "bytes each"]
+    head = (["axes"] if mesh else []) + head
     for impl in impls:
         head += [impl, "budget"]
     head.append("role")
     rows = [head]
-    for r in table_rows(colls_by_impl, expected_by_impl):
+    for r in table_rows(colls_by_impl, expected_by_impl, mesh):
         row = [r["kind"], r["pass"], r["scope"] or "-", shape_text(r), str(r["devices"]),
                size_text(r["bytes"])]
+        row = (["+".join(r["axes"]) or "-"] if mesh else []) + row
         for impl in impls:
             row += [str(r["counts"][impl]), str(r["budget"][impl])]
         rows.append(row + [role_text(r)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    if mesh:
+        ring = {impl: ring_bytes_by_axes(expected_by_impl[impl]) for impl in impls}
+        for axes in sorted({a for r in ring.values() for a in r}):
+            lines.append(f"ring traffic per rank per step over {axes}: " + ", ".join(
+                f"{size_text(ring[impl].get(axes, 0))} ({impl})" for impl in impls))
     return lines

@@ -261,8 +261,15 @@ def test_dp2_tp4_collectives_match_the_budget(model, impl, sp):
     cfg = cfg_of(model, dp=2, tp=4, impl=impl, sp=sp)
     colls = hlo.collectives(compile_train_step(abstract_train_state(cfg, make_mesh(2, 4)),
                                                8, MODEL.seq_len).as_text())
-    # exact: a collective the budget lacks (an activation gathered over dp) fails too
-    assert check(colls, expected_collectives(cfg, impl, jax.default_backend())) is None
+    # exact: a collective the budget lacks (an activation gathered over dp) fails too,
+    # and so does one over other mesh axes than its row names (tp, dp or both)
+    expected = expected_collectives(cfg, impl, jax.default_backend())
+    sizes = {"dp": 2, "tp": 4}
+    assert check(colls, expected, sizes) is None
+    # the same rows with dp's and tp's axes swapped are caught
+    swap = {("dp",): ("tp",), ("tp",): ("dp",)}
+    wrong = [dataclasses.replace(e, axes=swap.get(e.axes, e.axes)) for e in expected]
+    assert "(dp)" in check(colls, wrong, sizes) or "(tp)" in check(colls, wrong, sizes)
 
 
 test_dp2_tp4_collectives_match_the_budget.fast_cases = {"llama-gqa-shard_map-sp"}
