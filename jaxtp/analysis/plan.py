@@ -124,6 +124,9 @@ def analyze(cfg: Config, mesh=None) -> dict:
                             "activations_korthikanti": activation_bytes(cfg)},
         "collectives_per_step": sum(c.count for c in colls),
         "collective_bytes_per_step": sum(c.count * c.bytes for c in colls),
+        # the same bytes by the mesh axes each collective spans: what each link carries
+        "collective_bytes_by_axis": {k: v["bytes"] for k, v in
+                                     hlo.by_axis(colls, dict(mesh.shape)).items()},
         "flops_per_device": float(cost.get("flops", float("nan"))),
         "model_flops_per_token": model_flops_per_token(cfg, n_params),
     }
@@ -221,6 +224,10 @@ def _print(cfg: Config, rows: list[dict], target, on_target: bool, log) -> None:
         log("  ".join(c.rjust(w) for c, w in zip(row, widths)))
     log("B: bytes per device (M = MiB, G = GiB); temps from memory_analysis, acts est. "
         "from Korthikanti et al. 2022; collectives counted per step from the HLO")
+    log("coll. B by mesh axis: " + "; ".join(
+        f"tp={r['tp']}: " + (", ".join(f"{a} {gib(b)}" for a, b in
+                                       r["collective_bytes_by_axis"].items()) or "none")
+        for r in rows))
     log(korthikanti_terms(cfg))
     verdicts = ", ".join(f"tp={r['tp']} {r['memory']['total'] / 2**30:,.1f} GiB "
                          + ("fits" if r["fits"] else "does not fit") for r in rows)

@@ -51,5 +51,7 @@ def run_record(cfg: Config, mesh, model, hlo_text: str, check: dict | None = Non
         "linear_layouts": linear_layouts(model),
         "collectives_per_layer": per_layer,
         "collectives_outside_blocks": outside,
+        # per step, by the mesh axes each collective's groups span (full buffers)
+        "collectives_by_axis": hlo.by_axis(colls, dict(mesh.shape)),
         "check": check,
     }

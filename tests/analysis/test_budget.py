@@ -280,6 +280,10 @@ def test_run_json_records_the_experiment(tmp_path):
     run = json.loads((out / "run.json").read_text())
     assert (run["tp"], run["impl"], run["mesh_device_ids"]) == (4, "shard_map", [[0, 1, 2, 3]])
     assert run["microbatch"] == {"b": 4, "s": 32, "tokens": 128, "microbatches": 1}
+    # dp=1: every collective of the step spans tp, each counted per step
+    assert set(run["collectives_by_axis"]) == {"tp"}
+    assert run["collectives_by_axis"]["tp"]["collectives"] == sum(
+        r["count"] for r in run["collectives_per_layer"] + run["collectives_outside_blocks"])
     assert (run["model"]["n_heads"], run["model"]["n_kv_heads"]) == (8, 2)
     assert run["model"]["attention"] == "xla"  # auto, resolved for CPU at 32 positions
     assert run["host_ms_per_step"] is None  # 2 steps: both log (no step to measure)

@@ -72,6 +72,11 @@ def test_plan_cli_prints_the_table(capsys):
     assert "attention dropout" in out and "SwiGLU" in out  # which Korthikanti terms apply
     row = next(line.split() for line in out.splitlines() if line.strip().startswith("8 "))
     assert row[-1] == "communication"  # F/tp = 352/8 = 44, far below C/W
+    # dp=1: the table's collective bytes all cross tp, and the per-axis line says so
+    by_axis = next(line for line in out.splitlines() if line.startswith("coll. B by mesh axis"))
+    assert by_axis.startswith("coll. B by mesh axis: tp=8: tp ") and "dp" not in by_axis
+    coll_bytes = " ".join(row[13:15])  # the "coll. B" column, e.g. "39.0 M"
+    assert by_axis.split("tp=8: tp ")[1] == coll_bytes, (by_axis, row)
 
 
 @pytest.mark.slow
