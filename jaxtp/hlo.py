@@ -412,13 +412,16 @@ def compiled_text(fn, *args, **kwargs) -> str:
     return lowerable.lower(*args, **kwargs).compile().as_text()
 
 
-def summarize(colls: list[Collective]) -> list[dict]:
-    """Group by (kind, pass, dtype, shape, scope): one row each with its count and bytes."""
+def summarize(colls: list[Collective], mesh: dict[str, int] | None = None) -> list[dict]:
+    """Group by (kind, pass, dtype, shape, scope; with `mesh`, the mesh axes
+    spanned): one row each with its count and bytes."""
     rows: dict[tuple, dict] = {}
     for c in colls:
-        key = (c.kind, c.pass_, c.dtype, c.shape, c.scope)
+        axes = c.axes(mesh) if mesh else None
+        key = (c.kind, c.pass_, c.dtype, c.shape, c.scope, axes)
         row = rows.setdefault(key, {"kind": c.kind, "pass": c.pass_, "scope": c.scope,
                                     "count": 0, "shape": list(c.shape), "dtype": c.dtype,
-                                    "bytes": c.bytes, "group_size": c.group_size})
+                                    "bytes": c.bytes, "group_size": c.group_size,
+                                    **({"axes": list(axes)} if mesh else {})})
         row["count"] += c.count
     return list(rows.values())

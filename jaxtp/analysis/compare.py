@@ -113,7 +113,8 @@ def _compile_and_check(cfg: Config, mesh, out: Path, log) -> tuple[list, list, d
         extra["windowed_einsum_permutes"] = sum(c.count for c in colls
                                                 if c.kind == "collective-permute")
     by_axis = hlo.by_axis(colls, dict(mesh.shape))
-    return colls, expected, {**extra, "collectives": hlo.summarize(colls), "by_axis": by_axis,
+    return colls, expected, {**extra, "collectives": hlo.summarize(colls, dict(mesh.shape)),
+                             "by_axis": by_axis,
                              "expected": [e.to_dict() for e in expected],
                              "matches_budget": diff is None,
                              "verdict": "matches budget" if diff is None else diff}

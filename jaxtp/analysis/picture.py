@@ -72,10 +72,13 @@ def layout(report: dict) -> tuple[list[tuple], int, int]:
             if not got and not want:
                 continue
             head = f"{got}x {r['kind']}: {role_text(r)}"
-            payload = (f"   {shape_text(r).replace(' ', '')}, {size_text(r['bytes'])}"
+            axes = f" over {'+'.join(r['axes'])}" if r.get("axes") else ""
+            payload = (f"   {shape_text(r).replace(' ', '')}, {size_text(r['bytes'])}{axes}"
                        + (f"; budget {want}" if got != want else ""))
             data = {"impl": impl, "pass": r["pass"], "kind": r["kind"], "role": role_text(r),
                     "count": got, "budget": want}
+            if r.get("axes"):
+                data["axes"] = "+".join(r["axes"])
             colour = OK if got == want else WARN
             cells.setdefault((slot(r), side, impl), []).extend(
                 [(_fit(head), colour, data), (_fit(payload), colour, None)])

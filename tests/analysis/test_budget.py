@@ -256,7 +256,7 @@ def test_compare_hlo_end_to_end(tmp_path, capsys):
     for impl in report["impls"]:
         r = report["impls"][impl]
         assert r["matches_budget"] is True
-        assert all({"kind", "pass", "count", "shape", "dtype", "bytes"} <= set(c)
+        assert all({"kind", "pass", "count", "shape", "dtype", "bytes", "axes"} <= set(c)
                    for c in r["collectives"])
         assert (tmp_path / f"hlo_{impl}.txt").read_text().startswith("HloModule")
     # the three implementations communicate identically

@@ -52,6 +52,7 @@ def test_the_svg_holds_every_collective_row_and_marks_deviations(sp_report):
         assert e["text"].startswith(f"{e['count']}x {e['kind']}: ")
         assert e["fill"] == (picture.OK if e["count"] == e["budget"] else picture.WARN)
     assert {e["fill"] for e in entries} == {picture.OK}  # all three match here
+    assert {e.get("axes") for e in entries} == {"tp"}  # each entry names its mesh axes
     assert set(report["impls"]) == {"gspmd", "shard_map", "explicit"}
     # one count off the budget: that entry, and only it, in the warning colour
     row = next(r for r in report["table"] if r["kind"] == "all-gather" and r["scope"] == "mlp")
