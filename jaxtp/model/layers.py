@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..parallel import Layout
+from ..parallel import DATA_AXIS, Layout
+from ..parallel.layout import manual_axes
 
 
 def param(rngs: nnx.Rngs | None, init, shape, axes, dtype, layout: Layout) -> nnx.Param:
@@ -170,10 +171,20 @@ def rope(x_BTNH, positions, theta: float, inv_freq_F=None):
 
 
 def dropout(x, rate: float, key):
-    """Inverted dropout; identity when `key` is None (evaluation) or rate == 0."""
+    """Inverted dropout; identity when `key` is None (evaluation) or rate == 0.
+
+    Each row (batch index b) draws its mask from `fold_in(key, b)`, b global:
+    the mask of a row is the same however the batch is split, on global
+    arrays (whose partitionable threefry bits do not depend on the layout
+    either) and on a dp rank's rows inside a shard_map manual over dp
+    (`jaxtp.train.step`'s accumulation), whose first row is rank * B."""
     if key is None or rate == 0.0:
         return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    B = x.shape[0]
+    rows = jnp.arange(B) + (jax.lax.axis_index(DATA_AXIS) * B
+                            if DATA_AXIS in manual_axes() else 0)
+    keep = jax.vmap(lambda r: jax.random.bernoulli(jax.random.fold_in(key, r), 1.0 - rate,
+                                                   x.shape[1:]))(rows)
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 

@@ -12,7 +12,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from .layout import Layout, cache_spec, constrain, explicit_mesh, spec
+from .layout import DATA_AXIS, Layout, cache_spec, constrain, explicit_mesh, manual_axes, spec
 
 
 class GlobalArrays:
@@ -90,7 +90,9 @@ class GlobalArrays:
         return 0
 
     def batch_per_dp_rank(self, B: int) -> int:
-        return B // self.layout.dp  # the arrays are global
+        # the arrays are global (local over dp inside `jaxtp.train.step`'s
+        # dp-local gradient accumulation)
+        return B if DATA_AXIS in manual_axes() else B // self.layout.dp
 
     def vocab_max(self, v):
         return v
@@ -182,7 +184,8 @@ class Explicit(GlobalArrays):
         cuDNN partitions itself and hands back untyped cotangents. So the core
         runs in Auto mode (`auto_axes`), split by heads as its operands are,
         its output typed like q."""
-        return jax.sharding.auto_axes(kernel, out_sharding=jax.typeof(q).sharding)(q, k, v)
+        return jax.sharding.auto_axes(kernel, axes=_free_axes(),
+                                      out_sharding=jax.typeof(q).sharding)(q, k, v)
 
     def exit(self, h, mm: Callable):
         """The row-parallel contraction runs over the tp-split dim of both
@@ -219,6 +222,13 @@ class Explicit(GlobalArrays):
         return jnp.einsum("BTCKH,KR->BTCRH", kv_BTCKH, pick_KR,
                           precision=jax.lax.Precision.HIGHEST,  # a copy, exact in any dtype
                           out_sharding=spec("batch", "seq", None, "heads", "head_dim"))
+
+
+def _free_axes() -> tuple[str, ...]:
+    """The mesh axes not manual in context (inside `jaxtp.train.step`'s
+    dp-local accumulation, dp is manual)."""
+    return tuple(a for a in jax.sharding.get_abstract_mesh().axis_names
+                 if a not in manual_axes())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

@@ -49,6 +49,7 @@ def spec(*logical: str | None, rules: dict[str, tuple[str, ...]] | None = None) 
     PartitionSpec(None, 'tp')
     """
     rules = RULES if rules is None else rules
+    manual = manual_axes()
     dims = []
     for name in logical:
         if name is not None and name not in rules:
@@ -60,7 +61,15 @@ def spec(*logical: str | None, rules: dict[str, tuple[str, ...]] | None = None) 
             f"logical axes {logical} map two dims to the same mesh axis ({dims}); "
             "a tensor can be split over a mesh axis only once"
         )
+    # inside a shard_map manual over some axes, arrays are local over them
+    dims = [tuple(a for a in axes if a not in manual) for axes in dims]
     return P(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in dims))
+
+
+def manual_axes() -> frozenset:
+    """The mesh axes the code in context is manual over (inside a shard_map)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return frozenset() if mesh.empty else frozenset(mesh.manual_axes)
 
 
 def spec_axes(entry) -> tuple[str, ...]:
@@ -195,7 +204,13 @@ def mesh_for(mesh: Mesh, impl: str) -> Mesh:
 def explicit_mesh() -> bool:
     """Whether the mesh in context has Explicit axes (sharding in types)."""
     mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and mesh.are_all_axes_explicit
+    return not mesh.empty and _explicit(mesh)
+
+
+def _explicit(mesh) -> bool:
+    """Every axis Explicit, but those a shard_map in context is manual over."""
+    return all(t == AxisType.Explicit for a, t in zip(mesh.axis_names, mesh.axis_types)
+               if a not in mesh.manual_axes) and len(mesh.manual_axes) < len(mesh.axis_names)
 
 
 def check_device_count(sizes: dict[str, int], available: int, platform: str) -> None:
@@ -255,6 +270,6 @@ def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or in_region():
         return x
-    if mesh.are_all_axes_explicit:
+    if _explicit(mesh):
         return jax.sharding.reshard(x, spec(*logical))
     return jax.lax.with_sharding_constraint(x, spec(*logical))

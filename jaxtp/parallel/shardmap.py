@@ -176,6 +176,7 @@ def run_sharded(module, fn: Callable, *args, arg_specs=None, out_specs=None,
     # inside a shard_map that leaves any axis to GSPMD
     manual = set(mesh.axis_names) if getattr(module, "kernel", None) == "cudnn" else \
         {a for a, n in dict(mesh.shape).items() if n > 1} | {TP_AXIS}
+    manual -= set(mesh.manual_axes)  # nested: what the outer shard_map left automatic
     only = lambda s: keep_axes(s, manual)
     is_spec = lambda x: isinstance(x, P)
     param_specs = jax.tree.map(only, nnx.get_partition_spec(params), is_leaf=is_spec)

@@ -19,7 +19,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..config import Config
-from ..parallel import constrain, make_mesh, named
+from ..parallel import (DATA_AXIS, constrain, keep_axes, make_mesh, mesh_size, named,
+                        spec_axes, vary)
+from ..parallel.collectives import varying_axes
+from ..parallel.layout import explicit_mesh
 from .optim import clip_by_global_norm
 from .state import TrainState, init_train_state
 
@@ -45,16 +48,39 @@ def grads_of(graphdef, params, tokens_BT1, key, microbatches: int = 1):
     Slice m holds rows m, M+m, 2M+m, ...: reshaping [B] -> [B/M, M] keeps
     each dp rank's rows on that rank (the dp split is on the leading B/M), so
     slicing needs no communication.
+
+    With dp > 1 and parameters replicated over dp (their PartitionSpecs name
+    no dp), the slices run inside a shard_map manual over
+    dp (`_over_dp_once`): each rank sums its own partial gradients and the sum
+    is reduced over dp once per step, not once per slice. Under FSDP each
+    slice's gradient is reduce-scattered over dp where it is made (ZeRO-3's
+    sharded accumulator: Rajbhandari et al. 2020, Sec. 5.1), M times a step.
     """
     value_and_grad = jax.value_and_grad(lambda p, t, k: loss_fn(graphdef, p, t, k))
     if microbatches == 1:
         return value_and_grad(params, tokens_BT1, key)
+    specs = nnx.get_partition_spec(params)
+    if mesh_size(DATA_AXIS) > 1 and not any(
+            DATA_AXIS in spec_axes(e) for s in jax.tree.leaves(specs, is_leaf=_is_spec)
+            for e in s):
+        return _over_dp_once(value_and_grad, params, specs, tokens_BT1, key, microbatches)
+    return _accumulate(value_and_grad, params, tokens_BT1, key, microbatches)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+def _accumulate(value_and_grad, params, tokens_BT1, key, microbatches: int):
+    """The slices' (mean loss, mean gradient), summed in fp32 by a scan."""
     B, T1 = tokens_BT1.shape
     tokens_MBT = constrain(tokens_BT1.reshape(B // microbatches, microbatches, T1),
                            "batch", None, None).transpose(1, 0, 2)
     tokens_MBT = constrain(tokens_MBT, None, "batch", None)
-    # zeros_like: typed like each parameter (its sharding, under impl explicit)
-    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
+    # zeros_like: typed like each parameter (its sharding, under impl explicit;
+    # varying over dp inside `_over_dp_once`)
+    zeros = jax.tree.map(lambda p: vary(jnp.zeros_like(p, jnp.float32), varying_axes(p)),
+                         params)
 
     def body(carry, xs):
         loss_sum, grad_sum = carry
@@ -64,10 +90,50 @@ def grads_of(graphdef, params, tokens_BT1, key, microbatches: int = 1):
         grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
         return (loss_sum + loss, grad_sum), None
 
+    loss0 = vary(jnp.float32(0), varying_axes(tokens_MBT))
     (loss_sum, grad_sum), _ = jax.lax.scan(
-        body, (jnp.float32(0), zeros), (jnp.arange(microbatches), tokens_MBT))
+        body, (loss0, zeros), (jnp.arange(microbatches), tokens_MBT))
     grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grad_sum, params)
     return loss_sum / microbatches, grads
+
+
+def _over_dp_once(value_and_grad, params, specs, tokens_BT1, key, microbatches: int):
+    """`_accumulate` on each dp rank's rows, inside a shard_map manual over dp:
+    the parameters are cast to dp-varying on entry, so each slice's gradient
+    stays this rank's partial sum (the cast's transpose, a psum, would run
+    once per use: here there is none), and the mean over dp is taken once at
+    the end, in the gradient dtype: one all-reduce of every gradient per step,
+    the bytes of an unsliced step. GSPMD (or a shard_map nested over the other
+    axes) places the rest as it does without slices.
+
+    On an Explicit mesh the other axes are made Auto around the shard_map and
+    Explicit again inside it (`auto_axes`, `explicit_axes`), so that the
+    model's types are as without slices: jax 0.10.2 closes a partial-manual
+    shard_map's Explicit axes at its boundary, and every gradient would be
+    gathered over tp on the way out. (Typing the parameters `reduced` over dp,
+    whose gradients are then `unreduced`, fails at the first elementwise use
+    of a parameter: jax 0.10.2 types only dot_general's mixed operands.)"""
+    mesh = jax.sharding.get_abstract_mesh()
+    others = tuple(a for a in mesh.axis_names if a != DATA_AXIS)
+    drop = lambda s: keep_axes(s, others)
+    whole = jax.tree.map(lambda s: P(), specs, is_leaf=_is_spec)  # over dp: replicated
+    key_spec = None if key is None else P()
+
+    def local(params, tokens_BT1, key):
+        loss, grads = _accumulate(value_and_grad, params, tokens_BT1, key, microbatches)
+        return (jax.lax.pmean(loss, DATA_AXIS),
+                jax.tree.map(lambda g: jax.lax.pmean(g, DATA_AXIS), grads))
+
+    explicit = explicit_mesh()
+    if explicit:
+        local = jax.sharding.explicit_axes(
+            local, axes=others, in_sharding=(jax.tree.map(drop, specs, is_leaf=_is_spec),
+                                             P(), key_spec))
+    step = jax.shard_map(local, in_specs=(whole, P(DATA_AXIS), key_spec),
+                         out_specs=(P(), whole), axis_names={DATA_AXIS}, check_vma=False)
+    if explicit:
+        step = jax.sharding.auto_axes(step, axes=others, out_sharding=(P(), specs))
+    return step(params, tokens_BT1, key)
 
 
 def step_fn(state: TrainState, use_dropout: bool, microbatches: int) -> Callable:
