@@ -147,13 +147,6 @@ def _check_layout(cfg: Config) -> None:
             f"{p.dp}*{t.microbatches}; set train.batch_size to a multiple of "
             f"{p.dp * t.microbatches}"
         )
-    if p.fsdp and p.impl == "explicit":
-        # a weight split over dp along its model dim meets the batch split over
-        # dp in one contraction, which explicit mode refuses as ambiguous;
-        # FSDP there needs each weight resharded (gathered) where it is used
-        raise ConfigError("parallel.fsdp is not built for impl=explicit (a dp-split weight "
-                          "would meet the dp-split batch in one contraction); use "
-                          "--impl gspmd or shard_map with --fsdp, or drop --fsdp")
     if p.fsdp and m.d_model % p.dp:
         raise ConfigError(f"parallel.fsdp splits model.d_model={m.d_model} over dp={p.dp}; "
                           f"choose a dp that divides it")

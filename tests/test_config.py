@@ -93,8 +93,6 @@ def test_overrides_are_typed():
      r"parallel.overlap='collective_matmul' overlaps sequence parallelism.*add --sp"),
     (["parallel.overlap=ring"],
      r"parallel.overlap='ring'; choose one of \('none', 'collective_matmul'\)"),
-    (["parallel.impl=explicit", "parallel.fsdp=true", "parallel.dp=2", "parallel.tp=4"],
-     r"parallel.fsdp is not built for impl=explicit"),
 ])
 def test_inconsistent_values_are_rejected(overrides, match):
     with pytest.raises(ConfigError, match=match):

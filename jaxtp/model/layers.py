@@ -16,13 +16,22 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..parallel import DATA_AXIS, Layout
-from ..parallel.layout import manual_axes
+from ..parallel.layout import gathered, manual_axes
 
 
 def param(rngs: nnx.Rngs | None, init, shape, axes, dtype, layout: Layout) -> nnx.Param:
     """A parameter of `shape` laid out by `layout` (its dims named by `axes`)."""
     value = init(rngs.params(), shape, dtype) if rngs is not None else init(shape, dtype)
     return nnx.Param(value, out_sharding=layout.param_spec(*axes))
+
+
+def weight(v: nnx.Variable, dtype=None) -> jax.Array:
+    """A parameter's value where a module uses it, in `dtype` (default: its
+    own), gathered over dp under FSDP after the cast (`gathered`: a bf16 copy
+    travels, half the bytes of an fp32 master weight, as PyTorch FSDP's mixed
+    precision gathers its param_dtype)."""
+    x = v[...] if dtype is None else v[...].astype(dtype)
+    return gathered(x, v.get_metadata().get("out_sharding"))
 
 
 class ColumnParallelLinear(nnx.Module):
@@ -46,8 +55,8 @@ class ColumnParallelLinear(nnx.Module):
 
     def weights(self):
         """(kernel, bias or None) in the compute dtype."""
-        b = None if self.bias is None else self.bias[...].astype(self.dtype)
-        return self.kernel[...].astype(self.dtype), b
+        b = None if self.bias is None else weight(self.bias, self.dtype)
+        return weight(self.kernel, self.dtype), b
 
     def __call__(self, x):
         w, b = self.weights()
@@ -78,10 +87,10 @@ class RowParallelLinear(nnx.Module):
         """X W; `out_sharding` (impl explicit) names the summed output's
         sharding, which makes the contraction over tp a reduction."""
         return jnp.einsum(f"...{self.letters},{self.letters}D->...D", x.astype(self.dtype),
-                          self.kernel[...].astype(self.dtype), out_sharding=out_sharding)
+                          weight(self.kernel, self.dtype), out_sharding=out_sharding)
 
     def add_bias(self, y):
-        return y if self.bias is None else y + self.bias[...].astype(self.dtype)
+        return y if self.bias is None else y + weight(self.bias, self.dtype)
 
 
 class Embed(nnx.Module):
@@ -94,7 +103,7 @@ class Embed(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, ids):
-        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+        return jnp.take(weight(self.embedding, self.dtype), ids, axis=0)
 
 
 class LayerNorm(nnx.Module):
@@ -111,7 +120,7 @@ class LayerNorm(nnx.Module):
         mean = x.mean(-1, keepdims=True)
         var = jnp.square(x - mean).mean(-1, keepdims=True)
         y = (x - mean) * jax.lax.rsqrt(var + self.eps)
-        return (y * self.scale[...] + self.bias[...]).astype(self.dtype)
+        return (y * weight(self.scale) + weight(self.bias)).astype(self.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -125,7 +134,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):
         x = x.astype(jnp.float32)
         y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.eps)
-        return (y * self.scale[...]).astype(self.dtype)
+        return (y * weight(self.scale)).astype(self.dtype)
 
 
 def make_norm(cfg, layout: Layout):

@@ -27,7 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from .. import parallel
 from ..config import ModelConfig
 from ..parallel import Layout
-from .layers import param
+from .layers import param, weight
 
 NEG = jnp.finfo(jnp.float32).min
 
@@ -69,7 +69,7 @@ class VocabEmbed(nnx.Module):
 
     def rows(self, ids_BT, local):
         """This rank's part of the token rows (a partial sum over the vocab shards)."""
-        return local.vocab_rows(self.embedding[...], ids_BT, self.dtype)
+        return local.vocab_rows(weight(self.embedding), ids_BT, self.dtype)
 
     def token_losses(self, x_BTD, targets_BT):
         """fp32 cross-entropy [B, T] of next-token targets, from vocab-sharded logits."""
@@ -104,7 +104,7 @@ class VocabEmbed(nnx.Module):
         completes each of the three statistics over tp (the max, the sum of
         exponentials and the target's logit), so no rank holds all logits."""
         logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD.astype(self.dtype),
-                                self.embedding[...].astype(self.dtype),
+                                weight(self.embedding, self.dtype),
                                 preferred_element_type=jnp.float32)
         logits_BTV = local.constrain(logits_BTV, "batch", "seq", "vocab")
         ids_V = local.vocab_start(logits_BTV.shape[-1]) + jnp.arange(logits_BTV.shape[-1])
@@ -139,7 +139,7 @@ class VocabEmbed(nnx.Module):
         gathered, then the best c of those: the same set at every tp), so
         top-p is exact when its set has at most c tokens, else cut at c."""
         logits_BV = jnp.einsum("BD,VD->BV", x_BD.astype(jnp.float32),
-                               self.embedding[...].astype(jnp.float32))
+                               weight(self.embedding, jnp.float32))
         logits_BV = local.constrain(logits_BV, "batch", "vocab")
         ids_V = local.vocab_start(logits_BV.shape[-1]) + jnp.arange(logits_BV.shape[-1])
         logits_BV = jnp.where(ids_V < self.vocab_size, logits_BV, NEG)
@@ -174,5 +174,5 @@ class VocabEmbed(nnx.Module):
         padding is cut (impl explicit types both moves; GSPMD needs them too)."""
         x_BTD = parallel.constrain(x_BTD, "batch", "seq", "embed")
         logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD.astype(jnp.float32),
-                                self.embedding[...].astype(jnp.float32))
+                                weight(self.embedding, jnp.float32))
         return parallel.constrain(logits_BTV, "batch", "seq", None)[..., : self.vocab_size]

@@ -263,6 +263,23 @@ def in_region() -> bool:
     return TP_AXIS in jax.sharding.get_abstract_mesh().manual_axes
 
 
+def gathered(x: jax.Array, s: P | None) -> jax.Array:
+    """FSDP's all-gather of a parameter where it is used: `x`, laid out by
+    `s`, pinned whole over dp (its spec without dp), so that GSPMD gathers it
+    right here and the gradient's transpose reduces it over dp and keeps this
+    rank's slice (a reduce-scatter, where the compiler forms one). A no-op
+    for a parameter not split over dp, inside shard_map (`run_sharded`
+    gathers its own) and without a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if s is None or mesh.empty or mesh.manual_axes or not any(
+            DATA_AXIS in spec_axes(e) for e in s):
+        return x
+    whole = keep_axes(s, set(mesh.axis_names) - {DATA_AXIS})
+    if _explicit(mesh):
+        return jax.sharding.reshard(x, whole)
+    return jax.lax.with_sharding_constraint(x, whole)
+
+
 def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
     """Pin an activation's layout: a constraint for GSPMD, a `reshard` of its
     type on an Explicit mesh (where a constraint may only restate the type);

@@ -66,13 +66,30 @@ def assert_same(a, b, rtol=1e-5, atol=1e-6):
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
 @pytest.mark.parametrize("model", [MODEL, GQA], ids=["gpt2", "llama-gqa"])
 def test_dp2_tp4_fsdp_and_sp_equal_one_device(model, impl):
-    """dp=2 x tp=4, with SP, and with FSDP (not built for explicit: refused
-    by the config check, tests/test_config.py)."""
+    """dp=2 x tp=4 plain, with FSDP, with SP in 2 microbatches (the slices in
+    a shard_map manual over dp, their gradient reduced once: jaxtp.train.step),
+    and all three: one batch on one device."""
     ref = one_device(model)
     assert_same(loss_and_grads(cfg_of(model, dp=2, tp=4, impl=impl)), ref)
-    if impl != "explicit":
-        assert_same(loss_and_grads(cfg_of(model, dp=2, tp=4, impl=impl, fsdp=True)), ref)
-    assert_same(loss_and_grads(cfg_of(model, dp=2, tp=4, impl=impl, sp=True)), ref)
+    assert_same(loss_and_grads(cfg_of(model, dp=2, tp=4, impl=impl, fsdp=True)), ref)
+    assert_same(loss_and_grads(cfg_of(model, dp=2, tp=4, impl=impl, sp=True, microbatches=2)),
+                ref)
+    assert_same(loss_and_grads(cfg_of(model, dp=2, tp=4, impl=impl, sp=True, fsdp=True,
+                                      microbatches=2)), ref)
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
+def test_dropout_in_microbatches_over_dp_equals_one_device(impl):
+    """Dropout masks are drawn per global row (jaxtp.model.layers.dropout), so
+    a dp rank's slice inside the dp-local accumulation drops the units one
+    device drops for those rows."""
+    values, key = initial_values(cfg_of(dropout=0.2)), jax.random.key(3)
+    ref = loss_and_grads(cfg_of(dropout=0.2, microbatches=2), values, key=key)
+    assert_same(loss_and_grads(cfg_of(dp=2, tp=4, impl=impl, dropout=0.2, microbatches=2),
+                               values, key=key), ref)
+
+
+test_dropout_in_microbatches_over_dp_equals_one_device.fast_cases = {'shard_map'}
 
 
 test_dp2_tp4_fsdp_and_sp_equal_one_device.fast_cases = {'llama-gqa-shard_map'}
