@@ -145,8 +145,6 @@ def test_bad_files_are_rejected(tmp_path):
     (["--tp", "2", "--out", "/dev/null"], "--out /dev/null is a file, not a directory"),
     (["--tp", "8", "--overlap", "collective_matmul"], "it is built for SP only (a region's "
      "one all-reduce is not decomposed): add --sp, or --overlap none"),
-    (["--dp", "2", "--tp", "4", "--impl", "explicit", "--fsdp"],
-     "use --impl gspmd or shard_map with --fsdp, or drop --fsdp"),
 ])
 def test_cli_rejects_bad_input_before_compiling(argv, match, tmp_path, capsys):
     if "--resume" not in argv and "--out" not in argv:
