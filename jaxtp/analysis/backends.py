@@ -22,13 +22,15 @@ def on_backend(rows: list[Expected], cfg: Config, impl: str, platform: str) -> l
     sixteen = m.dtype in ("bfloat16", "float16")
     out = []
     for r in rows:
-        whole = lambda r: dataclasses.replace(r, kind="all-reduce", elements=r.elements * tp,
+        whole = lambda r: dataclasses.replace(r, kind="all-reduce",
+                                              elements=r.elements * r.group,
                                               name=r.name + " [as all-reduce + slice]")
         if platform == "cpu":
             # no reduce-scatter creator: GSPMD's (and explicit's, which the
-            # partitioner lowers from its types) stays an all-reduce of the
-            # full buffer and a slice (shard_map's psum_scatter is kept)
-            if r.kind == "reduce-scatter" and impl != "shard_map":
+            # partitioner lowers from its types; and the FSDP gradients GSPMD
+            # places under shard_map) stays an all-reduce of the full buffer
+            # and a slice (shard_map's psum_scatter is kept)
+            if r.kind == "reduce-scatter" and (impl != "shard_map" or r.role == "fsdp_gspmd"):
                 r = whole(r)
             # the CPU runtime carries 16-bit collectives in fp32
             if r.dtype in ("bf16", "f16"):

@@ -34,9 +34,9 @@ from flax import nnx
 from ..config import Config
 from ..model import Transformer
 from ..model.vocab import loss_chunks
-from ..parallel import DATA_AXIS, TP_AXIS, Layout, split_over_tp
+from ..parallel import DATA_AXIS, TP_AXIS, Layout, spec_axes, split_over_tp
 from .backends import on_backend
-from .rows import ANY_SCOPE, HLO_DTYPES, Expected
+from .rows import ANY_PASS, ANY_SCOPE, HLO_DTYPES, Expected
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,33 +83,84 @@ class Budget:
 
 def budget_for(cfg: Config) -> Budget:
     m, p = cfg.model, cfg.parallel
-    return Budget(tp=p.tp, layers=m.n_layers, batch=cfg.train.batch_size // p.dp,
-                  seq=m.seq_len, d_model=m.d_model, dtype_bytes=np.dtype(m.dtype).itemsize)
+    M = cfg.train.microbatches
+    return Budget(tp=p.tp, layers=m.n_layers, batch=cfg.train.batch_size // (p.dp * M),
+                  seq=m.seq_len, d_model=m.d_model, dtype_bytes=np.dtype(m.dtype).itemsize,
+                  microbatches=M)
 
 
 def expected_collectives(cfg: Config, impl: str, platform: str = "") -> list[Expected]:
     """Every collective the train step of `cfg` needs under `impl`: over tp,
     and with dp > 1 over dp (`_expected_dp`); as the compiler for `platform`
     ("cpu", "gpu", "tpu"; "" for none) carries it out (`backends.on_backend`)."""
-    rows = _expected_tp(cfg, impl) + _expected_dp(cfg, impl)
+    rows = _per_microbatch(cfg, _expected_tp(cfg, impl)) + _expected_dp(cfg, impl)
     return on_backend(rows, cfg, impl, platform) if platform else rows
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamShard:
+    """One parameter as the dp budget needs it: its path, the elements one tp
+    rank holds, whether FSDP splits it over dp, where it is used."""
+
+    path: str
+    elements: int  # one tp rank's (a stacked parameter: all its layers')
+    dp_split: bool
+    in_stack: bool  # a block's (under a scanned stack: one layer per loop trip)
+    # "column" / "row" kernel or "vocab" table: used inside a region (shard_map
+    # gathers it there); "": on global arrays (norms, biases, positions)
+    region: str
+    # the MLP's down-projection bias: added last, its value feeds only the
+    # block's output, so a remat's recompute never needs it
+    block_output: bool
+
+
+def param_shards(cfg: Config) -> list[ParamShard]:
+    """Every parameter of `cfg`'s model as a `ParamShard`, from abstract shapes."""
+    # Auto axes whatever the impl: shapes only, no contraction is typed
+    layout = Layout.of(cfg)
+    mesh = dataclasses.replace(layout, impl="gspmd").abstract_mesh()
+    model = dataclasses.replace(cfg.model, attention="xla")  # shapes only
+    with jax.sharding.use_abstract_mesh(mesh):
+        params = nnx.state(nnx.eval_shape(
+            lambda: Transformer(model, layout, rngs=nnx.Rngs(0))), nnx.Param)
+    out = []
+    flat = jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    for path, v in flat:
+        names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        spec = v.get_metadata().get("out_sharding") or ()
+        module, leaf = names[-2], names[-1]
+        region = ("vocab" if leaf == "embedding" and module in ("wte", "lm_head") else
+                  "column" if leaf == "kernel" and module in ("q", "kv", "up") else
+                  "row" if leaf == "kernel" and module in ("out", "down") else "")
+        out.append(ParamShard(
+            "/".join(names), int(np.prod(v.shape)) // (cfg.parallel.tp if split_over_tp(spec)
+                                                        else 1),
+            any(DATA_AXIS in spec_axes(e) for e in spec), names[0] == "blocks", region,
+            module == "down" and leaf == "bias"))
+    return out
+
+
+def _per_microbatch(cfg: Config, rows: list[Expected]) -> list[Expected]:
+    """The tp rows of a step in `train.microbatches` slices: each activation's
+    collectives once per slice (`_expected_tp` sizes them for one); the
+    gradient norm once per step, over dp and tp under FSDP (the gradients
+    are split over both)."""
+    M, p = cfg.train.microbatches, cfg.parallel
+    out = []
+    for r in rows:
+        if r.pass_ == "other":  # the gradient norm
+            if p.fsdp and p.dp > 1:
+                r = dataclasses.replace(r, group=p.dp * p.tp, axes=(DATA_AXIS, TP_AXIS))
+        elif r.role != "positions_ids":  # that one is hoisted out of the loop
+            r = dataclasses.replace(r, count=r.count * M)
+        out.append(r)
+    return out
 
 
 def param_shard_elements(cfg: Config) -> list[int]:
     """Elements of each parameter one tp rank holds (its shard), no allocation."""
-
-
-    # Auto axes whatever the impl: shapes only, no contraction is typed
-    mesh = dataclasses.replace(Layout.of(cfg), impl="gspmd").abstract_mesh()
-    model = dataclasses.replace(cfg.model, attention="xla")  # shapes only
-    with jax.sharding.use_abstract_mesh(mesh):
-        params = nnx.state(nnx.eval_shape(
-            lambda: Transformer(model, Layout.of(cfg), rngs=nnx.Rngs(0))), nnx.Param)
-    out = []
-    for v in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
-        spec = v.get_metadata().get("out_sharding") or ()
-        out.append(int(np.prod(v.shape)) // (cfg.parallel.tp if split_over_tp(spec) else 1))
-    return out
+    return [p.elements for p in param_shards(cfg)]
 
 
 def _expected_dp(cfg: Config, impl: str) -> list[Expected]:
@@ -118,12 +169,24 @@ def _expected_dp(cfg: Config, impl: str) -> list[Expected]:
     (a tied embedding twice: its lookup and LM-head gradients are reduced
     before they are added). XLA may combine, split or loop these (a scanned
     stack), so the budget is their total elements, whatever the scopes.
-    FSDP (parameters split over dp) is not budgeted: its gathers and
-    reduce-scatters are listed, not checked."""
+
+    With microbatches the slices run in a shard_map manual over dp
+    (`jaxtp.train.step`): every gradient, summed over the slices on each
+    rank, is reduced once per step (the tied embedding's two parts added
+    first), and the loss once. FSDP: `_expected_fsdp`."""
     m, p = cfg.model, cfg.parallel
-    if p.dp == 1 or p.fsdp:
+    if p.dp == 1:
         return []
+    M = cfg.train.microbatches
+    if p.fsdp:
+        return _expected_fsdp(cfg, impl)
+    pd = HLO_DTYPES[m.param_dtype]
     grads = sum(param_shard_elements(cfg))
+    if M > 1:  # one reduction of each whole gradient at the end
+        return [_loss_mean(p.dp, 1, "other"),
+                Expected("dp: every parameter gradient (tp shard), summed over dp once "
+                         f"after {M} microbatches", "all-reduce", "other", ANY_SCOPE, grads,
+                         pd, p.dp, 1, axes=(DATA_AXIS,))]
     if m.tie_embeddings:
         grads += m.padded_vocab // p.tp * m.d_model
     if p.sequence_parallel and m.style != "llama":
@@ -133,19 +196,106 @@ def _expected_dp(cfg: Config, impl: str) -> list[Expected]:
         grads -= m.seq_len * m.d_model - m.seq_len // p.tp * m.d_model
     if p.sequence_parallel and impl == "shard_map" and m.kv_heads < p.tp:
         grads -= m.n_layers * m.d_model * 2 * m.kv_heads * m.head_dim  # over dp and tp at once
-    pd = HLO_DTYPES[m.param_dtype]
-    return [Expected("dp: mean of the loss over dp", "all-reduce", "forward", "", 1, "f32",
-                     p.dp, 1, axes=(DATA_AXIS,)),
+    return [_loss_mean(p.dp, 1),
             Expected("dp: every parameter gradient (tp shard), summed over dp", "all-reduce",
                      "backward", ANY_SCOPE, grads, pd, p.dp, 1, axes=(DATA_AXIS,))]
+
+
+def _loss_mean(dp: int, count: int, pass_: str = "forward") -> Expected:
+    """The loss averaged over dp: in the forward pass of each microbatch, or
+    once after the slices ("other": `jaxtp.train.step`'s dp-local sum)."""
+    return Expected("dp: mean of the loss over dp" + (" (per microbatch)" if count > 1 else ""),
+                    "all-reduce", pass_, "", 1, "f32", dp, count, axes=(DATA_AXIS,))
+
+
+def _expected_fsdp(cfg: Config, impl: str) -> list[Expected]:
+    """FSDP (ZeRO-3, Rajbhandari et al. 2020, Sec. 5.1: parameters, gradients
+    and Adam state split over dp along the model dim), per parameter p whose
+    tp shard holds n elements, over dp:
+
+    - forward: p all-gathered (n elements) where a module uses it
+      (`jaxtp.model.layers.weight`; under shard_map inside its region),
+      once per microbatch inside a scanned stack (one layer per trip); XLA
+      hoists every other gather, a loop invariant, out of the microbatch loop,
+      so it runs once per step. A tied table is gathered once for both uses.
+    - backward, with a remat policy: the recomputed block gathers its
+      weights again, once per microbatch (the recompute is not hoisted):
+      every dp-split block parameter but the MLP's down bias (the block's
+      last op, which the backward never needs), whatever the policy (none
+      saves a gathered weight). Except under shard_map in an unscanned stack
+      in one batch, where XLA gathers each region kernel once in all
+      (remat "full": the forward's and the recompute's gather are one op,
+      labelled by either pass: GPT-2's column kernels by the backward,
+      Llama's by the forward) or not again ("dots", "minimal" keep the
+      gathered kernels); a scanned stack's backward loop gathers them again
+      (measured, jaxlib 0.10.2).
+    - each gradient reduce-scattered (n/dp elements per rank) once per
+      microbatch: the accumulator stays sharded (ZeRO-3's gradient memory,
+      not one unsharded gradient per rank); a tied table's two parts apart.
+      A parameter not split over dp (a column-parallel bias: no model dim)
+      is all-reduced, as without FSDP.
+    - the loss mean once per microbatch; the gradient norm over dp and tp
+      (`_expected_tp`)."""
+    m, p, M = cfg.model, cfg.parallel, cfg.train.microbatches
+    dp, pd, cd = p.dp, HLO_DTYPES[m.param_dtype], HLO_DTYPES[m.dtype]
+    scanned, remat = m.scan_layers, m.remat != "none"
+    shards = param_shards(cfg)
+    split = [s for s in shards if s.dp_split]
+    per_use = lambda s: M if s.in_stack and scanned else 1
+    fwd, bwd = 0, 0
+    either = 0  # gathered once, in the pass XLA keeps of two equal gathers
+    for s in split:
+        if impl == "shard_map" and remat and s.in_stack and s.region and not scanned and M == 1:
+            if m.remat == "full":
+                either += s.elements * per_use(s)
+            else:
+                fwd += s.elements * per_use(s)
+            continue
+        fwd += s.elements * per_use(s)
+        if remat and s.in_stack and not s.block_output:
+            bwd += s.elements * M  # inside the recompute: never hoisted
+    tied = m.tie_embeddings
+    # shard_map reduce-scatters its region weights itself; GSPMD places the rest
+    region_rs = sum(s.elements for s in split if s.region and impl == "shard_map")
+    region_rs += (m.padded_vocab // p.tp * m.d_model if tied and impl == "shard_map" else 0)
+    gspmd_rs = sum(s.elements for s in split) + (m.padded_vocab // p.tp * m.d_model if tied
+                                                  else 0) - region_rs
+    replicated = sum(s.elements for s in shards if not s.dp_split)
+    if p.sequence_parallel and m.style != "llama":  # the positions' dp slice (as without FSDP)
+        gspmd_rs -= m.seq_len * m.d_model - m.seq_len // p.tp * m.d_model
+    E = lambda name, kind, pass_, n, count, dtype, role="": Expected(
+        "FSDP: " + name, kind, pass_, ANY_SCOPE, n, dtype, dp, count, role, (DATA_AXIS,))
+    rows = [_loss_mean(dp, M)]
+    if either:  # which pass a gather is labelled with is XLA's pick: one total
+        rows.append(E("every dp-split parameter all-gathered for its forward use, block "
+                      f"weights again for the backward (remat {m.remat!r}), but shard_map's "
+                      "region kernels once for both passes", "all-gather", ANY_PASS,
+                      fwd + bwd + either, 1, cd))
+    else:
+        rows.append(E("every dp-split parameter all-gathered for its forward use",
+                      "all-gather", "forward", fwd, 1, cd))
+        if bwd:
+            rows.append(E(f"remat {m.remat!r}: block weights gathered again for the backward",
+                          "all-gather", "backward", bwd, 1, cd))
+    if region_rs:
+        rows.append(E("region weights' gradients reduce-scattered (shard_map)",
+                      "reduce-scatter", "backward", region_rs // dp, M, pd))
+    if gspmd_rs:
+        rows.append(E("gradients reduce-scattered over dp" +
+                      (" (GSPMD: norms, biases, positions)" if impl == "shard_map" else ""),
+                      "reduce-scatter", "backward", gspmd_rs // dp, M, pd, "fsdp_gspmd"))
+    if replicated:
+        rows.append(E("parameters not split over dp (no model dim): gradient all-reduced",
+                      "all-reduce", "backward", replicated, M, pd))
+    return rows
 
 
 def _expected_tp(cfg: Config, impl: str) -> list[Expected]:
     m, tp = cfg.model, cfg.parallel.tp
     if tp == 1:
         return []
-    b, s, L, dt = cfg.train.batch_size // cfg.parallel.dp, m.seq_len, m.n_layers, \
-        HLO_DTYPES[m.dtype]
+    b, s, L, dt = cfg.train.batch_size // (cfg.parallel.dp * cfg.train.microbatches), \
+        m.seq_len, m.n_layers, HLO_DTYPES[m.dtype]
     act = b * s * m.d_model
     E = lambda name, kind, pass_, scope, n, count, dtype=dt, group=tp, role="", axes=(TP_AXIS,): \
         Expected(name, kind, pass_, scope, n, dtype, group, count, role, axes)
@@ -245,7 +395,10 @@ def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int):
     elif K < tp:  # replicated kv projection fed the gathered x: its weight gradient,
         # summed as the compute-dtype weight it multiplied; inside shard_map
         # over dp and tp at once (one psum: `_expected_dp` leaves it out)
-        dp = cfg.parallel.dp
+        # (under FSDP the dp part is the weight's reduce-scatter; in slices
+        # over dp, dp is manual and reduced once after them: jaxtp.train.step)
+        p = cfg.parallel
+        dp = p.dp if not p.fsdp and cfg.train.microbatches == 1 else 1
         rows.append(E("replicated kv weight gradient: sum over tp"
                       + (" and dp" if dp > 1 else ""), "all-reduce", "backward", "attention",
                       m.d_model * 2 * K * H, L, group=tp * dp,
@@ -261,17 +414,28 @@ def _seq_shard_params(cfg: Config, impl: str, E, s: int, L: int) -> list:
     norm_params = (2 * L + 1) * (1 if m.style == "llama" else 2)
     rows = [E("norm weights used on sequence shards: gradient sum", "all-reduce", "backward",
               "", m.d_model, norm_params, pd, role="seq_shard_param")]
+    p = cfg.parallel
+    dp_local = p.dp > 1 and not p.fsdp and cfg.train.microbatches > 1  # jaxtp.train.step
     if m.use_bias:
-        # GSPMD sums the attention's from the output gradient it gathered anyway
+        # GSPMD sums the attention's from the output gradient it gathered
+        # anyway (but not in slices over dp, where dp is manual)
         rows += [E(f"{scope} row-parallel bias on sequence shards: gradient sum",
                    "all-reduce", "backward", scope, m.d_model, L, role="seq_shard_param")
-                 for scope in ("attention", "mlp") if impl != "gspmd" or scope == "mlp"]
+                 for scope in ("attention", "mlp")
+                 if impl != "gspmd" or scope == "mlp" or dp_local]
     if m.style != "llama":
         # explicit: the positions are resharded from replicated to the sequence
-        # split, whose transpose gathers the gradient's rows (half the bytes)
+        # split, whose transpose gathers the gradient's rows (half the bytes);
+        # so does every impl in slices over dp (jaxtp.train.step's dp-local sum)
+        gather = impl == "explicit" or dp_local
+        if dp_local and impl != "explicit":
+            # GSPMD partitions the positions' scatter-add in the dp-manual
+            # region by gathering its indices (loop-invariant: once per step)
+            rows.append(E("learned positions: the gradient scatter's indices gathered",
+                          "all-gather", "backward", "", s, 1, "s32", role="positions_ids"))
         rows.append(E("learned positions on sequence shards: gradient sum"
-                      + (" (gathered rows)" if impl == "explicit" else ""),
-                      "all-gather" if impl == "explicit" else "all-reduce",
+                      + (" (gathered rows)" if gather else ""),
+                      "all-gather" if gather else "all-reduce",
                       "backward", "", s * m.d_model, 1, pd, role="positions"))
     return rows
 
