@@ -279,9 +279,6 @@ def start_jax(args, cfg: Config) -> str | None:
     p = cfg.parallel
     if args.hardware and not (args.plan or args.compare_hlo):
         return "--hardware applies to --plan and --compare-hlo"
-    if args.compare_hlo and (p.fsdp or cfg.train.microbatches > 1):
-        return ("--compare-hlo budgets the step of one batch without FSDP; drop --fsdp and "
-                "use train.microbatches=1 (FSDP's gathers are not budgeted)")
     if args.hardware and HARDWARE[args.hardware].platform == "cuda":
         # compiling for a GPU this machine lacks: the CUDA plugin must not insist
         # on finding one when JAX starts (jaxtp.analysis.targets)

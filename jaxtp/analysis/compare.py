@@ -100,6 +100,7 @@ def _compile_and_check(cfg: Config, mesh, out: Path, log) -> tuple[list, list, d
     options = GPU_UNCOMBINED if platform in ("gpu", "cuda", "rocm") else None
     log(f"compiling the {impl} train step (tp={cfg.parallel.tp}, {m.n_layers} layers) ...")
     text = compile_train_step(abstract_train_state(cfg, mesh), cfg.train.batch_size, m.seq_len,
+                              microbatches=cfg.train.microbatches,
                               compiler_options=options).as_text()
     (out / f"hlo_{impl}.txt").write_text(text)
     colls = hlo.collectives(text)

@@ -95,7 +95,7 @@ def analyze(cfg: Config, mesh=None) -> dict:
     cfg = resolve_attention(cfg, mesh.devices.flat[0])
     state = abstract_train_state(cfg, mesh)
     on_cpu = mesh.devices.flat[0].platform == "cpu"
-    compiled = compile_train_step(state, t.batch_size, m.seq_len,
+    compiled = compile_train_step(state, t.batch_size, m.seq_len, microbatches=t.microbatches,
                                   compiler_options=CPU_PLAN_OPTIONS if on_cpu else None)
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()  # None for a compile-only GPU

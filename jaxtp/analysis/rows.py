@@ -159,7 +159,18 @@ def table_rows(colls_by_impl: dict, expected_by_impl: dict,
             roles = cell.setdefault("roles", [])
             if e.role_label not in roles:
                 roles.append(e.role_label)
-    order = {"forward": 0, "backward": 1, "other": 2}
+    # a collective an any-scope row counts in its total says so
+    totals = [e for rows_ in expected_by_impl.values() for e in rows_ if e.scope == ANY_SCOPE]
+    for key, cell in cells.items():
+        if key[2] == ANY_SCOPE or cell.get("roles"):
+            continue
+        for e in totals:
+            if (key[0], key[4], key[5]) == (e.kind, e.dtype, e.group) and \
+                    (key[6] is None or key[6] == e.axes) and e.pass_ in (key[1], ANY_PASS):
+                label = f"{e.role_label}, in its (any) total"
+                if label not in cell.setdefault("roles", []):
+                    cell["roles"].append(label)
+    order = {"forward": 0, "backward": 1, "other": 2, ANY_PASS: 3}
     rows = []
     for key in sorted(cells, key=lambda k: (k[6] or (), order.get(k[1], 3), k[2], k[0], -k[3])):
         kind, pass_, scope, n, dt, group, axes = key

@@ -62,7 +62,7 @@ def train_timed(cfg: Config, steps: int, warmup: int, peak: float | None) -> dic
     state = init_train_state(cfg, mesh)
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     t0 = time.perf_counter()
-    step = compile_train_step(state, t.batch_size, m.seq_len)
+    step = compile_train_step(state, t.batch_size, m.seq_len, microbatches=t.microbatches)
     compile_s = time.perf_counter() - t0
     cost = step.cost_analysis()
     xla_flops = (cost[0] if isinstance(cost, (list, tuple)) else cost or {}).get("flops")
