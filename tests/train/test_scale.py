@@ -4,6 +4,7 @@ result is compared with a single device (dp=1, tp=1, one batch, unscanned)."""
 
 import dataclasses
 import functools
+import math
 import re
 import time
 
@@ -265,19 +266,32 @@ def test_mixed_precision_keeps_fp32_master_weights_and_loss():
     assert not bool(metrics["skipped"])
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["plain", "sp"])
+# the layouts of issue 28's ledger: each is its own budget rows (SP's learned
+# positions' dp slice and GSPMD's two-step kv gradient; FSDP's gathers and
+# reduce-scatters; slices over dp reduced once; a scanned stack's per-layer
+# gathers, counted by trip count, and a remat's regathers)
+VARIANTS_DP = {"plain": {}, "sp": {"sp": True}, "fsdp": {"fsdp": True},
+               "mb2": {"microbatches": 2}, "fsdp-sp": {"fsdp": True, "sp": True},
+               "fsdp-sp-mb2": {"fsdp": True, "sp": True, "microbatches": 2},
+               "fsdp-scanned-remat": {"fsdp": True, "microbatches": 2, "scan_layers": True,
+                                      "remat": "full"}}
+
+
+def dp2_tp4_collectives(model, impl, **kw):
+    cfg = cfg_of(model, dp=2, tp=4, impl=impl, **kw)
+    text = compile_train_step(abstract_train_state(cfg, make_mesh(2, 4, impl=impl)), 8,
+                              MODEL.seq_len, microbatches=cfg.train.microbatches).as_text()
+    return cfg, hlo.collectives(text)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS_DP))
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
 @pytest.mark.parametrize("model", [MODEL, GQA], ids=["gpt2", "llama-gqa"])
-def test_dp2_tp4_collectives_match_the_budget(model, impl, sp):
-    """dp=2 x tp=4: the tp budget per dp rank (b = B/dp) plus the dp rows (one
-    scalar for the loss mean, every parameter gradient's tp shard summed over
-    dp, by total elements), for the three impls, with and without SP (each
-    pair reaches its own budget rows: the learned positions' dp slice, GSPMD's
-    two-step kv gradient): shard_map writes dp out too, so no activation is
-    gathered over dp."""
-    cfg = cfg_of(model, dp=2, tp=4, impl=impl, sp=sp)
-    colls = hlo.collectives(compile_train_step(abstract_train_state(cfg, make_mesh(2, 4)),
-                                               8, MODEL.seq_len).as_text())
+def test_dp2_tp4_collectives_match_the_budget(model, impl, variant):
+    """dp=2 x tp=4: the tp budget per dp rank and microbatch (b = B/dp/M)
+    plus the dp rows, for the three impls in every layout of VARIANTS_DP:
+    shard_map writes dp out too, so no activation is gathered over dp."""
+    cfg, colls = dp2_tp4_collectives(model, impl, **VARIANTS_DP[variant])
     # exact: a collective the budget lacks (an activation gathered over dp) fails too,
     # and so does one over other mesh axes than its row names (tp, dp or both)
     expected = expected_collectives(cfg, impl, jax.default_backend())
@@ -287,6 +301,31 @@ def test_dp2_tp4_collectives_match_the_budget(model, impl, sp):
     swap = {("dp",): ("tp",), ("tp",): ("dp",)}
     wrong = [dataclasses.replace(e, axes=swap.get(e.axes, e.axes)) for e in expected]
     assert "(dp)" in check(colls, wrong, sizes) or "(tp)" in check(colls, wrong, sizes)
+    if cfg.parallel.fsdp and cfg.model.remat == "none":
+        # by hand, ZeRO-3's forward: every parameter split over dp is gathered
+        # over dp once (a loop invariant, hoisted out of the microbatch loop),
+        # its gathered tp shard the elements; the state's own shapes say which
+        state = abstract_train_state(cfg, make_mesh(2, 4, impl=impl))
+        whole = sum(math.prod(x.sharding.shard_shape(x.shape)) * 2
+                    for x in jax.tree.leaves(state.params) if "dp" in str(x.sharding.spec))
+        gathered = sum(c.elements * c.count for c in colls
+                       if c.kind == "all-gather" and c.axes(sizes) == ("dp",))
+        assert gathered == whole
 
 
-test_dp2_tp4_collectives_match_the_budget.fast_cases = {"llama-gqa-shard_map-sp"}
+test_dp2_tp4_collectives_match_the_budget.fast_cases = {
+    "llama-gqa-shard_map-sp", "gpt2-gspmd-fsdp-sp-mb2", "gpt2-explicit-fsdp"}
+
+
+def test_the_dp_gradient_is_reduced_once_per_step_whatever_the_microbatches():
+    """Slices over dp are summed on each rank and reduced once (jaxtp.train.
+    step): the dp bytes at M=4 are those of one batch (Llama, untied), and
+    GPT-2's tied table is reduced once instead of twice (its lookup's and
+    head's parts added first: by hand, V/tp x D fewer elements)."""
+    sizes = {"dp": 2, "tp": 4}
+    dp_bytes = lambda colls: hlo.by_axis(colls, sizes)["dp"]["bytes"]
+    for model in (GQA, MODEL):
+        one = dp_bytes(dp2_tp4_collectives(model, "gspmd")[1])
+        four = dp_bytes(dp2_tp4_collectives(model, "gspmd", microbatches=4)[1])
+        tied = model.padded_vocab // 4 * model.d_model * 4 if model.tie_embeddings else 0
+        assert four == one - tied, (model.style, one, four)
