@@ -106,8 +106,9 @@ class ParamShard:
     elements: int  # one tp rank's (a stacked parameter: all its layers')
     dp_split: bool
     in_stack: bool  # a block's (under a scanned stack: one layer per loop trip)
-    # "column" / "row" kernel or "vocab" table: used inside a region (shard_map
-    # gathers it there); "": on global arrays (norms, biases, positions)
+    # "column" (kernel or bias) / "row" kernel or "vocab" table: used inside a
+    # region (shard_map gathers it there); "": on global arrays (norms,
+    # row-parallel biases, positions)
     region: str
     # the MLP's down-projection bias: added last, its value feeds only the
     # block's output, so a remat's recompute never needs it
@@ -130,8 +131,10 @@ def param_shards(cfg: Config) -> list[ParamShard]:
         names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
         spec = v.get_metadata().get("out_sharding") or ()
         module, leaf = names[-2], names[-1]
+        # a column-parallel bias is added inside the region; a row-parallel
+        # one after g, outside it
         region = ("vocab" if leaf == "embedding" and module in ("wte", "lm_head") else
-                  "column" if leaf == "kernel" and module in ("q", "kv", "up") else
+                  "column" if module in ("q", "kv", "up") else
                   "row" if leaf == "kernel" and module in ("out", "down") else "")
         out.append(ParamShard(
             "/".join(names), int(np.prod(v.shape)) // (cfg.parallel.tp if split_over_tp(spec)
@@ -196,16 +199,26 @@ def _expected_dp(cfg: Config, impl: str) -> list[Expected]:
         grads -= m.seq_len * m.d_model - m.seq_len // p.tp * m.d_model
     if p.sequence_parallel and impl == "shard_map" and m.kv_heads < p.tp:
         grads -= m.n_layers * m.d_model * 2 * m.kv_heads * m.head_dim  # over dp and tp at once
-    return [_loss_mean(p.dp, 1),
-            Expected("dp: every parameter gradient (tp shard), summed over dp", "all-reduce",
-                     "backward", ANY_SCOPE, grads, pd, p.dp, 1, axes=(DATA_AXIS,))]
+    rows = [_loss_mean(p.dp, 1)]
+    if impl == "shard_map":  # its regions' own sums, and what GSPMD places outside them
+        outside = sum(s.elements for s in param_shards(cfg) if not s.region)
+        if p.sequence_parallel and m.style != "llama":
+            outside -= m.seq_len * m.d_model - m.seq_len // p.tp * m.d_model
+        rows.append(Expected("dp: parameter gradients outside the regions (norms, biases, "
+                             "positions), summed over dp by GSPMD", "all-reduce", "backward",
+                             ANY_SCOPE, outside, pd, p.dp, 1, axes=(DATA_AXIS,), written=False))
+        grads -= outside
+    return rows + [Expected("dp: every parameter gradient (tp shard), summed over dp"
+                            + (" in its region" if impl == "shard_map" else ""), "all-reduce",
+                            "backward", ANY_SCOPE, grads, pd, p.dp, 1, axes=(DATA_AXIS,))]
 
 
 def _loss_mean(dp: int, count: int, pass_: str = "forward") -> Expected:
     """The loss averaged over dp: in the forward pass of each microbatch, or
     once after the slices ("other": `jaxtp.train.step`'s dp-local sum)."""
     return Expected("dp: mean of the loss over dp" + (" (per microbatch)" if count > 1 else ""),
-                    "all-reduce", pass_, "", 1, "f32", dp, count, axes=(DATA_AXIS,))
+                    "all-reduce", pass_, "", 1, "f32", dp, count, axes=(DATA_AXIS,),
+                    written=pass_ == "other")
 
 
 def _expected_fsdp(cfg: Config, impl: str) -> list[Expected]:
@@ -244,6 +257,9 @@ def _expected_fsdp(cfg: Config, impl: str) -> list[Expected]:
     per_use = lambda s: M if s.in_stack and scanned else 1
     fwd, bwd = 0, 0
     either = 0  # gathered once, in the pass XLA keeps of two equal gathers
+    # under shard_map, GSPMD gathers the parameters used outside the regions
+    outside = (sum(s.elements for s in split if not s.region)
+               if impl == "shard_map" and not remat and not scanned and M == 1 else 0)
     for s in split:
         if impl == "shard_map" and remat and s.in_stack and s.region and not scanned and M == 1:
             if m.remat == "full":
@@ -272,8 +288,13 @@ def _expected_fsdp(cfg: Config, impl: str) -> list[Expected]:
                       "region kernels once for both passes", "all-gather", ANY_PASS,
                       fwd + bwd + either, 1, cd))
     else:
-        rows.append(E("every dp-split parameter all-gathered for its forward use",
-                      "all-gather", "forward", fwd, 1, cd))
+        if outside:
+            rows.append(dataclasses.replace(E(
+                "parameters outside the regions all-gathered by GSPMD for their forward use",
+                "all-gather", "forward", outside, 1, cd), written=False))
+        rows.append(E("every dp-split parameter all-gathered for its forward use"
+                      + (" in its region" if outside else ""),
+                      "all-gather", "forward", fwd - outside, 1, cd))
         if bwd:
             rows.append(E(f"remat {m.remat!r}: block weights gathered again for the backward",
                           "all-gather", "backward", bwd, 1, cd))
@@ -281,9 +302,10 @@ def _expected_fsdp(cfg: Config, impl: str) -> list[Expected]:
         rows.append(E("region weights' gradients reduce-scattered (shard_map)",
                       "reduce-scatter", "backward", region_rs // dp, M, pd))
     if gspmd_rs:
-        rows.append(E("gradients reduce-scattered over dp" +
-                      (" (GSPMD: norms, biases, positions)" if impl == "shard_map" else ""),
-                      "reduce-scatter", "backward", gspmd_rs // dp, M, pd, "fsdp_gspmd"))
+        rows.append(dataclasses.replace(E(
+            "gradients reduce-scattered over dp" +
+            (" (GSPMD: norms, biases, positions)" if impl == "shard_map" else ""),
+            "reduce-scatter", "backward", gspmd_rs // dp, M, pd, "fsdp_gspmd"), written=False))
     if replicated:
         rows.append(E("parameters not split over dp (no model dim): gradient all-reduced",
                       "all-reduce", "backward", replicated, M, pd))
@@ -388,7 +410,8 @@ def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int):
         *_cross_entropy(E, b, n, c),
         E("gradient norm: one sum of squares", "all-reduce", "other", "", 1, 1, "f32"),
     ]
-    rows += _seq_shard_params(cfg, impl, E, s, L)
+    # GSPMD sums these outside the regions, under every impl
+    rows += [dataclasses.replace(r, written=False) for r in _seq_shard_params(cfg, impl, E, s, L)]
     K, H = m.kv_heads, m.head_dim
     if xla_kv:
         rows += _kv_rows(cfg, impl, E, b * s * 2 * K * H)

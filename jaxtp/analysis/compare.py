@@ -21,6 +21,7 @@ from ..config import IMPLS, Config
 from ..parallel import NO_XLA_OVERLAP, make_mesh, mesh_for
 from ..train.state import abstract_train_state
 from ..train.step import compile_train_step
+from . import roofline
 from .budget import budget_for, expected_collectives
 from .picture import write
 from .rows import check, format_table, size_text, table_rows
@@ -75,6 +76,12 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
         # the rows of the table below, which `collectives.svg` draws
         "table": table_rows(colls_by_impl, expected_by_impl, sizes),
     }
+    why_not = roofline.unsupported(cfg) if p.dp * p.tp > 1 else "one device: no collective"
+    if why_not is None:
+        report["roofline"] = roofline.crosscheck(cfg, mesh_for(mesh, "shard_map"))
+        report["ok"] = report["ok"] and report["roofline"]["agree"]
+    else:
+        report["roofline"] = {"skipped": why_not}
     (out / "comm_report.json").write_text(json.dumps(report, indent=2) + "\n")
     for line in format_table(colls_by_impl, expected_by_impl, sizes):
         log(line)
@@ -86,6 +93,9 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
         log(f"{impl} by mesh axis: " + ", ".join(
             f"{axes} {size_text(v['bytes'])} in {v['collectives']}"
             for axes, v in r["by_axis"].items()))
+    for line in (roofline.lines(report["roofline"]) if why_not is None else
+                 [f"roofline cross-check skipped: {why_not}"]):
+        log(line)
     log(f"wrote {out / 'comm_report.json'} and hlo_<impl>.txt")
 
     write(report, out, log)

@@ -31,6 +31,9 @@ class Expected:
     count: int
     role: str = ""  # what the row is for, so a backend's rules can find it
     axes: tuple[str, ...] = (TP_AXIS,)  # the mesh axes its groups span
+    # under shard_map: written in its code (a collective in the jaxpr), or
+    # placed by GSPMD outside the regions (False: `jaxtp.analysis.roofline`)
+    written: bool = True
 
     @property
     def key(self) -> tuple:

@@ -1,0 +1,150 @@
+"""The ledger against an independent reader of the same program:
+`jax.experimental.roofline` walks the jaxpr of the shard_map step's loss and
+gradient and prices every collective written in it per mesh axis
+(`ici_bytes`), with the same per-rank ring conventions as the budget
+(all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n of the buffer).
+
+What it cannot see, or prices by another model, is named, each with its bytes
+(`crosscheck`):
+- collectives GSPMD places outside the regions (the loss mean over dp; norm,
+  bias and position gradients summed over dp, or under SP over tp; FSDP's
+  gathers and reduce-scatters of those parameters): no collective in the
+  jaxpr, so the budget's rows with `written=False`;
+- a max over tp (the loss's running max, `pmax`): priced as one scalar,
+  4 B * (n-1), whatever its size;
+- a sum over dp and tp at once: booked to each axis by its two-phase model
+  (half the buffer per phase), 7/8 of the buffer on each at dp=2 x tp=4 for
+  the ledger's 2(n-1)/n on dp+tp;
+- under FSDP a tied table is gathered in the lookup's region and in the
+  head's, twice in the jaxpr; XLA merges the equal gathers (the ledger's one).
+Every remaining byte must agree. A loop's body is read once (no trip count),
+so the check takes one batch, an unscanned stack and no remat.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..config import Config
+from ..parallel import named
+from ..train.state import abstract_train_state
+from ..train.step import grads_of
+from .budget import expected_collectives
+from .rows import Expected
+
+
+def unsupported(cfg: Config) -> str | None:
+    """Why the roofline cannot read this step whole, or None."""
+    m = cfg.model
+    if cfg.train.microbatches > 1 or m.scan_layers or m.remat != "none":
+        return ("jax.experimental.roofline reads a loop's body once (no trip count): the "
+                "cross-check takes train.microbatches=1, an unscanned stack and remat none")
+    return None
+
+
+def roofline_bytes(cfg: Config, mesh) -> dict[str, int]:
+    """`ici_bytes` per mesh axis of the shard_map loss-and-gradient of `cfg`."""
+    from jax.experimental.roofline import roofline
+
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, impl="shard_map"))
+    state = abstract_train_state(cfg, mesh)
+    m = cfg.model
+    tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, m.seq_len + 1), jnp.int32,
+                                  sharding=named(mesh, "batch", None))
+    graphdef = state.graphdef
+    step = jax.jit(lambda p, t: grads_of(graphdef, p, t, None, 1))
+    # it warns (on the root logger) for each primitive it has no rule for:
+    # axis_index, iota, ... (no traffic)
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        with jax.set_mesh(mesh):
+            _, result = roofline(step, mesh)(state.params, tokens)
+    finally:
+        root.setLevel(level)
+    return {a: int(v) for a, v in result.ici_bytes.items() if v}
+
+
+def _roofline_price(e: Expected, sizes: dict[str, int]) -> dict[str, float]:
+    """What the roofline books for one budget row, per axis, where its model
+    differs from the ledger's ring (see the module docstring)."""
+    if e.role_label == "cross-entropy":  # max, sum of exp, target logit: the max a scalar
+        n = sizes["tp"]
+        return {"tp": e.count * (2 / 3 * e.ring_bytes + 4 * (n - 1) / 3)}
+    if len(e.axes) > 1:  # two phases, half the buffer each, booked to every axis
+        shard, booked = e.bytes / np.prod([sizes[a] for a in e.axes]) / len(e.axes), 0.0
+        for a in sorted(e.axes, key=lambda a: sizes[a], reverse=True):
+            booked += shard * (sizes[a] - 1)
+            shard *= sizes[a]
+        return {a: e.count * 2 * booked for a in e.axes}
+    return {e.axes[0]: e.count * e.ring_bytes}
+
+
+def crosscheck(cfg: Config, mesh) -> dict:
+    """Per mesh axis: the roofline's bytes, the ledger's (all its rows, and
+    those written in the jaxpr priced the roofline's way), the named
+    differences, their ratio and whether they agree to the byte."""
+    sizes = dict(mesh.shape)
+    rows = [e for e in expected_collectives(
+        dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, impl="shard_map")),
+        "shard_map") if e.pass_ != "other"]  # the gradient norm is not in the gradient
+    got = roofline_bytes(cfg, mesh)
+    ledger: dict[str, float] = {}
+    priced: dict[str, float] = {}
+    unseen: dict[str, float] = {}
+    for e in rows:
+        key = "+".join(e.axes)
+        ledger[key] = ledger.get(key, 0.0) + e.count * e.ring_bytes
+        if not e.written:
+            unseen[key] = unseen.get(key, 0.0) + e.count * e.ring_bytes
+            continue
+        for a, b in _roofline_price(e, sizes).items():
+            priced[a] = priced.get(a, 0.0) + b
+    m, p = cfg.model, cfg.parallel
+    named_ = {}
+    if p.fsdp and p.dp > 1 and m.tie_embeddings:
+        # the lookup's and the head's regions each gather the tied table; XLA
+        # merges the two equal gathers into one (the ledger's count)
+        table = m.padded_vocab // p.tp * m.d_model * np.dtype(m.dtype).itemsize
+        named_["tied table gathered in both regions (XLA merges the two)"] = (
+            "dp", (p.dp - 1) / p.dp * table)
+    for a, b in named_.values():
+        priced[a] = priced.get(a, 0.0) + b
+    axes = sorted(set(got) | set(priced) | set(ledger))
+    out = {}
+    for a in axes:
+        r, p_ = got.get(a, 0), priced.get(a, 0.0)
+        out[a] = {"roofline": r, "ledger": ledger.get(a, 0.0),
+                  "ledger_written_roofline_priced": p_,
+                  "placed_by_gspmd": unseen.get(a, 0.0),
+                  "ratio_roofline_to_ledger": r / ledger[a] if ledger.get(a) else None,
+                  "agree": abs(r - p_) < 1}
+    return {"axes": out, "named": {k: {"axis": a, "bytes": b} for k, (a, b) in named_.items()},
+            "agree": all(v["agree"] for v in out.values())}
+
+
+def lines(check: dict) -> list[str]:
+    """The cross-check as printed lines."""
+    out = ["jax.experimental.roofline on the shard_map loss and gradient, per mesh axis "
+           "(ring bytes per rank):"]
+    for a, v in check["axes"].items():
+        ratio = v["ratio_roofline_to_ledger"]
+        if "+" in a:
+            out.append(f"  {a}: ledger {v['ledger']:.0f} B, which the roofline books to each "
+                       f"of {' and '.join(a.split('+'))} (its two-phase model)")
+            continue
+        out.append(
+            f"  {a}: roofline {v['roofline']:.0f} B, ledger {v['ledger']:.0f} B"
+            + (f" (ratio {ratio:.4f})" if ratio is not None else "")
+            + f"; GSPMD places {v['placed_by_gspmd']:.0f} B the jaxpr lacks; the rest priced "
+            f"the roofline's way {v['ledger_written_roofline_priced']:.0f} B: "
+            + ("agree" if v["agree"] else "DIFFER"))
+    for name, v in check["named"].items():
+        out.append(f"  named on {v['axis']}: {name}, {v['bytes']:.0f} B")
+    return out
