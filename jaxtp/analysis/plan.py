@@ -71,6 +71,20 @@ def activation_bytes(cfg: Config) -> float:
     return m.n_layers * per_layer * np.dtype(m.dtype).itemsize / 2
 
 
+def state_bytes(cfg: Config) -> dict[str, int]:
+    """Per-device bytes of the parameters, their gradients and Adam's two
+    moments, analytically: each parameter's elements divided by tp where it
+    is split over tp and by dp where FSDP splits it (ZeRO-3, Rajbhandari et
+    al. 2020, Sec. 5.1: every data-parallel rank keeps 1/N_d of each), in
+    the parameter dtype (the gradients too) and fp32 for mu and nu."""
+    from .budget import param_shards
+
+    dp = cfg.parallel.dp
+    n = sum(s.elements // (dp if s.dp_split else 1) for s in param_shards(cfg))
+    width = np.dtype(cfg.model.param_dtype).itemsize
+    return {"params": n * width, "grads": n * width, "adam": n * 8}
+
+
 def korthikanti_terms(cfg: Config) -> str:
     """Which terms of the Korthikanti et al. activation count apply to this model."""
     m = cfg.model
@@ -121,7 +135,9 @@ def analyze(cfg: Config, mesh=None) -> dict:
             + mem.output_size_in_bytes - mem.alias_size_in_bytes,
         },
         "analytic_memory": {"params_plus_optimizer": params + opt,
-                            "activations_korthikanti": activation_bytes(cfg)},
+                            "activations_korthikanti": activation_bytes(cfg),
+                            # ZeRO-3's accounting (without FSDP: split over tp only)
+                            "state": state_bytes(cfg)},
         "collectives_per_step": sum(c.count for c in colls),
         "collective_bytes_per_step": sum(c.count * c.bytes for c in colls),
         # the same bytes by the mesh axes each collective spans: what each link carries
@@ -228,6 +244,12 @@ def _print(cfg: Config, rows: list[dict], target, on_target: bool, log) -> None:
         f"tp={r['tp']}: " + (", ".join(f"{a} {gib(b)}" for a, b in
                                        r["collective_bytes_by_axis"].items()) or "none")
         for r in rows))
+    log(("ZeRO-3 (Rajbhandari et al. 2020)" if cfg.parallel.fsdp else "state")
+        + " per device, analytic: " + "; ".join(
+            f"tp={r['tp']}: params {gib(z['params'])}, grads {gib(z['grads'])}, Adam "
+            f"{gib(z['adam'])} (measured params {gib(r['memory']['params'])}, optimizer "
+            f"{gib(r['memory']['optimizer'])})"
+            for r in rows for z in [r["analytic_memory"]["state"]]))
     log(korthikanti_terms(cfg))
     verdicts = ", ".join(f"tp={r['tp']} {r['memory']['total'] / 2**30:,.1f} GiB "
                          + ("fits" if r["fits"] else "does not fit") for r in rows)

@@ -167,3 +167,19 @@ def test_hardware_h100_compiles_for_the_gpu_without_one(capsys):
                        "--hardware", "h100"]) == 0
     out = capsys.readouterr().out
     assert "compiled for gpu (NVIDIA H100 80GB HBM3)" in out and "attention=cudnn" in out
+
+
+def test_fsdp_state_per_device_is_zero3s_and_measured():
+    """Under FSDP at dp=2 x tp=4 each parameter lives on 1/(dp*tp) of it where
+    both split it (ZeRO-3): the analytic state bytes equal the compiled
+    state's per-device bytes (Adam's step counts aside; the analytic from
+    the modules' logical axes, the measured from the arrays' shardings), and
+    by hand between all split 8 ways and all 2 ways (norms and positions are
+    split over dp only, column-parallel biases over tp only)."""
+    cfg = apply_overrides(TINY, ["parallel.dp=2", "parallel.tp=4", "parallel.fsdp=true"])
+    r = analyze(cfg)
+    z, mem = r["analytic_memory"]["state"], r["memory"]
+    assert z["params"] == mem["params"] and z["grads"] == z["params"]
+    assert 0 <= mem["optimizer"] - z["adam"] <= 64  # mu and nu; the count scalars
+    whole = r["n_params"] * 4
+    assert whole / 8 < z["params"] < whole / 2
