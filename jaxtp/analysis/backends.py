@@ -18,7 +18,7 @@ def on_backend(rows: list[Expected], cfg: Config, impl: str, platform: str) -> l
     """The budget as each compiler carries it out: what XLA's CPU and GPU
     pipelines and libtpu do differently from the budget's rows (measured with
     jaxlib 0.10.2 and libtpu 0.0.42, compiling tiny and llama-tiny at tp=8)."""
-    m, tp = cfg.model, cfg.parallel.tp
+    m = cfg.model
     sixteen = m.dtype in ("bfloat16", "float16")
     out = []
     for r in rows:

@@ -41,6 +41,7 @@ from ..parallel import make_mesh, mesh_for
 from ..train.metrics import HARDWARE, model_flops_per_token
 from ..train.state import abstract_train_state, resolve_attention
 from ..train.step import compile_train_step
+from .budget import param_shards
 from .targets import CPU_OVERSTATES, TargetUnavailable, target_mesh
 
 # Planning on CPU: XLA's CPU scheduler orders work for speed, and keeps more
@@ -77,8 +78,6 @@ def state_bytes(cfg: Config) -> dict[str, int]:
     is split over tp and by dp where FSDP splits it (ZeRO-3, Rajbhandari et
     al. 2020, Sec. 5.1: every data-parallel rank keeps 1/N_d of each), in
     the parameter dtype (the gradients too) and fp32 for mu and nu."""
-    from .budget import param_shards
-
     dp = cfg.parallel.dp
     n = sum(s.elements // (dp if s.dp_split else 1) for s in param_shards(cfg))
     width = np.dtype(cfg.model.param_dtype).itemsize

@@ -29,6 +29,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.roofline import roofline
 
 from ..config import Config
 from ..parallel import named
@@ -49,8 +50,6 @@ def unsupported(cfg: Config) -> str | None:
 
 def roofline_bytes(cfg: Config, mesh) -> dict[str, int]:
     """`ici_bytes` per mesh axis of the shard_map loss-and-gradient of `cfg`."""
-    from jax.experimental.roofline import roofline
-
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, impl="shard_map"))
     state = abstract_train_state(cfg, mesh)
     m = cfg.model
