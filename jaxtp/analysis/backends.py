@@ -67,18 +67,21 @@ def _gpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
     once, or once instead of twice; the dp total (`_expected_dp`) loses them.
     - replicated weights used on sequence shards (norms, row-parallel biases):
       one all-reduce over all dp * tp devices;
-    - shard_map, tied embeddings: the lookup's and the LM head's table
-      gradients, each summed over dp inside its region, are added first and
-      reduced once (XLA's all-reduce reassociation)."""
+    - shard_map and explicit, tied embeddings: the lookup's and the LM
+      head's table gradients are added first and reduced once (XLA's
+      all-reduce reassociation; GSPMD's two stay apart)."""
     p, m = cfg.parallel, cfg.model
+    # in slices over dp, dp is manual inside them and reduced once after
+    # (jaxtp.train.step): nothing is summed over dp and tp at once
+    once = not p.fsdp and cfg.train.microbatches == 1
     moved, out = 0, []
     for r in rows:
-        if r.role == "seq_shard_param":
+        if r.role == "seq_shard_param" and once:
             moved += r.elements * r.count
             r = dataclasses.replace(r, group=p.dp * p.tp, axes=(DATA_AXIS, TP_AXIS),
                                     name=r.name + " [over dp and tp]")
         out.append(r)
-    if impl == "shard_map" and m.tie_embeddings:
+    if impl != "gspmd" and m.tie_embeddings and once:
         moved += m.padded_vocab // p.tp * m.d_model
     return [dataclasses.replace(r, elements=r.elements - moved)
             if r.name.startswith("dp: every") else r for r in out]
