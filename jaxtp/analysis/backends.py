@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from ..config import Config
 from ..parallel import DATA_AXIS, TP_AXIS
+from ..train.step import slices_over_dp_of
 
 if TYPE_CHECKING:
     from .rows import Expected
@@ -73,7 +74,7 @@ def _gpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
     p, m = cfg.parallel, cfg.model
     # in slices over dp, dp is manual inside them and reduced once after
     # (jaxtp.train.step): nothing is summed over dp and tp at once
-    once = not p.fsdp and cfg.train.microbatches == 1
+    once = not p.fsdp and not slices_over_dp_of(cfg)
     moved, out = 0, []
     for r in rows:
         if r.role == "seq_shard_param" and once:
@@ -82,6 +83,6 @@ def _gpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
                                     name=r.name + " [over dp and tp]")
         out.append(r)
     if impl != "gspmd" and m.tie_embeddings and once:
-        moved += m.padded_vocab // p.tp * m.d_model
+        moved += m.padded_vocab // p.tp * m.d_model * cfg.train.microbatches
     return [dataclasses.replace(r, elements=r.elements - moved)
             if r.name.startswith("dp: every") else r for r in out]

@@ -35,6 +35,7 @@ from ..config import Config
 from ..model import Transformer
 from ..model.vocab import loss_chunks
 from ..parallel import DATA_AXIS, TP_AXIS, Layout, spec_axes, split_over_tp
+from ..train.step import slices_over_dp_of
 from .backends import on_backend
 from .rows import ANY_PASS, ANY_SCOPE, HLO_DTYPES, Expected
 
@@ -161,11 +162,6 @@ def _per_microbatch(cfg: Config, rows: list[Expected]) -> list[Expected]:
     return out
 
 
-def param_shard_elements(cfg: Config) -> list[int]:
-    """Elements of each parameter one tp rank holds (its shard), no allocation."""
-    return [p.elements for p in param_shards(cfg)]
-
-
 def _expected_dp(cfg: Config, impl: str) -> list[Expected]:
     """Data parallelism: the loss is averaged over dp (one scalar all-reduce),
     and every parameter gradient (each rank's tp shard) is all-reduced over dp
@@ -184,12 +180,15 @@ def _expected_dp(cfg: Config, impl: str) -> list[Expected]:
     if p.fsdp:
         return _expected_fsdp(cfg, impl)
     pd = HLO_DTYPES[m.param_dtype]
-    grads = sum(param_shard_elements(cfg))
-    if M > 1:  # one reduction of each whole gradient at the end
+    grads = sum(s.elements for s in param_shards(cfg))
+    if slices_over_dp_of(cfg):  # one reduction of each whole gradient at the end
         return [_loss_mean(p.dp, 1, "other"),
                 Expected("dp: every parameter gradient (tp shard), summed over dp once "
                          f"after {M} microbatches", "all-reduce", "other", ANY_SCOPE, grads,
                          pd, p.dp, 1, axes=(DATA_AXIS,))]
+    if M > 1:  # cuDNN attention: the slices reduce as one batch does, each of them
+        one = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=1))
+        return [dataclasses.replace(r, count=r.count * M) for r in _expected_dp(one, impl)]
     if m.tie_embeddings:
         grads += m.padded_vocab // p.tp * m.d_model
     if p.sequence_parallel and m.style != "llama":
@@ -255,6 +254,10 @@ def _expected_fsdp(cfg: Config, impl: str) -> list[Expected]:
     shards = param_shards(cfg)
     split = [s for s in shards if s.dp_split]
     per_use = lambda s: M if s.in_stack and scanned else 1
+    # the vocab tables travel in the parameter dtype, every other weight in the
+    # compute dtype (`jaxtp.model.layers.weight`): their forward gathers apart
+    tables = sum(s.elements for s in split if s.region == "vocab")
+    split = [s for s in split if s.region != "vocab"]
     fwd, bwd = 0, 0
     either = 0  # gathered once, in the pass XLA keeps of two equal gathers
     # under shard_map, GSPMD gathers the parameters used outside the regions
@@ -272,16 +275,20 @@ def _expected_fsdp(cfg: Config, impl: str) -> list[Expected]:
             bwd += s.elements * M  # inside the recompute: never hoisted
     tied = m.tie_embeddings
     # shard_map reduce-scatters its region weights itself; GSPMD places the rest
-    region_rs = sum(s.elements for s in split if s.region and impl == "shard_map")
-    region_rs += (m.padded_vocab // p.tp * m.d_model if tied and impl == "shard_map" else 0)
-    gspmd_rs = sum(s.elements for s in split) + (m.padded_vocab // p.tp * m.d_model if tied
-                                                  else 0) - region_rs
+    both = tables + (m.padded_vocab // p.tp * m.d_model if tied else 0)  # 2 parts if tied
+    region_rs = sum(s.elements for s in split if s.region) + both if impl == "shard_map" else 0
+    gspmd_rs = sum(s.elements for s in split) + both - region_rs
     replicated = sum(s.elements for s in shards if not s.dp_split)
     if p.sequence_parallel and m.style != "llama":  # the positions' dp slice (as without FSDP)
         gspmd_rs -= m.seq_len * m.d_model - m.seq_len // p.tp * m.d_model
     E = lambda name, kind, pass_, n, count, dtype, role="": Expected(
         "FSDP: " + name, kind, pass_, ANY_SCOPE, n, dtype, dp, count, role, (DATA_AXIS,))
     rows = [_loss_mean(dp, M)]
+    if not either or pd != cd:
+        rows.append(E("the vocab tables all-gathered (in their own dtype) for the lookup and "
+                      "the head", "all-gather", "forward", tables, 1, pd))
+    else:  # one total with the gathers whose pass is XLA's pick
+        either += tables
     if either:  # which pass a gather is labelled with is XLA's pick: one total
         rows.append(E("every dp-split parameter all-gathered for its forward use, block "
                       f"weights again for the backward (remat {m.remat!r}), but shard_map's "
@@ -421,7 +428,7 @@ def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int):
         # (under FSDP the dp part is the weight's reduce-scatter; in slices
         # over dp, dp is manual and reduced once after them: jaxtp.train.step)
         p = cfg.parallel
-        dp = p.dp if not p.fsdp and cfg.train.microbatches == 1 else 1
+        dp = 1 if p.fsdp or slices_over_dp_of(cfg) else p.dp
         rows.append(E("replicated kv weight gradient: sum over tp"
                       + (" and dp" if dp > 1 else ""), "all-reduce", "backward", "attention",
                       m.d_model * 2 * K * H, L, group=tp * dp,
@@ -437,8 +444,7 @@ def _seq_shard_params(cfg: Config, impl: str, E, s: int, L: int) -> list:
     norm_params = (2 * L + 1) * (1 if m.style == "llama" else 2)
     rows = [E("norm weights used on sequence shards: gradient sum", "all-reduce", "backward",
               "", m.d_model, norm_params, pd, role="seq_shard_param")]
-    p = cfg.parallel
-    dp_local = p.dp > 1 and not p.fsdp and cfg.train.microbatches > 1  # jaxtp.train.step
+    dp_local = slices_over_dp_of(cfg)  # jaxtp.train.step
     if m.use_bias:
         # GSPMD sums the attention's from the output gradient it gathered
         # anyway (but not in slices over dp, where dp is manual)

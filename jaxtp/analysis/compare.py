@@ -19,7 +19,7 @@ from typing import Callable
 from .. import hlo
 from ..config import IMPLS, Config
 from ..parallel import NO_XLA_OVERLAP, make_mesh, mesh_for
-from ..train.state import abstract_train_state
+from ..train.state import abstract_train_state, resolve_attention
 from ..train.step import compile_train_step
 from . import roofline
 from .budget import budget_for, expected_collectives
@@ -108,6 +108,9 @@ def _compile_and_check(cfg: Config, mesh, out: Path, log) -> tuple[list, list, d
     m, impl = cfg.model, cfg.parallel.impl
     platform = mesh.devices.flat[0].platform
     options = GPU_UNCOMBINED if platform in ("gpu", "cuda", "rocm") else None
+    # the kernel the step is built with on this mesh's devices (the budget's
+    # rows depend on it: cuDNN attention keeps the per-slice dp reduction)
+    cfg = resolve_attention(cfg, mesh.devices.flat[0])
     log(f"compiling the {impl} train step (tp={cfg.parallel.tp}, {m.n_layers} layers) ...")
     text = compile_train_step(abstract_train_state(cfg, mesh), cfg.train.batch_size, m.seq_len,
                               microbatches=cfg.train.microbatches,

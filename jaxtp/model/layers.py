@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..parallel import DATA_AXIS, Layout
-from ..parallel.layout import gathered, manual_axes
+from ..parallel import Layout, first_row
+from ..parallel.layout import gathered
 
 
 def param(rngs: nnx.Rngs | None, init, shape, axes, dtype, layout: Layout) -> nnx.Param:
@@ -29,7 +29,8 @@ def weight(v: nnx.Variable, dtype=None) -> jax.Array:
     """A parameter's value where a module uses it, in `dtype` (default: its
     own), gathered over dp under FSDP after the cast (`gathered`: a bf16 copy
     travels, half the bytes of an fp32 master weight, as PyTorch FSDP's mixed
-    precision gathers its param_dtype)."""
+    precision gathers its param_dtype). The vocab tables are gathered in
+    their own dtype (`jaxtp.model.vocab`)."""
     x = v[...] if dtype is None else v[...].astype(dtype)
     return gathered(x, v.get_metadata().get("out_sharding"))
 
@@ -182,16 +183,14 @@ def rope(x_BTNH, positions, theta: float, inv_freq_F=None):
 def dropout(x, rate: float, key):
     """Inverted dropout; identity when `key` is None (evaluation) or rate == 0.
 
-    Each row (batch index b) draws its mask from `fold_in(key, b)`, b global:
-    the mask of a row is the same however the batch is split, on global
-    arrays (whose partitionable threefry bits do not depend on the layout
-    either) and on a dp rank's rows inside a shard_map manual over dp
-    (`jaxtp.train.step`'s accumulation), whose first row is rank * B."""
+    Each row (batch index b) draws its mask from `fold_in(key, b)`, b global
+    (`first_row`): the mask of a row is the same however the batch is split,
+    on global arrays and on a dp rank's rows inside `jaxtp.train.step`'s
+    slices over dp."""
     if key is None or rate == 0.0:
         return x
     B = x.shape[0]
-    rows = jnp.arange(B) + (jax.lax.axis_index(DATA_AXIS) * B
-                            if DATA_AXIS in manual_axes() else 0)
+    rows = jnp.arange(B) + first_row(B)
     keep = jax.vmap(lambda r: jax.random.bernoulli(jax.random.fold_in(key, r), 1.0 - rate,
                                                    x.shape[1:]))(rows)
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)

@@ -68,7 +68,10 @@ class VocabEmbed(nnx.Module):
             return parallel.embed(self, ids_BT)
 
     def rows(self, ids_BT, local):
-        """This rank's part of the token rows (a partial sum over the vocab shards)."""
+        """This rank's part of the token rows (a partial sum over the vocab shards).
+        Under FSDP the table is gathered in its own dtype, here and in the
+        head (one gather of a tied table for both; the lookup's gradient is
+        scatter-added in that dtype)."""
         return local.vocab_rows(weight(self.embedding), ids_BT, self.dtype)
 
     def token_losses(self, x_BTD, targets_BT):
@@ -104,7 +107,7 @@ class VocabEmbed(nnx.Module):
         completes each of the three statistics over tp (the max, the sum of
         exponentials and the target's logit), so no rank holds all logits."""
         logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD.astype(self.dtype),
-                                weight(self.embedding, self.dtype),
+                                weight(self.embedding).astype(self.dtype),
                                 preferred_element_type=jnp.float32)
         logits_BTV = local.constrain(logits_BTV, "batch", "seq", "vocab")
         ids_V = local.vocab_start(logits_BTV.shape[-1]) + jnp.arange(logits_BTV.shape[-1])
@@ -139,7 +142,7 @@ class VocabEmbed(nnx.Module):
         gathered, then the best c of those: the same set at every tp), so
         top-p is exact when its set has at most c tokens, else cut at c."""
         logits_BV = jnp.einsum("BD,VD->BV", x_BD.astype(jnp.float32),
-                               weight(self.embedding, jnp.float32))
+                               weight(self.embedding).astype(jnp.float32))
         logits_BV = local.constrain(logits_BV, "batch", "vocab")
         ids_V = local.vocab_start(logits_BV.shape[-1]) + jnp.arange(logits_BV.shape[-1])
         logits_BV = jnp.where(ids_V < self.vocab_size, logits_BV, NEG)
@@ -174,5 +177,5 @@ class VocabEmbed(nnx.Module):
         padding is cut (impl explicit types both moves; GSPMD needs them too)."""
         x_BTD = parallel.constrain(x_BTD, "batch", "seq", "embed")
         logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD.astype(jnp.float32),
-                                weight(self.embedding, jnp.float32))
+                                weight(self.embedding).astype(jnp.float32))
         return parallel.constrain(logits_BTV, "batch", "seq", None)[..., : self.vocab_size]

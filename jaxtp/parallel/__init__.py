@@ -4,8 +4,9 @@ multi-process start-up."""
 
 from .collectives import f, f_sp, g, g_sp, global_norm, vary
 from .layout import (DATA_AXIS, FSDP_PARAM_RULES, RULES, TP_AXIS, Layout, cache_spec,
-                     check_device_count, constrain, ensure_devices, in_region, keep_axes,
-                     make_mesh, mesh_for, mesh_size, named, spec, spec_axes, split_over_tp)
+                     check_device_count, constrain, ensure_devices, first_row, in_region,
+                     keep_axes, make_mesh, mesh_for, mesh_size, named, spec, spec_axes,
+                     split_over_tp)
 from .overlap import CPU_HAS_NO_WINDOWED_EINSUM, NO_XLA_OVERLAP, compiler_options
 from .global_arrays import GSPMD, Explicit, GlobalArrays
 from .shardmap import BF16_CPU_SHARD_MAP, Ring, ShardMap, act_spec, run_sharded
@@ -14,7 +15,8 @@ from .locals import (LOCALS, Local, cached_region, embed, local_of, region, voca
 
 __all__ = ["f", "f_sp", "g", "g_sp", "global_norm", "vary", "DATA_AXIS", "FSDP_PARAM_RULES",
            "RULES", "TP_AXIS", "Layout", "cache_spec", "check_device_count", "constrain",
-           "ensure_devices", "in_region", "keep_axes", "make_mesh", "mesh_for", "mesh_size",
+           "ensure_devices", "first_row", "in_region", "keep_axes", "make_mesh", "mesh_for",
+           "mesh_size",
            "named", "spec", "spec_axes", "split_over_tp", "CPU_HAS_NO_WINDOWED_EINSUM",
            "NO_XLA_OVERLAP", "compiler_options", "GSPMD", "Explicit", "GlobalArrays",
            "BF16_CPU_SHARD_MAP", "Ring", "ShardMap", "act_spec", "run_sharded", "LOCALS",

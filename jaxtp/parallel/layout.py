@@ -263,6 +263,13 @@ def in_region() -> bool:
     return TP_AXIS in jax.sharding.get_abstract_mesh().manual_axes
 
 
+def first_row(B: int):
+    """The global index of the first of an array's B batch rows: 0 on global
+    arrays, rank * B inside a shard_map manual over dp (where each rank holds
+    its own rows: `jaxtp.train.step`'s slices)."""
+    return jax.lax.axis_index(DATA_AXIS) * B if DATA_AXIS in manual_axes() else 0
+
+
 def gathered(x: jax.Array, s: P | None) -> jax.Array:
     """FSDP's all-gather of a parameter where it is used: `x`, laid out by
     `s`, pinned whole over dp (its spec without dp), so that GSPMD gathers it

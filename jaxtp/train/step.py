@@ -19,9 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..config import Config
-from ..parallel import (DATA_AXIS, constrain, keep_axes, make_mesh, mesh_size, named,
-                        spec_axes, vary)
-from ..parallel.collectives import varying_axes
+from ..parallel import DATA_AXIS, constrain, keep_axes, make_mesh, named
 from ..parallel.layout import explicit_mesh
 from .optim import clip_by_global_norm
 from .state import TrainState, init_train_state
@@ -60,11 +58,28 @@ def grads_of(graphdef, params, tokens_BT1, key, microbatches: int = 1):
     if microbatches == 1:
         return value_and_grad(params, tokens_BT1, key)
     specs = nnx.get_partition_spec(params)
-    if mesh_size(DATA_AXIS) > 1 and not any(
-            DATA_AXIS in spec_axes(e) for s in jax.tree.leaves(specs, is_leaf=_is_spec)
-            for e in s):
+    model = nnx.merge(graphdef, params)  # what it was built with: its layout, its kernel
+    if slices_over_dp(model.layout.dp, model.layout.fsdp, microbatches, model.layout.impl,
+                      model.cfg.attention):
         return _over_dp_once(value_and_grad, params, specs, tokens_BT1, key, microbatches)
     return _accumulate(value_and_grad, params, tokens_BT1, key, microbatches)
+
+
+def slices_over_dp(dp: int, fsdp: bool, microbatches: int, impl: str, attention: str) -> bool:
+    """Whether `grads_of` runs its slices in a shard_map manual over dp (the
+    gradient reduced once per step). Not under FSDP (each slice's gradient is
+    reduce-scattered), nor with cuDNN attention under gspmd or explicit
+    (jax 0.10.2: its custom partitioning fails inside a shard_map that leaves
+    an axis to GSPMD; shard_map's own regions are manual over every axis):
+    those reduce once per slice."""
+    return (dp > 1 and not fsdp and microbatches > 1
+            and (attention != "cudnn" or impl == "shard_map"))
+
+
+def slices_over_dp_of(cfg: Config) -> bool:
+    """`slices_over_dp` for `cfg` (its attention resolved for the device)."""
+    p = cfg.parallel
+    return slices_over_dp(p.dp, p.fsdp, cfg.train.microbatches, p.impl, cfg.model.attention)
 
 
 def _is_spec(x) -> bool:
@@ -77,10 +92,8 @@ def _accumulate(value_and_grad, params, tokens_BT1, key, microbatches: int):
     tokens_MBT = constrain(tokens_BT1.reshape(B // microbatches, microbatches, T1),
                            "batch", None, None).transpose(1, 0, 2)
     tokens_MBT = constrain(tokens_MBT, None, "batch", None)
-    # zeros_like: typed like each parameter (its sharding, under impl explicit;
-    # varying over dp inside `_over_dp_once`)
-    zeros = jax.tree.map(lambda p: vary(jnp.zeros_like(p, jnp.float32), varying_axes(p)),
-                         params)
+    # zeros_like: typed like each parameter (its sharding, under impl explicit)
+    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
 
     def body(carry, xs):
         loss_sum, grad_sum = carry
@@ -90,21 +103,21 @@ def _accumulate(value_and_grad, params, tokens_BT1, key, microbatches: int):
         grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
         return (loss_sum + loss, grad_sum), None
 
-    loss0 = vary(jnp.float32(0), varying_axes(tokens_MBT))
     (loss_sum, grad_sum), _ = jax.lax.scan(
-        body, (loss0, zeros), (jnp.arange(microbatches), tokens_MBT))
+        body, (jnp.float32(0), zeros), (jnp.arange(microbatches), tokens_MBT))
     grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grad_sum, params)
     return loss_sum / microbatches, grads
 
 
 def _over_dp_once(value_and_grad, params, specs, tokens_BT1, key, microbatches: int):
-    """`_accumulate` on each dp rank's rows, inside a shard_map manual over dp:
-    the parameters are cast to dp-varying on entry, so each slice's gradient
-    stays this rank's partial sum (the cast's transpose, a psum, would run
-    once per use: here there is none), and the mean over dp is taken once at
-    the end, in the gradient dtype: one all-reduce of every gradient per step,
-    the bytes of an unsliced step. GSPMD (or a shard_map nested over the other
-    axes) places the rest as it does without slices.
+    """`_accumulate` on each dp rank's rows, inside a shard_map manual over dp
+    (check_vma off: the body has no dp collective to check, and with it on
+    jax 0.10.2 mis-specs the residuals of a nested shard_map): the gradient
+    of each slice is this rank's partial sum (the parameters are replicated
+    over dp and dp is manual, so no one sums it), and the mean over dp is
+    taken once at the end, in the gradient dtype: one all-reduce of every
+    gradient per step, the bytes of an unsliced step. GSPMD (or a shard_map
+    nested over the other axes) places the rest as it does without slices.
 
     On an Explicit mesh the other axes are made Auto around the shard_map and
     Explicit again inside it (`auto_axes`, `explicit_axes`), so that the

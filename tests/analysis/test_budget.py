@@ -385,6 +385,46 @@ def test_dp_budgets_hold_compiled_for_an_h100(extra, tmp_path):
                        "--out", str(tmp_path)]) == 0
 
 
+def test_slices_over_dp_are_kept_off_cudnn_under_gspmd_and_explicit():
+    """cuDNN attention's custom partitioning fails (jax 0.10.2) inside a
+    shard_map that leaves tp to GSPMD: there the slices reduce one by one."""
+    from jaxtp.train.step import slices_over_dp
+
+    assert slices_over_dp(2, False, 2, "gspmd", "xla")
+    assert not slices_over_dp(2, False, 2, "gspmd", "cudnn")
+    assert not slices_over_dp(2, False, 2, "explicit", "cudnn")
+    assert slices_over_dp(2, False, 2, "shard_map", "cudnn")
+    assert not slices_over_dp(2, True, 2, "gspmd", "xla")  # FSDP: per slice
+    assert not slices_over_dp(1, False, 2, "gspmd", "xla")
+    assert not slices_over_dp(2, False, 1, "gspmd", "xla")
+
+
+@pytest.mark.slow
+def test_cudnn_attention_in_slices_over_dp_compiles_for_an_h100():
+    """bf16 Llama at dp=2 x tp=4 in 2 slices picks cuDNN attention on an H100;
+    under gspmd and explicit its step compiles (the slices keep their
+    per-slice reduction) and so does shard_map's (slices over dp)."""
+    import importlib.util
+
+    if importlib.util.find_spec(TARGETS["h100"]) is None:
+        pytest.skip("jax_cuda12_plugin is not installed: cannot compile for h100 here")
+    from jaxtp.analysis.targets import target_mesh
+    from jaxtp.config import apply_overrides, load_config
+    from jaxtp.parallel import mesh_for
+    from jaxtp.train.state import resolve_attention
+
+    base = apply_overrides(load_config("llama-tiny"), [
+        "parallel.dp=2", "parallel.tp=4", "model.dtype=bfloat16", "train.microbatches=2"])
+    mesh = target_mesh("h100", 2, 4)
+    for impl in ("gspmd", "explicit", "shard_map"):
+        cfg = apply_overrides(base, [f"parallel.impl={impl}"])
+        assert resolve_attention(cfg, mesh.devices.flat[0]).model.attention == "cudnn"
+        m = mesh_for(mesh, impl)
+        text = compile_train_step(abstract_train_state(cfg, m), cfg.train.batch_size,
+                                  cfg.model.seq_len, microbatches=2).as_text()
+        assert "custom-call" in text
+
+
 def test_a_budget_row_without_a_collective_shows_its_element_count():
     from jaxtp.analysis.rows import Expected
     from jaxtp.analysis.rows import format_table

@@ -317,6 +317,17 @@ test_dp2_tp4_collectives_match_the_budget.fast_cases = {
     "llama-gqa-shard_map-sp", "gpt2-gspmd-fsdp-sp-mb2", "gpt2-explicit-fsdp"}
 
 
+@pytest.mark.parametrize("impl", ["gspmd", "explicit"])
+def test_fsdp_in_bf16_gathers_the_tied_table_once(impl):
+    """bf16 FSDP: every weight is gathered in bf16 but the vocab table, in its
+    own fp32 for the lookup and the head alike, so the tied table's two uses
+    are one gather (the budget, whose CPU rows carry 16-bit in fp32)."""
+    cfg, colls = dp2_tp4_collectives(MODEL, impl, fsdp=True, dtype="bfloat16")
+    assert check(colls, expected_collectives(cfg, impl, "cpu"), {"dp": 2, "tp": 4}) is None
+    table = MODEL.padded_vocab // 4 * MODEL.d_model
+    assert sum(c.count for c in colls if c.kind == "all-gather" and c.elements == table) == 1
+
+
 def test_the_dp_gradient_is_reduced_once_per_step_whatever_the_microbatches():
     """Slices over dp are summed on each rank and reduced once (jaxtp.train.
     step): the dp bytes at M=4 are those of one batch (Llama, untied), and
