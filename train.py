@@ -149,7 +149,9 @@ def _analysis_flags(ap) -> None:
                                   "compile and inspect instead, or check against one device")
     group.add_argument("--compare-hlo", action="store_true",
                        help="no training: compile the train step under gspmd, shard_map and "
-                            "explicit, compare their collectives with the Megatron budget, write "
+                            "explicit, compare their collectives with the budget per mesh axis "
+                            "(Megatron's over tp; dp, FSDP, microbatches over dp) and the "
+                            "shard_map step with jax.experimental.roofline, write "
                             "comm_report.json, collectives.svg and the HLO texts to --out; exit "
                             "1 on a deviation")
     group.add_argument("--plan", action="store_true",

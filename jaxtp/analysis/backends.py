@@ -65,7 +65,7 @@ def on_backend(rows: list[Expected], cfg: Config, impl: str, platform: str) -> l
 
 def _gpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
     """At dp > 1, XLA's GPU pipeline reduces some gradients over dp and tp at
-    once, or once instead of twice; the dp total (`_expected_dp`) loses them.
+    once, or once instead of twice; the dp total (`jaxtp.analysis.dp.expected_dp`) loses them.
     - replicated weights used on sequence shards (norms, row-parallel biases):
       one all-reduce over all dp * tp devices;
     - shard_map and explicit, tied embeddings: the lookup's and the LM

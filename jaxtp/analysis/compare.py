@@ -57,6 +57,33 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
     budget, sizes = budget_for(cfg), dict(mesh.shape)
     ring = {impl: sum(e.count * e.ring_bytes for e in rows)
             for impl, rows in expected_by_impl.items()}
+    report = _report(cfg, mesh, budget, ring, impls, colls_by_impl, expected_by_impl)
+    (out / "comm_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    for line in format_table(colls_by_impl, expected_by_impl, sizes):
+        log(line)
+    log(_analytic_line(budget, p.sequence_parallel, ring,
+                       p.overlap != "none" and p.sequence_parallel))
+    for impl, r in impls.items():
+        log(f"{impl}: {r['verdict']}")
+    for impl, r in impls.items():  # full-buffer bytes, by the mesh axes each collective spans
+        log(f"{impl} by mesh axis: " + ", ".join(
+            f"{axes} {size_text(v['bytes'])} in {v['collectives']}"
+            for axes, v in r["by_axis"].items()))
+    skipped = report["roofline"].get("skipped")
+    for line in (roofline.lines(report["roofline"]) if skipped is None else
+                 [f"roofline cross-check skipped: {skipped}"]):
+        log(line)
+    log(f"wrote {out / 'comm_report.json'} and hlo_<impl>.txt")
+
+    write(report, out, log)
+    return report
+
+
+def _report(cfg: Config, mesh, budget, ring: dict, impls: dict, colls_by_impl: dict,
+            expected_by_impl: dict) -> dict:
+    """comm_report.json: the analytic budget, each impl's check, the table's
+    rows, and the roofline's cross-check of the shard_map step."""
+    p = cfg.parallel
     report = {
         "platform": mesh.devices.flat[0].platform, "device_kind": mesh.devices.flat[0].device_kind,
         **dict(tp=p.tp, dp=p.dp), "layers": cfg.model.n_layers, "batch": budget.batch,
@@ -74,7 +101,7 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
         "impls": impls,
         "ok": all(v["matches_budget"] for v in impls.values()),
         # the rows of the table below, which `collectives.svg` draws
-        "table": table_rows(colls_by_impl, expected_by_impl, sizes),
+        "table": table_rows(colls_by_impl, expected_by_impl, dict(mesh.shape)),
     }
     why_not = roofline.unsupported(cfg) if p.dp * p.tp > 1 else "one device: no collective"
     if why_not is None:
@@ -82,23 +109,6 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
         report["ok"] = report["ok"] and report["roofline"]["agree"]
     else:
         report["roofline"] = {"skipped": why_not}
-    (out / "comm_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    for line in format_table(colls_by_impl, expected_by_impl, sizes):
-        log(line)
-    log(_analytic_line(budget, p.sequence_parallel, ring,
-                       p.overlap != "none" and p.sequence_parallel))
-    for impl, r in impls.items():
-        log(f"{impl}: {r['verdict']}")
-    for impl, r in impls.items():  # full-buffer bytes, by the mesh axes each collective spans
-        log(f"{impl} by mesh axis: " + ", ".join(
-            f"{axes} {size_text(v['bytes'])} in {v['collectives']}"
-            for axes, v in r["by_axis"].items()))
-    for line in (roofline.lines(report["roofline"]) if why_not is None else
-                 [f"roofline cross-check skipped: {why_not}"]):
-        log(line)
-    log(f"wrote {out / 'comm_report.json'} and hlo_<impl>.txt")
-
-    write(report, out, log)
     return report
 
 

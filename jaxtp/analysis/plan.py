@@ -41,7 +41,7 @@ from ..parallel import make_mesh, mesh_for
 from ..train.metrics import HARDWARE, model_flops_per_token
 from ..train.state import abstract_train_state, resolve_attention
 from ..train.step import compile_train_step
-from .budget import param_shards
+from .dp import param_shards
 from .targets import CPU_OVERSTATES, TargetUnavailable, target_mesh
 
 # Planning on CPU: XLA's CPU scheduler orders work for speed, and keeps more
