@@ -25,6 +25,9 @@ OVERLAPS = ("none", "collective_matmul")
 STYLES = ("gpt2", "llama")
 REMATS = ("none", "full", "dots", "minimal")  # jaxtp.model.transformer.REMAT_POLICIES
 ATTENTIONS = ("auto", "xla", "blockwise", "cudnn")  # jaxtp.model.kernels (auto: per device)
+# how the attention core reaches the other cp ranks' keys and values
+# (jaxtp.parallel.context); the parallel package holds the same names
+CP_STRATEGIES = ("allgather", "ring")
 # how long a multi-process start waits for every process (jaxtp.parallel.distributed)
 COORDINATOR_TIMEOUT_S = 300
 
@@ -62,7 +65,7 @@ def _check_ranges(cfg: Config) -> None:
            ("steps", "batch_size", "microbatches", "log_every", "eval_every",
             "eval_batches", "lr", "max_skipped_steps", "keep_checkpoints")},
         "model.ln_eps": m.ln_eps, "model.init_std": m.init_std,
-        "parallel.dp": p.dp, "parallel.tp": p.tp,
+        "parallel.dp": p.dp, "parallel.tp": p.tp, "parallel.cp": p.cp,
     }
     for k, v in positive.items():
         if not v > 0:
@@ -92,7 +95,9 @@ def _check_choices(cfg: Config) -> None:
                                  ("model.attention", m.attention, ATTENTIONS),
                                  ("model.style", m.style, STYLES),
                                  ("parallel.impl", cfg.parallel.impl, IMPLS),
-                                 ("parallel.overlap", cfg.parallel.overlap, OVERLAPS)):
+                                 ("parallel.overlap", cfg.parallel.overlap, OVERLAPS),
+                                 ("parallel.cp_attention", cfg.parallel.cp_attention,
+                                  CP_STRATEGIES)):
         if value not in choices:
             raise ConfigError(f"{name}={value!r}; choose one of {choices}")
 
@@ -115,8 +120,34 @@ def _check_shapes(m: ModelConfig) -> None:
                           f"d_model/n_heads = {m.head_dim}")
 
 
+def _check_cp(cfg: Config) -> None:
+    """What context parallelism needs: a sequence of whole chunks per rank
+    (2cp chunks under causal balance, cp without), each split again over tp
+    under SP, and the parts built for it."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp == 1:
+        return
+    tp_sp = p.tp if p.sp and p.tp > 1 else 1
+    need = lambda cp: math.lcm(2 * cp if p.cp_balance else cp, cp * tp_sp)
+    if m.seq_len % need(p.cp):
+        ok = [c for c in range(1, 65) if m.seq_len % need(c) == 0]
+        what = (f"{2 * p.cp} chunks (rank r holds chunks r and 2cp-1-r)" if p.cp_balance
+                else f"{p.cp} chunks")
+        sp = f", each rank's part split again over tp={p.tp} (SP)" if tp_sp > 1 else ""
+        raise ConfigError(
+            f"context parallelism splits model.seq_len={m.seq_len} into {what}{sp}; valid "
+            f"--cp here: {ok}, or set model.seq_len to a multiple of {need(p.cp)}")
+    if m.attention == "cudnn":
+        raise ConfigError("model.attention='cudnn' does not run under --cp: cuDNN's fused "
+                          "attention returns no log-sum-exp to merge the cp ranks' parts "
+                          "by; use model.attention=blockwise (or xla, or auto)")
+    if p.overlap != "none":
+        raise ConfigError(f"parallel.overlap={p.overlap!r} is not built for --cp yet: use "
+                          "--overlap none with --cp")
+
+
 def _check_layout(cfg: Config) -> None:
-    """What the (dp, tp) mesh must divide."""
+    """What the (dp, cp, tp) mesh must divide."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     _divisible("model.n_heads", m.n_heads, p.tp)
     _divisible("model.d_ff", m.d_ff, p.tp)
@@ -147,6 +178,7 @@ def _check_layout(cfg: Config) -> None:
             f"{p.dp}*{t.microbatches}; set train.batch_size to a multiple of "
             f"{p.dp * t.microbatches}"
         )
+    _check_cp(cfg)
     if p.fsdp and m.d_model % p.dp:
         raise ConfigError(f"parallel.fsdp splits model.d_model={m.d_model} over dp={p.dp}; "
                           f"choose a dp that divides it")

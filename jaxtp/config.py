@@ -16,7 +16,7 @@ from typing import Any
 
 # the choices a config may make, the error of one it may not, and the rules
 # (jaxtp.checks, which imports nothing of this module)
-from .checks import (ATTENTIONS, COORDINATOR_TIMEOUT_S, DTYPES, IMPLS, INFERENCE_IMPLS,
+from .checks import (ATTENTIONS, COORDINATOR_TIMEOUT_S, CP_STRATEGIES, DTYPES, IMPLS, INFERENCE_IMPLS,
                      OVERLAPS, REMATS, STYLES, ConfigError, check)
 
 # the presets: `jaxtp/configs/` in an installed wheel (pyproject maps the
@@ -121,6 +121,15 @@ class TrainConfig:
 class ParallelConfig:
     dp: int = 1
     tp: int = 1
+    # context parallelism: the sequence split over a cp axis for the whole
+    # model (mesh (dp, cp, tp)); the attention core reaches the other ranks'
+    # keys and values by `cp_attention` ("allgather": K/V all-gathered;
+    # "ring": K/V chunks passed cp-1 hops); `cp_balance`: rank r holds the
+    # sequence's chunks r and 2cp-1-r of 2cp, so that under the causal mask
+    # every rank does the same work (jaxtp.parallel.context)
+    cp: int = 1
+    cp_attention: str = "allgather"
+    cp_balance: bool = True
     # "gspmd": XLA inserts collectives; "shard_map": written out; "explicit":
     # typed shardings on an Explicit mesh (reductions named by out_sharding)
     impl: str = "gspmd"
@@ -137,6 +146,11 @@ class ParallelConfig:
     def without_sp(self) -> "ParallelConfig":
         """This layout without sequence parallelism (and so without its overlap)."""
         return dataclasses.replace(self, sp=False, overlap="none")
+
+    @property
+    def devices(self) -> int:
+        """The mesh's device count, dp * cp * tp."""
+        return self.dp * self.cp * self.tp
 
     @property
     def sequence_parallel(self) -> bool:
@@ -263,6 +277,6 @@ def validate(cfg: Config) -> Config:
 
 
 __all__ = ["ATTENTIONS", "CONFIG_DIR", "COORDINATOR_TIMEOUT_S", "Config", "ConfigError",
-           "DTYPES", "IMPLS", "INFERENCE_IMPLS", "ModelConfig", "OVERLAPS",
+           "CP_STRATEGIES", "DTYPES", "IMPLS", "INFERENCE_IMPLS", "ModelConfig", "OVERLAPS",
            "ParallelConfig", "REMATS", "STYLES", "TrainConfig", "apply_overrides",
            "load_config", "preset_names", "validate"]

@@ -32,7 +32,7 @@ import numpy as np
 from jax.experimental.roofline import roofline
 
 from ..config import Config
-from ..parallel import named
+from ..parallel import batch_shape, batch_sharding, named
 from ..train.state import abstract_train_state
 from ..train.step import grads_of
 from .budget import expected_collectives
@@ -53,8 +53,8 @@ def roofline_bytes(cfg: Config, mesh) -> dict[str, int]:
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, impl="shard_map"))
     state = abstract_train_state(cfg, mesh)
     m = cfg.model
-    tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, m.seq_len + 1), jnp.int32,
-                                  sharding=named(mesh, "batch", None))
+    tokens = jax.ShapeDtypeStruct(batch_shape(cfg.train.batch_size, m.seq_len, mesh), jnp.int32,
+                                  sharding=batch_sharding(mesh))
     graphdef = state.graphdef
     step = jax.jit(lambda p, t: grads_of(graphdef, p, t, None, 1))
     # it warns (on the root logger) for each primitive it has no rule for:

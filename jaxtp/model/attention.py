@@ -59,14 +59,13 @@ class Attention(nnx.Module):
         q_BTKGH, k_BTKH, v_BTKH = qkv(x_BTD, local)
         B, T, K, G, H = q_BTKGH.shape
         if self.rope_theta is not None:
-            pos_T, inv_freq = jnp.arange(T), rope_inv_freq(H, self.cfg)
+            pos_T, inv_freq = local.positions(T), rope_inv_freq(H, self.cfg)
             q_BTKGH = rope(q_BTKGH, pos_T, self.rope_theta, inv_freq)
             k_BTKH = rope(k_BTKH, pos_T, self.rope_theta, inv_freq)
         kernel = self.kernel
         if kernel == "auto":  # a module used on its own; a model resolves it when built
             kernel = kernels.choose(kernel, q_BTKGH.dtype, H, T, jax.devices()[0])
-        o_BTKGH = local.attend(lambda q, k, v: kernels.attend(q, k, v, kernel, self.block),
-                               q_BTKGH, k_BTKH, v_BTKH)
+        o_BTKGH = local.attend(kernels.Core(kernel, self.block), q_BTKGH, k_BTKH, v_BTKH)
         o_BTKGH = checkpoint_name(o_BTKGH, "attn_core")
         return local.exit(o_BTKGH.reshape(B, T, K * G, H), self.out.partial)
 

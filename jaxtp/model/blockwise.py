@@ -38,9 +38,7 @@ def blockwise_with_lse(q_BTKGH, k_BTKH, v_BTKH, block: int = 512):
     """(o [B, T, K, G, H], lse [B, K, G, T]) of the blockwise forward pass."""
     B, T, K, G, H = q_BTKGH.shape
     o, lse_nBKR = _flash_fwd(q_BTKGH, k_BTKH, v_BTKH, block)
-    n, b = lse_nBKR.shape[0], lse_nBKR.shape[-1] // G
-    lse = lse_nBKR.reshape(n, B, K, G, b).transpose(1, 2, 3, 0, 4).reshape(B, K, G, n * b)
-    return o, lse[..., :T]
+    return o, _lse_out(lse_nBKR, B, K, G)[..., :T]
 
 
 def _size(T: int, block: int) -> tuple[int, int]:
@@ -90,12 +88,21 @@ def _scores(q_BKRH, k_BKSH):
     return jnp.einsum("BKRH,BKSH->BKRS", q_BKRH, k_BKSH, preferred_element_type=jnp.float32)
 
 
-def _flash_fwd(q_BTKGH, k_BTKH, v_BTKH, block):
+def _flash_fwd(q_BTKGH, k_BTKH, v_BTKH, block, d=None):
     """(o like q, lse [n, B, K, G*b]): per query block, the diagonal key block
-    (masked), then the blocks below it; never the ones above."""
+    (masked), then the blocks below it; never the ones above.
+
+    `d` (a traced int): chunk mode, for context parallelism's parts. q and k
+    are chunks of whole blocks (b = `chunk_block`) whose first positions are
+    d blocks apart (q's minus k's), so that query block i's diagonal is key
+    block d + i, which may lie before k (every key seen), past it (none: o
+    is 0 and lse -inf) or in it; o is returned in fp32 for the caller's
+    log-sum-exp merge."""
     B, T, K, G, H = q_BTKGH.shape
-    b, n = _size(T, block)
-    q, k, v = _rows(scaled(q_BTKGH), b, n), _kv_blocks(k_BTKH, b, n), _kv_blocks(v_BTKH, b, n)
+    chunk = d is not None
+    b, n = (chunk_block(T, block), T // chunk_block(T, block)) if chunk else _size(T, block)
+    nk = k_BTKH.shape[1] // b if chunk else n
+    q, k, v = _rows(scaled(q_BTKGH), b, n), _kv_blocks(k_BTKH, b, nk), _kv_blocks(v_BTKH, b, nk)
     mask = _diag_mask(G, b)
 
     def query_block(i):
@@ -116,12 +123,30 @@ def _flash_fwd(q_BTKGH, k_BTKH, v_BTKH, block):
         likes = (q_i, k, v)
         init = (_full(likes, q_i.shape[:3], NEG_INF), _full(likes, q_i.shape[:3], 0.0),
                 _full(likes, q_i.shape, 0.0))
-        carry = visit(i, init, masked=True)  # every row sees its own position: finite max
-        m, l, acc = jax.lax.fori_loop(0, i, visit, carry)
-        return (acc / l[..., None]).astype(q_BTKGH.dtype), m + jnp.log(l)
+        if not chunk:
+            carry = visit(i, init, masked=True)  # every row sees its own position: finite max
+            m, l, acc = jax.lax.fori_loop(0, i, visit, carry)
+            return (acc / l[..., None]).astype(q_BTKGH.dtype), m + jnp.log(l)
+        diag = d + i
+        carry = jax.lax.cond((diag >= 0) & (diag < nk),
+                             lambda c: visit(jnp.clip(diag, 0, nk - 1), c, masked=True),
+                             lambda c: c, init)
+        m, l, acc = jax.lax.fori_loop(0, jnp.clip(diag, 0, nk), visit, carry)
+        seen = l > 0  # rows of a query block wholly before k see no key
+        l1 = jnp.where(seen, l, 1.0)
+        return acc / l1[..., None], jnp.where(seen, m + jnp.log(l1), NEG_INF)
 
     o, lse = jax.lax.map(query_block, jnp.arange(n))
     return _unrows(o, T, G), lse
+
+
+def chunk_block(c: int, block: int) -> int:
+    """The block size of chunk mode: the largest divisor of a chunk of c
+    positions not above `block` (chunks and their offsets are whole blocks)."""
+    b = min(block, c)
+    while c % b:
+        b -= 1
+    return b
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -135,16 +160,28 @@ def _flash_fwd_rule(q_BTKGH, k_BTKH, v_BTKH, block):
 
 
 def _flash_bwd(block, res, do_BTKGH):
+    return _backward(block, res, do_BTKGH)
+
+
+def _backward(block, res, do_BTKGH, dlse_BKGT=None, d=None):
     """FlashAttention-2's backward: per key block j, the query blocks i >= j
     recompute p = exp(s - lse); dv_j += p^T do, dk_j += ds^T q, dq_i += ds k_j,
-    with ds = p * (do v^T - rowsum(do * o))."""
+    with ds = p * (do v^T - rowsum(do * o)). An lse cotangent (chunk mode)
+    adds p * dlse to ds (d lse / d s = p): rowsum(do * o) - dlse in its place.
+    Chunk mode (`d`, as `_flash_fwd`): key block j's diagonal is query block
+    j - d; the query blocks after it see j whole."""
     q_BTKGH, k_BTKH, v_BTKH, o_BTKGH, lse = res
     B, T, K, G, H = q_BTKGH.shape
-    b, n = _size(T, block)
-    q, k, v = _rows(scaled(q_BTKGH), b, n), _kv_blocks(k_BTKH, b, n), _kv_blocks(v_BTKH, b, n)
-    do = _rows(do_BTKGH, b, n)
+    chunk = d is not None
+    b, n = (chunk_block(T, block), T // chunk_block(T, block)) if chunk else _size(T, block)
+    nk = k_BTKH.shape[1] // b if chunk else n
+    q, k, v = _rows(scaled(q_BTKGH), b, n), _kv_blocks(k_BTKH, b, nk), _kv_blocks(v_BTKH, b, nk)
+    do = _rows(do_BTKGH.astype(q_BTKGH.dtype), b, n)
     delta = jnp.einsum("nBKRH,nBKRH->nBKR", do.astype(jnp.float32),
                        _rows(o_BTKGH, b, n).astype(jnp.float32))
+    if dlse_BKGT is not None:
+        delta -= dlse_BKGT.reshape(B, K, G, n, b).transpose(3, 0, 1, 2, 4).reshape(
+            n, B, K, G * b)
     mask = _diag_mask(G, b)
 
     def key_block(dq, j):
@@ -166,14 +203,61 @@ def _flash_bwd(block, res, do_BTKGH):
             return dq.at[i].add(dq_i), dk_j, dv_j
 
         zeros = _full((q, k, v, do), k_j.shape, 0.0)
-        carry = visit(j, (dq, zeros, zeros), masked=True)
-        dq, dk_j, dv_j = jax.lax.fori_loop(j + 1, n, visit, carry)
+        if not chunk:
+            carry = visit(j, (dq, zeros, zeros), masked=True)
+            dq, dk_j, dv_j = jax.lax.fori_loop(j + 1, n, visit, carry)
+            return dq, (dk_j, dv_j)
+        diag = j - d
+        carry = jax.lax.cond((diag >= 0) & (diag < n),
+                             lambda c: visit(jnp.clip(diag, 0, n - 1), c, masked=True),
+                             lambda c: c, (dq, zeros, zeros))
+        dq, dk_j, dv_j = jax.lax.fori_loop(jnp.clip(diag + 1, 0, n), n, visit, carry)
         return dq, (dk_j, dv_j)
 
-    dq, (dk, dv) = jax.lax.scan(key_block, _full((q, k, v, do), q.shape, 0.0), jnp.arange(n))
+    dq, (dk, dv) = jax.lax.scan(key_block, _full((q, k, v, do), q.shape, 0.0), jnp.arange(nk))
     # the scores used q * H^-1/2: the chain rule scales dq by the same factor
     dq = _unrows(dq * H ** -0.5, T, G).astype(q_BTKGH.dtype)
-    return dq, _unkv(dk, T).astype(k_BTKH.dtype), _unkv(dv, T).astype(v_BTKH.dtype)
+    S = k_BTKH.shape[1]
+    return dq, _unkv(dk, S).astype(k_BTKH.dtype), _unkv(dv, S).astype(v_BTKH.dtype)
 
 
 _flash.defvjp(_flash_fwd_rule, _flash_bwd)
+
+
+def _lse_out(lse_nBKR, B, K, G):
+    """lse [n, B, K, G*b] -> [B, K, G, n*b]."""
+    n, b = lse_nBKR.shape[0], lse_nBKR.shape[-1] // G
+    return lse_nBKR.reshape(n, B, K, G, b).transpose(1, 2, 3, 0, 4).reshape(B, K, G, n * b)
+
+
+def blockwise_chunk(q_BTKGH, k_BSKH, v_BSKH, q_start, k_start, block: int = 512):
+    """(o fp32 [B, T, K, G, H], lse [B, K, G, T]) of queries at positions
+    q_start + t over keys at k_start + s, causal (t + q_start >= s + k_start):
+    one context-parallel part (`jaxtp.parallel.context`), differentiable in
+    both outputs. T and S are whole blocks of `chunk_block(T, block)`, and
+    so is q_start - k_start; key blocks wholly above the diagonal are never
+    visited, so a part wholly above it costs nothing."""
+    b = chunk_block(q_BTKGH.shape[1], block)
+    if k_BSKH.shape[1] % b:
+        raise ValueError(f"blockwise chunk: {k_BSKH.shape[1]} keys are not whole blocks of {b}")
+    return _chunk(q_BTKGH, k_BSKH, v_BSKH, (q_start - k_start) // b, block)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _chunk(q_BTKGH, k_BSKH, v_BSKH, d, block):
+    return _chunk_fwd(q_BTKGH, k_BSKH, v_BSKH, d, block)[0]
+
+
+def _chunk_fwd(q_BTKGH, k_BSKH, v_BSKH, d, block):
+    B, T, K, G, H = q_BTKGH.shape
+    o, lse = _flash_fwd(q_BTKGH, k_BSKH, v_BSKH, block, d)
+    return (o, _lse_out(lse, B, K, G)), (q_BTKGH, k_BSKH, v_BSKH, o, lse, d)
+
+
+def _chunk_bwd(block, res, cotangents):
+    *res, d = res
+    do, dlse = cotangents
+    return _backward(block, tuple(res), do, dlse, d) + (None,)
+
+
+_chunk.defvjp(_chunk_fwd, _chunk_bwd)

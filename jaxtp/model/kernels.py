@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ATTENTIONS
-from .blockwise import NEG_INF, blockwise_attention, causal, scaled
+from .blockwise import NEG_INF, blockwise_attention, blockwise_chunk, causal, scaled
 
 KERNELS = ATTENTIONS  # the config owns the names
 # `auto` takes blockwise from this sequence length on (measured on CPU,
@@ -76,6 +76,50 @@ def attend(q_BTKGH, k_BTKH, v_BTKH, kernel: str = "xla", block: int = 512):
     if kernel == "cudnn":
         return cudnn_attention(q_BTKGH, k_BTKH, v_BTKH)
     raise KernelError(f"unknown attention kernel {kernel!r}; choose one of {KERNELS[1:]}")
+
+
+class Core:
+    """The attention core a region hands its `Local` (`Local.attend`): the
+    named kernel over whole sequences (`__call__`), and over one context-
+    parallel part with its positions (`part`), for `jaxtp.parallel.context`."""
+
+    def __init__(self, kernel: str, block: int):
+        self.kernel, self.block = kernel, block
+
+    def __call__(self, q_BTKGH, k_BTKH, v_BTKH):
+        return attend(q_BTKGH, k_BTKH, v_BTKH, self.kernel, self.block)
+
+    def part(self, q_BTKGH, k_BSKH, v_BSKH, q_start, k_start):
+        """(o fp32, lse [B, K, G, T]) of queries at positions q_start + t over
+        keys at k_start + s under the causal mask; rows that see no key give
+        o = 0 and lse = -inf."""
+        if self.kernel == "blockwise":
+            return blockwise_chunk(q_BTKGH, k_BSKH, v_BSKH, q_start, k_start, self.block)
+        if self.kernel == "xla":
+            return xla_part(q_BTKGH, k_BSKH, v_BSKH, q_start, k_start)
+        raise KernelError(f"attention kernel {self.kernel!r} has no context-parallel part; use "
+                          "'blockwise' or 'xla'")
+
+
+def xla_part(q_BTKGH, k_BSKH, v_BSKH, q_start, k_start):
+    """`Core.part` as `xla_attention`'s math: the [T, S] scores masked by
+    position, a softmax safe for rows that see nothing, o in fp32."""
+    T, S = q_BTKGH.shape[1], k_BSKH.shape[1]
+    s_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", scaled(q_BTKGH), k_BSKH,
+                         preferred_element_type=jnp.float32)
+    seen_TS = (q_start + jnp.arange(T))[:, None] >= (k_start + jnp.arange(S))[None]
+    s_BKGTS = jnp.where(seen_TS, s_BKGTS, NEG_INF)
+    # o and lse do not depend on the shift: no gradient through it
+    m_BKGT = jax.lax.stop_gradient(s_BKGTS.max(-1))
+    m_BKGT = jnp.where(jnp.isfinite(m_BKGT), m_BKGT, 0.0)
+    p_BKGTS = jnp.exp(s_BKGTS - m_BKGT[..., None])
+    l_BKGT = p_BKGTS.sum(-1)
+    seen_BKGT = l_BKGT > 0
+    l_BKGT = jnp.where(seen_BKGT, l_BKGT, 1.0)
+    o = jnp.einsum("BKGTS,BSKH->BTKGH", p_BKGTS.astype(v_BSKH.dtype), v_BSKH,
+                   preferred_element_type=jnp.float32)
+    o = o / l_BKGT.transpose(0, 3, 1, 2)[..., None]
+    return o, jnp.where(seen_BKGT, m_BKGT + jnp.log(l_BKGT), NEG_INF)
 
 
 def cached_attention(q_BTKGH, k_BSKH, v_BSKH, pos_BT):

@@ -15,6 +15,7 @@ from flax import nnx
 
 from ..config import REMATS, ModelConfig
 from ..parallel import Layout, constrain
+from ..parallel.context import KV_NAME as CP_KV
 from .attention import Attention
 from .layers import Embed, dropout, make_norm
 from .mlp import MLP
@@ -55,6 +56,9 @@ _names = jax.checkpoint_policies.save_only_these_names
 # the backward pass reads: the MLP's output is not read, the attention's is
 # (the second norm's input).
 REGION_OUTPUTS = ("attn_out", "mlp_out")
+# CP_KV: the K/V a context-parallel rank received from the others (all-gathered,
+# or each ring hop's chunk): kept by every policy but "full", so that the
+# backward pass does not repeat the forward's collectives
 REMAT_POLICIES = {
     "none": None,  # keep every activation the backward pass needs
     # recompute the whole block but the region outputs
@@ -62,11 +66,12 @@ REMAT_POLICIES = {
     # the outputs of the weight matmuls (dots without batch dims); recompute
     # the rest: norms, activations, the attention core
     "dots": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _names(*REGION_OUTPUTS)),
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        _names(*REGION_OUTPUTS, CP_KV)),
     # the tagged projection outputs only (q/k/v, MLP up, the region outputs:
     # under SP, their sequence shards); recompute norms, activations and the
-    # attention core
-    "minimal": _names("qkv", "mlp_up", *REGION_OUTPUTS),
+    # attention core (and under cp the K/V received)
+    "minimal": _names("qkv", "mlp_up", *REGION_OUTPUTS, CP_KV),
 }
 assert tuple(REMAT_POLICIES) == REMATS  # the config's list of names is the one source
 
@@ -113,7 +118,7 @@ class Transformer(nnx.Module):
         keys = (None if dropout_key is None else jax.random.split(dropout_key, L + 1))
         x_BTD = self.wte(tokens_BT)
         if self.wpe is not None:
-            pos_1TD = self.wpe(jnp.arange(T))[None]
+            pos_1TD = self.wpe(jnp.asarray(self.layout.positions(T)))[None]
             if self.layout.sp:  # on the token rows' sequence shard, so GSPMD adds
                 # them after the embedding's reduce-scatter, not before it
                 pos_1TD = constrain(pos_1TD, None, *self.layout.residual[1:])

@@ -3,8 +3,9 @@
 multi-process start-up."""
 
 from .collectives import f, f_sp, g, g_sp, global_norm, vary
-from .layout import (DATA_AXIS, FSDP_PARAM_RULES, RULES, TP_AXIS, Layout, cache_spec,
-                     check_device_count, constrain, ensure_devices, first_row, in_region,
+from .layout import (CP_AXIS, DATA_AXIS, FSDP_PARAM_RULES, RULES, TP_AXIS, Layout,
+                     batch_shape, batch_sharding, cache_spec, check_device_count, constrain,
+                     cp_batch, cp_order, ensure_devices, first_row, in_region, inputs_targets,
                      keep_axes, make_mesh, mesh_for, mesh_size, named, spec, spec_axes,
                      split_over_tp)
 from .overlap import CPU_HAS_NO_WINDOWED_EINSUM, NO_XLA_OVERLAP, compiler_options
@@ -13,9 +14,10 @@ from .shardmap import BF16_CPU_SHARD_MAP, Ring, ShardMap, act_spec, run_sharded
 from .locals import (LOCALS, Local, cached_region, embed, local_of, region, vocab_losses,
                      vocab_sample)
 
-__all__ = ["f", "f_sp", "g", "g_sp", "global_norm", "vary", "DATA_AXIS", "FSDP_PARAM_RULES",
-           "RULES", "TP_AXIS", "Layout", "cache_spec", "check_device_count", "constrain",
-           "ensure_devices", "first_row", "in_region", "keep_axes", "make_mesh", "mesh_for",
+__all__ = ["f", "f_sp", "g", "g_sp", "global_norm", "vary", "CP_AXIS", "DATA_AXIS",
+           "FSDP_PARAM_RULES", "RULES", "TP_AXIS", "Layout", "batch_shape", "batch_sharding",
+           "cache_spec", "check_device_count", "constrain", "cp_batch", "cp_order",
+           "ensure_devices", "first_row", "in_region", "inputs_targets", "keep_axes", "make_mesh", "mesh_for",
            "mesh_size",
            "named", "spec", "spec_axes", "split_over_tp", "CPU_HAS_NO_WINDOWED_EINSUM",
            "NO_XLA_OVERLAP", "compiler_options", "GSPMD", "Explicit", "GlobalArrays",

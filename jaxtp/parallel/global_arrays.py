@@ -12,6 +12,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from . import context
 from .layout import DATA_AXIS, Layout, cache_spec, constrain, explicit_mesh, manual_axes, spec
 
 
@@ -30,9 +31,17 @@ class GlobalArrays:
     def constrain(self, x, *logical):
         return constrain(x, *logical)
 
-    def attend(self, kernel: Callable, q, k, v):
-        """The attention core `kernel(q, k, v)`: local to each rank's heads."""
-        return kernel(q, k, v)
+    def attend(self, core: Callable, q, k, v):
+        """The attention core `core(q, k, v)`: local to each rank's heads;
+        under cp, its ranks' parts in a shard_map manual over cp
+        (`jaxtp.parallel.context`)."""
+        if self.layout.cp > 1:
+            return context.over_cp(core, q, k, v, self.layout)
+        return core(q, k, v)
+
+    def positions(self, T: int):
+        """The original positions of the array's T tokens (`Layout.positions`)."""
+        return jnp.asarray(self.layout.positions(T))
 
     def kv_for_heads(self, kv_BTCKH, n_heads: int):
         """Replicated kv heads as GSPMD sees them: one kv copy per query head,
@@ -178,13 +187,14 @@ class Explicit(GlobalArrays):
             x_BTD = jax.sharding.reshard(x_BTD, spec("batch", "seq", "embed"))
         return x_BTD if mm is None else mm(x_BTD)
 
-    def attend(self, kernel: Callable, q, k, v):
+    def attend(self, core: Callable, q, k, v):
         """The attention kernels are opaque to the types: blockwise's loop
         carries start untyped (they meet sharded values in its custom VJP),
         cuDNN partitions itself and hands back untyped cotangents. So the core
         runs in Auto mode (`auto_axes`), split by heads as its operands are,
-        its output typed like q."""
-        return jax.sharding.auto_axes(kernel, axes=_free_axes(),
+        its output typed like q (under cp: `GlobalArrays.attend` there)."""
+        return jax.sharding.auto_axes(lambda q, k, v: super(Explicit, self).attend(core, q, k, v),
+                                      axes=_free_axes(),
                                       out_sharding=jax.typeof(q).sharding)(q, k, v)
 
     def exit(self, h, mm: Callable):

@@ -16,18 +16,23 @@ import dataclasses
 import math
 
 import jax
+import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 DATA_AXIS = "dp"  # the axis data parallelism splits the batch over
+CP_AXIS = "cp"  # the axis context parallelism splits the sequence over
 TP_AXIS = "tp"  # the axis tensor parallelism splits
 
 # Megatron layout: the hidden dims of the MLP, the attention heads and the
-# vocabulary are split over tp; the model dim and sequence stay whole on every
-# tp rank; the batch is split over dp.
+# vocabulary are split over tp; the model dim stays whole on every tp rank;
+# the batch is split over dp and the sequence over cp (context parallelism;
+# a mesh without a cp axis leaves it whole: `spec`).
 RULES: dict[str, tuple[str, ...]] = {
     "batch": (DATA_AXIS,),
-    "seq": (),
-    "sp_seq": (TP_AXIS,),  # the residual stream's sequence under sequence parallelism
+    "seq": (CP_AXIS,),
+    # the residual stream's sequence under sequence parallelism: each cp
+    # rank's part split again over tp (Korthikanti et al. 2022)
+    "sp_seq": (CP_AXIS, TP_AXIS),
     "embed": (),
     "vocab": (TP_AXIS,),  # vocab-parallel embedding, LM head and cross-entropy
     "mlp": (TP_AXIS,),
@@ -49,7 +54,10 @@ def spec(*logical: str | None, rules: dict[str, tuple[str, ...]] | None = None) 
     PartitionSpec(None, 'tp')
     """
     rules = RULES if rules is None else rules
-    manual = manual_axes()
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = frozenset() if mesh.empty else frozenset(mesh.manual_axes)
+    # cp is an axis of the mesh only where a run splits the sequence (cp > 1)
+    absent = {CP_AXIS} if mesh.empty or CP_AXIS not in mesh.axis_names else set()
     dims = []
     for name in logical:
         if name is not None and name not in rules:
@@ -62,7 +70,7 @@ def spec(*logical: str | None, rules: dict[str, tuple[str, ...]] | None = None) 
             "a tensor can be split over a mesh axis only once"
         )
     # inside a shard_map manual over some axes, arrays are local over them
-    dims = [tuple(a for a in axes if a not in manual) for axes in dims]
+    dims = [tuple(a for a in axes if a not in manual and a not in absent) for axes in dims]
     return P(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in dims))
 
 
@@ -98,6 +106,11 @@ class Layout:
     # matmuls: collective-matmul rings (shard_map), XLA's windowed einsum
     # asked for (gspmd, explicit); only with sp
     overlap: bool = False
+    # context parallelism (a cp axis): how the attention core sees the other
+    # cp ranks' keys and values (jaxtp.config.CP_STRATEGIES), and whether rank r holds
+    # the sequence's chunks r and 2cp-1-r (causal load balance) or chunk r
+    cp_attention: str = "allgather"
+    cp_balance: bool = True
 
     def __post_init__(self):
         axes = tuple(self.axes.items()) if isinstance(self.axes, dict) else tuple(self.axes)
@@ -107,18 +120,21 @@ class Layout:
         object.__setattr__(self, "axes", axes)
 
     @classmethod
-    def make(cls, dp: int = 1, tp: int = 1, **kw) -> "Layout":
-        """A layout of the config's degrees (`parallel.dp`, `parallel.tp`)."""
-        return cls(axes=((DATA_AXIS, dp), (TP_AXIS, tp)), **kw)
+    def make(cls, dp: int = 1, tp: int = 1, cp: int = 1, **kw) -> "Layout":
+        """A layout of the config's degrees (`parallel.dp`, `.cp`, `.tp`): the
+        mesh (dp, cp, tp), its cp axis only where cp > 1."""
+        cp_axis = ((CP_AXIS, cp),) if cp > 1 else ()
+        return cls(axes=((DATA_AXIS, dp),) + cp_axis + ((TP_AXIS, tp),), **kw)
 
     @classmethod
     def of(cls, cfg) -> "Layout":
         """The layout of a `jaxtp.config.Config`."""
         p, m = cfg.parallel, cfg.model
         sp = p.sp and p.tp > 1
-        return cls.make(p.dp, p.tp, impl=p.impl, sp=sp, fsdp=p.fsdp,
+        return cls.make(p.dp, p.tp, p.cp, impl=p.impl, sp=sp, fsdp=p.fsdp,
                         kv_sharded=m.kv_heads % p.tp == 0,
-                        overlap=sp and p.overlap == "collective_matmul")
+                        overlap=sp and p.overlap == "collective_matmul",
+                        cp_attention=p.cp_attention, cp_balance=p.cp_balance)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -131,6 +147,15 @@ class Layout:
     @property
     def tp(self) -> int:
         return self.sizes.get(TP_AXIS, 1)
+
+    @property
+    def cp(self) -> int:
+        return self.sizes.get(CP_AXIS, 1)
+
+    def positions(self, T: int) -> np.ndarray:
+        """The original index of each of a placed sequence's T tokens
+        (`cp_order`): RoPE and learned positions read these."""
+        return cp_order(T, self.cp, self.cp_balance)
 
     @property
     def devices(self) -> int:
@@ -177,6 +202,25 @@ class Layout:
         return ("batch", "sp_seq" if self.sp else "seq", "embed")
 
 
+def cp_order(T: int, cp: int, balance: bool = True) -> np.ndarray:
+    """The original index of each position of a sequence of T tokens as it is
+    placed over cp: rank r's contiguous T/cp are chunks r and 2cp-1-r of
+    2cp chunks under causal load balance (the dual-chunk swap of
+    Megatron-LM's context parallelism; "zigzag"), so that every rank's
+    queries see as many keys; chunk r of cp without it. The identity at
+    cp = 1. Batches are reordered by it once, when placed
+    (`jaxtp.train.data.to_mesh`).
+
+    >>> cp_order(8, 2).tolist()
+    [0, 1, 6, 7, 2, 3, 4, 5]
+    """
+    if cp == 1 or not balance:
+        return np.arange(T)
+    c = T // (2 * cp)
+    chunks = [(r, 2 * cp - 1 - r) for r in range(cp)]
+    return np.concatenate([np.arange(i * c, (i + 1) * c) for pair in chunks for i in pair])
+
+
 def keep_axes(s: P, axes) -> P:
     """`s` naming only the mesh axes in `axes` (the others: not split)."""
     kept = [tuple(a for a in spec_axes(entry) if a in axes) for entry in s]
@@ -188,9 +232,11 @@ def split_over_tp(s: P) -> bool:
     return any(TP_AXIS in spec_axes(entry) for entry in s)
 
 
-def make_mesh(dp: int = 1, tp: int = 1, devices=None, *, impl: str = "gspmd") -> Mesh:
-    """`Layout.make(dp, tp, impl=impl).mesh(devices)`: a (dp, tp) mesh for `impl`."""
-    return Layout.make(dp, tp, impl=impl).mesh(devices)
+def make_mesh(dp: int = 1, tp: int = 1, devices=None, *, impl: str = "gspmd",
+              cp: int = 1) -> Mesh:
+    """`Layout.make(dp, tp, cp, impl=impl).mesh(devices)`: a (dp, [cp,] tp) mesh
+    for `impl`."""
+    return Layout.make(dp, tp, cp, impl=impl).mesh(devices)
 
 
 def mesh_for(mesh: Mesh, impl: str) -> Mesh:
@@ -217,8 +263,8 @@ def check_device_count(sizes: dict[str, int], available: int, platform: str) -> 
     """Refuse a mesh of more devices than `available`, naming each axis."""
     needed = math.prod(sizes.values())
     if needed > available:
-        hint = ("lower --tp/--dp" if platform == "cpu" else
-                "lower --tp/--dp, or simulate on CPU with JAX_PLATFORMS=cpu")
+        hint = ("lower --tp/--cp/--dp" if platform == "cpu" else
+                "lower --tp/--cp/--dp, or simulate on CPU with JAX_PLATFORMS=cpu")
         raise ValueError(
             f"{'*'.join(sizes)} = {'*'.join(map(str, sizes.values()))} = {needed} devices "
             f"requested but this machine has {available} {platform} device(s); {hint}")
@@ -255,7 +301,37 @@ def cache_spec() -> P:
 
 
 def named(mesh: Mesh, *logical: str | None) -> NamedSharding:
-    return NamedSharding(mesh, spec(*logical))
+    s = spec(*logical)
+    return NamedSharding(mesh, keep_axes(s, mesh.axis_names) if CP_AXIS in mesh.axis_names
+                         else s)
+
+
+def batch_shape(B: int, T: int, mesh) -> tuple[int, ...]:
+    """A placed batch of B windows of T+1 tokens: [B, T+1], or on a mesh
+    with a cp axis [B, 2, T] (inputs and targets apart, so that no shift
+    crosses a cp chunk's edge: `cp_batch`)."""
+    return (B, 2, T) if CP_AXIS in mesh.axis_names else (B, T + 1)
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    """How a batch (`batch_shape`) is placed: split over dp, and its T over cp."""
+    if CP_AXIS in mesh.axis_names:
+        return NamedSharding(mesh, P(DATA_AXIS, None, CP_AXIS))
+    return NamedSharding(mesh, P(DATA_AXIS, None))
+
+
+def cp_batch(windows_BT1: np.ndarray, cp: int, balance: bool) -> np.ndarray:
+    """Host windows [B, T+1] -> [B, 2, T]: inputs and targets, each reordered
+    along T by `cp_order` (once, when a batch is placed)."""
+    order = cp_order(windows_BT1.shape[1] - 1, cp, balance)
+    return np.stack([windows_BT1[:, :-1], windows_BT1[:, 1:]], 1)[:, :, order]
+
+
+def inputs_targets(batch):
+    """(inputs [B, T], targets [B, T]) of a placed batch (`batch_shape`)."""
+    if batch.ndim == 3:
+        return batch[:, 0], batch[:, 1]
+    return batch[:, :-1], batch[:, 1:]
 
 
 def in_region() -> bool:

@@ -42,8 +42,14 @@ class Local(Protocol):
     def constrain(self, x, *logical):
         """Pin x's layout to these logical axes (global arrays; per shard: x)."""
 
-    def attend(self, kernel: Callable, q, k, v):
-        """The attention core on each rank's heads: no collective."""
+    def attend(self, core: Callable, q, k, v):
+        """The attention core (`jaxtp.model.kernels.Core`) on each rank's
+        heads: no collective over tp; under cp, the rank's queries over every
+        cp rank's keys and values (`jaxtp.parallel.context`)."""
+
+    def positions(self, T: int):
+        """The original positions of the T tokens of a [B, T, ...] array as
+        this Local sees it (global, or a cp rank's)."""
 
     def kv_for_heads(self, kv_BTCKH, n_heads: int):
         """Replicated kv heads (K < tp) for this rank's query heads; the

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from . import context
 from .collectives import f, f_sp, g, g_sp, gather, pmax, pmin, rank, vary
 from .layout import DATA_AXIS, TP_AXIS, Layout, cache_spec, keep_axes, spec, spec_axes
 from .overlap import allgather_matmul, matmul_reducescatter
@@ -43,8 +44,15 @@ class ShardMap:
     def constrain(self, x, *logical):
         return x
 
-    def attend(self, kernel: Callable, q, k, v):
-        return kernel(q, k, v)
+    def attend(self, core: Callable, q, k, v):
+        """The core on this rank's heads (under cp, its queries over every
+        rank's K/V: `jaxtp.parallel.context`)."""
+        return context.attend(core, q, k, v, self.layout) if self.layout.cp > 1 else \
+            core(q, k, v)
+
+    def positions(self, T: int):
+        """The original positions of this rank's T tokens."""
+        return context.local_positions(T, self.layout) if self.layout.cp > 1 else jnp.arange(T)
 
     def kv_for_heads(self, kv_BTCKH, n_heads: int):
         """This rank's N/tp query heads all use one kv head: its slice."""

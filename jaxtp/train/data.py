@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from .. import data as token_files
-from ..parallel import named
+from ..parallel import CP_AXIS, batch_sharding, cp_batch, named
 from ..parallel.distributed import global_batch
 
 BUILTIN_MAX_BYTES = 8 * 2**20
@@ -164,13 +164,20 @@ class Dataset:
         return [self._windows(self.val, s) for s in starts.reshape(n, batch_size)]
 
 
-def to_mesh(batch, mesh: Mesh) -> jax.Array:
+def to_mesh(batch, mesh: Mesh, cp_balance: bool = True) -> jax.Array:
     """Place a host batch [B, ...] on the mesh: split over dp, replicated over tp.
 
     `batch` is the global batch, the same in every process (it is drawn from
     the seed); each process transfers only the rows its own devices hold,
-    and of `Windows` reads only those rows.
+    and of `Windows` reads only those rows. On a mesh with a cp axis, windows
+    [B, T+1] become inputs and targets [B, 2, T] split along T over cp, in
+    the order of `jaxtp.parallel.cp_order` (`cp_balance`: the causal load
+    balance); every process reads its rows whole then.
     """
+    if CP_AXIS in mesh.axis_names:
+        cp = dict(mesh.shape)[CP_AXIS]
+        return global_batch(cp_batch(np.asarray(batch), cp, cp_balance), mesh,
+                            batch_sharding(mesh))
     sharding = named(mesh, "batch", *([None] * (batch.ndim - 1)))
     # a process's rows are one block on a (dp, tp) mesh whose dp ranks are
     # laid out by process, as make_mesh does

@@ -53,7 +53,7 @@ import numpy as np
 from flax import nnx
 
 from ..config import Config
-from ..parallel import Layout, named
+from ..parallel import batch_shape, batch_sharding, Layout, named
 from ..parallel.distributed import any_process
 from .checkpoint import Checkpointer, SaveFailed, nbytes
 from .data import to_mesh
@@ -76,8 +76,8 @@ class TrainingStopped(RuntimeError):
     """The run cannot go on (too many skipped steps in a row)."""
 
 
-def evaluate(eval_step, params, batches, mesh) -> float:
-    losses = [eval_step(params, to_mesh(b, mesh)) for b in batches]
+def evaluate(eval_step, params, batches, mesh, cp_balance: bool = True) -> float:
+    losses = [eval_step(params, to_mesh(b, mesh, cp_balance)) for b in batches]
     return float(np.mean(jax.device_get(losses)))
 
 
@@ -180,8 +180,8 @@ class _Loop:
     def _compile(self, state, inject_nan_at):
         """The loop's step compiled ahead of time, and the run record read from its HLO."""
         cfg, mesh, t0 = self.cfg, self.mesh, time.perf_counter()
-        tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
-                                      sharding=named(mesh, "batch", None))
+        tokens = jax.ShapeDtypeStruct(batch_shape(cfg.train.batch_size, cfg.model.seq_len, mesh), np.int32,
+                                      sharding=batch_sharding(mesh))
         with jax.set_mesh(mesh):
             step = make_loop_step(state, cfg, inject_nan_at).lower(
                 state.params, state.opt_state, self.loop, tokens).compile()
@@ -214,7 +214,7 @@ class _Loop:
         t = self.cfg.train
         t_iter = time.perf_counter()
         host_tokens = next(self.batches)
-        tokens = to_mesh(host_tokens, self.mesh)
+        tokens = to_mesh(host_tokens, self.mesh, self.cfg.parallel.cp_balance)
         t_call = time.perf_counter()
         self.params, self.opt_state, self.loop, metrics = self.step_fn(
             self.params, self.opt_state, self.loop, tokens)
@@ -257,7 +257,8 @@ class _Loop:
         row = metrics_row(step, host, loop, self.speed(dt))
         if is_eval:
             self.eval_loss = row["eval_loss"] = evaluate(self.eval_step, self.params,
-                                                         self.eval_set, self.mesh)
+                                                         self.eval_set, self.mesh,
+                                                         self.cfg.parallel.cp_balance)
         if self.metrics_log is not None:
             self.metrics_log.write(row)
         self.history.append(row)

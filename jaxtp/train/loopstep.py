@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..config import Config, TrainConfig
-from ..parallel import named
+from ..parallel import batch_sharding, named
 from .optim import lr_schedule
 from .state import TrainState
 from .step import step_fn
@@ -135,7 +135,7 @@ def make_loop_step(state: TrainState, cfg: Config, inject_nan_at=()) -> Callable
     return jax.jit(
         step,
         in_shardings=(state.param_shardings, state.opt_shardings, replicated,
-                      named(state.mesh, "batch", None)),
+                      batch_sharding(state.mesh)),
         out_shardings=(state.param_shardings, state.opt_shardings, replicated, replicated),
         donate_argnums=(0, 1, 2), compiler_options=state.compiler_options,
     )

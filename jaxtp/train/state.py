@@ -44,6 +44,8 @@ def resolve_attention(cfg: Config, device=None) -> Config:
     m = cfg.model
     device = jax.devices()[0] if device is None else device
     kernel = kernels.choose(m.attention, m.dtype, m.head_dim, m.seq_len, device)
+    if kernel == "cudnn" and m.attention == "auto" and cfg.parallel.cp > 1:
+        kernel = "blockwise"  # cuDNN gives no log-sum-exp to merge cp's parts by
     return dataclasses.replace(cfg, model=dataclasses.replace(m, attention=kernel))
 
 

@@ -19,16 +19,18 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..config import Config
-from ..parallel import DATA_AXIS, constrain, keep_axes, make_mesh, named
+from ..parallel import (DATA_AXIS, batch_shape, batch_sharding, constrain, inputs_targets,
+                        keep_axes, make_mesh, named)
 from ..parallel.layout import explicit_mesh
 from .optim import clip_by_global_norm
 from .state import TrainState, init_train_state
 
 
 def loss_fn(graphdef, params, tokens_BT1, dropout_key=None):
-    """Next-token cross-entropy of tokens [B, T+1]."""
+    """Next-token cross-entropy of tokens [B, T+1] (under cp, a placed
+    [B, 2, T]: `jaxtp.parallel.batch_shape`)."""
     model = nnx.merge(graphdef, params)
-    return model.loss(tokens_BT1[:, :-1], tokens_BT1[:, 1:], dropout_key=dropout_key)
+    return model.loss(*inputs_targets(tokens_BT1), dropout_key=dropout_key)
 
 
 def cross_entropy_of(model, tokens_BT1):
@@ -88,10 +90,11 @@ def _is_spec(x) -> bool:
 
 def _accumulate(value_and_grad, params, tokens_BT1, key, microbatches: int):
     """The slices' (mean loss, mean gradient), summed in fp32 by a scan."""
-    B, T1 = tokens_BT1.shape
-    tokens_MBT = constrain(tokens_BT1.reshape(B // microbatches, microbatches, T1),
-                           "batch", None, None).transpose(1, 0, 2)
-    tokens_MBT = constrain(tokens_MBT, None, "batch", None)
+    B, *rest = tokens_BT1.shape
+    tail = (None, "seq") if len(rest) == 2 else (None,)  # under cp [B, 2, T]: T over cp
+    tokens_MBT = constrain(tokens_BT1.reshape(B // microbatches, microbatches, *rest),
+                           "batch", None, *tail)
+    tokens_MBT = constrain(jnp.moveaxis(tokens_MBT, 1, 0), None, "batch", *tail)
     # zeros_like: typed like each parameter (its sharding, under impl explicit)
     zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
 
@@ -184,7 +187,7 @@ def make_train_step(state: TrainState, use_dropout: bool, microbatches: int = 1)
     return jax.jit(
         step_fn(state, use_dropout, microbatches),
         in_shardings=(state.param_shardings, state.opt_shardings,
-                      named(state.mesh, "batch", None), replicated, replicated),
+                      batch_sharding(state.mesh), replicated, replicated),
         out_shardings=(state.param_shardings, state.opt_shardings, replicated),
         donate_argnums=(0, 1), compiler_options=state.compiler_options,
     )
@@ -198,7 +201,7 @@ def step_controls(max_loss: float = float("inf"), grad_scale: float = 1.0) -> np
 def make_eval_step(state: TrainState) -> Callable:
     graphdef = state.graphdef
     return jax.jit(lambda params, tokens: loss_fn(graphdef, params, tokens),
-                   in_shardings=(state.param_shardings, named(state.mesh, "batch", None)),
+                   in_shardings=(state.param_shardings, batch_sharding(state.mesh)),
                    compiler_options=state.compiler_options)
 
 
@@ -211,8 +214,8 @@ def compile_train_step(state: TrainState, batch_size: int, seq_len: int,
     whose collectives `jaxtp.hlo` reads. Works on an abstract state too.
     """
     step = make_train_step(state, use_dropout, microbatches)
-    tokens = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32,
-                                  sharding=named(state.mesh, "batch", None))
+    tokens = jax.ShapeDtypeStruct(batch_shape(batch_size, seq_len, state.mesh), jnp.int32,
+                                  sharding=batch_sharding(state.mesh))
     # every argument abstract, so a mesh of compile-only devices works too
     # (jaxtp.analysis.plan and ahead-of-time compiles for another platform)
     replicated = NamedSharding(state.mesh, P())
@@ -234,7 +237,7 @@ def single_device_check(cfg: Config, params0, batches, keys, loss: float, grad_n
     ||p_n - ref_n|| / ||ref_n - p0||, far more sensitive, as Adam's first
     updates are nearly lr * sign(g) and magnify round-off in small gradients.
     """
-    one = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=1, tp=1,
+    one = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=1, tp=1, cp=1,
                                                                 impl="gspmd"))
     mesh = make_mesh(1, 1, devices=jax.devices()[:1])
     state = init_train_state(one, mesh, params=params0)
