@@ -28,14 +28,15 @@ import threading
 import time
 
 from jaxtp.cli import Parser, positive
-from jaxtp.config import (ATTENTIONS, COORDINATOR_TIMEOUT_S, IMPLS, OVERLAPS, REMATS, Config,
+from jaxtp.config import (ATTENTIONS, COORDINATOR_TIMEOUT_S, CP_STRATEGIES, IMPLS, OVERLAPS, REMATS, Config,
                           ConfigError, apply_overrides, load_config, preset_names, validate)
 from jaxtp.train.metrics import HARDWARE, TARGET_NAMES
 from jaxtp.train.rundir import RunDir
 
 EXIT_FAILED, EXIT_USAGE, EXIT_SAVE = 1, 2, 3
 # the flags that set one config key (their help says which, and the default)
-FLAG_KEYS = {"tp": "parallel.tp", "dp": "parallel.dp", "impl": "parallel.impl",
+FLAG_KEYS = {"tp": "parallel.tp", "dp": "parallel.dp", "cp": "parallel.cp",
+             "cp_attention": "parallel.cp_attention", "impl": "parallel.impl",
              "sp": "parallel.sp", "overlap": "parallel.overlap", "fsdp": "parallel.fsdp",
              "microbatches": "train.microbatches",
              "scan": "model.scan_layers", "remat": "model.remat", "attention": "model.attention",
@@ -58,6 +59,13 @@ def _layout_flags(ap) -> None:
                             "(default: tiny; with --resume: the run's own config)")
     group.add_argument("--tp", type=int, help="tensor-parallel degree (mesh axis 'tp')")
     group.add_argument("--dp", type=int, help="data-parallel degree (mesh axis 'dp')")
+    group.add_argument("--cp", type=int,
+                       help="context-parallel degree (mesh axis 'cp', between dp and tp): the "
+                            "sequence split over it for the whole model (with the causal load "
+                            "balance; parallel.cp_balance=false turns it off)")
+    group.add_argument("--cp-attention", choices=CP_STRATEGIES,
+                       help="with --cp: allgather (K/V all-gathered over cp per layer) or ring "
+                            "(K/V chunks passed cp-1 hops, merged by log-sum-exp)")
     group.add_argument("--impl", choices=IMPLS,
                        help="gspmd: XLA inserts the collectives; shard_map: written out; "
                             "explicit: sharding in types (Explicit mesh axes)")
@@ -140,7 +148,7 @@ def _cluster_flags(ap) -> None:
                        help="multi-process: how long to wait for every process to arrive "
                             "(default: %(default)s)")
     group.add_argument("--local-devices", type=int,
-                       help="CPU only: fake devices per process (default: enough for dp*tp "
+                       help="CPU only: fake devices per process (default: enough for dp*cp*tp "
                             "in one process)")
 
 
@@ -292,18 +300,18 @@ def start_jax(args, cfg: Config) -> str | None:
     # flags, JAX's environment variables or a launcher (srun, mpirun) make a multi-process run
     try:
         multi, n = distributed.requested(args.coordinator, args.num_processes, args.process_id)
-        if multi and n and not args.local_devices and (p.dp * p.tp) % n:
-            return (f"--num-processes {n}: the mesh's dp*tp = {p.dp * p.tp} devices do not "
-                    f"split evenly over {n} processes; choose --dp/--tp whose product "
+        if multi and n and not args.local_devices and p.devices % n:
+            return (f"--num-processes {n}: the mesh's dp*cp*tp = {p.devices} devices do not "
+                    f"split evenly over {n} processes; choose --dp/--cp/--tp whose product "
                     f"divides by {n}, or give --local-devices")
         if multi:
             print(distributed.initialize(
                 args.coordinator, args.num_processes, args.process_id,
-                args.local_devices or (p.dp * p.tp // n if n else None),
+                args.local_devices or (p.devices // n if n else None),
                 timeout_s=args.coordinator_timeout))
         else:  # before JAX starts
             print(ensure_devices(args.local_devices or
-                                 p.dp * (max(p.tp, 8) if args.plan else p.tp)))
+                                 p.dp * p.cp * (max(p.tp, 8) if args.plan else p.tp)))
         on_cpu = jax.default_backend() == "cpu" and not args.hardware
     except (ValueError, RuntimeError, AssertionError) as e:
         # jax 0.10.2 fails JAX_PLATFORMS=cuda without a GPU on a bare assert
@@ -333,7 +341,7 @@ def compare(args, cfg: Config) -> int:
     if args.hardware:
         from jaxtp.analysis.targets import target_mesh
 
-        mesh = target_mesh(args.hardware, p.dp, p.tp)  # or TargetUnavailable
+        mesh = target_mesh(args.hardware, p.dp, p.tp, p.cp)  # or TargetUnavailable
     return 0 if compare_hlo(cfg, default_out(args, cfg), mesh=mesh)["ok"] else EXIT_FAILED
 
 
@@ -366,8 +374,9 @@ def run(args, cfg: Config, given: dict) -> int:
 def default_out(args, cfg: Config) -> str:
     p = cfg.parallel
     name = args.config or "tiny"
+    cp = f"-cp{p.cp}" if p.cp > 1 else ""
     return args.out or (f"runs/{name.split('/')[-1].removesuffix('.json')}"
-                        f"-dp{p.dp}-tp{p.tp}-{time.strftime('%Y%m%d-%H%M%S')}")
+                        f"-dp{p.dp}{cp}-tp{p.tp}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 if __name__ == "__main__":

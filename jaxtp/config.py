@@ -16,7 +16,8 @@ from typing import Any
 
 # the choices a config may make, the error of one it may not, and the rules
 # (jaxtp.checks, which imports nothing of this module)
-from .checks import (ATTENTIONS, COORDINATOR_TIMEOUT_S, CP_STRATEGIES, DTYPES, IMPLS, INFERENCE_IMPLS,
+from .checks import (ATTENTIONS, COORDINATOR_TIMEOUT_S, CP_STRATEGIES, DTYPES, IMPLS,
+                     INFERENCE_IMPLS,
                      OVERLAPS, REMATS, STYLES, ConfigError, check)
 
 # the presets: `jaxtp/configs/` in an installed wheel (pyproject maps the

@@ -30,8 +30,10 @@ def on_backend(rows: list[Expected], cfg: Config, impl: str, platform: str) -> l
             # no reduce-scatter creator: GSPMD's (and explicit's, which the
             # partitioner lowers from its types; and the FSDP gradients GSPMD
             # places under shard_map) stays an all-reduce of the full buffer
-            # and a slice (shard_map's psum_scatter is kept)
-            if r.kind == "reduce-scatter" and (impl != "shard_map" or r.role == "fsdp_gspmd"):
+            # and a slice (shard_map's psum_scatter is kept, and so is the cp
+            # core's, written in a shard_map under every impl)
+            if r.kind == "reduce-scatter" and r.role != "cp" and (
+                    impl != "shard_map" or r.role == "fsdp_gspmd"):
                 r = whole(r)
             # the CPU runtime carries 16-bit collectives in fp32
             if r.dtype in ("bf16", "f16"):

@@ -31,9 +31,10 @@ import numpy as np
 
 from ..config import Config
 from ..model.vocab import loss_chunks
-from ..parallel import DATA_AXIS, TP_AXIS
+from ..parallel import CP_AXIS, DATA_AXIS, TP_AXIS
 from ..train.step import slices_over_dp_of
 from .backends import on_backend
+from .cp import expected_cp, settle_cp
 from .dp import expected_dp
 from .rows import HLO_DTYPES, Expected
 
@@ -84,15 +85,18 @@ def budget_for(cfg: Config) -> Budget:
     m, p = cfg.model, cfg.parallel
     M = cfg.train.microbatches
     return Budget(tp=p.tp, layers=m.n_layers, batch=cfg.train.batch_size // (p.dp * M),
-                  seq=m.seq_len, d_model=m.d_model, dtype_bytes=np.dtype(m.dtype).itemsize,
+                  seq=m.seq_len // p.cp, d_model=m.d_model, dtype_bytes=np.dtype(m.dtype).itemsize,
                   microbatches=M)
 
 
 def expected_collectives(cfg: Config, impl: str, platform: str = "") -> list[Expected]:
     """Every collective the train step of `cfg` needs under `impl`: over tp,
-    and with dp > 1 over dp (`jaxtp.analysis.dp.expected_dp`); as the compiler for `platform`
-    ("cpu", "gpu", "tpu"; "" for none) carries it out (`backends.on_backend`)."""
-    rows = _per_microbatch(cfg, _expected_tp(cfg, impl)) + expected_dp(cfg, impl)
+    with dp > 1 over dp (`jaxtp.analysis.dp.expected_dp`), with cp > 1 over
+    cp (`jaxtp.analysis.cp.expected_cp`, and the gradients over dp x cp); as
+    the compiler for `platform` ("cpu", "gpu", "tpu"; "" for none) carries it
+    out (`backends.on_backend`)."""
+    rows = settle_cp(cfg, impl, _per_microbatch(cfg, _expected_tp(cfg, impl))
+                     + expected_dp(cfg, impl) + expected_cp(cfg, impl))
     return on_backend(rows, cfg, impl, platform) if platform else rows
 
 
@@ -117,8 +121,9 @@ def _expected_tp(cfg: Config, impl: str) -> list[Expected]:
     m, tp = cfg.model, cfg.parallel.tp
     if tp == 1:
         return []
+    # each cp rank's s/cp positions: the tp rows are Megatron's within each cp group
     b, s, L, dt = cfg.train.batch_size // (cfg.parallel.dp * cfg.train.microbatches), \
-        m.seq_len, m.n_layers, HLO_DTYPES[m.dtype]
+        m.seq_len // cfg.parallel.cp, m.n_layers, HLO_DTYPES[m.dtype]
     act = b * s * m.d_model
     E = lambda name, kind, pass_, scope, n, count, dtype=dt, group=tp, role="", axes=(TP_AXIS,): \
         Expected(name, kind, pass_, scope, n, dtype, group, count, role, axes)
@@ -211,8 +216,13 @@ def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int):
         *_cross_entropy(E, b, n, c),
         E("gradient norm: one sum of squares", "all-reduce", "other", "", 1, 1, "f32"),
     ]
-    # GSPMD sums these outside the regions, under every impl
-    rows += [dataclasses.replace(r, written=False) for r in _seq_shard_params(cfg, impl, E, s, L)]
+    # GSPMD sums these outside the regions, under every impl; under cp over
+    # cp x tp at once (the sequence is split over both; `expected_cp`
+    # takes them out of the dp x cp total)
+    joint = {} if cfg.parallel.cp == 1 else dict(group=cfg.parallel.cp * tp,
+                                                  axes=(CP_AXIS, TP_AXIS))
+    rows += [dataclasses.replace(r, written=False, **joint)
+             for r in _seq_shard_params(cfg, impl, E, m.seq_len, L)]
     K, H = m.kv_heads, m.head_dim
     if xla_kv:
         rows += _kv_rows(cfg, impl, E, b * s * 2 * K * H)
@@ -223,10 +233,11 @@ def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int):
         # over dp, dp is manual and reduced once after them: jaxtp.train.step)
         p = cfg.parallel
         dp = 1 if p.fsdp or slices_over_dp_of(cfg) else p.dp
+        over = tuple(a for a, n in ((DATA_AXIS, dp), (CP_AXIS, p.cp)) if n > 1)
         rows.append(E("replicated kv weight gradient: sum over tp"
-                      + (" and dp" if dp > 1 else ""), "all-reduce", "backward", "attention",
-                      m.d_model * 2 * K * H, L, group=tp * dp,
-                      axes=(DATA_AXIS, TP_AXIS) if dp > 1 else (TP_AXIS,)))
+                      + "".join(f" and {a}" for a in over), "all-reduce", "backward",
+                      "attention", m.d_model * 2 * K * H, L, group=tp * dp * p.cp,
+                      axes=over + (TP_AXIS,)))
     return rows
 
 

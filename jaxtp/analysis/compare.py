@@ -48,7 +48,7 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
     p = cfg.parallel
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    mesh = make_mesh(p.dp, p.tp) if mesh is None else mesh
+    mesh = make_mesh(p.dp, p.tp, cp=p.cp) if mesh is None else mesh
     impls, colls_by_impl, expected_by_impl = {}, {}, {}
     for impl in IMPLS:
         colls_by_impl[impl], expected_by_impl[impl], impls[impl] = _compile_and_check(

@@ -13,7 +13,7 @@ from flax import nnx
 
 from ..config import Config
 from ..model import Transformer
-from ..parallel import DATA_AXIS, Layout, spec_axes, split_over_tp
+from ..parallel import CP_AXIS, DATA_AXIS, Layout, spec_axes, split_over_tp
 from ..train.step import slices_over_dp_of
 from .rows import ANY_PASS, ANY_SCOPE, HLO_DTYPES, Expected
 
@@ -65,6 +65,15 @@ def param_shards(cfg: Config) -> list[ParamShard]:
     return out
 
 
+def data_group(cfg: Config) -> tuple[int, tuple[str, ...]]:
+    """(size, mesh axes) of the group a weight gradient is summed over: dp,
+    and cp, which splits the tokens as dp does (each rank's gradient is its
+    tokens' part)."""
+    p = cfg.parallel
+    axes = tuple(a for a, n in ((DATA_AXIS, p.dp), (CP_AXIS, p.cp)) if n > 1)
+    return p.dp * p.cp, axes or (DATA_AXIS,)
+
+
 def expected_dp(cfg: Config, impl: str) -> list[Expected]:
     """Data parallelism: the loss is averaged over dp (one scalar all-reduce),
     and every parameter gradient (each rank's tp shard) is all-reduced over dp
@@ -75,51 +84,73 @@ def expected_dp(cfg: Config, impl: str) -> list[Expected]:
     With microbatches the slices run in a shard_map manual over dp
     (`jaxtp.train.step`): every gradient, summed over the slices on each
     rank, is reduced once per step (the tied embedding's two parts added
-    first), and the loss once. FSDP: `_expected_fsdp`."""
+    first), and the loss once. FSDP: `_expected_fsdp`.
+
+    Under cp the same rows span dp x cp (`data_group`)."""
     m, p = cfg.model, cfg.parallel
-    if p.dp == 1:
+    group, axes = data_group(cfg)
+    if group == 1:
         return []
+    over = " x ".join(axes)
     M = cfg.train.microbatches
     if p.fsdp:
         return _expected_fsdp(cfg, impl)
     pd = HLO_DTYPES[m.param_dtype]
     grads = sum(s.elements for s in param_shards(cfg))
     if slices_over_dp_of(cfg):  # one reduction of each whole gradient at the end
-        return [_loss_mean(p.dp, 1, "other"),
-                Expected("dp: every parameter gradient (tp shard), summed over dp once "
-                         f"after {M} microbatches", "all-reduce", "other", ANY_SCOPE, grads,
-                         pd, p.dp, 1, axes=(DATA_AXIS,))]
+        return [_loss_mean(group, 1, "other", axes),
+                Expected(f"{over}: every parameter gradient (tp shard), summed over {over} "
+                         f"once after {M} microbatches", "all-reduce", "other", ANY_SCOPE, grads,
+                         pd, group, 1, axes=axes)]
     if M > 1:  # cuDNN attention: the slices reduce as one batch does, each of them
         one = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=1))
         return [dataclasses.replace(r, count=r.count * M) for r in expected_dp(one, impl)]
     if m.tie_embeddings:
         grads += m.padded_vocab // p.tp * m.d_model
-    if p.sequence_parallel and m.style != "llama":
+    if p.sequence_parallel and m.style != "llama" and p.cp == 1:
         # learned positions used on sequence shards: each tp rank's gradient is
         # non-zero only on its T/tp rows, and XLA reduces that slice over dp
-        # (the tp sum then assembles the table)
+        # (the tp sum then assembles the table; under cp: `settle_cp`)
         grads -= m.seq_len * m.d_model - m.seq_len // p.tp * m.d_model
     if p.sequence_parallel and impl == "shard_map" and m.kv_heads < p.tp:
         grads -= m.n_layers * m.d_model * 2 * m.kv_heads * m.head_dim  # over dp and tp at once
-    rows = [_loss_mean(p.dp, 1)]
+    # at dp > 1 and cp > 1, what GSPMD reduces (every gradient under gspmd
+    # and explicit, the loss, shard_map's outside its regions) is summed over
+    # cp and then over dp, two all-reduces; shard_map's regions sum over both
+    # at once (one psum, the transpose of their dp x cp broadcast)
+    steps = (((p.cp, (CP_AXIS,)), (p.dp, (DATA_AXIS,))) if p.dp > 1 and p.cp > 1
+             else ((group, axes),))
+    rows = [_loss_mean(g, 1, axes=a) for g, a in steps]
+    # under SP and cp, what the dp-only step reduces of the learned positions:
+    # each rank's T/(cp*tp) rows (the rest: `jaxtp.analysis.cp.settle_cp`)
+    dp_positions = (m.seq_len * m.d_model - m.seq_len // (p.cp * p.tp) * m.d_model
+                    if len(steps) == 2 and p.sequence_parallel and m.style != "llama" else 0)
+    less = lambda a: dp_positions if a == (DATA_AXIS,) else 0
     if impl == "shard_map":  # its regions' own sums, and what GSPMD places outside them
         outside = sum(s.elements for s in param_shards(cfg) if not s.region)
-        if p.sequence_parallel and m.style != "llama":
+        if p.sequence_parallel and m.style != "llama" and p.cp == 1:
             outside -= m.seq_len * m.d_model - m.seq_len // p.tp * m.d_model
-        rows.append(Expected("dp: parameter gradients outside the regions (norms, biases, "
-                             "positions), summed over dp by GSPMD", "all-reduce", "backward",
-                             ANY_SCOPE, outside, pd, p.dp, 1, axes=(DATA_AXIS,), written=False))
+        rows += [Expected(f"{over}: parameter gradients outside the regions (norms, "
+                          f"biases, positions), summed over {' x '.join(a)} by GSPMD",
+                          "all-reduce", "backward", ANY_SCOPE, outside - less(a), pd, g, 1,
+                          axes=a, written=False) for g, a in steps]
         grads -= outside
-    return rows + [Expected("dp: every parameter gradient (tp shard), summed over dp"
-                            + (" in its region" if impl == "shard_map" else ""), "all-reduce",
-                            "backward", ANY_SCOPE, grads, pd, p.dp, 1, axes=(DATA_AXIS,))]
+        steps = ((group, axes),)
+    return rows + [Expected(f"{over}: every parameter gradient (tp shard), summed over "
+                            f"{' x '.join(a)}" + (" in its region" if impl == "shard_map" else ""),
+                            "all-reduce", "backward", ANY_SCOPE, grads - less(a), pd, g, 1,
+                            axes=a) for g, a in steps]
 
 
-def _loss_mean(dp: int, count: int, pass_: str = "forward") -> Expected:
-    """The loss averaged over dp: in the forward pass of each microbatch, or
-    once after the slices ("other": `jaxtp.train.step`'s dp-local sum)."""
-    return Expected("dp: mean of the loss over dp" + (" (per microbatch)" if count > 1 else ""),
-                    "all-reduce", pass_, "", 1, "f32", dp, count, axes=(DATA_AXIS,),
+def _loss_mean(group: int, count: int, pass_: str = "forward",
+               axes: tuple[str, ...] = (DATA_AXIS,)) -> Expected:
+    """The loss averaged over dp (and cp): in the forward pass of each
+    microbatch, or once after the slices ("other": `jaxtp.train.step`'s
+    dp-local sum)."""
+    over = " x ".join(axes)
+    return Expected(f"{over}: mean of the loss over {over}"
+                    + (" (per microbatch)" if count > 1 else ""),
+                    "all-reduce", pass_, "", 1, "f32", group, count, axes=axes,
                     written=pass_ == "other")
 
 

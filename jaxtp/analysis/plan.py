@@ -103,7 +103,7 @@ def analyze(cfg: Config, mesh=None) -> dict:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     t0 = time.perf_counter()
     # fake CPU devices: planning needs no accelerator, nor as many as tp
-    mesh = make_mesh(p.dp, p.tp, devices=jax.devices("cpu")) if mesh is None else mesh
+    mesh = make_mesh(p.dp, p.tp, devices=jax.devices("cpu"), cp=p.cp) if mesh is None else mesh
     mesh = mesh_for(mesh, p.impl)
     cfg = resolve_attention(cfg, mesh.devices.flat[0])
     state = abstract_train_state(cfg, mesh)

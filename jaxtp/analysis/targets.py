@@ -95,7 +95,6 @@ def compile_only_devices(name: str, n: int = 8) -> list:
     return devices[:n]
 
 
-def target_mesh(name: str, dp: int, tp: int):
-    """A (dp, tp) mesh of compile-only devices of target `name`."""
-
-    return make_mesh(dp, tp, devices=compile_only_devices(name, dp * tp))
+def target_mesh(name: str, dp: int, tp: int, cp: int = 1):
+    """A (dp, [cp,] tp) mesh of compile-only devices of target `name`."""
+    return make_mesh(dp, tp, devices=compile_only_devices(name, dp * cp * tp), cp=cp)

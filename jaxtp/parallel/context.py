@@ -38,10 +38,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec as P
 
 from .collectives import vary, varying_axes
-from .layout import CP_AXIS, Layout
+from .layout import CP_AXIS, Layout, spec
 
 NEG_INF = float("-inf")
 KV_NAME = "cp_kv"  # remat name of the K/V a rank received (every policy but "full" keeps it)
@@ -59,12 +58,16 @@ def attend(core, q_BTKGH, k_BTKH, v_BTKH, layout: Layout):
 
 
 def over_cp(core, q_BTKGH, k_BTKH, v_BTKH, layout: Layout):
-    """`attend` on global arrays: a shard_map manual over cp only (the batch,
-    heads and any other axis stay the impl's own)."""
-    s = P(None, CP_AXIS)
+    """`attend` on global arrays: a shard_map manual over every mesh axis
+    not already manual, q, k and v split as they are (batch over dp,
+    sequence over cp, heads over tp: the core moves nothing over dp or tp).
+    (Manual over cp alone, GSPMD gathered the kv heads over tp before the
+    all-gather over cp.)"""
+    mesh = jax.sharding.get_abstract_mesh()
+    s = spec("batch", "seq", "heads")  # dim 2: the (kv) heads
     return jax.shard_map(lambda q, k, v: attend(core, q, k, v, layout), in_specs=(s, s, s),
-                         out_specs=s, axis_names={CP_AXIS}, check_vma=True)(
-        q_BTKGH, k_BTKH, v_BTKH)
+                         out_specs=s, axis_names=set(mesh.axis_names) - set(mesh.manual_axes),
+                         check_vma=True)(q_BTKGH, k_BTKH, v_BTKH)
 
 
 def chunk_starts(rank, layout: Layout, c: int) -> list:
@@ -112,8 +115,8 @@ def _ring(core, q_BTKGH, k_BTKH, v_BTKH, layout: Layout):
     acc = [None] * n
     for hop in range(cp):
         if hop:  # rank r now holds the chunk of rank r - hop
-            kv = checkpoint_name(jax.lax.ppermute(kv, CP_AXIS, [(j, (j + 1) % cp)
-                                                               for j in range(cp)]), KV_NAME)
+            kv = checkpoint_name(jax.lax.ppermute(
+                kv, CP_AXIS, [(j, (j + 1) % cp) for j in range(cp)]), KV_NAME)
         k_starts = chunk_starts((rank - hop) % cp, layout, c)
         for i, (q, q_start) in enumerate(zip(qs, q_starts)):
             for kv_j, k_start in zip(_chunks(kv, n), k_starts):

@@ -62,26 +62,29 @@ def grads_of(graphdef, params, tokens_BT1, key, microbatches: int = 1):
     specs = nnx.get_partition_spec(params)
     model = nnx.merge(graphdef, params)  # what it was built with: its layout, its kernel
     if slices_over_dp(model.layout.dp, model.layout.fsdp, microbatches, model.layout.impl,
-                      model.cfg.attention):
+                      model.cfg.attention, model.layout.cp):
         return _over_dp_once(value_and_grad, params, specs, tokens_BT1, key, microbatches)
     return _accumulate(value_and_grad, params, tokens_BT1, key, microbatches)
 
 
-def slices_over_dp(dp: int, fsdp: bool, microbatches: int, impl: str, attention: str) -> bool:
+def slices_over_dp(dp: int, fsdp: bool, microbatches: int, impl: str, attention: str,
+                   cp: int = 1) -> bool:
     """Whether `grads_of` runs its slices in a shard_map manual over dp (the
     gradient reduced once per step). Not under FSDP (each slice's gradient is
     reduce-scattered), nor with cuDNN attention under gspmd or explicit
     (jax 0.10.2: its custom partitioning fails inside a shard_map that leaves
-    an axis to GSPMD; shard_map's own regions are manual over every axis):
-    those reduce once per slice."""
-    return (dp > 1 and not fsdp and microbatches > 1
+    an axis to GSPMD; shard_map's own regions are manual over every axis),
+    nor under cp (its sum over cp is per slice, so the slices reduce as one
+    batch does: not yet built): those reduce once per slice."""
+    return (dp > 1 and not fsdp and microbatches > 1 and cp == 1
             and (attention != "cudnn" or impl == "shard_map"))
 
 
 def slices_over_dp_of(cfg: Config) -> bool:
     """`slices_over_dp` for `cfg` (its attention resolved for the device)."""
     p = cfg.parallel
-    return slices_over_dp(p.dp, p.fsdp, cfg.train.microbatches, p.impl, cfg.model.attention)
+    return slices_over_dp(p.dp, p.fsdp, cfg.train.microbatches, p.impl, cfg.model.attention,
+                          p.cp)
 
 
 def _is_spec(x) -> bool:

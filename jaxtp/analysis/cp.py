@@ -1,0 +1,110 @@
+"""The context-parallel ledger of a train step: the attention core's
+collectives over cp (`jaxtp.parallel.context`), per layer and microbatch,
+that `jaxtp.analysis.budget.expected_collectives` adds at cp > 1. (The
+weight gradients' sum over dp x cp and the loss mean are the dp ledger's,
+`jaxtp.analysis.dp.data_group`; the tp rows are Megatron's on each rank's
+s/cp positions, `jaxtp.analysis.budget`.)
+
+Per layer, with b the rows of one dp rank per microbatch, s the sequence,
+Kl the kv heads one tp rank holds and H the head dim, K and V travel as one
+array of 2*b*(s/cp)*Kl*H elements per rank (only K heads: GQA moves K/N of
+what the queries would):
+
+- allgather (the Llama 3 paper's CP, Grattafiori et al. 2024, Sec. 3.3.2;
+  Megatron-Core's `cp_comm_type=all_gather`): forward, one all-gather over
+  cp whose result is the whole sequence's 2*b*s*Kl*H; backward, its
+  transpose, one reduce-scatter of dK/dV to 2*b*(s/cp)*Kl*H; under remat
+  "full", which keeps only the region outputs, the recomputed forward
+  gathers again (the other policies keep the gathered K/V, "cp_kv").
+  Ring bytes per rank: (cp-1)/cp of the gathered buffer each.
+- ring (Liu et al. 2023, Ring Attention, Sec. 3; Megatron-Core's
+  `cp_comm_type=p2p`): forward, cp-1 collective-permutes of one chunk; the
+  backward pass, the reverse ring's cp-1 permutes of the dK/dV partial sums;
+  under remat "full" the forward ring's cp-1 again (its received chunks are
+  not kept). Each permute sends its whole buffer once per rank: the ring
+  moves (cp-1)/cp of the K/V the all-gather does, the same bytes, in cp-1
+  steps that can overlap the chunk pairs' attention.
+
+Kl is K/tp where tp divides the kv heads; with fewer kv heads than tp
+(the replicated kv projection) it is the one kv head a rank's queries use,
+except under gspmd, whose layout repeats the kv heads once per query head
+(`jaxtp.parallel.GSPMD.kv_for_heads`): its ranks send N/tp copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import Config
+from ..parallel import CP_AXIS
+from .rows import ANY_SCOPE, HLO_DTYPES, Expected
+
+
+def kv_heads_per_rank(cfg: Config, impl: str) -> int:
+    """The kv heads a tp rank's K/V hold as they travel over cp (Kl)."""
+    m, tp = cfg.model, cfg.parallel.tp
+    if m.kv_heads % tp == 0:
+        return m.kv_heads // tp
+    return m.n_heads // tp if impl == "gspmd" else 1
+
+
+def expected_cp(cfg: Config, impl: str) -> list[Expected]:
+    """The attention core's collectives over cp (see the module docstring)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.cp == 1:
+        return []
+    b = t.batch_size // (p.dp * t.microbatches)
+    chunk = 2 * b * (m.seq_len // p.cp) * kv_heads_per_rank(cfg, impl) * m.head_dim
+    n = m.n_layers * t.microbatches
+    again = m.remat == "full"  # the only policy that does not keep "cp_kv"
+    dt = HLO_DTYPES[m.dtype]
+    E = lambda name, kind, pass_, elements, count, group=p.cp: Expected(
+        "cp: " + name, kind, pass_, "attention", elements, dt, group, count, "cp",
+        (CP_AXIS,))
+    if p.cp_attention == "allgather":
+        rows = [E("K/V all-gathered over cp", "all-gather", "forward", chunk * p.cp, n),
+                E("dK/dV reduce-scattered over cp", "reduce-scatter", "backward", chunk, n)]
+        if again:
+            rows.append(E("remat 'full': K/V all-gathered again for the backward",
+                          "all-gather", "backward", chunk * p.cp, n))
+        return rows
+    hops = p.cp - 1
+    # a permute's source-target pairs span the whole mesh (each cp ring of it)
+    rows = [E(f"K/V chunk passed {hops} hops around the cp ring", "collective-permute",
+              "forward", chunk, hops * n, p.devices),
+            E("dK/dV partial sums passed back around the reverse ring", "collective-permute",
+              "backward", chunk, hops * n, p.devices)]
+    if again:
+        rows.append(E("remat 'full': the forward ring again for the backward",
+                      "collective-permute", "backward", chunk, hops * n, p.devices))
+    return rows
+
+
+def settle_cp(cfg: Config, impl: str, rows: list[Expected]) -> list[Expected]:
+    """The whole budget with what cp moves between its ledgers: parameters
+    used on the sequence split whose gradient XLA does not sum in the
+    dp x cp total.
+
+    - Under SP the sequence is split over cp x tp at once, and the partial
+      gradients of the replicated parameters used on its shards (norms,
+      row-parallel biases, learned positions: the rows `jaxtp.analysis.budget`
+      sizes over cp x tp) are summed over both in one collective.
+    - impl explicit without SP reshards the learned positions from
+      replicated to the cp split; the transpose gathers the gradient's rows
+      over cp (the table's s*D elements) instead of summing them."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp == 1:
+        return rows
+    moved = [r for r in rows if r.role in ("seq_shard_param", "positions") and CP_AXIS in r.axes]
+    if impl == "explicit" and not p.sequence_parallel and m.style != "llama":
+        row = Expected("cp: learned positions resharded to the cp split: gradient rows "
+                       "gathered", "all-gather", "backward", "", m.seq_len * m.d_model,
+                       HLO_DTYPES[m.param_dtype], p.cp, 1, "positions", (CP_AXIS,), False)
+        rows, moved = rows + [row], moved + [row]
+    out = list(rows)
+    taken = sum(r.elements * r.count for r in moved)
+    for i, r in enumerate(out):  # the dp x cp total of what GSPMD sums
+        if taken and r.scope == ANY_SCOPE and r.kind == "all-reduce" and CP_AXIS in r.axes \
+                and (impl != "shard_map" or not r.written):
+            out[i] = dataclasses.replace(r, elements=r.elements - taken)
+    return out
