@@ -184,7 +184,26 @@ def _expected_fsdp(cfg: Config, impl: str) -> list[Expected]:
       (`_expected_tp`)."""
     shards = param_shards(cfg)
     return ([_loss_mean(cfg.parallel.dp, cfg.train.microbatches)]
+            + _fsdp_over_cp(cfg, impl, shards)
             + _fsdp_gathers(cfg, impl, shards) + _fsdp_reductions(cfg, impl, shards))
+
+
+def _fsdp_over_cp(cfg: Config, impl: str, shards: list[ParamShard]) -> list[Expected]:
+    """FSDP with cp: each microbatch's gradients, whole over dp, are first
+    all-reduced over cp (the loss too), then reduce-scattered over dp; but
+    shard_map sums the parameters FSDP leaves whole (column biases) over
+    dp x cp at once (`_fsdp_reductions`)."""
+    m, p, M = cfg.model, cfg.parallel, cfg.train.microbatches
+    if p.cp == 1:
+        return []
+    grads = sum(s.elements for s in shards
+                if s.dp_split or impl != "shard_map" or not s.region)
+    if m.tie_embeddings:  # its lookup's and its head's parts apart
+        grads += m.padded_vocab // p.tp * m.d_model
+    return [_loss_mean(p.cp, M, axes=(CP_AXIS,)),
+            Expected("cp: every parameter gradient (whole over dp) summed over cp before "
+                     "FSDP's reduction", "all-reduce", "backward", ANY_SCOPE, grads,
+                     HLO_DTYPES[m.param_dtype], p.cp, M, "cp_grads", (CP_AXIS,))]
 
 
 def _fsdp_row(cfg: Config, name: str, kind: str, pass_: str, n: int, count: int, dtype: str,
@@ -255,8 +274,10 @@ def _fsdp_reductions(cfg: Config, impl: str, shards: list[ParamShard]) -> list[E
     region_rs = sum(s.elements for s in split if s.region) + both if impl == "shard_map" else 0
     gspmd_rs = sum(s.elements for s in split) + both - region_rs
     replicated = sum(s.elements for s in shards if not s.dp_split)
-    if p.sequence_parallel and m.style != "llama":  # the positions' dp slice (as without FSDP)
-        gspmd_rs -= m.seq_len * m.d_model - m.seq_len // p.tp * m.d_model
+    if (p.sequence_parallel or p.cp > 1) and m.style != "llama":
+        # the positions' dp slice (as without FSDP): each rank's own T/(cp*tp) rows
+        gspmd_rs -= m.seq_len * m.d_model - m.seq_len // (p.cp * (
+            p.tp if p.sequence_parallel else 1)) * m.d_model
     E = lambda *a, **kw: _fsdp_row(cfg, *a, **kw)
     rows = []
     if region_rs:
@@ -268,6 +289,9 @@ def _fsdp_reductions(cfg: Config, impl: str, shards: list[ParamShard]) -> list[E
                       "reduce-scatter", "backward", gspmd_rs // dp, M, pd, "fsdp_gspmd",
                       written=False))
     if replicated:
-        rows.append(E("parameters not split over dp (no model dim): gradient all-reduced",
-                      "all-reduce", "backward", replicated, M, pd))
+        joint = impl == "shard_map" and p.cp > 1  # one psum over dp x cp in the region
+        rows.append(dataclasses.replace(
+            E("parameters not split over dp (no model dim): gradient all-reduced"
+              + (" over dp x cp" if joint else ""), "all-reduce", "backward", replicated, M, pd),
+            **(dict(group=p.dp * p.cp, axes=(DATA_AXIS, CP_AXIS)) if joint else {})))
     return rows

@@ -39,14 +39,18 @@ def run_record(cfg: Config, mesh, model, hlo_text: str, check: dict | None = Non
                  for r in rows if r["scope"] in ("attention", "mlp")]
     outside = [r for r in rows if r["scope"] not in ("attention", "mlp")]
     return {
-        **dict(tp=p.tp, dp=p.dp), "impl": p.impl,
+        **dict(tp=p.tp, dp=p.dp, cp=p.cp), "impl": p.impl,
+        # context parallelism's strategy and causal load balance (cp > 1)
+        "cp_attention": p.cp_attention if p.cp > 1 else None,
+        "cp_balance": p.cp_balance if p.cp > 1 else None,
         "platform": mesh.devices.flat[0].platform,
-        "mesh_device_ids": mesh.device_ids.tolist(),  # [dp][tp]
+        "mesh_device_ids": mesh.device_ids.tolist(),  # [dp][tp], or [dp][cp][tp]
         "model": {"d_model": m.d_model, "d_ff": m.d_ff, "n_heads": m.n_heads,
                   "n_kv_heads": m.kv_heads, "n_layers": m.n_layers, "vocab_size": m.vocab_size,
                   "padded_vocab": m.padded_vocab, "style": m.style, "dtype": m.dtype,
                   "attention": m.attention, "attention_block": m.attention_block,
                   "remat": m.remat, "loss_chunk": m.loss_chunk},
+        # s: the sequence; each cp rank holds s/cp of its positions
         "microbatch": {"b": b, "s": m.seq_len, "tokens": b * m.seq_len, "microbatches": M},
         "linear_layouts": linear_layouts(model),
         "collectives_per_layer": per_layer,
