@@ -105,6 +105,6 @@ def settle_cp(cfg: Config, impl: str, rows: list[Expected]) -> list[Expected]:
     taken = sum(r.elements * r.count for r in moved)
     for i, r in enumerate(out):  # the dp x cp total of what GSPMD sums
         if taken and r.scope == ANY_SCOPE and r.kind == "all-reduce" and CP_AXIS in r.axes \
-                and (impl != "shard_map" or not r.written or r.role == "cp_grads")):
+                and (impl != "shard_map" or not r.written or r.role == "cp_grads"):
             out[i] = dataclasses.replace(r, elements=r.elements - taken // r.count)
     return out

@@ -1,0 +1,241 @@
+"""Context parallelism (jaxtp.parallel.context): the sequence split over a cp
+axis. Every layout's loss and gradients equal one device's; the compiled
+step holds exactly the cp ledger (jaxtp.analysis.cp), checked here also by
+hand from the formulas of Liu et al. 2023 and the Llama 3 paper; bad input
+is refused before anything compiles."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtp import hlo
+from jaxtp.analysis.budget import expected_collectives
+from jaxtp.analysis.rows import check
+from jaxtp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
+from jaxtp.model import blockwise, kernels
+from jaxtp.parallel import Layout, cp_batch, cp_order
+from jaxtp.train.data import to_mesh
+from jaxtp.train.state import abstract_train_state
+from jaxtp.train.step import compile_train_step, grads_of
+from cached import initial_params
+
+MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, seq_len=16)
+GQA = dataclasses.replace(MODEL, style="llama", n_kv_heads=2, use_bias=False,
+                          tie_embeddings=False)  # K=2: K < tp at tp=4
+MODELS = {"gpt2": MODEL, "llama-gqa": GQA}
+TOKENS = np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32)
+
+
+def cfg_of(model=MODEL, **kw):
+    mk = {k: kw.pop(k) for k in ("scan_layers", "remat", "attention", "attention_block")
+          if k in kw}
+    tk = {k: kw.pop(k) for k in ("microbatches",) if k in kw}
+    return validate(Config(dataclasses.replace(model, **mk), TrainConfig(batch_size=8, **tk),
+                           ParallelConfig(**kw)))
+
+
+def loss_and_grads(cfg):
+    """(loss, {path: full gradient}) of TOKENS, placed as the training loop
+    places a batch (under cp: inputs and targets in the balanced order)."""
+    mesh = Layout.of(cfg).mesh()
+    graphdef, params, _ = initial_params(cfg, mesh)
+    tokens = to_mesh(TOKENS, mesh, cfg.parallel.cp_balance)
+    with jax.set_mesh(mesh):
+        loss, grads = jax.jit(lambda p, t: grads_of(graphdef, p, t, None,
+                                                    cfg.train.microbatches))(params, tokens)
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(jax.device_get(grads)))[0]
+    return float(loss), {jax.tree_util.keystr(k): np.asarray(v) for k, v in flat}
+
+
+@functools.cache
+def one_device(model):
+    return loss_and_grads(cfg_of(model))
+
+
+def assert_same(a, b, rtol=1e-5, atol=1e-6):
+    (la, ga), (lb, gb) = a, b
+    np.testing.assert_allclose(la, lb, rtol=rtol)
+    assert ga.keys() == gb.keys()
+    for k in ga:
+        np.testing.assert_allclose(ga[k], gb[k], rtol=rtol, atol=atol, err_msg=k)
+
+
+def test_cp_order_is_the_dual_chunk_swap():
+    # rank r holds chunks r and 2cp-1-r of 2cp; a permutation; identity at cp=1
+    assert cp_order(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    assert cp_order(8, 4, balance=False).tolist() == list(range(8))
+    order = cp_order(48, 4).reshape(4, 12)  # rank r's T/cp positions
+    for r in range(4):
+        chunks = {int(p) // 6 for p in order[r]}
+        assert chunks == {r, 7 - r}
+    assert sorted(cp_order(48, 4).tolist()) == list(range(48))
+    # a placed batch: inputs and targets reordered alike, no shift across chunks
+    pair = cp_batch(TOKENS, 2, True)
+    assert pair.shape == (8, 2, 16)
+    o = cp_order(16, 2)
+    np.testing.assert_array_equal(pair[:, 0], TOKENS[:, :-1][:, o])
+    np.testing.assert_array_equal(pair[:, 1], TOKENS[:, 1:][:, o])
+
+
+@pytest.mark.parametrize("kernel", ["xla", "blockwise"])
+def test_parts_merged_by_log_sum_exp_are_causal_attention(kernel):
+    """Queries and keys in 4 chunks at their offsets, each pair one `Core.part`
+    merged by log-sum-exp (a ring's work, above-diagonal pairs included), and
+    each query chunk over all keys (the all-gather's), equal the reference
+    xla attention, forward and every gradient."""
+    B, T, K, G, H, c = 2, 64, 2, 2, 8, 16
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (B, T, K, G, H))
+    k, v = jax.random.normal(ks[1], (B, T, K, H)), jax.random.normal(ks[2], (B, T, K, H))
+    w = jax.random.normal(ks[3], (B, T, K, G, H))
+    core = kernels.Core(kernel, 8)
+    tr = lambda x: x.transpose(0, 3, 1, 2)[..., None]
+
+    def ring(q, k, v):
+        outs = []
+        for i in range(4):
+            o, lse = None, None
+            for j in range(4):
+                oj, lj = core.part(q[:, i * c:(i + 1) * c], k[:, j * c:(j + 1) * c],
+                                   v[:, j * c:(j + 1) * c], jnp.int32(i * c), jnp.int32(j * c))
+                if o is None:
+                    o, lse = oj, lj
+                    continue
+                new = jnp.logaddexp(lse, lj)
+                o, lse = o * tr(jnp.exp(lse - new)) + oj * tr(jnp.exp(lj - new)), new
+            outs.append(o)
+        return jnp.sum(jnp.concatenate(outs, 1) * w)
+
+    def gathered(q, k, v):
+        return jnp.sum(jnp.concatenate([core.part(q[:, i * c:(i + 1) * c], k, v,
+                                                  jnp.int32(i * c), jnp.int32(0))[0]
+                                        for i in range(4)], 1) * w)
+
+    ref = lambda q, k, v: jnp.sum(kernels.xla_attention(q, k, v) * w)
+    g_ref = jax.grad(ref, (0, 1, 2))(q, k, v)
+    for fn in (ring, gathered):
+        np.testing.assert_allclose(jax.jit(fn)(q, k, v), ref(q, k, v), rtol=1e-5)
+        for a, b in zip(jax.jit(jax.grad(fn, (0, 1, 2)))(q, k, v), g_ref):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
+
+
+def test_a_part_wholly_above_the_diagonal_sees_nothing():
+    q = jnp.ones((1, 8, 1, 1, 4))
+    o, lse = blockwise.blockwise_chunk(q, q[:, :, :, 0], q[:, :, :, 0], jnp.int32(0),
+                                       jnp.int32(8), 4)
+    assert (np.asarray(o) == 0).all() and np.isneginf(np.asarray(lse)).all()
+
+
+# (impl, model) x layouts: cp 2, 4, 8; cp x tp 2 x 4 and 4 x 2; dp x cp x tp
+# 2 x 2 x 2; SP on and off, balance on and off, both strategies
+LAYOUTS = {
+    "cp2xtp4-allgather": dict(cp=2, tp=4),
+    "cp4xtp2-sp-ring": dict(cp=4, tp=2, sp=True, cp_attention="ring"),
+    "dp2xcp2xtp2-sp-ring-unbalanced": dict(dp=2, cp=2, tp=2, sp=True, cp_attention="ring",
+                                           cp_balance=False),
+    "cp8-allgather-unbalanced": dict(cp=8, cp_balance=False),
+    "cp2-ring": dict(cp=2, cp_attention="ring"),
+    "cp4xtp2-scan-minimal-blockwise-ring": dict(cp=4, tp=2, cp_attention="ring",
+                                                scan_layers=True, remat="minimal",
+                                                attention="blockwise", attention_block=2),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
+def test_cp_equals_one_device(impl, model, layout):
+    assert_same(loss_and_grads(cfg_of(MODELS[model], impl=impl, **LAYOUTS[layout])),
+                one_device(MODELS[model]))
+
+
+test_cp_equals_one_device.fast_cases = {"gspmd-llama-gqa-cp4xtp2-sp-ring",
+                                        "shard_map-gpt2-cp2xtp4-allgather",
+                                        "explicit-llama-gqa-dp2xcp2xtp2-sp-ring-unbalanced"}
+
+
+# The ledger: every collective of the compiled train step, budgeted per axis
+LEDGER = {
+    "cp4xtp2-allgather": (GQA, dict(cp=4, tp=2)),
+    "cp4xtp2-ring-minimal": (GQA, dict(cp=4, tp=2, cp_attention="ring", remat="minimal")),
+    "cp4xtp2-ring-full": (GQA, dict(cp=4, tp=2, cp_attention="ring", remat="full")),
+    "cp2xtp4-sp-allgather-full": (MODEL, dict(cp=2, tp=4, sp=True, remat="full")),
+    "dp2xcp2xtp2-sp-fsdp-2slices": (MODEL, dict(dp=2, cp=2, tp=2, sp=True, fsdp=True,
+                                                microbatches=2, cp_attention="ring")),
+}
+
+
+@functools.cache
+def ledger_case(name, impl):
+    model, kw = LEDGER[name]
+    cfg = cfg_of(model, impl=impl, **kw)
+    mesh = Layout.of(cfg).mesh()
+    step = compile_train_step(abstract_train_state(cfg, mesh), 8, model.seq_len,
+                              microbatches=cfg.train.microbatches)
+    return cfg, dict(mesh.shape), hlo.collectives(step.as_text())
+
+
+@pytest.mark.parametrize("name", LEDGER)
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
+def test_the_compiled_step_holds_the_cp_ledger(impl, name):
+    cfg, mesh, colls = ledger_case(name, impl)
+    assert check(colls, expected_collectives(cfg, impl, "cpu"), mesh) is None
+
+
+test_the_compiled_step_holds_the_cp_ledger.fast_cases = {"shard_map-cp4xtp2-ring-minimal"}
+
+
+def _cp(colls, mesh, kind, pass_):
+    """(count, elements each) of the cp collectives of one kind and pass."""
+    got = [c for c in colls if c.kind == kind and c.pass_ == pass_ and c.axes(mesh) == ("cp",)
+           and c.scope == "attention"]
+    sizes = {int(np.prod(c.shape)) for c in got}
+    return sum(c.count for c in got), sizes
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+def test_the_cp_ledger_by_hand(impl):
+    """llama-gqa (K=2, H=8) at cp=4 x tp=2, b=8, s=16, L=2: K/V travel as one
+    array of 2*b*(s/cp)*(K/tp)*H = 2*8*4*1*8 = 512 elements per rank.
+    all-gather: per layer one all-gather to the whole sequence (2048) forward
+    and one reduce-scatter back to 512; ring: cp-1 = 3 permutes of 512 per
+    layer forward, 3 backward with the hops' chunks kept (minimal), 6 when
+    remat 'full' runs the forward ring again (Liu et al. 2023)."""
+    _, mesh, colls = ledger_case("cp4xtp2-allgather", impl)
+    assert _cp(colls, mesh, "all-gather", "forward") == (2, {2048})
+    assert _cp(colls, mesh, "reduce-scatter", "backward") == (2, {512})
+    assert _cp(colls, mesh, "all-gather", "backward") == (0, set())
+    _, mesh, kept = ledger_case("cp4xtp2-ring-minimal", impl)
+    _, mesh, full = ledger_case("cp4xtp2-ring-full", impl)
+    assert _cp(kept, mesh, "collective-permute", "forward") == (6, {512})
+    assert _cp(kept, mesh, "collective-permute", "backward") == (6, {512})
+    assert _cp(full, mesh, "collective-permute", "backward") == (12, {512})
+
+
+test_the_cp_ledger_by_hand.fast_cases = {"shard_map"}
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(cp=3), "valid --cp here: [1, 2, 4, 8]"),  # 16 tokens in 6 chunks
+    (dict(cp=16, cp_balance=True), "multiple of 32"),
+    (dict(cp=2, tp=4, sp=True, model=dataclasses.replace(MODEL, seq_len=12)), "SP"),
+    (dict(cp=2, attention="cudnn"), "model.attention='cudnn' does not run under --cp"),
+    (dict(cp=2, tp=2, sp=True, overlap="collective_matmul"), "not built for --cp"),
+    (dict(cp=2, cp_attention="ulysses"), "parallel.cp_attention='ulysses'"),
+    (dict(cp=0), "parallel.cp=0 must be positive"),
+])
+def test_bad_cp_layouts_are_refused_with_the_fix(kw, needle):
+    model = kw.pop("model", MODEL)
+    with pytest.raises(ConfigError, match=None) as e:
+        cfg_of(model, **kw)
+    assert needle in str(e.value)
+
+
+def test_more_devices_than_exist_is_refused_naming_each_axis():
+    with pytest.raises(ValueError, match=r"dp\*cp\*tp = 2\*4\*2 = 16 devices"):
+        Layout.make(2, 2, 4).mesh()
