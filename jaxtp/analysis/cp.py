@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import Config
+from ..model.vocab import loss_chunks
 from ..parallel import CP_AXIS
 from .rows import ANY_SCOPE, HLO_DTYPES, Expected
 
@@ -103,6 +104,16 @@ def settle_cp(cfg: Config, impl: str, rows: list[Expected]) -> list[Expected]:
         rows, moved = rows + [row], moved + [row]
     out = list(rows)
     taken = sum(r.elements * r.count for r in moved)
+    # the chunked loss (jaxtp.model.vocab) contracts the head's gradient per
+    # chunk over each rank's positions: its sums over cp (and dp) run once
+    # per chunk
+    b = cfg.train.batch_size // (p.dp * cfg.train.microbatches)
+    n = loss_chunks(m.loss_chunk, b, m.seq_len // p.cp)[0]
+    head = (n - 1) * m.padded_vocab // p.tp * m.d_model
+    for i, r in enumerate(out):
+        if head and r.scope == ANY_SCOPE and r.kind == "all-reduce" and r.pass_ == "backward" \
+                and (impl != "shard_map" or r.written) and not p.fsdp:
+            out[i] = dataclasses.replace(r, elements=r.elements + head // r.count)
     for i, r in enumerate(out):  # the dp x cp total of what GSPMD sums
         if taken and r.scope == ANY_SCOPE and r.kind == "all-reduce" and CP_AXIS in r.axes \
                 and (impl != "shard_map" or not r.written or r.role == "cp_grads"):

@@ -121,10 +121,11 @@ def expected_dp(cfg: Config, impl: str) -> list[Expected]:
     steps = (((p.cp, (CP_AXIS,)), (p.dp, (DATA_AXIS,))) if p.dp > 1 and p.cp > 1
              else ((group, axes),))
     rows = [_loss_mean(g, 1, axes=a) for g, a in steps]
-    # under SP and cp, what the dp-only step reduces of the learned positions:
-    # each rank's T/(cp*tp) rows (the rest: `jaxtp.analysis.cp.settle_cp`)
-    dp_positions = (m.seq_len * m.d_model - m.seq_len // (p.cp * p.tp) * m.d_model
-                    if len(steps) == 2 and p.sequence_parallel and m.style != "llama" else 0)
+    # under cp, what the dp-only step reduces of the learned positions: each
+    # rank's T/cp rows, T/(cp*tp) under SP (the rest: `jaxtp.analysis.cp.settle_cp`)
+    sp = p.tp if p.sequence_parallel else 1
+    dp_positions = (m.seq_len * m.d_model - m.seq_len // (p.cp * sp) * m.d_model
+                    if len(steps) == 2 and m.style != "llama" else 0)
     less = lambda a: dp_positions if a == (DATA_AXIS,) else 0
     if impl == "shard_map":  # its regions' own sums, and what GSPMD places outside them
         outside = sum(s.elements for s in param_shards(cfg) if not s.region)

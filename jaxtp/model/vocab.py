@@ -26,7 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .. import parallel
 from ..config import ModelConfig
-from ..parallel import Layout
+from ..parallel import Layout, constrain
 from .layers import param, weight
 
 NEG = jnp.finfo(jnp.float32).min
@@ -90,10 +90,13 @@ class VocabEmbed(nnx.Module):
         collective.
         """
         B, T, D = x_BTD.shape
-        n, c = loss_chunks(self.loss_chunk, local.batch_per_dp_rank(B), T)
+        parts = local.seq_parts()
+        n, c = loss_chunks(self.loss_chunk, local.batch_per_dp_rank(B), T // parts)
         chunk_fn = lambda x, t: self._chunk_losses(x, t, local)
         if n == 1:
             return chunk_fn(x_BTD, targets_BT)
+        if parts > 1:
+            return self._cp_chunks(chunk_fn, x_BTD, targets_BT, parts, n, c)
         x_nBcD = jnp.pad(x_BTD, ((0, 0), (0, n * c - T), (0, 0))).reshape(
             B, n, c, D).transpose(1, 0, 2, 3)
         t_nBc = jnp.pad(targets_BT, ((0, 0), (0, n * c - T))).reshape(B, n, c).transpose(1, 0, 2)
@@ -101,6 +104,26 @@ class VocabEmbed(nnx.Module):
                                policy=jax.checkpoint_policies.save_only_these_names("ce_stats"))
         losses_nBc = jax.lax.map(lambda xt: chunk(*xt), (x_nBcD, t_nBc))
         return losses_nBc.transpose(1, 0, 2).reshape(B, n * c)[:, :T]
+
+    def _cp_chunks(self, chunk_fn, x_BTD, targets_BT, P: int, n: int, c: int):
+        """`losses` on global arrays whose T is split over cp into P parts:
+        the chunks are taken within each part ([B, P, n*c] with P over cp),
+        so that every chunk is P pieces of c positions, one per cp rank, and
+        nothing moves between them."""
+        B, T, D = x_BTD.shape
+        Tl = T // P
+        pad = n * c - Tl
+        x_nBPcD = jnp.pad(x_BTD.reshape(B, P, Tl, D), ((0, 0), (0, 0), (0, pad), (0, 0))) \
+            .reshape(B, P, n, c, D).transpose(2, 0, 1, 3, 4)
+        t_nBPc = jnp.pad(targets_BT.reshape(B, P, Tl), ((0, 0), (0, 0), (0, pad))) \
+            .reshape(B, P, n, c).transpose(2, 0, 1, 3)
+        x_nBPcD = constrain(x_nBPcD, None, "batch", "seq", None, None)
+        t_nBPc = constrain(t_nBPc, None, "batch", "seq", None)
+        chunk = jax.checkpoint(lambda x, t: chunk_fn(x.reshape(B, P * c, D), t.reshape(B, P * c)),
+                               policy=jax.checkpoint_policies.save_only_these_names("ce_stats"))
+        losses_nBT = jax.lax.map(lambda xt: chunk(*xt), (x_nBPcD, t_nBPc))
+        losses_nBPc = losses_nBT.reshape(n, B, P, c)
+        return losses_nBPc.transpose(1, 2, 0, 3).reshape(B, P, n * c)[:, :, :Tl].reshape(B, T)
 
     def _chunk_losses(self, x_BTD, targets_BT, local):
         """Cross-entropy per token from this rank's vocab slice; `local`

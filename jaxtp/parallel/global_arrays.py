@@ -98,6 +98,11 @@ class GlobalArrays:
     def vocab_start(self, rows: int):
         return 0
 
+    def seq_parts(self) -> int:
+        """How many parts the arrays' T is split into over cp (global: cp)."""
+        return self.layout.cp
+
+
     def batch_per_dp_rank(self, B: int) -> int:
         # the arrays are global (local over dp inside `jaxtp.train.step`'s
         # dp-local gradient accumulation)

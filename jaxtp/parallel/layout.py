@@ -57,7 +57,7 @@ def spec(*logical: str | None, rules: dict[str, tuple[str, ...]] | None = None) 
     mesh = jax.sharding.get_abstract_mesh()
     manual = frozenset() if mesh.empty else frozenset(mesh.manual_axes)
     # cp is an axis of the mesh only where a run splits the sequence (cp > 1)
-    absent = {CP_AXIS} if mesh.empty or CP_AXIS not in mesh.axis_names else set()
+    absent = {CP_AXIS} if not mesh.empty and CP_AXIS not in mesh.axis_names else set()
     dims = []
     for name in logical:
         if name is not None and name not in rules:
@@ -301,9 +301,7 @@ def cache_spec() -> P:
 
 
 def named(mesh: Mesh, *logical: str | None) -> NamedSharding:
-    s = spec(*logical)
-    return NamedSharding(mesh, keep_axes(s, mesh.axis_names) if CP_AXIS in mesh.axis_names
-                         else s)
+    return NamedSharding(mesh, keep_axes(spec(*logical), mesh.axis_names))
 
 
 def batch_shape(B: int, T: int, mesh) -> tuple[int, ...]:

@@ -76,6 +76,10 @@ class Local(Protocol):
     def vocab_start(self, rows: int):
         """The first vocabulary id of this rank's shard (global arrays: 0)."""
 
+    def seq_parts(self) -> int:
+        """How many cp parts the T of an array as this Local sees it holds
+        (global arrays: cp; a rank's own: 1): the chunked loss chunks within each."""
+
     def batch_per_dp_rank(self, B: int) -> int:
         """Rows of one dp rank in an array of B rows as this Local sees it."""
 

@@ -91,6 +91,10 @@ class ShardMap:
     def vocab_start(self, rows: int):
         return rank() * rows
 
+    def seq_parts(self) -> int:
+        return 1  # the arrays are this rank's positions
+
+
     def batch_per_dp_rank(self, B: int) -> int:
         return B  # the arrays are this rank's
 

@@ -1,4 +1,5 @@
-"""generate.py as a user runs it: from a run directory at another tp, streaming."""
+"""generate.py as a user runs it: from a run directory at another tp (trained
+at cp=2 x tp=2), streaming."""
 
 import pytest
 
@@ -12,13 +13,16 @@ from procs import SMALL
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("gen") / "run"
-    cfg = apply_overrides(load_config("tiny"), SMALL + ["parallel.tp=2", "train.steps=6"])
+    # trained with context parallelism (cp=2 x tp=2); generation decodes at cp=1
+    cfg = apply_overrides(load_config("tiny"), SMALL + ["parallel.tp=2", "parallel.cp=2",
+                                                        "train.steps=6"])
     train(cfg, out, RunOptions(log=lambda _: None))
     return out
 
 
 @pytest.mark.slow
-def test_a_run_trained_at_tp2_generates_the_same_greedy_text_at_tp1_and_tp8(run_dir, capsys):
+def test_a_run_trained_at_cp2_tp2_generates_the_same_greedy_text_at_tp1_and_tp8(run_dir,
+                                                                                capsys):
     texts = {}
     for tp, impl in ((1, "gspmd"), (8, "shard_map"), (2, "gspmd")):
         assert generate.main(["--run", str(run_dir), "--prompt", "def f(x):", "--tp", str(tp),

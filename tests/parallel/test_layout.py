@@ -1,3 +1,4 @@
+import jax
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
@@ -7,7 +8,13 @@ from jaxtp.parallel import Layout, check_device_count, keep_axes, make_mesh, spe
 def test_logical_axes_map_through_the_rules():
     assert spec("embed", "mlp") == P(None, "tp")
     assert spec("mlp", "embed") == P("tp", None)
-    assert spec("batch", "seq", "embed") == P("dp", None, None)
+    # the sequence is split over cp, an axis only a context-parallel mesh has
+    assert spec("batch", "seq", "embed") == P("dp", "cp", None)
+    with jax.sharding.use_abstract_mesh(Layout.make(2, 4).abstract_mesh()):
+        assert spec("batch", "seq", "embed") == P("dp", None, None)
+        assert spec("batch", "sp_seq", "embed") == P("dp", "tp", None)
+    with jax.sharding.use_abstract_mesh(Layout.make(1, 2, 4).abstract_mesh()):
+        assert spec("batch", "sp_seq", "embed") == P("dp", ("cp", "tp"), None)
     assert spec("embed", None, "heads", "head_dim") == P(None, None, "tp", None)
 
 

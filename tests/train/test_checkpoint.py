@@ -24,18 +24,19 @@ GPT2 = ModelConfig(n_layers=1, d_model=32, n_heads=8, d_ff=64, seq_len=16, vocab
 LLAMA = dataclasses.replace(GPT2, style="llama", n_kv_heads=2)
 
 
-def config(model, dp=1, tp=1):
-    return Config(model=model, parallel=ParallelConfig(dp=dp, tp=tp))
+def config(model, dp=1, tp=1, cp=1):
+    return Config(model=model, parallel=ParallelConfig(dp=dp, tp=tp, cp=cp))
 
 
 def named_leaves(tree):
     return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def known_state(model, tp, offset=0.0):
-    """A tp=`tp` state whose every leaf (Adam moments included) holds known random
-    host values, not those of init: (params, opt_state, {path name: numpy value})."""
-    state = abstract_train_state(config(model, tp=tp), make_mesh(1, tp))
+def known_state(model, tp, offset=0.0, cp=1):
+    """A tp=`tp` (cp=`cp`) state whose every leaf (Adam moments included) holds
+    known random host values, not those of init: (params, opt_state, {path
+    name: numpy value})."""
+    state = abstract_train_state(config(model, tp=tp, cp=cp), make_mesh(1, tp, cp=cp))
     rng = np.random.default_rng(int(offset))
     values = {}
 
@@ -96,6 +97,21 @@ def test_tp8_restores_exactly_into_other_layouts(tmp_path, gpt2_tp8, model, layo
     ckpt.close()
 
 
+
+
+def test_a_cp_save_restores_exactly_at_another_cp(tmp_path):
+    """Saved on a (dp, cp, tp) = (1, 2, 2) mesh, restored bit-exactly at cp=1
+    (tp=4) and cp=4 (tp=2): cp splits no parameter, so the state is the same."""
+    params, opt_state, values = known_state(LLAMA, 2, cp=2)
+    assert "cp" in jax.tree.leaves(params)[0].sharding.mesh.axis_names
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt.save(3, params, opt_state, meta_of(LLAMA, 2))
+    for cp, tp in ((1, 4), (4, 2)):
+        target = abstract_train_state(config(LLAMA, 1, tp, cp), make_mesh(1, tp, cp=cp))
+        step, p, o, _ = ckpt.restore(target.params, target.opt_state, dataclasses.asdict(LLAMA))
+        assert step == 3
+        check_restored(p, o, target, values)
+    ckpt.close()
 
 
 def test_keep_prunes_to_the_last_steps(tmp_path, gpt2_tp8):
