@@ -329,8 +329,12 @@ def start_jax(args, cfg: Config) -> str | None:
 def plan(args, cfg: Config) -> int:
     from jaxtp.analysis.plan import plan
 
-    plan(cfg, [args.tp] if args.tp else [1, 2, 4, 8], args.hardware or "h100",
-         compile_for_target=args.hardware is not None, out_dir=args.out)
+    p = cfg.parallel
+    # --cp N: a sweep over cp = 1, 2, 4, ... N at the one tp (--tp, else the config's)
+    cps = [2 ** i for i in range(p.cp.bit_length()) if 2 ** i <= p.cp] if p.cp > 1 else None
+    plan(cfg, [args.tp or p.tp] if cps else [args.tp] if args.tp else [1, 2, 4, 8],
+         args.hardware or "h100", compile_for_target=args.hardware is not None,
+         out_dir=args.out, cps=cps)
     return 0
 
 

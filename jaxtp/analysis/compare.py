@@ -86,7 +86,8 @@ def _report(cfg: Config, mesh, budget, ring: dict, impls: dict, colls_by_impl: d
     p = cfg.parallel
     report = {
         "platform": mesh.devices.flat[0].platform, "device_kind": mesh.devices.flat[0].device_kind,
-        **dict(tp=p.tp, dp=p.dp), "layers": cfg.model.n_layers, "batch": budget.batch,
+        **dict(tp=p.tp, dp=p.dp, cp=p.cp), "cp_attention": p.cp_attention if p.cp > 1 else None,
+        "layers": cfg.model.n_layers, "batch": budget.batch,
         "seq": cfg.model.seq_len, "d_model": cfg.model.d_model, "dtype_bytes": budget.dtype_bytes,
         "analytic": {
             "all_reduce_per_layer_fwd": budget.all_reduce_per_layer_fwd,
@@ -103,7 +104,7 @@ def _report(cfg: Config, mesh, budget, ring: dict, impls: dict, colls_by_impl: d
         # the rows of the table below, which `collectives.svg` draws
         "table": table_rows(colls_by_impl, expected_by_impl, dict(mesh.shape)),
     }
-    why_not = roofline.unsupported(cfg) if p.dp * p.tp > 1 else "one device: no collective"
+    why_not = roofline.unsupported(cfg) if p.devices > 1 else "one device: no collective"
     if why_not is None:
         report["roofline"] = roofline.crosscheck(cfg, mesh_for(mesh, "shard_map"))
         report["ok"] = report["ok"] and report["roofline"]["agree"]

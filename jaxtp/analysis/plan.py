@@ -62,13 +62,15 @@ def _per_device_bytes(tree) -> int:
 
 
 def activation_bytes(cfg: Config) -> float:
-    """Korthikanti et al. 2022 activation memory of all layers, per device."""
+    """Korthikanti et al. 2022 activation memory of all layers, per device
+    (under cp for a rank's s/cp positions, whose scores span all s keys)."""
     m, t = cfg.model, cfg.parallel.tp
     s, b, h, a = m.seq_len, cfg.train.batch_size // cfg.parallel.dp, m.d_model, m.n_heads
+    sl = s // cfg.parallel.cp  # a cp rank's positions; its queries still see s keys
     if cfg.parallel.sequence_parallel:
-        per_layer = s * b * h / t * (34 + 5 * a * s / h)
+        per_layer = sl * b * h / t * (34 + 5 * a * s / h)
     else:
-        per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        per_layer = sl * b * h * (10 + 24 / t + 5 * a * s / (h * t))
     return m.n_layers * per_layer * np.dtype(m.dtype).itemsize / 2
 
 
@@ -120,7 +122,7 @@ def analyze(cfg: Config, mesh=None) -> dict:
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     device = mesh.devices.flat[0]
     return {
-        **dict(tp=p.tp), "sp": p.sequence_parallel, "impl": p.impl,
+        **dict(tp=p.tp, cp=p.cp), "sp": p.sequence_parallel, "impl": p.impl,
         "compile_s": time.perf_counter() - t0,
         "n_params": n_params, "attention": cfg.model.attention, "remat": m.remat,
         "dtype": m.dtype, "loss_chunk": m.loss_chunk,
@@ -148,10 +150,11 @@ def analyze(cfg: Config, mesh=None) -> dict:
 
 
 def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = False,
-         log: Callable[[str], None] = print, out_dir=None) -> list[dict]:
-    """Analyze `cfg` at each tp; print the table with a fits / does not fit
-    verdict against `hardware`'s memory; return the rows (and, with
-    `out_dir`, write them to plan.json).
+         log: Callable[[str], None] = print, out_dir=None, cps=None) -> list[dict]:
+    """Analyze `cfg` at each tp (or, with `cps`, at each cp at the largest of
+    `tps`); print the table with a fits / does not fit verdict against
+    `hardware`'s memory; return the rows (and, with `out_dir`, write them to
+    plan.json).
 
     `compile_for_target`: compile for `hardware` itself (`jaxtp.analysis.targets`)
     where its compiler is installed; otherwise, or when it is not, compile for
@@ -166,23 +169,27 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
             log(f"{e}: planning on CPU instead")
             on_target = False
     rows, base = [], None
-    cases = sorted(set(tps) | {1})  # tp=1: the base of the redundancy
-    for i, tp in enumerate(cases):
-        par = dataclasses.replace(cfg.parallel, tp=tp)
+    if cps:  # a sweep over cp at one tp; cp=1 the base of the redundancy
+        cases = [(cp, max(tps)) for cp in sorted(set(cps) | {1})]
+    else:  # tp=1: the base of the redundancy
+        cases = [(cfg.parallel.cp, tp) for tp in sorted(set(tps) | {1})]
+    for i, (cp, tp) in enumerate(cases):
+        par = dataclasses.replace(cfg.parallel, tp=tp, cp=cp)
         c = dataclasses.replace(cfg, parallel=par if tp > 1 else par.without_sp())
+        name = f"cp={cp} tp={tp}" if cps else f"tp={tp}"
         try:
             validate(c)
         except ConfigError as e:
-            log(f"tp={tp}: skipped ({e})")
+            log(f"{name}: skipped ({e})")
             continue
         where = hardware if on_target else "CPU"
-        log(f"[{i + 1}/{len(cases)}] compiling the train step at tp={tp} for {where} "
+        log(f"[{i + 1}/{len(cases)}] compiling the train step at {name} for {where} "
             "(abstract shapes) ...")
-        mesh = target_mesh(hardware, c.parallel.dp, tp) if on_target else None
+        mesh = target_mesh(hardware, c.parallel.dp, tp, cp) if on_target else None
         r = analyze(c, mesh)
-        base = r["flops_per_device"] if tp == 1 else base
-        _verdict(r, cfg, tp, base, target)
-        if tp in tps:
+        base = r["flops_per_device"] if (cp if cps else tp) == 1 else base
+        _verdict(r, c, (cp if cps else 1) * tp, base, target)
+        if tp in tps and (not cps or cp in cps):
             rows.append(r)
     if not rows:
         log(f"no valid tp among {sorted(tps)}")
@@ -202,25 +209,46 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
     return rows
 
 
-def _verdict(r: dict, cfg: Config, tp: int, base: float | None, target) -> None:
-    """Add to an `analyze` row: redundancy against tp=1, the F/tp against C/W
-    bound, and whether it fits the target's memory."""
-    r["redundancy"] = tp * r["flops_per_device"] / base if base else float("nan")
+def _verdict(r: dict, cfg: Config, split: int, base: float | None, target) -> None:
+    """Add to an `analyze` row: redundancy against the base row (`split`
+    times its devices: tp=1, or in a cp sweep cp=1), the F/tp against C/W
+    bound, the cp roofline, and whether it fits the target's memory."""
+    tp = cfg.parallel.tp
+    r["redundancy"] = split * r["flops_per_device"] / base if base else float("nan")
     r["f_over_tp"] = cfg.model.d_ff / tp
     r["bound"] = ("-" if tp == 1 else "compute"
                   if cfg.model.d_ff / tp > target.peak_flops / target.link else "communication")
+    r["cp_flops_per_kv_byte"] = cp_intensity(cfg)
     r["target"] = target.name
     r["target_memory"] = target.memory
     r["fits"] = r["memory"]["total"] <= target.memory
 
 
+def cp_intensity(cfg: Config) -> float:
+    """Attention flops per byte of K/V a rank receives over cp, per layer
+    forward (MaxText's rule: it grows as s*N/(K*cp)). A rank's s/cp causal
+    queries see s/2 keys on average over N/tp heads: 2*b*s^2*N*H/(cp*tp)
+    flops (two matmuls); the all-gather (or the ring, the same bytes) brings
+    (cp-1)/cp of the sequence's K and V, 2*b*s*Kl*H elements: the ratio is
+    s*N/(tp*Kl*bytes*(cp-1)), s*N/(K*bytes*(cp-1)) where tp divides K. The
+    cp traffic hides behind the attention while it exceeds C/W of the link
+    cp crosses. inf at cp=1 (nothing moves)."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp == 1:
+        return float("inf")
+    Kl = m.kv_heads // p.tp if m.kv_heads % p.tp == 0 else 1
+    return m.seq_len * m.n_heads / (p.tp * Kl * np.dtype(m.dtype).itemsize * (p.cp - 1))
+
+
 def _print(cfg: Config, rows: list[dict], target, on_target: bool, log) -> None:
     gib = lambda b: f"{b / 2**30:,.2f} G" if b >= 2**30 else f"{b / 2**20:,.1f} M"
     num = lambda x, f: "-" if x != x else f.format(x)  # NaN: no cost analysis
-    head = ["tp", "params B", "optim B", "temps B", "total B", "fits", "acts est. B",
-            "collectives", "coll. B", "GFLOP/dev", "redundancy", "F/tp", "bound"]
+    cp = any(r["cp"] > 1 for r in rows)
+    label = lambda r: f"cp={r['cp']} tp={r['tp']}" if cp else str(r["tp"])
+    head = ["cp, tp" if cp else "tp", "params B", "optim B", "temps B", "total B", "fits",
+            "acts est. B", "collectives", "coll. B", "GFLOP/dev", "redundancy", "F/tp", "bound"]
     table = [head] + [[
-        str(r["tp"]), gib(r["memory"]["params"]), gib(r["memory"]["optimizer"]),
+        label(r), gib(r["memory"]["params"]), gib(r["memory"]["optimizer"]),
         gib(r["memory"]["temporaries"]), gib(r["memory"]["total"]),
         "yes" if r["fits"] else "NO",
         gib(r["analytic_memory"]["activations_korthikanti"]), str(r["collectives_per_step"]),
@@ -240,17 +268,23 @@ def _print(cfg: Config, rows: list[dict], target, on_target: bool, log) -> None:
     log("B: bytes per device (M = MiB, G = GiB); temps from memory_analysis, acts est. "
         "from Korthikanti et al. 2022; collectives counted per step from the HLO")
     log("coll. B by mesh axis: " + "; ".join(
-        f"tp={r['tp']}: " + (", ".join(f"{a} {gib(b)}" for a, b in
+        f"{label(r) if cp else 'tp=' + str(r['tp'])}: " + (", ".join(f"{a} {gib(b)}" for a, b in
                                        r["collective_bytes_by_axis"].items()) or "none")
         for r in rows))
     log(("ZeRO-3 (Rajbhandari et al. 2020)" if cfg.parallel.fsdp else "state")
         + " per device, analytic: " + "; ".join(
-            f"tp={r['tp']}: params {gib(z['params'])}, grads {gib(z['grads'])}, Adam "
+            f"{label(r) if cp else 'tp=' + str(r['tp'])}: params {gib(z['params'])}, grads "
+            f"{gib(z['grads'])}, Adam "
             f"{gib(z['adam'])} (measured params {gib(r['memory']['params'])}, optimizer "
             f"{gib(r['memory']['optimizer'])})"
             for r in rows for z in [r["analytic_memory"]["state"]]))
     log(korthikanti_terms(cfg))
-    verdicts = ", ".join(f"tp={r['tp']} {r['memory']['total'] / 2**30:,.1f} GiB "
+    if cp:
+        log(f"cp roofline (attention flops per K/V byte received, per layer; hidden while > "
+            f"C/W = {target.peak_flops / target.link:,.0f} for {target.name}): " + ", ".join(
+                f"cp={r['cp']} {r['cp_flops_per_kv_byte']:,.0f}" for r in rows if r["cp"] > 1))
+    verdicts = ", ".join(f"{label(r) if cp else 'tp=' + str(r['tp'])} "
+                         f"{r['memory']['total'] / 2**30:,.1f} GiB "
                          + ("fits" if r["fits"] else "does not fit") for r in rows)
     log(f"{target.name}: {target.memory / 2**30:,.1f} GiB per device: {verdicts}")
     if target.platform == "cuda" and any(r["fits"] and r["memory"]["total"] > 0.75 *

@@ -69,8 +69,9 @@ device_description_str: "{t.description}"
 
 
 def compile_only_devices(name: str, n: int = 8) -> list:
-    """`n` compile-only devices of target `name` (at most 8), or
-    TargetUnavailable saying what to install."""
+    """`n` compile-only devices of target `name` (a GPU target: hosts of 8
+    past 8; a TPU target: its topology's chips), or TargetUnavailable saying
+    what to install."""
     t = HARDWARE[name]
     if t.platform == "cuda":
         # the plugin checks the CUDA libraries against a GPU it will not find
@@ -79,7 +80,10 @@ def compile_only_devices(name: str, n: int = 8) -> list:
 
     try:
         if t.platform == "cuda":
-            topo = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{max(n, 1)}",
+            # past one node: hosts of 8 GPUs each ("1x4x8": 4 hosts, 32 GPUs;
+            # jaxlib 0.10.2 builds up to 1x8x8 = 64 compile-only H100s)
+            shape = f"1x1x{max(n, 1)}" if n <= 8 else f"1x{-(-n // 8)}x8"
+            topo = topologies.get_topology_desc(platform="cuda", topology=shape,
                                                 target_config=_gpu_target_config(t))
         else:
             topo = topologies.get_topology_desc(t.topology, platform="tpu")

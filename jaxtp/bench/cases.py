@@ -45,12 +45,14 @@ def valid_tps(name: str, tps) -> tuple[list[int], list[str]]:
 
 
 def _get(plan: dict, cache: dict, preset_name: str, tp: int, impl: str = "gspmd",
-         sp: bool = False, overlap: str = "none"):
-    key = (f"{preset_name} {impl} tp={tp}{' sp' if sp else ''}"
+         sp: bool = False, overlap: str = "none", cp: int = 1, cp_attention: str = "allgather"):
+    cp_text = f" cp={cp} {cp_attention}" if cp > 1 else ""
+    key = (f"{preset_name} {impl}{cp_text} tp={tp}{' sp' if sp else ''}"
            f"{' ' + overlap if overlap != 'none' else ''}")
     if key not in cache:
         cfg, cut = preset(preset_name, f"parallel.tp={tp}", f"parallel.impl={impl}",
                           f"parallel.sp={str(sp).lower()}", f"parallel.overlap={overlap}",
+                          f"parallel.cp={cp}", f"parallel.cp_attention={cp_attention}",
                           *plan["small"])
         cache[key] = (build(key, cfg), cut)
     return cache[key]

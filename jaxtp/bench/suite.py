@@ -26,29 +26,34 @@ from typing import Callable
 import jax
 import numpy as np
 
+from .. import hlo
+from ..analysis.cp import expected_cp
 from ..parallel import make_mesh
 from ..train.loop import train
 from ..train.options import RunOptions
 from ..train.state import abstract_train_state
 from ..train.step import compile_train_step
-from . import collectives as bc, peer as bp
+from . import collectives as bc
+from . import peer as bp
 from .cases import PAIRED, _case, _get, _paired, preset, valid_tps
 from .collectives import bench_collectives
 from .decode import bench_decode
 from .report import RATIO_COLUMNS, format_section, machine_info, section
 from .timing import build, paired_ratio, time_alternating
 
-SECTIONS = ("impl", "scaling", "overlap", "compile", "collectives", "profile", "peer",
+SECTIONS = ("impl", "scaling", "overlap", "cp", "compile", "collectives", "profile", "peer",
             "attention", "loop", "decode")
 # quick: for CI, about a minute on 2 CPU cores; full: ~10 minutes there
 PLANS = {
     "quick": dict(presets=("tiny",), tps=(1, 8), impls=("gspmd",), overlap_impls=("shard_map",),
+                  cps=(4,), cp_layouts=((4, 2),),
                   warmup=1, steps=3,
                   depths=(2, 8), unscanned=(), payloads=("tiny",), samples=5,
                   attention_seqs=(128,), loop_steps=6, decode_batch=4, decode_prompt=16,
                   decode_tokens=8, decode_reps=1,
                   small=("model.n_layers=1", "train.batch_size=8", "model.seq_len=64")),
     "full": dict(presets=("tiny", "gpt2-small"), tps=(1, 2, 4, 8), impls=("gspmd", "shard_map"),
+                 cps=(2, 4, 8), cp_layouts=((2, 4), (4, 2), (8, 1)),
                  overlap_impls=("shard_map", "gspmd"),
                  warmup=2, steps=7, depths=(2, 8, 32), unscanned=(2, 8),
                  payloads=("tiny", "gpt2-small", "llama-1b"), samples=10,
@@ -89,22 +94,26 @@ def bench_scaling(plan: dict, cache: dict, log=print) -> dict:
     for name in plan["presets"]:
         tps, why = valid_tps(name, plan["tps"])
         notes += why
-        groups += [(name, impl, [(tp, sp) for tp in tps for sp in (False, True)
-                                 if not (sp and tp == 1)])
+        # and context parallelism (cp x tp = 8) where the preset's sequence splits
+        cps = [(cp, 8 // cp, sp) for cp in plan["cps"] for sp in (False, True)
+               if 8 // cp in tps and not (sp and cp == 8)]
+        groups += [(name, impl, [(1, tp, sp) for tp in tps for sp in (False, True)
+                                 if not (sp and tp == 1)] + (cps if name == "tiny" else []))
                    for impl in (plan["impls"] if name == "tiny" else ("gspmd",))]
     for i, (name, impl, cases) in enumerate(groups, 1):
         log(f"scaling {i}/{len(groups)}: {name} {impl}, {len(cases)} layouts")
-        runs = [_get(plan, cache, name, tp, impl, sp) for tp, sp in cases]
+        runs = [_get(plan, cache, name, tp, impl, sp, cp=cp) for cp, tp, sp in cases]
         t = time_alternating([r for r, _ in runs], plan["warmup"], plan["steps"])
         for r, cut in runs:
             p = r.cfg.parallel
             ratio, lo, hi = paired_ratio(t, r.name, runs[0][0].name)
-            rows.append({"case": _case(f"{name} {impl} tp={p.tp} sp={'on' if p.sp else 'off'}",
+            cp = f" cp={p.cp}" if p.cp > 1 else ""
+            rows.append({"case": _case(f"{name} {impl}{cp} tp={p.tp} sp={'on' if p.sp else 'off'}",
                                        r.cfg, cut),
                          "measured": "train step time / tp=1", "value": ratio,
                          "unit": "ratio", "ratio_min": lo, "ratio_max": hi,
                          "step_ms": np.median(t[r.name]) * 1e3, "compile_s": r.compile_s,
-                         **dict(tp=p.tp, sp=p.sp, impl=impl)})
+                         **dict(tp=p.tp, cp=p.cp, sp=p.sp, impl=impl)})
     note = ("the tp ranks are fake CPU devices sharing the host's cores, no more compute "
             "than tp=1 has: the ratios show partitioning overhead and how XLA's CPU runtime "
             "spreads the work, not a speed-up" if jax.default_backend() == "cpu"
@@ -140,6 +149,42 @@ def bench_overlap(plan: dict, cache: dict, log=print) -> dict:
                      "same program)")
     return section("overlap", "Sequence parallelism's collectives overlapped with the matmuls",
                    PAIRED + [("none_ms", "overlap none ms"), ("ring_ms", "collective_matmul ms")],
+                   rows, notes)
+
+
+def bench_cp(plan: dict, cache: dict, log=print) -> dict:
+    """Context parallelism's two strategies: the ring's train step against
+    the all-gather's (tiny, each pair timed alternately), and each compiled
+    step's cp bytes against the cp ledger (`jaxtp.analysis.cp`)."""
+    rows = []
+    for i, (cp, tp) in enumerate(plan["cp_layouts"], 1):
+        log(f"cp {i}/{len(plan['cp_layouts'])}: tiny cp={cp} tp={tp} ring / allgather")
+        ag, cut = _get(plan, cache, "tiny", tp, cp=cp)
+        ring, _ = _get(plan, cache, "tiny", tp, cp=cp, cp_attention="ring")
+        ledger = {}
+        for name, run in (("allgather", ag), ("ring", ring)):
+            colls = hlo.collectives(run.step.as_text())
+            got = sum(c.count * c.bytes for c in colls  # the core's (not the weights' sums)
+                      if c.scope == "attention" and c.kind != "all-reduce"
+                      and c.axes(dict(run.mesh.shape)) == ("cp",))
+            want = sum(r.bytes * r.count for r in expected_cp(run.cfg, run.cfg.parallel.impl))
+            ledger[f"{name}_cp_bytes"], ledger[f"{name}_ledger_bytes"] = got, want
+        rows.append(_paired(plan, ag, ring, "allgather_ms", "ring_ms",
+                            case=_case(f"tiny cp={cp} tp={tp}", ag.cfg, cut),
+                            measured="train step time, ring / allgather", cp=cp, tp=tp,
+                            **ledger))
+    notes = ["both compiled in one process and timed alternately; < 1: the ring is faster",
+             "cp bytes: the attention's collectives over cp in the compiled step, full buffers "
+             "per step, beside the cp ledger's (jaxtp.analysis.cp; equal when it holds)"]
+    if jax.default_backend() == "cpu":
+        notes.append("CPU: the ring's cp-1 hops run one after another with their chunk pairs "
+                     "(no concurrent streams), so it pays the permutes' latency and its "
+                     "per-pair kernel calls where a GPU would overlap them")
+    return section("cp", "Context parallelism: ring against all-gather attention",
+                   PAIRED + [("allgather_ms", "allgather ms"), ("ring_ms", "ring ms"),
+                             ("allgather_cp_bytes", "allgather cp B"),
+                             ("allgather_ledger_bytes", "ledger B"),
+                             ("ring_cp_bytes", "ring cp B"), ("ring_ledger_bytes", "ledger B")],
                    rows, notes)
 
 
@@ -289,6 +334,7 @@ def run_suite(quick: bool = False, only=None, log: Callable[[str], None] = print
     jobs = {"impl": lambda: bench_impl(plan, cache, log),
             "scaling": lambda: bench_scaling(plan, cache, log),
             "overlap": lambda: bench_overlap(plan, cache, log),
+            "cp": lambda: bench_cp(plan, cache, log),
             "compile": lambda: bench_compile(plan, log),
             "collectives": lambda: bench_collectives(plan, log),
             "profile": lambda: bench_profile(plan, cache), "peer": lambda: bench_peer(plan, cache),

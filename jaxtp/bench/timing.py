@@ -11,6 +11,7 @@ import numpy as np
 
 from ..config import Config
 from ..parallel import Layout, named
+from ..train.data import to_mesh
 from ..train.state import init_train_state
 from ..train.step import compile_train_step, step_controls
 
@@ -47,7 +48,7 @@ def build(name: str, cfg: Config) -> Run:
     step = compile_train_step(state, t.batch_size, m.seq_len, microbatches=t.microbatches)
     compile_s = time.perf_counter() - t0
     tokens = np.random.default_rng(0).integers(0, m.vocab_size, (t.batch_size, m.seq_len + 1))
-    tokens = jax.device_put(tokens.astype(np.int32), named(mesh, "batch", None))
+    tokens = to_mesh(tokens.astype(np.int32), mesh, cfg.parallel.cp_balance)
     key, controls = jax.device_put((jax.random.key(0), step_controls()), named(mesh))
     return Run(name, cfg, mesh, step, state.params, state.opt_state, tokens, compile_s, key,
                 controls)
