@@ -397,6 +397,7 @@ def test_slices_over_dp_are_kept_off_cudnn_under_gspmd_and_explicit():
     assert not slices_over_dp(2, True, 2, "gspmd", "xla")  # FSDP: per slice
     assert not slices_over_dp(1, False, 2, "gspmd", "xla")
     assert not slices_over_dp(2, False, 1, "gspmd", "xla")
+    assert not slices_over_dp(2, False, 2, "gspmd", "xla", cp=2)  # cp: per slice
 
 
 @pytest.mark.slow

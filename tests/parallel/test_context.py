@@ -245,3 +245,31 @@ def test_bad_cp_layouts_are_refused_with_the_fix(kw, needle):
 def test_more_devices_than_exist_is_refused_naming_each_axis():
     with pytest.raises(ValueError, match=r"dp\*cp\*tp = 2\*4\*2 = 16 devices"):
         Layout.make(2, 2, 4).mesh()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl, layout", [("gspmd", "parallel.cp=4"),
+                                          ("shard_map", "parallel.cp_attention=ring"),
+                                          ("gspmd", "parallel.cp=8")])
+def test_the_cp_ledger_holds_compiled_for_an_h100(impl, layout):
+    """llama-tiny at cp=4 x tp=2 (and cp=8) compiled for 8 H100s: XLA's GPU
+    combiner joins the loss mean and the gradients over cp into one
+    all-reduce (jaxtp.analysis.backends). (explicit on the GPU: not yet
+    budgeted, docs/scale.md.)"""
+    import importlib.util
+
+    if importlib.util.find_spec("jax_cuda12_plugin") is None:
+        pytest.skip("jax_cuda12_plugin is not installed: cannot compile for h100 here")
+    from jaxtp.analysis.targets import target_mesh
+    from jaxtp.config import apply_overrides, load_config
+    from jaxtp.parallel import mesh_for
+
+    over = ["parallel.cp=4", "parallel.tp=2", f"parallel.impl={impl}", "model.attention=blockwise"]
+    cfg = validate(apply_overrides(load_config("llama-tiny"), over + [layout] + (
+        ["parallel.tp=1"] if layout == "parallel.cp=8" else [])))
+    p = cfg.parallel
+    mesh = mesh_for(target_mesh("h100", p.dp, p.tp, p.cp), impl)
+    step = compile_train_step(abstract_train_state(cfg, mesh), cfg.train.batch_size,
+                              cfg.model.seq_len)
+    assert check(hlo.collectives(step.as_text()), expected_collectives(cfg, impl, "gpu"),
+                 dict(mesh.shape)) is None
