@@ -17,8 +17,7 @@ from typing import Any
 # the choices a config may make, the error of one it may not, and the rules
 # (jaxtp.checks, which imports nothing of this module)
 from .checks import (ATTENTIONS, COORDINATOR_TIMEOUT_S, CP_STRATEGIES, DTYPES, IMPLS,
-                     INFERENCE_IMPLS,
-                     OVERLAPS, REMATS, STYLES, ConfigError, check)
+                     INFERENCE_IMPLS, OVERLAPS, REMATS, STYLES, ConfigError, check)
 
 # the presets: `jaxtp/configs/` in an installed wheel (pyproject maps the
 # repository's top-level `configs/` there), the repository's own in a checkout

@@ -10,9 +10,15 @@ placed with `place_params`.
 
 import functools
 
+import jax
+import numpy as np
+from flax import nnx
+
 from jaxtp.config import Config, ModelConfig, TrainConfig
-from jaxtp.parallel import make_mesh
+from jaxtp.parallel import Layout, make_mesh
+from jaxtp.train.data import to_mesh
 from jaxtp.train.state import init_params, place_params
+from jaxtp.train.step import grads_of
 from reference import host_params
 
 
@@ -30,6 +36,31 @@ def initial_values(cfg: Config) -> dict:
 def initial_params(cfg: Config, mesh):
     """(graphdef, params, shardings) as `init_params(cfg, mesh)` returns them."""
     return place_params(cfg, mesh, initial_values(cfg))
+
+
+def loss_and_grads(cfg: Config, tokens, values=None, key=None):
+    """(loss, {path: full gradient}) of one batch of windows [B, T+1], placed
+    as the training loop places it (under cp: inputs and targets in the
+    balanced order); `values` as `place_params` takes them (default: the
+    initial ones)."""
+    mesh = Layout.of(cfg).mesh()
+    graphdef, params, _ = (initial_params(cfg, mesh) if values is None else
+                           place_params(cfg, mesh, values))
+    placed = to_mesh(tokens, mesh, cfg.parallel.cp_balance)
+    with jax.set_mesh(mesh):
+        loss, grads = jax.jit(lambda p, t: grads_of(graphdef, p, t, key,
+                                                    cfg.train.microbatches))(params, placed)
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(jax.device_get(grads)))[0]
+    return float(loss), {jax.tree_util.keystr(k): np.asarray(v) for k, v in flat}
+
+
+def assert_same(a, b, rtol=1e-5, atol=1e-6):
+    """Two `loss_and_grads` results equal: the loss and every gradient."""
+    (la, ga), (lb, gb) = a, b
+    np.testing.assert_allclose(la, lb, rtol=rtol)
+    assert ga.keys() == gb.keys()
+    for k in ga:
+        np.testing.assert_allclose(ga[k], gb[k], rtol=rtol, atol=atol, err_msg=k)
 
 
 # The suite compiles at LLVM -O0 (conftest): compiling is most of a small

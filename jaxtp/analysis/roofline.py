@@ -32,7 +32,7 @@ import numpy as np
 from jax.experimental.roofline import roofline
 
 from ..config import Config
-from ..parallel import batch_shape, batch_sharding, named
+from ..parallel import batch_shape, batch_sharding
 from ..train.state import abstract_train_state
 from ..train.step import grads_of
 from .budget import expected_collectives

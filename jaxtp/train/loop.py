@@ -53,7 +53,7 @@ import numpy as np
 from flax import nnx
 
 from ..config import Config
-from ..parallel import batch_shape, batch_sharding, Layout, named
+from ..parallel import Layout, batch_shape, batch_sharding
 from ..parallel.distributed import any_process
 from .checkpoint import Checkpointer, SaveFailed, nbytes
 from .data import to_mesh

@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..config import Config, TrainConfig
-from ..parallel import batch_sharding, named
+from ..parallel import batch_sharding
 from .optim import lr_schedule
 from .state import TrainState
 from .step import step_fn

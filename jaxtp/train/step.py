@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..config import Config
 from ..parallel import (DATA_AXIS, batch_shape, batch_sharding, constrain, inputs_targets,
-                        keep_axes, make_mesh, named)
+                        keep_axes, make_mesh)
 from ..parallel.layout import explicit_mesh
 from .optim import clip_by_global_norm
 from .state import TrainState, init_train_state

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxtp import hlo
 from jaxtp.analysis.budget import expected_collectives
@@ -19,10 +18,10 @@ from jaxtp.analysis.rows import check
 from jaxtp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
 from jaxtp.model import blockwise, kernels
 from jaxtp.parallel import Layout, cp_batch, cp_order
-from jaxtp.train.data import to_mesh
 from jaxtp.train.state import abstract_train_state
-from jaxtp.train.step import compile_train_step, grads_of
-from cached import initial_params
+from jaxtp.train.step import compile_train_step
+from cached import assert_same
+from cached import loss_and_grads as cached_loss_and_grads
 
 MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, seq_len=16)
 GQA = dataclasses.replace(MODEL, style="llama", n_kv_heads=2, use_bias=False,
@@ -40,29 +39,12 @@ def cfg_of(model=MODEL, **kw):
 
 
 def loss_and_grads(cfg):
-    """(loss, {path: full gradient}) of TOKENS, placed as the training loop
-    places a batch (under cp: inputs and targets in the balanced order)."""
-    mesh = Layout.of(cfg).mesh()
-    graphdef, params, _ = initial_params(cfg, mesh)
-    tokens = to_mesh(TOKENS, mesh, cfg.parallel.cp_balance)
-    with jax.set_mesh(mesh):
-        loss, grads = jax.jit(lambda p, t: grads_of(graphdef, p, t, None,
-                                                    cfg.train.microbatches))(params, tokens)
-    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(jax.device_get(grads)))[0]
-    return float(loss), {jax.tree_util.keystr(k): np.asarray(v) for k, v in flat}
+    return cached_loss_and_grads(cfg, TOKENS)
 
 
 @functools.cache
 def one_device(model):
     return loss_and_grads(cfg_of(model))
-
-
-def assert_same(a, b, rtol=1e-5, atol=1e-6):
-    (la, ga), (lb, gb) = a, b
-    np.testing.assert_allclose(la, lb, rtol=rtol)
-    assert ga.keys() == gb.keys()
-    for k in ga:
-        np.testing.assert_allclose(ga[k], gb[k], rtol=rtol, atol=atol, err_msg=k)
 
 
 def test_cp_order_is_the_dual_chunk_swap():

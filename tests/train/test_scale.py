@@ -11,7 +11,6 @@ import time
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxtp import hlo
 from jaxtp.analysis.budget import expected_collectives
@@ -19,9 +18,10 @@ from jaxtp.analysis.rows import check
 from jaxtp.config import REMATS, Config, ModelConfig, ParallelConfig, TrainConfig, validate
 from jaxtp.model import stack_layers
 from jaxtp.parallel import make_mesh
-from jaxtp.train.state import abstract_train_state, init_train_state, place_params
-from cached import initial_params, initial_values
-from jaxtp.train.step import compile_train_step, grads_of, make_train_step, step_controls
+from jaxtp.train.state import abstract_train_state, init_train_state
+from cached import assert_same, initial_values
+from cached import loss_and_grads as cached_loss_and_grads
+from jaxtp.train.step import compile_train_step, make_train_step, step_controls
 
 MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_ff=64, seq_len=16)
 GQA = dataclasses.replace(MODEL, style="llama", n_kv_heads=2, use_bias=False,
@@ -38,30 +38,13 @@ def cfg_of(model=MODEL, dp=1, tp=1, **kw):
 
 def loss_and_grads(cfg, values=None, tokens=TOKENS, key=None):
     """(loss, {path: full gradient}) of one batch; `values` as `place_params` takes them."""
-    mesh = make_mesh(cfg.parallel.dp, cfg.parallel.tp, impl=cfg.parallel.impl)
-    if values is None:
-        graphdef, params, _ = initial_params(cfg, mesh)
-    else:
-        graphdef, params, _ = place_params(cfg, mesh, values)
-    with jax.set_mesh(mesh):
-        loss, grads = jax.jit(lambda p, t: grads_of(graphdef, p, t, key,
-                                                    cfg.train.microbatches))(params, tokens)
-    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(jax.device_get(grads)))[0]
-    return float(loss), {jax.tree_util.keystr(k): np.asarray(v) for k, v in flat}
+    return cached_loss_and_grads(cfg, tokens, values, key)
 
 
 @functools.cache
 def one_device(model):
     """loss_and_grads on one device (dp=1, tp=1), once per model."""
     return loss_and_grads(cfg_of(model))
-
-
-def assert_same(a, b, rtol=1e-5, atol=1e-6):
-    (la, ga), (lb, gb) = a, b
-    np.testing.assert_allclose(la, lb, rtol=rtol)
-    assert ga.keys() == gb.keys()
-    for k in ga:
-        np.testing.assert_allclose(ga[k], gb[k], rtol=rtol, atol=atol, err_msg=k)
 
 
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
