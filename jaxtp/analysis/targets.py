@@ -86,7 +86,7 @@ def compile_only_devices(name: str, n: int = 8) -> list:
             topo = topologies.get_topology_desc(platform="cuda", topology=shape,
                                                 target_config=_gpu_target_config(t))
         else:
-            topo = topologies.get_topology_desc(t.topology, platform="tpu")
+            topo = topologies.get_topology_desc(_tpu_topology(t.topology, n), platform="tpu")
     except Exception as e:  # no plugin: RuntimeError/ValueError, worded by jaxlib
         install = 'jax[cuda12]' if t.platform == "cuda" else 'jax[tpu]'
         raise TargetUnavailable(
@@ -97,6 +97,23 @@ def compile_only_devices(name: str, n: int = 8) -> list:
     if len(devices) < n:
         raise TargetUnavailable(f"{name}: the topology has {len(devices)} devices, {n} needed")
     return devices[:n]
+
+
+# 3-D TPU slices past 8 chips, as libtpu 0.0.42 builds them compile-only
+# (checked: v5p 2x2x4 = 16, 4x4x2 = 32, 4x4x4 = 64 chips)
+TPU_SLICES = {16: "2x2x4", 32: "4x4x2", 64: "4x4x4"}
+
+
+def _tpu_topology(eight: str, n: int) -> str:
+    """The topology string of a slice of at least n chips of the generation
+    whose 8-chip string is `eight` (e.g. "v5p:2x2x2")."""
+    if n <= 8:
+        return eight
+    size = min((k for k in TPU_SLICES if k >= n), default=None)
+    if size is None:
+        raise TargetUnavailable(f"{n} TPU chips: jaxtp knows compile-only slices of up to "
+                                f"{max(TPU_SLICES)}")
+    return f"{eight.split(':')[0]}:{TPU_SLICES[size]}"
 
 
 def target_mesh(name: str, dp: int, tp: int, cp: int = 1):

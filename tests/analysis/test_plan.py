@@ -183,3 +183,27 @@ def test_fsdp_state_per_device_is_zero3s_and_measured():
     assert 0 <= mem["optimizer"] - z["adam"] <= 64  # mu and nu; the count scalars
     whole = r["n_params"] * 4
     assert whole / 8 < z["params"] < whole / 2
+
+
+@pytest.mark.slow
+def test_a_cp_sweep_splits_the_activations_and_prices_the_kv_it_moves():
+    """--plan --cp: llama-tiny (s=128, N=8, K=2, fp32) at tp=2 and cp in
+    {1, 2, 4}. Each rank keeps the activations of its s/cp positions (the
+    norms' inputs alone, 2*L*b*(s/cp)*h fp32, shrink by half from cp=1 to
+    cp=2); parameters are not split by cp; only cp > 1 moves bytes over cp.
+    The cp roofline by hand: a rank's queries see s/2 keys on average
+    (2*b*s^2*N*H/(cp*tp) flops per layer forward) per (cp-1)/cp of
+    2*b*s*(K/tp)*H*4 bytes received: s*N/(K*4*(cp-1)) = 128 at cp=2, 42.7 at 4."""
+    from jaxtp.analysis.plan import plan
+
+    cfg = apply_overrides(load_config("llama-tiny"), ["parallel.tp=2", "model.n_layers=2"])
+    rows = plan(cfg, [2], cps=[1, 2, 4], log=lambda _: None)
+    assert [(r["cp"], r["tp"]) for r in rows] == [(1, 2), (2, 2), (4, 2)]
+    temps = [r["memory"]["temporaries"] for r in rows]
+    b, s, h, L = 16, 128, 128, 2
+    assert temps[0] - temps[1] >= 2 * L * b * (s // 2) * h * 4 and temps[1] > temps[2]
+    assert len({r["memory"]["params"] for r in rows}) == 1
+    assert "cp" not in rows[0]["collective_bytes_by_axis"]
+    assert all(r["collective_bytes_by_axis"]["cp"] > 0 for r in rows[1:])
+    assert rows[1]["cp_flops_per_kv_byte"] == 128
+    assert rows[2]["cp_flops_per_kv_byte"] == pytest.approx(128 * 8 / (2 * 4 * 3))
