@@ -100,8 +100,9 @@ def compile_only_devices(name: str, n: int = 8) -> list:
 
 
 # 3-D TPU slices past 8 chips, as libtpu 0.0.42 builds them compile-only
-# (checked: v5p 2x2x4 = 16, 4x4x2 = 32, 4x4x4 = 64 chips)
-TPU_SLICES = {16: "2x2x4", 32: "4x4x2", 64: "4x4x4"}
+# (checked: v5p 2x2x4 = 16, 4x4x2 = 32, 2x4x8 = 64 chips; on 4x4x4 jax.make_mesh
+# finds no place for an axis of 8, which must be a product of physical axis sizes)
+TPU_SLICES = {16: "2x2x4", 32: "4x4x2", 64: "2x4x8"}
 
 
 def _tpu_topology(eight: str, n: int) -> str:

@@ -124,7 +124,7 @@ LAYOUTS = {
     "cp2-ring": dict(cp=2, cp_attention="ring"),
     # the loss in chunks within each rank's positions (2 per rank)
     "cp2xtp2-sp-loss-chunks": dict(cp=2, tp=2, sp=True, loss_chunk=32),
-    "cp4xtp2-scan-minimal-blockwise-ring": dict(cp=4, tp=2, cp_attention="ring",
+    "cp2xtp4-scan-minimal-blockwise-ring": dict(cp=2, tp=4, cp_attention="ring",
                                                 scan_layers=True, remat="minimal",
                                                 attention="blockwise", attention_block=2),
 }
