@@ -1,6 +1,8 @@
 """generate.py as a user runs it: from a run directory at another tp (trained
 at cp=2 x tp=2), streaming."""
 
+import json
+
 import pytest
 
 import generate
@@ -23,6 +25,8 @@ def run_dir(tmp_path_factory):
 @pytest.mark.slow
 def test_a_run_trained_at_cp2_tp2_generates_the_same_greedy_text_at_tp1_and_tp8(run_dir,
                                                                                 capsys):
+    record = json.loads((run_dir / "run.json").read_text())  # the run records its cp
+    assert (record["cp"], record["cp_attention"], record["cp_balance"]) == (2, "allgather", True)
     texts = {}
     for tp, impl in ((1, "gspmd"), (8, "shard_map"), (2, "gspmd")):
         assert generate.main(["--run", str(run_dir), "--prompt", "def f(x):", "--tp", str(tp),
