@@ -130,8 +130,17 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("model", MODELS)
+# which models each layout runs (both where the layout is the core of the
+# issue; K < tp is llama-gqa at tp=4)
+CASES = [("cp2xtp4-allgather", "gpt2"), ("cp2xtp4-allgather", "llama-gqa"),
+         ("cp4xtp2-sp-ring", "gpt2"), ("cp4xtp2-sp-ring", "llama-gqa"),
+         ("dp2xcp2xtp2-sp-ring-unbalanced", "gpt2"), ("cp8-allgather-unbalanced", "llama-gqa"),
+         ("cp2-ring", "gpt2"), ("cp2xtp2-sp-loss-chunks", "llama-gqa"),
+         ("cp2xtp4-scan-minimal-blockwise-ring", "llama-gqa")]
+assert {layout for layout, _ in CASES} == set(LAYOUTS)
+
+
+@pytest.mark.parametrize("layout, model", CASES, ids=[f"{m}-{layout}" for layout, m in CASES])
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
 def test_cp_equals_one_device(impl, model, layout):
     kw = dict(LAYOUTS[layout])
@@ -143,7 +152,7 @@ def test_cp_equals_one_device(impl, model, layout):
 
 test_cp_equals_one_device.fast_cases = {"gspmd-llama-gqa-cp4xtp2-sp-ring",
                                         "shard_map-gpt2-cp2xtp4-allgather",
-                                        "explicit-llama-gqa-dp2xcp2xtp2-sp-ring-unbalanced"}
+                                        "explicit-gpt2-dp2xcp2xtp2-sp-ring-unbalanced"}
 
 
 # The ledger: every collective of the compiled train step, budgeted per axis
@@ -186,7 +195,7 @@ def _cp(colls, mesh, kind, pass_):
     return sum(c.count for c in got), sizes
 
 
-@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("impl", ["shard_map"])
 def test_the_cp_ledger_by_hand(impl):
     """llama-gqa (K=2, H=8) at cp=4 x tp=2, b=8, s=16, L=2: K/V travel as one
     array of 2*b*(s/cp)*(K/tp)*H = 2*8*4*1*8 = 512 elements per rank.
