@@ -163,9 +163,10 @@ def _analysis_flags(ap) -> None:
                             "comm_report.json, collectives.svg and the HLO texts to --out; exit "
                             "1 on a deviation")
     group.add_argument("--plan", action="store_true",
-                       help="no training: compile the train step at tp in {1,2,4,8} (or --tp) on "
-                            "abstract shapes and print per-device memory, collectives, flops, "
-                            "redundancy and whether tp is compute- or communication-bound")
+                       help="no training: compile the train step at tp in {1,2,4,8} (or --tp; "
+                            "with --cp N at cp = 1, 2, ..., N and one tp) on abstract shapes and "
+                            "print per-device memory, collectives, flops, redundancy, whether tp "
+                            "is compute- or communication-bound and, under cp, the cp roofline")
     group.add_argument("--hardware", choices=TARGET_NAMES,
                        help="--plan and --compare-hlo: compile for this accelerator without "
                             "having it, where its compiler is installed (jax[cuda12] or "
