@@ -38,7 +38,7 @@ from ..config import Config, ConfigError, validate
 RESUMABLE = {
     # the mesh: checkpoints are read into any layout
     "parallel.dp", "parallel.tp", "parallel.impl", "parallel.sp", "parallel.fsdp",
-    "parallel.overlap",
+    "parallel.overlap", "parallel.cp", "parallel.cp_attention", "parallel.cp_balance",
     # the same gradient, computed another way
     "train.microbatches", "model.remat", "model.attention", "model.attention_block",
     "model.loss_chunk",

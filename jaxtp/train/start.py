@@ -214,7 +214,9 @@ def describe(cfg: Config, n_params: int, data: Dataset) -> list[str]:
         f"model: {m.style}, {n_params:,} params, {m.n_layers} layers"
         f"{' (scanned)' if m.scan_layers else ''}, d_model={m.d_model}, heads={m.n_heads}/"
         f"{m.kv_heads} kv, d_ff={m.d_ff}, seq={m.seq_len}, {m.dtype} compute / "
-        f"{m.param_dtype} params | mesh dp={p.dp} x tp={p.tp}, impl={p.impl}"
+        f"{m.param_dtype} params | mesh dp={p.dp} x "
+        + (f"cp={p.cp} ({p.cp_attention}{', balanced' if p.cp_balance else ''}) x "
+           if p.cp > 1 else "") + f"tp={p.tp}, impl={p.impl}"
         f"{', fsdp' if p.fsdp else ''}{', sp' if p.sequence_parallel else ''} | batch "
         f"{t.batch_size}{f' in {t.microbatches} microbatches' if t.microbatches > 1 else ''}"
         f" | data: {len(data.train):,} train / {len(data.val):,} val tokens",

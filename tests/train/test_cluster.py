@@ -74,12 +74,15 @@ def test_resume_keeps_the_runs_config_and_records_what_it_changes(tmp_path, caps
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "loss": 5.')
     capsys.readouterr()
-    # the hint as printed: --resume --out DIR, nothing else; tp changed, --until 3
-    assert train.main(["--resume", "--out", str(out), "--tp", "4", "--until", "3"]) == 0
+    # the hint as printed: --resume --out DIR, nothing else; tp changed and
+    # context parallelism added (the sequence split over cp=2), --until 3
+    assert train.main(["--resume", "--out", str(out), "--tp", "4", "--cp", "2",
+                       "--until", "3"]) == 0
     printed = capsys.readouterr().out
     assert "metrics.jsonl: dropped its last line, cut short mid-write" in printed
-    assert "--resume with changes: parallel.tp 2 -> 4" in printed
-    assert "mesh dp=1 x tp=4" in printed and "step     3/4" in printed
+    assert "--resume with changes: parallel.tp 2 -> 4, parallel.cp 1 -> 2" in printed
+    assert "mesh dp=1 x cp=2 (allgather, balanced) x tp=4" in printed
+    assert "step     3/4" in printed
     # anything that would make it another run is refused, naming the key
     assert train.main(["--resume", "--out", str(out), "model.d_model=32", "--seed", "7"]) == 2
     err = capsys.readouterr().err
@@ -88,11 +91,12 @@ def test_resume_keeps_the_runs_config_and_records_what_it_changes(tmp_path, caps
     assert train.main(["--resume", "--out", str(out), "--steps", "5"]) == 0
     printed = capsys.readouterr().out
     assert "warning: the lr schedule now spans 5 steps" in printed
-    assert "mesh dp=1 x tp=4" in printed and "step     5/5" in printed
+    assert "mesh dp=1 x cp=2 (allgather, balanced) x tp=4" in printed
+    assert "step     5/5" in printed
     assert [r["step"] for r in rows(out)] == [1, 2, 3, 4, 5]
     assert (out / "config.json").read_bytes() == original  # the run's record
     history = [json.loads(line) for line in (out / "resumes.jsonl").read_text().splitlines()]
-    assert [h["changes"] for h in history] == [{"parallel.tp": [2, 4]},
+    assert [h["changes"] for h in history] == [{"parallel.tp": [2, 4], "parallel.cp": [1, 2]},
                                                {"train.steps": [4, 5]}]
     assert [h["step"] for h in history] == [2, 3]
     # a finished run: one line, nothing compiled
