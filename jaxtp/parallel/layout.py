@@ -6,8 +6,8 @@ first outermost). Weights get their PartitionSpec at construction from
 `Layout.param_spec`, so changing a table changes the layout without
 touching the model. `Layout` is everything the model needs to know about
 parallelism, decided once from the config, and it builds the mesh: an
-ordered mapping of mesh axis name to size (today dp, tp; a later axis is
-one more entry).
+ordered mapping of mesh axis name to size (dp, then cp where the sequence
+is split, then tp; a later axis is one more entry).
 """
 
 from __future__ import annotations
