@@ -128,7 +128,7 @@ def _check_cp(cfg: Config) -> None:
     if p.cp == 1:
         return
     tp_sp = p.tp if p.sp and p.tp > 1 else 1
-    need = lambda cp: math.lcm(2 * cp if p.cp_balance else cp, cp * tp_sp)
+    need = lambda cp: 1 if cp == 1 else math.lcm(2 * cp if p.cp_balance else cp, cp * tp_sp)
     if m.seq_len % need(p.cp):
         ok = [c for c in range(1, 65) if m.seq_len % need(c) == 0]
         what = (f"{2 * p.cp} chunks (rank r holds chunks r and 2cp-1-r)" if p.cp_balance

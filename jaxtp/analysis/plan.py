@@ -41,6 +41,7 @@ from ..parallel import make_mesh, mesh_for
 from ..train.metrics import HARDWARE, model_flops_per_token
 from ..train.state import abstract_train_state, resolve_attention
 from ..train.step import compile_train_step
+from .cp import kv_heads_per_rank
 from .dp import param_shards
 from .targets import CPU_OVERSTATES, TargetUnavailable, target_mesh
 
@@ -188,7 +189,7 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
         mesh = target_mesh(hardware, c.parallel.dp, tp, cp) if on_target else None
         r = analyze(c, mesh)
         base = r["flops_per_device"] if (cp if cps else tp) == 1 else base
-        _verdict(r, c, (cp if cps else 1) * tp, base, target)
+        _verdict(r, c, cp if cps else tp, base, target)
         if tp in tps and (not cps or cp in cps):
             rows.append(r)
     if not rows:
@@ -230,13 +231,14 @@ def cp_intensity(cfg: Config) -> float:
     queries see s/2 keys on average over N/tp heads: 2*b*s^2*N*H/(cp*tp)
     flops (two matmuls); the all-gather (or the ring, the same bytes) brings
     (cp-1)/cp of the sequence's K and V, 2*b*s*Kl*H elements: the ratio is
-    s*N/(tp*Kl*bytes*(cp-1)), s*N/(K*bytes*(cp-1)) where tp divides K. The
+    s*N/(tp*Kl*bytes*(cp-1)), s*N/(K*bytes*(cp-1)) where tp divides K (Kl as
+    `jaxtp.analysis.cp.kv_heads_per_rank`: gspmd with K < tp sends N/tp). The
     cp traffic hides behind the attention while it exceeds C/W of the link
     cp crosses. inf at cp=1 (nothing moves)."""
     m, p = cfg.model, cfg.parallel
     if p.cp == 1:
         return float("inf")
-    Kl = m.kv_heads // p.tp if m.kv_heads % p.tp == 0 else 1
+    Kl = kv_heads_per_rank(cfg, p.impl)  # gspmd with K < tp sends N/tp copies
     return m.seq_len * m.n_heads / (p.tp * Kl * np.dtype(m.dtype).itemsize * (p.cp - 1))
 
 

@@ -205,5 +205,6 @@ def test_a_cp_sweep_splits_the_activations_and_prices_the_kv_it_moves():
     assert len({r["memory"]["params"] for r in rows}) == 1
     assert "cp" not in rows[0]["collective_bytes_by_axis"]
     assert all(r["collective_bytes_by_axis"]["cp"] > 0 for r in rows[1:])
+    assert rows[0]["redundancy"] == 1.0  # the sweep's base: cp=1 at the same tp
     assert rows[1]["cp_flops_per_kv_byte"] == 128
     assert rows[2]["cp_flops_per_kv_byte"] == pytest.approx(128 * 8 / (2 * 4 * 3))

@@ -221,6 +221,7 @@ test_the_cp_ledger_by_hand.fast_cases = {"shard_map"}
 
 @pytest.mark.parametrize("kw, needle", [
     (dict(cp=3), "valid --cp here: [1, 2, 4, 8]"),  # 16 tokens in 6 chunks
+    (dict(cp=8, model=dataclasses.replace(MODEL, seq_len=12)), "valid --cp here: [1, 2, 3, 6]"),
     (dict(cp=16, cp_balance=True), "multiple of 32"),
     (dict(cp=2, tp=4, sp=True, model=dataclasses.replace(MODEL, seq_len=12)), "SP"),
     (dict(cp=2, attention="cudnn"), "model.attention='cudnn' does not run under --cp"),
