@@ -223,22 +223,27 @@ def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int):
                                                   axes=(CP_AXIS, TP_AXIS))
     rows += [dataclasses.replace(r, written=False, **joint)
              for r in _seq_shard_params(cfg, impl, E, m.seq_len, L)]
-    K, H = m.kv_heads, m.head_dim
+    return rows + _sp_kv_rows(cfg, impl, E, b * s * 2 * m.kv_heads * m.head_dim, xla_kv)
+
+
+def _sp_kv_rows(cfg: Config, impl: str, E, kv: int, xla_kv: bool) -> list[Expected]:
+    """Under SP with fewer kv heads than tp: GSPMD and explicit sum the kv
+    activation gradient (kv elements) as without SP (`_kv_rows`); shard_map's
+    replicated kv projection, fed the gathered x, sums its weight gradient
+    (in the compute dtype it multiplied) over dp, cp and tp at once, one psum
+    (`jaxtp.analysis.dp.expected_dp` leaves it out). Under FSDP the dp part is
+    the weight's reduce-scatter; in slices over dp, dp is manual and reduced
+    once after them (jaxtp.train.step)."""
+    m, p = cfg.model, cfg.parallel
     if xla_kv:
-        rows += _kv_rows(cfg, impl, E, b * s * 2 * K * H)
-    elif K < tp:  # replicated kv projection fed the gathered x: its weight gradient,
-        # summed as the compute-dtype weight it multiplied; inside shard_map
-        # over dp and tp at once (one psum: `jaxtp.analysis.dp.expected_dp` leaves it out)
-        # (under FSDP the dp part is the weight's reduce-scatter; in slices
-        # over dp, dp is manual and reduced once after them: jaxtp.train.step)
-        p = cfg.parallel
-        dp = 1 if p.fsdp or slices_over_dp_of(cfg) else p.dp
-        over = tuple(a for a, n in ((DATA_AXIS, dp), (CP_AXIS, p.cp)) if n > 1)
-        rows.append(E("replicated kv weight gradient: sum over tp"
-                      + "".join(f" and {a}" for a in over), "all-reduce", "backward",
-                      "attention", m.d_model * 2 * K * H, L, group=tp * dp * p.cp,
-                      axes=over + (TP_AXIS,)))
-    return rows
+        return _kv_rows(cfg, impl, E, kv)
+    if m.kv_heads >= p.tp:
+        return []
+    dp = 1 if p.fsdp or slices_over_dp_of(cfg) else p.dp
+    over = tuple(a for a, n in ((DATA_AXIS, dp), (CP_AXIS, p.cp)) if n > 1)
+    return [E("replicated kv weight gradient: sum over tp" + "".join(f" and {a}" for a in over),
+              "all-reduce", "backward", "attention", m.d_model * 2 * m.kv_heads * m.head_dim,
+              m.n_layers, group=p.tp * dp * p.cp, axes=over + (TP_AXIS,))]
 
 
 def _seq_shard_params(cfg: Config, impl: str, E, s: int, L: int) -> list:

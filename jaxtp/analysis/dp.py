@@ -105,13 +105,18 @@ def expected_dp(cfg: Config, impl: str) -> list[Expected]:
     if M > 1:  # cuDNN attention: the slices reduce as one batch does, each of them
         one = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=1))
         return [dataclasses.replace(r, count=r.count * M) for r in expected_dp(one, impl)]
+    return _one_batch(cfg, impl, grads)
+
+
+def _one_batch(cfg: Config, impl: str, grads: int) -> list[Expected]:
+    """`expected_dp`'s rows of one batch: the loss mean and the gradients'
+    sums (under shard_map its regions' and GSPMD's outside them apart), from
+    `grads`, the elements of every parameter's tp shard."""
+    m, p = cfg.model, cfg.parallel
+    group, axes = data_group(cfg)
+    pd = HLO_DTYPES[m.param_dtype]
     if m.tie_embeddings:
         grads += m.padded_vocab // p.tp * m.d_model
-    if p.sequence_parallel and m.style != "llama" and p.cp == 1:
-        # learned positions used on sequence shards: each tp rank's gradient is
-        # non-zero only on its T/tp rows, and XLA reduces that slice over dp
-        # (the tp sum then assembles the table; under cp: `settle_cp`)
-        grads -= m.seq_len * m.d_model - m.seq_len // p.tp * m.d_model
     if p.sequence_parallel and impl == "shard_map" and m.kv_heads < p.tp:
         grads -= m.n_layers * m.d_model * 2 * m.kv_heads * m.head_dim  # over dp and tp at once
     # at dp > 1 and cp > 1, what GSPMD reduces (every gradient under gspmd
@@ -120,27 +125,27 @@ def expected_dp(cfg: Config, impl: str) -> list[Expected]:
     # at once (one psum, the transpose of their dp x cp broadcast)
     steps = (((p.cp, (CP_AXIS,)), (p.dp, (DATA_AXIS,))) if p.dp > 1 and p.cp > 1
              else ((group, axes),))
-    rows = [_loss_mean(g, 1, axes=a) for g, a in steps]
-    # under cp, what the dp-only step reduces of the learned positions: each
-    # rank's T/cp rows, T/(cp*tp) under SP (the rest: `jaxtp.analysis.cp.settle_cp`)
+    over = lambda a: " x ".join(a)
+    # the learned positions' gradient is non-zero on a rank's own T/(cp*tp)
+    # positions under SP (T/cp without), and the sum over dp alone reduces
+    # just those rows (what cp and tp sum: `jaxtp.analysis.cp.settle_cp`)
     sp = p.tp if p.sequence_parallel else 1
-    dp_positions = (m.seq_len * m.d_model - m.seq_len // (p.cp * sp) * m.d_model
-                    if len(steps) == 2 and m.style != "llama" else 0)
-    less = lambda a: dp_positions if a == (DATA_AXIS,) else 0
+    elided = lambda a: (m.seq_len * m.d_model - m.seq_len // (p.cp * sp) * m.d_model
+                        if m.style != "llama" and a == (DATA_AXIS,) else 0)
+    rows = [_loss_mean(g, 1, axes=a) for g, a in steps]
     if impl == "shard_map":  # its regions' own sums, and what GSPMD places outside them
         outside = sum(s.elements for s in param_shards(cfg) if not s.region)
-        if p.sequence_parallel and m.style != "llama" and p.cp == 1:
-            outside -= m.seq_len * m.d_model - m.seq_len // p.tp * m.d_model
-        rows += [Expected(f"{over}: parameter gradients outside the regions (norms, "
-                          f"biases, positions), summed over {' x '.join(a)} by GSPMD",
-                          "all-reduce", "backward", ANY_SCOPE, outside - less(a), pd, g, 1,
+        rows += [Expected(f"{over(axes)}: parameter gradients outside the regions (norms, "
+                          f"biases, positions), summed over {over(a)} by GSPMD",
+                          "all-reduce", "backward", ANY_SCOPE, outside - elided(a), pd, g, 1,
                           axes=a, written=False) for g, a in steps]
-        grads -= outside
-        steps = ((group, axes),)
-    return rows + [Expected(f"{over}: every parameter gradient (tp shard), summed over "
-                            f"{' x '.join(a)}" + (" in its region" if impl == "shard_map" else ""),
-                            "all-reduce", "backward", ANY_SCOPE, grads - less(a), pd, g, 1,
-                            axes=a) for g, a in steps]
+        return rows + [Expected(f"{over(axes)}: every parameter gradient (tp shard), summed "
+                                f"over {over(axes)} in its region", "all-reduce", "backward",
+                                ANY_SCOPE, grads - outside, pd, group, 1, axes=axes)]
+    return rows + [Expected(f"{over(axes)}: every parameter gradient (tp shard), summed over "
+                            f"{over(a)}", "all-reduce", "backward", ANY_SCOPE,
+                            grads - elided(a), pd, g, 1, axes=a)
+                   for g, a in steps]
 
 
 def _loss_mean(group: int, count: int, pass_: str = "forward",

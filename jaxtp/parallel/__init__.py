@@ -1,13 +1,14 @@
 """The only place that knows the mesh axes and how tp communicates: the
-`Layout` (and the mesh it builds), Megatron's f and g, one `Local` per impl,
+`Layout` (and the mesh it builds), how a batch is placed on it, Megatron's
+f and g, one `Local` per impl, context parallelism's attention core,
 multi-process start-up."""
 
 from .collectives import f, f_sp, g, g_sp, global_norm, vary
-from .layout import (CP_AXIS, DATA_AXIS, FSDP_PARAM_RULES, RULES, TP_AXIS, Layout,
-                     batch_shape, batch_sharding, cache_spec, check_device_count, constrain,
-                     cp_batch, cp_order, ensure_devices, first_row, in_region, inputs_targets,
+from .layout import (CP_AXIS, DATA_AXIS, FSDP_PARAM_RULES, RULES, TP_AXIS, Layout, cache_spec,
+                     check_device_count, constrain, ensure_devices, first_row, in_region,
                      keep_axes, make_mesh, mesh_for, mesh_size, named, spec, spec_axes,
                      split_over_tp)
+from .batches import batch_shape, batch_sharding, cp_batch, cp_order, inputs_targets
 from .overlap import CPU_HAS_NO_WINDOWED_EINSUM, NO_XLA_OVERLAP, compiler_options
 from .global_arrays import GSPMD, Explicit, GlobalArrays
 from .shardmap import BF16_CPU_SHARD_MAP, Ring, ShardMap, act_spec, run_sharded

@@ -1,0 +1,58 @@
+"""How a batch of token windows is placed on the mesh: [B, T+1] split over
+dp, or on a mesh with a cp axis inputs and targets apart, [B, 2, T], their
+sequence reordered once for the causal load balance (`cp_order`) and split
+over cp."""
+
+from __future__ import annotations
+
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .layout import CP_AXIS, DATA_AXIS
+
+
+def cp_order(T: int, cp: int, balance: bool = True) -> np.ndarray:
+    """The original index of each position of a sequence of T tokens as it is
+    placed over cp: rank r's contiguous T/cp are chunks r and 2cp-1-r of
+    2cp chunks under causal load balance (the dual-chunk swap of
+    Megatron-LM's context parallelism; "zigzag"), so that every rank's
+    queries see as many keys; chunk r of cp without it. The identity at
+    cp = 1. Batches are reordered by it once, when placed
+    (`jaxtp.train.data.to_mesh`).
+
+    >>> cp_order(8, 2).tolist()
+    [0, 1, 6, 7, 2, 3, 4, 5]
+    """
+    if cp == 1 or not balance:
+        return np.arange(T)
+    c = T // (2 * cp)
+    chunks = [(r, 2 * cp - 1 - r) for r in range(cp)]
+    return np.concatenate([np.arange(i * c, (i + 1) * c) for pair in chunks for i in pair])
+
+
+def batch_shape(B: int, T: int, mesh) -> tuple[int, ...]:
+    """A placed batch of B windows of T+1 tokens: [B, T+1], or on a mesh
+    with a cp axis [B, 2, T] (inputs and targets apart, so that no shift
+    crosses a cp chunk's edge: `cp_batch`)."""
+    return (B, 2, T) if CP_AXIS in mesh.axis_names else (B, T + 1)
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    """How a batch (`batch_shape`) is placed: split over dp, and its T over cp."""
+    if CP_AXIS in mesh.axis_names:
+        return NamedSharding(mesh, P(DATA_AXIS, None, CP_AXIS))
+    return NamedSharding(mesh, P(DATA_AXIS, None))
+
+
+def cp_batch(windows_BT1: np.ndarray, cp: int, balance: bool) -> np.ndarray:
+    """Host windows [B, T+1] -> [B, 2, T]: inputs and targets, each reordered
+    along T by `cp_order` (once, when a batch is placed)."""
+    order = cp_order(windows_BT1.shape[1] - 1, cp, balance)
+    return np.stack([windows_BT1[:, :-1], windows_BT1[:, 1:]], 1)[:, :, order]
+
+
+def inputs_targets(batch):
+    """(inputs [B, T], targets [B, T]) of a placed batch (`batch_shape`)."""
+    if batch.ndim == 3:
+        return batch[:, 0], batch[:, 1]
+    return batch[:, :-1], batch[:, 1:]
