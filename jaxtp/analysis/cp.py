@@ -92,7 +92,10 @@ def settle_cp(cfg: Config, impl: str, rows: list[Expected]) -> list[Expected]:
       sizes over cp x tp) are summed over both in one collective.
     - impl explicit without SP reshards the learned positions from
       replicated to the cp split; the transpose gathers the gradient's rows
-      over cp (the table's s*D elements) instead of summing them."""
+      over cp (the table's s*D elements) instead of summing them.
+    - The chunked loss takes its chunks within each rank's positions, so the
+      LM head's gradient is contracted, and summed over cp (and dp), once
+      per loss chunk: n - 1 more head tables in the gradient totals."""
     m, p = cfg.model, cfg.parallel
     if p.cp == 1:
         return rows

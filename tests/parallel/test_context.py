@@ -103,7 +103,7 @@ def test_parts_merged_by_log_sum_exp_are_causal_attention(kernel):
     for fn in (ring, gathered):
         np.testing.assert_allclose(jax.jit(fn)(q, k, v), ref(q, k, v), rtol=1e-5)
         for a, b in zip(jax.jit(jax.grad(fn, (0, 1, 2)))(q, k, v), g_ref):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_a_part_wholly_above_the_diagonal_sees_nothing():
@@ -231,7 +231,7 @@ test_the_cp_ledger_by_hand.fast_cases = {"shard_map"}
 ])
 def test_bad_cp_layouts_are_refused_with_the_fix(kw, needle):
     model = kw.pop("model", MODEL)
-    with pytest.raises(ConfigError, match=None) as e:
+    with pytest.raises(ConfigError) as e:
         cfg_of(model, **kw)
     assert needle in str(e.value)
 
@@ -280,6 +280,7 @@ def test_cp_in_bf16_is_the_fp32_loss_to_a_bf16_rounding(impl, strategy):
                                         dtype="bfloat16"))
     ref_loss, ref = one_device(GQA)
     np.testing.assert_allclose(loss, ref_loss, rtol=2**-8)
+    assert loss != ref_loss  # bf16 did run
     a = np.concatenate([grads[k].ravel() for k in sorted(ref)])
     b = np.concatenate([ref[k].ravel() for k in sorted(ref)])
     assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) > 0.999
