@@ -5,10 +5,10 @@ multi-process start-up."""
 
 from .collectives import f, f_sp, g, g_sp, global_norm, vary
 from .layout import (CP_AXIS, DATA_AXIS, FSDP_PARAM_RULES, RULES, TP_AXIS, Layout, cache_spec,
-                     check_device_count, constrain, ensure_devices, first_row, in_region,
+                     check_device_count, constrain, cp_order, ensure_devices, first_row, in_region,
                      keep_axes, make_mesh, mesh_for, mesh_size, named, spec, spec_axes,
                      split_over_tp)
-from .batches import batch_shape, batch_sharding, cp_batch, cp_order, inputs_targets
+from .batches import batch_shape, batch_sharding, cp_batch, inputs_targets
 from .overlap import CPU_HAS_NO_WINDOWED_EINSUM, NO_XLA_OVERLAP, compiler_options
 from .global_arrays import GSPMD, Explicit, GlobalArrays
 from .shardmap import BF16_CPU_SHARD_MAP, Ring, ShardMap, act_spec, run_sharded

@@ -1,6 +1,6 @@
 """How a batch of token windows is placed on the mesh: [B, T+1] split over
 dp, or on a mesh with a cp axis inputs and targets apart, [B, 2, T], their
-sequence reordered once for the causal load balance (`cp_order`) and split
+sequence reordered once for the causal load balance (`jaxtp.parallel.layout.cp_order`) and split
 over cp."""
 
 from __future__ import annotations
@@ -8,26 +8,7 @@ from __future__ import annotations
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .layout import CP_AXIS, DATA_AXIS
-
-
-def cp_order(T: int, cp: int, balance: bool = True) -> np.ndarray:
-    """The original index of each position of a sequence of T tokens as it is
-    placed over cp: rank r's contiguous T/cp are chunks r and 2cp-1-r of
-    2cp chunks under causal load balance (the dual-chunk swap of
-    Megatron-LM's context parallelism; "zigzag"), so that every rank's
-    queries see as many keys; chunk r of cp without it. The identity at
-    cp = 1. Batches are reordered by it once, when placed
-    (`jaxtp.train.data.to_mesh`).
-
-    >>> cp_order(8, 2).tolist()
-    [0, 1, 6, 7, 2, 3, 4, 5]
-    """
-    if cp == 1 or not balance:
-        return np.arange(T)
-    c = T // (2 * cp)
-    chunks = [(r, 2 * cp - 1 - r) for r in range(cp)]
-    return np.concatenate([np.arange(i * c, (i + 1) * c) for pair in chunks for i in pair])
+from .layout import CP_AXIS, DATA_AXIS, cp_order
 
 
 def batch_shape(B: int, T: int, mesh) -> tuple[int, ...]:

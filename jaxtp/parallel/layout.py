@@ -154,8 +154,7 @@ class Layout:
 
     def positions(self, T: int) -> np.ndarray:
         """The original index of each of a placed sequence's T tokens
-        (`jaxtp.parallel.batches.cp_order`): RoPE and learned positions read these."""
-        from .batches import cp_order  # batches imports this module's axis names
+        (`cp_order`): RoPE and learned positions read these."""
         return cp_order(T, self.cp, self.cp_balance)
 
     @property
@@ -201,6 +200,25 @@ class Layout:
         """Logical axes of the residual stream [B, T, D]: replicated over tp, or
         split along the sequence under SP (Korthikanti et al. 2022)."""
         return ("batch", "sp_seq" if self.sp else "seq", "embed")
+
+
+def cp_order(T: int, cp: int, balance: bool = True) -> np.ndarray:
+    """The original index of each position of a sequence of T tokens as it is
+    placed over cp: rank r's contiguous T/cp are chunks r and 2cp-1-r of
+    2cp chunks under causal load balance (the dual-chunk swap of
+    Megatron-LM's context parallelism; "zigzag"), so that every rank's
+    queries see as many keys; chunk r of cp without it. The identity at
+    cp = 1. Batches are reordered by it once, when placed
+    (`jaxtp.train.data.to_mesh`).
+
+    >>> cp_order(8, 2).tolist()
+    [0, 1, 6, 7, 2, 3, 4, 5]
+    """
+    if cp == 1 or not balance:
+        return np.arange(T)
+    c = T // (2 * cp)
+    chunks = [(r, 2 * cp - 1 - r) for r in range(cp)]
+    return np.concatenate([np.arange(i * c, (i + 1) * c) for pair in chunks for i in pair])
 
 
 def keep_axes(s: P, axes) -> P:
