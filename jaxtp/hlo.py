@@ -110,7 +110,10 @@ def scope_of(op_name: str) -> str:
             p = m.group(1)
         # keep named scopes; drop transform wrappers and jnp's internal names
         # (`_take`, einsum specs) so scopes read the same under both impls
-        if re.fullmatch(r"[A-Za-z][\w.\-]*", p) and p not in _WRAPPERS:
+        # (a rematerialised matmul's backward repeats its scope:
+        # `transpose(jvp(mlp))/jvp(mlp)/checkpoint/...` is the MLP's)
+        if re.fullmatch(r"[A-Za-z][\w.\-]*", p) and p not in _WRAPPERS and \
+                names[-1:] != [p]:
             names.append(p)
     return "/".join(names)
 
@@ -245,6 +248,31 @@ def collectives(text: str) -> list[Collective]:
                     pass_=pass_of(elem_op), scope=scope_of(elem_op), op_name=elem_op,
                     name=name if len(arrays) == 1 else f"{name}#{i}",
                     count=count, combined=len(arrays), groups=groups))
+    return out
+
+
+_WINDOWED_BODY = re.compile(r"body=%?[\w.\-]*windowed_dot_general_body_(ag|rs)")
+
+
+def windowed_loops(text: str) -> Counter:
+    """XLA's windowed-einsum loops in compiled HLO (the SPMD partitioner's
+    `windowed_dot_general_body_ag` / `_rs` while bodies; XLA's GPU pipeline
+    prefixes `unrolled_`, the CPU one suffixes clones): {(kind, pass, scope):
+    loops per call}, kind "all-gather" or "reduce-scatter", a loop inside a
+    scanned layer stack counted per trip."""
+    comps, entry = _parse(text)
+    if entry is None:
+        return Counter()
+    mult = _multipliers(comps, entry)
+    out = Counter()
+    for comp, instrs in comps.items():
+        for _, _, opcode, rest in instrs:
+            m = _WINDOWED_BODY.search(rest) if opcode == "while" else None
+            if m and mult.get(comp):
+                op = _OP_NAME.search(rest)
+                op_name = op.group(1) if op else ""
+                kind = "all-gather" if m.group(1) == "ag" else "reduce-scatter"
+                out[(kind, pass_of(op_name), scope_of(op_name))] += mult[comp]
     return out
 
 

@@ -33,6 +33,7 @@ from ..config import Config
 from ..model.vocab import loss_chunks
 from ..parallel import CP_AXIS, DATA_AXIS, TP_AXIS
 from ..train.step import slices_over_dp_of
+from ..parallel import xla_overlap
 from .backends import on_backend
 from .cp import expected_cp, settle_cp
 from .dp import expected_dp
@@ -89,13 +90,17 @@ def budget_for(cfg: Config) -> Budget:
                   microbatches=M)
 
 
-def expected_collectives(cfg: Config, impl: str, platform: str = "") -> list[Expected]:
+def expected_collectives(cfg: Config, impl: str, platform: str = "",
+                         forms: xla_overlap.Forms | None = None) -> list[Expected]:
     """Every collective the train step of `cfg` needs under `impl`: over tp,
     with dp > 1 over dp (`jaxtp.analysis.dp.expected_dp`), with cp > 1 over
     cp (`jaxtp.analysis.cp.expected_cp`, and the gradients over dp x cp); as
     the compiler for `platform` ("cpu", "gpu", "tpu"; "" for none) carries it
-    out (`backends.on_backend`)."""
-    rows = settle_cp(cfg, impl, _per_microbatch(cfg, _expected_tp(cfg, impl))
+    out (`backends.on_backend`). `forms`: which of XLA's windowed-einsum
+    loops form under GSPMD's overlap (default: `xla_overlap.forms` for the
+    platform, a GPU's compiled deviceless)."""
+    forms = xla_overlap.forms(cfg, platform, deviceless=True) if forms is None else forms
+    rows = settle_cp(cfg, impl, _per_microbatch(cfg, _expected_tp(cfg, impl, forms))
                      + expected_dp(cfg, impl) + expected_cp(cfg, impl))
     return on_backend(rows, cfg, impl, platform) if platform else rows
 
@@ -117,7 +122,7 @@ def _per_microbatch(cfg: Config, rows: list[Expected]) -> list[Expected]:
     return out
 
 
-def _expected_tp(cfg: Config, impl: str) -> list[Expected]:
+def _expected_tp(cfg: Config, impl: str, forms: xla_overlap.Forms) -> list[Expected]:
     m, tp = cfg.model, cfg.parallel.tp
     if tp == 1:
         return []
@@ -128,7 +133,7 @@ def _expected_tp(cfg: Config, impl: str) -> list[Expected]:
     E = lambda name, kind, pass_, scope, n, count, dtype=dt, group=tp, role="", axes=(TP_AXIS,): \
         Expected(name, kind, pass_, scope, n, dtype, group, count, role, axes)
     if cfg.parallel.sequence_parallel:
-        return _expected_sp(cfg, impl, E, b, s, L, act)
+        return _expected_sp(cfg, impl, E, b, s, L, act, forms)
     n, c = loss_chunks(m.loss_chunk, b, s)
     rows = [
         E("g: vocab-parallel embedding lookup", "all-reduce", "forward", "embed", act, 1,
@@ -177,7 +182,8 @@ def _cross_entropy(E, b: int, n: int, c: int) -> list[Expected]:
               "cross_entropy", b * c, 3 * n, "f32")]
 
 
-def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int):
+def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int,
+                 forms: xla_overlap.Forms):
     """Megatron-SP (Korthikanti et al. 2022, Sec. 4.2.2): each all-reduce of a
     region becomes an all-gather at its entry and a reduce-scatter at its exit
     (their mirrors in the backward pass), the same ring bytes. Elements count
@@ -201,18 +207,21 @@ def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int):
     # GSPMD and explicit sum the kv gradient as they do without SP
     # (`_kv_rows`); shard_map sums the replicated kv weight's gradient instead
     xla_kv = impl != "shard_map" and m.kv_heads < tp
-    rows = _sp_regions(cfg, E, act, shard, L, xla_kv, impl)
+    rows = _sp_regions(cfg, E, act, shard, L, xla_kv, impl, forms)
+    windowed_head = impl != "shard_map" and cfg.parallel.overlap != "none" and n == 1
     rows += [
         E("SP embedding: reduce-scatter of the looked-up rows", "reduce-scatter", "forward",
           "embed", shard, 1, role="embed"),
         E("SP embedding, backward: all-gather", "all-gather", "backward", "embed", act, 1),
-        E("SP LM head entry: all-gather", "all-gather", "forward", "cross_entropy", act, 1,
-          role="gather_in"),
-        E("SP LM head, backward: reduce-scatter of dX", "reduce-scatter", "backward",
-          "cross_entropy", shard, 1, role="head_dx")
-        if impl == "shard_map" or n == 1 else
-        E("SP LM head, backward: dX per loss chunk (GSPMD reduces each chunk)",
-          "all-reduce", "backward", "cross_entropy", b * c * m.d_model, n, role="head_dx"),
+        *(_windowed_head(E, act, shard, forms, tp * cfg.parallel.dp, tp) if windowed_head else [
+            E("SP LM head entry: all-gather", "all-gather", "forward", "cross_entropy", act, 1,
+              role="gather_in"),
+            E("SP LM head, backward: reduce-scatter of dX", "reduce-scatter", "backward",
+              "cross_entropy", shard, 1, role="head_dx")
+            if impl == "shard_map" or n == 1 else
+            E("SP LM head, backward: dX per loss chunk (GSPMD reduces each chunk)",
+              "all-reduce", "backward", "cross_entropy", b * c * m.d_model, n,
+              role="head_dx")]),
         *_cross_entropy(E, b, n, c),
         E("gradient norm: one sum of squares", "all-reduce", "other", "", 1, 1, "f32"),
     ]
@@ -257,11 +266,12 @@ def _seq_shard_params(cfg: Config, impl: str, E, s: int, L: int) -> list:
     dp_local = slices_over_dp_of(cfg)  # jaxtp.train.step
     if m.use_bias:
         # GSPMD sums the attention's from the output gradient it gathered
-        # anyway (but not in slices over dp, where dp is manual)
+        # anyway (but not in slices over dp, where dp is manual, nor under the
+        # overlap, where the gradient reaches the bias split along T)
+        whole = impl == "gspmd" and not dp_local and cfg.parallel.overlap == "none"
         rows += [E(f"{scope} row-parallel bias on sequence shards: gradient sum",
                    "all-reduce", "backward", scope, m.d_model, L, role="seq_shard_param")
-                 for scope in ("attention", "mlp")
-                 if impl != "gspmd" or scope == "mlp" or dp_local]
+                 for scope in ("attention", "mlp") if scope == "mlp" or not whole]
     if m.style != "llama":
         # explicit: the positions are resharded from replicated to the sequence
         # split, whose transpose gathers the gradient's rows (half the bytes);
@@ -280,10 +290,12 @@ def _seq_shard_params(cfg: Config, impl: str, E, s: int, L: int) -> list:
 
 
 def _sp_regions(cfg: Config, E, act: int, shard: int, L: int, xla_kv: bool,
-                impl: str) -> list:
+                impl: str, forms: xla_overlap.Forms) -> list:
     """Each region's SP entry and exit, forward and backward (and a remat's regather)."""
     if impl == "shard_map" and cfg.parallel.overlap == "collective_matmul":
         return _ring_regions(cfg, E, shard, L)
+    if cfg.parallel.overlap != "none":
+        return _windowed_regions(cfg, E, act, shard, L, xla_kv, forms)
     rows = []
     for scope in ("attention", "mlp"):
         rows += [E(f"SP entry: all-gather into {scope}", "all-gather", "forward", scope, act, L,
@@ -301,6 +313,88 @@ def _sp_regions(cfg: Config, E, act: int, shard: int, L: int, xla_kv: bool,
             rows.append(E(f"SP remat: {scope}'s input gathered again in the backward pass",
                           "all-gather", "backward", scope, act, L, role="gather_in"))
     return rows
+
+
+def _windowed_regions(cfg: Config, E, act: int, shard: int, L: int, xla_kv: bool,
+                      forms: xla_overlap.Forms) -> list:
+    """GSPMD's and explicit's SP regions under `parallel.overlap`: x enters
+    each column matmul split along T with the output named split over tp,
+    and each row matmul's output is named split along T
+    (`jaxtp.parallel.GSPMD.project`), so that XLA's partitioner may turn the
+    all-gather / reduce-scatter beside each into a windowed loop of tp
+    collective-permutes of one chunk [b, s/tp, h] (`forms` says which loops
+    form for this compiler and these shapes: `jaxtp.parallel.xla_overlap`).
+    Per region and layer, forward: the entry's all-gather, the exit's
+    reduce-scatter; backward: dX's reduce-scatter, x gathered again for the
+    weight gradient (the entry matmul is rematerialised,
+    `jaxtp.parallel.overlap.reread`: Megatron-SP's second gather,
+    Korthikanti et al. 2022, Sec. 4.2.3), and the output gradient's
+    all-gather, never a loop: two dots read it (the exit's dX and dW) and
+    XLA shares one plain gather between them. Remat "full" recomputes the
+    entry's matmul: one more gather of x. With fewer kv heads than tp the
+    attention's entry is two dots (q and the replicated kv) of one gathered
+    x: plain SP there."""
+    ag, rs = forms.all_gather, forms.reduce_scatter
+    hops, pairs = cfg.parallel.tp, cfg.parallel.tp * cfg.parallel.dp
+    loop = lambda what, pass_, scope, role="": E(
+        f"windowed {what}", "collective-permute", pass_, scope, shard, hops * L,
+        group=pairs, role=role)
+    rows = []
+    for scope in ("attention", "mlp"):
+        plain_entry = scope == "attention" and xla_kv
+        # x gathered again for dW (and a remat "full" for the recomputed
+        # entry); a plain entry's is SP's own remat regather
+        remat = cfg.model.remat
+        gathers = (remat != "none") if plain_entry else 1 + (remat == "full")
+        rows += [loop(f"all-gather loop: x's chunks into {scope}'s column matmul", "forward",
+                      scope, "gather_in") if ag and not plain_entry else
+                 E(f"SP entry: all-gather into {scope}", "all-gather", "forward", scope, act, L,
+                   role="gather_in"),
+                 loop(f"reduce-scatter loop: partial sums out of {scope}'s row matmul",
+                      "forward", scope) if rs else
+                 E(f"SP exit: reduce-scatter out of {scope}", "reduce-scatter", "forward",
+                   scope, shard, L),
+                 E(f"SP exit, backward: all-gather of the {scope} output gradient (read by "
+                   "two dots: no loop)", "all-gather", "backward", scope, act, L,
+                   role=f"gather_grad_{scope}")]
+        if plain_entry:
+            rows.append(E(f"SP entry, backward: all-reduce of dX into {scope} (the kv branch's "
+                          "dX is whole)", "all-reduce", "backward", scope, act, L))
+        else:
+            rows.append(loop(f"reduce-scatter loop: partial sums of dX into {scope}", "backward",
+                             scope) if rs else
+                        E(f"SP entry, backward: reduce-scatter of dX into {scope}",
+                          "reduce-scatter", "backward", scope, shard, L))
+        for i in range(gathers):
+            what = f"all-gather loop: x's chunks into {scope} again for " + (
+                "dW" if i == 0 else "the remat")
+            rows.append(loop(what, "backward", scope, "gather_in") if ag and not plain_entry else
+                        E(f"SP overlap: {scope}'s input gathered again for "
+                          + ("its weight gradient" if i == 0 else "the remat"), "all-gather",
+                          "backward", scope, act, L, role="gather_in"))
+    return rows
+
+
+def _windowed_head(E, act: int, shard: int, forms: xla_overlap.Forms, pairs: int,
+                   tp: int) -> list:
+    """The LM head of one loss chunk under the overlap: its entry windowed as
+    a region's (forward all-gather, backward dX reduce-scatter and x gathered
+    again for the table's gradient)."""
+    loop = lambda what, pass_, role: E(f"windowed {what}", "collective-permute", pass_,
+                                       "cross_entropy", shard, tp, group=pairs, role=role)
+    ag, rs = forms.all_gather, forms.reduce_scatter
+    return [loop("all-gather loop: x's chunks into the LM head", "forward", "gather_in")
+            if ag else
+            E("SP LM head entry: all-gather", "all-gather", "forward", "cross_entropy", act, 1,
+              role="gather_in"),
+            loop("reduce-scatter loop: partial sums of the LM head's dX", "backward",
+                 "head_dx") if rs else
+            E("SP LM head, backward: reduce-scatter of dX", "reduce-scatter", "backward",
+              "cross_entropy", shard, 1, role="head_dx"),
+            loop("all-gather loop: x's chunks into the LM head again for dW", "backward",
+                 "gather_in") if ag else
+            E("SP overlap: the LM head's input gathered again for the table's gradient",
+              "all-gather", "backward", "cross_entropy", act, 1, role="gather_in")]
 
 
 def _ring_regions(cfg: Config, E, shard: int, L: int) -> list:

@@ -5,8 +5,9 @@ Writes the optimized HLO of each, `comm_report.json` and `collectives.svg`
 (`jaxtp.analysis.picture`); the table lists every
 collective (kind, pass, scope, dtype[shape], devices, bytes) with its count
 per impl and in the budget, and the budget row's role (f, g, their SP forms
-and rings, the loss's reductions). Under `parallel.overlap` it also says
-whether XLA formed windowed-einsum loops for GSPMD.
+and rings, the loss's reductions). Under `parallel.overlap` it also says,
+for GSPMD and explicit, which windowed-einsum loops XLA formed per region
+and pass, or why it formed none on this target (`jaxtp.analysis.windowed`).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from typing import Callable
 
 from .. import hlo
 from ..config import IMPLS, Config
-from ..parallel import NO_XLA_OVERLAP, make_mesh, mesh_for
+from ..parallel import make_mesh, mesh_for, xla_overlap
+from ..train.metrics import HARDWARE
 from ..train.state import abstract_train_state, resolve_attention
 from ..train.step import compile_train_step
-from . import roofline
+from . import roofline, windowed
 from .budget import budget_for, expected_collectives
 from .picture import write
 from .rows import check, format_table, size_text, table_rows
@@ -50,10 +52,11 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
     out.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh(p.dp, p.tp, cp=p.cp) if mesh is None else mesh
     impls, colls_by_impl, expected_by_impl = {}, {}, {}
+    forms = _windowed_forms(cfg, mesh)
     for impl in IMPLS:
         colls_by_impl[impl], expected_by_impl[impl], impls[impl] = _compile_and_check(
             dataclasses.replace(cfg, parallel=dataclasses.replace(p, impl=impl)),
-            mesh_for(mesh, impl), out, log)
+            mesh_for(mesh, impl), out, log, forms)
     budget, sizes = budget_for(cfg), dict(mesh.shape)
     ring = {impl: sum(e.count * e.ring_bytes for e in rows)
             for impl, rows in expected_by_impl.items()}
@@ -113,7 +116,24 @@ def _report(cfg: Config, mesh, budget, ring: dict, impls: dict, colls_by_impl: d
     return report
 
 
-def _compile_and_check(cfg: Config, mesh, out: Path, log) -> tuple[list, list, dict]:
+def _windowed_forms(cfg: Config, mesh) -> xla_overlap.Forms:
+    """The windowed-einsum loops XLA forms for this step on `mesh`'s devices
+    under GSPMD's overlap; on a GPU the iteration cap is read from a compile's
+    log (a deviceless target: 0)."""
+    device = mesh.devices.flat[0]
+    p = cfg.parallel
+    if p.overlap == "none" or not p.sequence_parallel or device.platform == "cpu":
+        return xla_overlap.forms(cfg, device.platform)
+    deviceless = type(getattr(device, "client", None)).__name__ == "CompileOnlyPyClient"
+    target = next((name for name, h in HARDWARE.items() if h.description == device.device_kind),
+                  None)
+    cap = windowed.logged_cap("local" if not deviceless else target) \
+        if device.platform == "gpu" and (target or not deviceless) else None
+    return xla_overlap.forms(cfg, device.platform, deviceless=deviceless, cap=cap)
+
+
+def _compile_and_check(cfg: Config, mesh, out: Path, log,
+                       forms: xla_overlap.Forms) -> tuple[list, list, dict]:
     """(collectives, budget, report entry) of the train step of `cfg` (one impl)."""
 
     m, impl = cfg.model, cfg.parallel.impl
@@ -128,33 +148,24 @@ def _compile_and_check(cfg: Config, mesh, out: Path, log) -> tuple[list, list, d
                               compiler_options=options).as_text()
     (out / f"hlo_{impl}.txt").write_text(text)
     colls = hlo.collectives(text)
-    expected = expected_collectives(cfg, impl, platform)
+    expected = expected_collectives(cfg, impl, platform, forms)
     diff = check(colls, expected, dict(mesh.shape))  # each collective on its budgeted axes
     extra = {}
-    if cfg.parallel.overlap != "none" and impl != "shard_map":
-        log(windowed_einsum_line(colls, platform, impl))
-        # the permutes of XLA's windowed-einsum loops: none seen yet (CPU, H100), so
-        # the budget is plain SP's and a loop XLA forms shows up as a deviation
-        extra["windowed_einsum_permutes"] = sum(c.count for c in colls
-                                                if c.kind == "collective-permute")
+    if cfg.parallel.overlap != "none" and cfg.parallel.sequence_parallel and \
+            impl != "shard_map":
+        loops = hlo.windowed_loops(text)
+        for line in windowed.report(impl, platform, forms, loops):
+            log(line)
+        extra["windowed_einsum"] = {
+            "loops": [dict(kind=k, pass_=p, scope=sc, count=n) for (k, p, sc), n in loops.items()],
+            "all_gather_loops_expected": forms.all_gather,
+            "reduce_scatter_loops_expected": forms.reduce_scatter, "why": forms.why}
     by_axis = hlo.by_axis(colls, dict(mesh.shape))
     return colls, expected, {**extra, "collectives": hlo.summarize(colls, dict(mesh.shape)),
                              "by_axis": by_axis,
                              "expected": [e.to_dict() for e in expected],
                              "matches_budget": diff is None,
                              "verdict": "matches budget" if diff is None else diff}
-
-
-def windowed_einsum_line(colls: list, platform: str, impl: str = "gspmd") -> str:
-    """What XLA made of GSPMD's overlap request: the collective-permutes of
-    the windowed-einsum loops it formed (none: each SP collective stayed whole)."""
-
-    n = sum(c.count for c in colls if c.kind == "collective-permute")
-    if platform == "cpu":
-        return f"{impl}: {NO_XLA_OVERLAP}"
-    return (f"{impl} on {platform}: XLA's windowed einsum formed loops of {n} collective-permutes"
-            if n else f"{impl} on {platform}: XLA formed no windowed-einsum loop (0 "
-            "collective-permutes): every SP all-gather and reduce-scatter stayed whole")
 
 
 def _analytic_line(budget, sp: bool, ring: dict, overlap: bool = False) -> str:

@@ -6,7 +6,8 @@ is the median over rounds of the two times of one round (a slow moment of a
 noisy machine then hits both sides alike). Sections: GSPMD vs shard_map at
 the largest tp <= 8 a preset allows; tp in {1, 2, 4, 8} with and without
 sequence parallelism against tp=1; SP's collectives as collective-matmul
-rings against plain ones (`overlap`); compile time against depth; collectives
+rings against plain ones (`overlap`); XLA's windowed-einsum loops past the
+CPU threshold, compile-only (`windowed`); compile time against depth; collectives
 over the tp axis (`collectives`); the share of step time in collectives,
 read from a profiler trace; jaxtp against a plain JAX step of the same model
 (`peer`); blockwise against xla attention as the sequence grows; the
@@ -39,13 +40,14 @@ from .cp import bench_cp
 from .decode import bench_decode
 from .report import RATIO_COLUMNS, format_section, machine_info, section
 from .timing import build, paired_ratio, time_alternating
+from .windowed import bench_windowed
 
-SECTIONS = ("impl", "scaling", "overlap", "cp", "compile", "collectives", "profile", "peer",
+SECTIONS = ("impl", "scaling", "overlap", "windowed", "cp", "compile", "collectives", "profile", "peer",
             "attention", "loop", "decode")
 # quick: for CI, about a minute on 2 CPU cores; full: ~10 minutes there
 PLANS = {
     "quick": dict(presets=("tiny",), tps=(1, 8), impls=("gspmd",), overlap_impls=("shard_map",),
-                  cps=(4,), cp_layouts=((4, 2),),
+                  windowed_cases=(("gpt2", "gspmd", "none"),), cps=(4,), cp_layouts=((4, 2),),
                   warmup=1, steps=3,
                   depths=(2, 8), unscanned=(), payloads=("tiny",), samples=5,
                   attention_seqs=(128,), loop_steps=6, decode_batch=4, decode_prompt=16,
@@ -54,6 +56,8 @@ PLANS = {
     "full": dict(presets=("tiny", "gpt2-small"), tps=(1, 2, 4, 8), impls=("gspmd", "shard_map"),
                  cps=(2, 4, 8), cp_layouts=((2, 4), (4, 2), (8, 1)),
                  overlap_impls=("shard_map", "gspmd"),
+                 windowed_cases=tuple((m, i, "none") for m in ("gpt2", "llama")
+                                      for i in ("gspmd", "explicit")) + (("gpt2", "gspmd", "full"),),
                  warmup=2, steps=7, depths=(2, 8, 32), unscanned=(2, 8),
                  payloads=("tiny", "gpt2-small", "llama-1b"), samples=10,
                  attention_seqs=(256, 512, 1024, 2048), loop_steps=60, decode_batch=8,
@@ -139,13 +143,14 @@ def bench_overlap(plan: dict, cache: dict, log=print) -> dict:
                             impl=impl))
     notes = ["both compiled in one process and timed alternately; < 1: the overlap pays",
              "shard_map: each region's all-gather and reduce-scatter written as tp - 1 "
-             "ppermutes that a GPU or TPU runs beside the chunks' matmuls; gspmd: XLA's "
-             "windowed einsum asked for (jaxtp.parallel.overlap)"]
+             "ppermutes that a GPU or TPU runs beside the chunks' matmuls; gspmd: each "
+             "region's dots written for XLA's windowed einsum (jaxtp.parallel.xla_overlap)"]
     if jax.default_backend() == "cpu":
         notes.append("CPU: no concurrent streams, so nothing runs beside a matmul: the ring's "
-                     "tp matmuls and permutes cost more than one collective and one matmul, "
-                     "and XLA's CPU compiler has no windowed einsum (gspmd's two runs are the "
-                     "same program)")
+                     "tp matmuls and permutes cost more than one collective and one matmul; "
+                     "XLA's CPU compiler forms windowed loops only past 100,000 MiB of "
+                     "operand bytes (the windowed section), so gspmd's overlapped run is SP "
+                     "with x gathered again for each weight gradient")
     return section("overlap", "Sequence parallelism's collectives overlapped with the matmuls",
                    PAIRED + [("none_ms", "overlap none ms"), ("ring_ms", "collective_matmul ms")],
                    rows, notes)
@@ -297,6 +302,7 @@ def run_suite(quick: bool = False, only=None, log: Callable[[str], None] = print
     jobs = {"impl": lambda: bench_impl(plan, cache, log),
             "scaling": lambda: bench_scaling(plan, cache, log),
             "overlap": lambda: bench_overlap(plan, cache, log),
+            "windowed": lambda: bench_windowed(plan, log),
             "cp": lambda: bench_cp(plan, cache, log),
             "compile": lambda: bench_compile(plan, log),
             "collectives": lambda: bench_collectives(plan, log),

@@ -67,7 +67,12 @@ class Attention(nnx.Module):
             kernel = kernels.choose(kernel, q_BTKGH.dtype, H, T, jax.devices()[0])
         o_BTKGH = local.attend(kernels.Core(kernel, self.block), q_BTKGH, k_BTKH, v_BTKH)
         o_BTKGH = checkpoint_name(o_BTKGH, "attn_core")
-        return local.exit(o_BTKGH.reshape(B, T, K * G, H), self.out.partial)
+        # split by heads into the row-parallel matmul, so that its transpose
+        # keeps the output gradient's product split by heads too (an SP
+        # gradient split along T would otherwise reach the core: all-to-alls)
+        o_BTNH = local.constrain(o_BTKGH.reshape(B, T, K * G, H), "batch", "seq", "heads",
+                                 "head_dim")
+        return local.exit(o_BTNH, self.out.partial)
 
     def cached_region(self, x_BTD, k_BSKH, v_BSKH, pos_BT, prefill: bool, local):
         """`region` over a KV cache [B, S, Kc, H] whose slot s holds position s
@@ -113,7 +118,9 @@ class Attention(nnx.Module):
         G = N // K
         w_DKCH = jnp.concatenate([wq_DNH.reshape(D, K, G, H), wkv_DCKH.transpose(0, 2, 1, 3)], 2)
         y_BTKCH = local.enter(
-            x_BTD, lambda x: jnp.einsum("BTD,DKCH->BTKCH", x.astype(w_DKCH.dtype), w_DKCH))
+            x_BTD, lambda x, out_sharding=None: jnp.einsum(
+                "BTD,DKCH->BTKCH", x.astype(w_DKCH.dtype), w_DKCH, out_sharding=out_sharding),
+            ("kv_heads", None, "head_dim"))
         if bq_NH is not None:
             y_BTKCH += jnp.concatenate([bq_NH.reshape(K, G, H), bkv_CKH.transpose(1, 0, 2)], 1)
         y_BTKCH = checkpoint_name(

@@ -53,16 +53,30 @@ class ColumnParallelLinear(nnx.Module):
         self.bias = (param(rngs, nnx.initializers.zeros, out_shape, out_axes, param_dtype,
                            layout) if use_bias else None)
         self.dtype, self.letters = dtype, letters
+        self.out_axes = tuple(out_axes)  # the logical axes of the output's dims after "...D"
 
     def weights(self):
         """(kernel, bias or None) in the compute dtype."""
         b = None if self.bias is None else weight(self.bias, self.dtype)
         return weight(self.kernel, self.dtype), b
 
-    def __call__(self, x):
+    def __call__(self, x, out_sharding=None):
+        return self.matmul()(x, out_sharding)
+
+    def matmul(self):
+        """x -> X W + b with the weights fetched now (under FSDP gathered
+        here, not again in a rematerialised matmul's backward pass).
+        `out_sharding` (impl explicit, x split along T) names the output's
+        sharding, which the types cannot tell when both operands are split
+        over tp (`jaxtp.parallel.Explicit.project`)."""
         w, b = self.weights()
-        y = jnp.einsum(f"...D,D{self.letters}->...{self.letters}", x.astype(self.dtype), w)
-        return y if b is None else y + b
+
+        def mm(x, out_sharding=None):
+            y = jnp.einsum(f"...D,D{self.letters}->...{self.letters}", x.astype(self.dtype), w,
+                           out_sharding=out_sharding)
+            return y if b is None else y + b
+
+        return mm
 
 
 class RowParallelLinear(nnx.Module):

@@ -40,7 +40,8 @@ class MLP(nnx.Module):
 
     def region(self, x_BTD, local):
         """Local math from x to the output summed over tp (`local.exit`)."""
-        h_BTCF = checkpoint_name(local.enter(x_BTD, self.up), "mlp_up")  # sharded over F
+        h_BTCF = checkpoint_name(local.enter(x_BTD, self.up.matmul(), self.up.out_axes),
+                                 "mlp_up")  # sharded over F
         if self.swiglu:
             h_BTF = jax.nn.silu(h_BTCF[:, :, 0]) * h_BTCF[:, :, 1]
         else:

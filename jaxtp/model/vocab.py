@@ -95,6 +95,9 @@ class VocabEmbed(nnx.Module):
         chunk_fn = lambda x, t: self._chunk_losses(x, t, local)
         if n == 1:
             return chunk_fn(x_BTD, targets_BT)
+        # whole along T (each cp rank's part) before the chunks are cut: under
+        # SP's overlap x arrives split along T, for a head that is one chunk
+        x_BTD = local.constrain(x_BTD, "batch", "seq", "embed")
         if parts > 1:
             return self._cp_chunks(chunk_fn, x_BTD, targets_BT, parts, n, c)
         x_nBcD = jnp.pad(x_BTD, ((0, 0), (0, n * c - T), (0, 0))).reshape(
@@ -129,9 +132,11 @@ class VocabEmbed(nnx.Module):
         """Cross-entropy per token from this rank's vocab slice; `local`
         completes each of the three statistics over tp (the max, the sum of
         exponentials and the target's logit), so no rank holds all logits."""
-        logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD.astype(self.dtype),
-                                weight(self.embedding).astype(self.dtype),
-                                preferred_element_type=jnp.float32)
+        table_VD = weight(self.embedding).astype(self.dtype)
+        logits_BTV = local.project(
+            x_BTD, lambda x, out_sharding=None: jnp.einsum(
+                "BTD,VD->BTV", x.astype(self.dtype), table_VD,
+                preferred_element_type=jnp.float32, out_sharding=out_sharding), ("vocab",))
         logits_BTV = local.constrain(logits_BTV, "batch", "seq", "vocab")
         ids_V = local.vocab_start(logits_BTV.shape[-1]) + jnp.arange(logits_BTV.shape[-1])
         logits_BTV = jnp.where(ids_V < self.vocab_size, logits_BTV, NEG)

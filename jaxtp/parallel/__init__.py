@@ -9,7 +9,7 @@ from .layout import (CP_AXIS, DATA_AXIS, FSDP_PARAM_RULES, RULES, TP_AXIS, Layou
                      keep_axes, make_mesh, mesh_for, mesh_size, named, spec, spec_axes,
                      split_over_tp)
 from .batches import batch_shape, batch_sharding, cp_batch, inputs_targets
-from .overlap import CPU_HAS_NO_WINDOWED_EINSUM, NO_XLA_OVERLAP, compiler_options
+from .xla_overlap import compiler_options, known_bugs
 from .global_arrays import GSPMD, Explicit, GlobalArrays
 from .shardmap import BF16_CPU_SHARD_MAP, Ring, ShardMap, act_spec, run_sharded
 from .locals import (LOCALS, Local, cached_region, embed, local_of, region, vocab_losses,
@@ -19,8 +19,8 @@ __all__ = ["f", "f_sp", "g", "g_sp", "global_norm", "vary", "CP_AXIS", "DATA_AXI
            "FSDP_PARAM_RULES", "RULES", "TP_AXIS", "Layout", "batch_shape", "batch_sharding",
            "cache_spec", "check_device_count", "constrain", "cp_batch", "cp_order",
            "ensure_devices", "first_row", "in_region", "inputs_targets", "keep_axes",
-           "make_mesh", "mesh_for", "mesh_size", "named", "spec", "spec_axes", "split_over_tp", "CPU_HAS_NO_WINDOWED_EINSUM",
-           "NO_XLA_OVERLAP", "compiler_options", "GSPMD", "Explicit", "GlobalArrays",
+           "make_mesh", "mesh_for", "mesh_size", "named", "spec", "spec_axes", "split_over_tp",
+           "compiler_options", "known_bugs", "GSPMD", "Explicit", "GlobalArrays",
            "BF16_CPU_SHARD_MAP", "Ring", "ShardMap", "act_spec", "run_sharded", "LOCALS",
            "Local", "cached_region", "embed", "local_of", "region", "vocab_losses",
            "vocab_sample"]

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from . import context
+from .overlap import reread
 from .layout import DATA_AXIS, Layout, cache_spec, constrain, explicit_mesh, manual_axes, spec
 
 
@@ -27,6 +28,20 @@ class GlobalArrays:
         """The region's output `mm(h)` (the row-parallel matmul): GSPMD sums
         the partial products where `run_region` pins the result."""
         return mm(h)
+
+    def project(self, x_BTD, mm: Callable, out: tuple | None = None):
+        """The column-parallel matmul `mm(x)` of an entered input. Under SP's
+        overlap, with `out` (the logical axes of mm's output dims after B, T,
+        one of them split over tp), x arrives split along T and the output
+        is named split over tp: the dot then meets XLA's windowed-einsum
+        all-gather pattern (`jaxtp.parallel.overlap`), and the partitioner
+        may gather x chunk by chunk inside the matmul's loop. The matmul is
+        rematerialised (`overlap.reread`): its weight gradient reads x's
+        sequence shard again in the backward pass, so that x has one dot
+        consumer per pass (XLA shares one plain all-gather between two)."""
+        if not (self.layout.overlap and out is not None):
+            return mm(x_BTD)
+        return reread(lambda x: self._split_over_tp(mm, x, ("batch", "seq", *out)))(x_BTD)
 
     def constrain(self, x, *logical):
         return constrain(x, *logical)
@@ -138,11 +153,21 @@ class GlobalArrays:
 class GSPMD(GlobalArrays):
     """A region on global arrays: GSPMD partitions it by the layouts pinned here."""
 
-    def enter(self, x_BTD, mm: Callable | None = None):
+    def enter(self, x_BTD, mm: Callable | None = None, out: tuple | None = None):
         """The region's input, whole along T (under SP an all-gather), or
-        `mm` of it (the column-parallel matmul)."""
-        x_BTD = constrain(x_BTD, "batch", "seq", "embed") if self.layout.sp else x_BTD
-        return x_BTD if mm is None else mm(x_BTD)
+        `mm` of it (the column-parallel matmul). Under SP's overlap, x
+        stays split along T into a matmul that names its output's split
+        (`project`): XLA places the all-gather, as a windowed loop where it can."""
+        layout = self.layout
+        windowed = layout.overlap and (mm is None or out is not None)
+        if windowed:
+            x_BTD = constrain(x_BTD, *layout.residual)
+        elif layout.sp:
+            x_BTD = constrain(x_BTD, "batch", "seq", "embed")
+        return x_BTD if mm is None else self.project(x_BTD, mm, out)
+
+    def _split_over_tp(self, mm: Callable, x_BTD, logical: tuple):
+        return constrain(mm(x_BTD), *logical)
 
     def run_region(self, module, x_BTD):
         """Pinning the output replicated (SP: split along T) tells the
@@ -155,7 +180,9 @@ class GSPMD(GlobalArrays):
             # reduce-scatter; seen in XLA's GPU pipeline)
             x_BTD = constrain(x_BTD, *residual)
         y = module.region(x_BTD, self)
-        if sp:
+        # under the overlap, the row-parallel output goes straight to its
+        # split along T: the dot meets XLA's windowed reduce-scatter pattern
+        if sp and not self.layout.overlap:
             # full-length first: its transpose pins the incoming gradient too,
             # which GSPMD would otherwise carry split along T into the
             # attention's backward pass (all-to-alls)
@@ -186,11 +213,19 @@ class Explicit(GlobalArrays):
                              "`with jax.set_mesh(mesh):`")
         super().__init__(layout)
 
-    def enter(self, x_BTD, mm: Callable | None = None):
-        """Under SP, the all-gather along T is a reshard to the whole sequence."""
-        if self.layout.sp:
+    def enter(self, x_BTD, mm: Callable | None = None, out: tuple | None = None):
+        """Under SP, the all-gather along T is a reshard to the whole
+        sequence; under its overlap, the matmul's typed output instead
+        (`project`), from x split along T."""
+        windowed = self.layout.overlap and (mm is None or out is not None)
+        if self.layout.sp and not windowed:
             x_BTD = jax.sharding.reshard(x_BTD, spec("batch", "seq", "embed"))
-        return x_BTD if mm is None else mm(x_BTD)
+        return x_BTD if mm is None else self.project(x_BTD, mm, out)
+
+    def _split_over_tp(self, mm: Callable, x_BTD, logical: tuple):
+        # both operands split over tp (x along T, the weight on its output
+        # dim): the types cannot tell the output's split, so it is named
+        return mm(x_BTD, out_sharding=spec(*logical))
 
     def attend(self, core: Callable, q, k, v):
         """The attention kernels are opaque to the types: blockwise's loop

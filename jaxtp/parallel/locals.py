@@ -31,9 +31,17 @@ class Local(Protocol):
 
     layout: Layout
 
-    def enter(self, x_BTD, mm: Callable | None = None):
-        """Megatron's f, then the column-parallel `mm`: identity forward, the
-        input gradient all-reduced over tp (SP: x all-gathered along T)."""
+    def enter(self, x_BTD, mm: Callable | None = None, out: tuple | None = None):
+        """Megatron's f, then the column-parallel `mm` (`project`): identity
+        forward, the input gradient all-reduced over tp (SP: x all-gathered
+        along T). `out`: the logical axes of mm's output dims after B and T
+        (None: mm's output is not one array split over tp)."""
+
+    def project(self, x_BTD, mm: Callable, out: tuple | None = None):
+        """The column-parallel `mm(x, out_sharding=None)` of an input already
+        entered. Under SP's overlap on global arrays, x is still split along
+        T and the output named split over tp (`out`): the form XLA's
+        windowed einsum decomposes into a loop of permutes."""
 
     def exit(self, h, mm: Callable):
         """The row-parallel `mm(h)`, then g: its partial sums all-reduced over

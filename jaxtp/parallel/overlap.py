@@ -21,11 +21,12 @@ all-gathered by one (`jaxtp.analysis.budget` counts them). The rings are
 one-directional: a bidirectional ring would halve the hops on links that
 carry both directions at once, at twice the number of (half-size) matmuls.
 
-For GSPMD the same intent is XLA's: its GPU and TPU partitioners can
-decompose an all-gather or reduce-scatter next to a dot into a loop of
-collective-permutes themselves ("windowed einsum"), when asked
-(`xla_options`). XLA's CPU compiler has no such pass, and compiled for 8
-H100s (jaxlib 0.10.2) it formed no such loop for jaxtp's regions.
+For GSPMD and explicit the same intent is XLA's: its partitioner can
+decompose an all-gather or reduce-scatter beside a dot into a loop of
+collective-permutes itself ("windowed einsum"), when the dot is written so
+(`jaxtp.parallel.GSPMD.project`) and the backend's rules allow
+(`jaxtp.parallel.xla_overlap`); `reread` keeps a gathered input to one dot
+per pass, which that needs.
 """
 
 from __future__ import annotations
@@ -37,41 +38,17 @@ import jax.numpy as jnp
 
 from .layout import TP_AXIS
 
-# XLA's options that turn windowed einsum on, per platform. GPU: a threshold
-# of 0 MiB decomposes every all-gather / reduce-scatter feeding a dot, on
-# multiple streams, with the latency-hiding scheduler placing the permutes
-# beside the matmuls (xla/debug_options_flags.cc). TPU: libtpu's windowed
-# einsum for both directions, with async collective-permutes (flags that
-# public TPU training configs pass in LIBTPU_INIT_ARGS; passed here as the
-# jit's compiler options, untried: libtpu is not installed where this was
-# written).
-XLA_OVERLAP_OPTIONS = {
-    "gpu": {"xla_gpu_threshold_for_windowed_einsum_mib": 0,
-            "xla_gpu_multi_streamed_windowed_einsum": True,
-            "xla_gpu_enable_latency_hiding_scheduler": True},
-    "tpu": {"xla_tpu_enable_windowed_einsum_for_all_gather": True,
-            "xla_tpu_enable_windowed_einsum_for_reduce_scatter": True,
-            "xla_enable_async_collective_permute": True},
-}
-CPU_HAS_NO_WINDOWED_EINSUM = "XLA's CPU compiler has no windowed-einsum pass"
-NO_XLA_OVERLAP = (f"{CPU_HAS_NO_WINDOWED_EINSUM}: under impl=gspmd or explicit, parallel.overlap="
-                  "collective_matmul compiles here as overlap=none (shard_map writes its rings "
-                  "out and runs them on any backend)")
-
-
-def xla_options(platform: str) -> dict:
-    """The compiler options of `parallel.overlap="collective_matmul"` under
-    GSPMD on `platform` ("cpu", "gpu"/"cuda"/"rocm", "tpu"): {} on CPU."""
-    return dict(XLA_OVERLAP_OPTIONS.get("gpu" if platform in ("cuda", "rocm") else platform, {}))
-
-
-def compiler_options(layout, platform: str) -> dict | None:
-    """XLA options for a step of `layout` on `platform`: windowed einsum for
-    XLA's partitioner (impl gspmd, and explicit, which it lowers from the
-    types) under `layout.overlap`; None otherwise (and on CPU)."""
-    if layout.overlap and layout.impl != "shard_map":
-        return xla_options(platform) or None
-    return None
+def reread(mm: Callable) -> Callable:
+    """`mm` rematerialised (nothing saved but its inputs): its backward pass
+    reads the input it was given again, through an optimization barrier,
+    instead of the value XLA gathered for the forward matmul. Under SP's
+    overlap the input is x's sequence shard, so the weight gradient gathers
+    x again (Megatron-SP keeps the shard and gathers it twice, Korthikanti
+    et al. 2022, Sec. 4.2.3), and each gather has one dot consumer: XLA's
+    partitioner declines a windowed loop for an operand whose other users
+    need the same gathered value (dot_handler.cc, check_users_sharding) and
+    shares one plain all-gather instead."""
+    return jax.checkpoint(mm)
 
 
 def _ring(tp: int) -> list[tuple[int, int]]:

@@ -31,10 +31,14 @@ class ShardMap:
     def __init__(self, layout: Layout):
         self.layout = layout
 
-    def enter(self, x_BTD, mm: Callable | None = None):
+    def enter(self, x_BTD, mm: Callable | None = None, out: tuple | None = None):
         """f (SP: f_sp, an all-gather along T), then `mm`."""
         x_BTD = f_sp(x_BTD) if self.layout.sp else f(x_BTD)
         return x_BTD if mm is None else mm(x_BTD)
+
+    def project(self, x_BTD, mm: Callable, out: tuple | None = None):
+        """This rank's column-parallel product of an entered input."""
+        return mm(x_BTD)
 
     def exit(self, h, mm: Callable):
         """This rank's partial product `mm(h)`, then g (SP: g_sp, a
@@ -145,7 +149,7 @@ class Ring(ShardMap):
     it: the embedding's reduce-scatter and the LM head's all-gather (whose
     matmul runs per loss chunk) are not overlapped yet."""
 
-    def enter(self, x_BtD, mm: Callable | None = None):
+    def enter(self, x_BtD, mm: Callable | None = None, out: tuple | None = None):
         return super().enter(x_BtD) if mm is None else allgather_matmul(x_BtD, mm)
 
     def exit(self, h, mm: Callable):

@@ -8,7 +8,7 @@ from .. import hlo
 from ..config import Config
 from ..model.layers import ColumnParallelLinear, RowParallelLinear
 from ..model.vocab import VocabEmbed
-from ..parallel import split_over_tp
+from ..parallel import known_bugs, split_over_tp
 
 
 def linear_layouts(model) -> dict[str, str]:
@@ -58,4 +58,6 @@ def run_record(cfg: Config, mesh, model, hlo_text: str, check: dict | None = Non
         # per step, by the mesh axes each collective's groups span (full buffers)
         "collectives_by_axis": hlo.by_axis(colls, dict(mesh.shape)),
         "check": check,
+        # bugs of the installed jaxlib this run meets, with the workaround applied
+        "known_bugs": [b.to_dict() for b in known_bugs(cfg, mesh.devices.flat[0].platform)],
     }

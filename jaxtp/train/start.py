@@ -21,7 +21,7 @@ import numpy as np
 from .. import data as token_files
 from ..config import Config
 from ..data.tokenizer import hf_eos
-from ..parallel import CPU_HAS_NO_WINDOWED_EINSUM
+from ..parallel import known_bugs, xla_overlap
 from ..parallel.distributed import any_process
 from .checkpoint import SaveFailed
 from .data import Dataset, data_identity, load_tokens
@@ -44,6 +44,9 @@ def config_warnings(cfg: Config) -> list[str]:
                     f"{t.steps}: the learning rate only warms up (to {t.lr:.2e} x "
                     f"{min(t.steps, t.warmup_steps)}/{t.warmup_steps} at the last step) and "
                     "never decays; lower train.warmup_steps for a full schedule")
+    # a feature asked for that the installed jaxlib is known to break (and
+    # the workaround jaxtp applies: `jaxtp.parallel.compiler_options`)
+    said += [bug.line() for bug in known_bugs(cfg, jax.default_backend())]
     return said
 
 
@@ -234,9 +237,10 @@ def _overlap(cfg: Config) -> str:
         return ""
     if p.impl == "shard_map":
         return ", overlap: collective-matmul rings of ppermutes"
-    if jax.default_backend() == "cpu":
-        return f", overlap: none here ({CPU_HAS_NO_WINDOWED_EINSUM})"
-    return ", overlap: XLA's windowed einsum asked for"
+    forms = xla_overlap.forms(cfg, jax.default_backend())
+    if forms.all_gather or forms.reduce_scatter:
+        return f", overlap: XLA's windowed einsum, loops: {forms.why}"
+    return f", overlap: XLA's windowed einsum asked for, no loop here: {forms.why}"
 
 
 class Signals:

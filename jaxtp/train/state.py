@@ -110,7 +110,7 @@ def _state(cfg: Config, mesh: Mesh, graphdef, params, param_shardings) -> TrainS
                 jax.eval_shape(tx.init, params), opt_shardings)
         else:
             opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
-    options = compiler_options(Layout.of(cfg), mesh.devices.flat[0].platform)
+    options = compiler_options(cfg, mesh.devices.flat[0].platform)
     return TrainState(graphdef, params, opt_state, tx, mesh, param_shardings, opt_shardings,
                       cfg.train.grad_clip, options)
 

@@ -201,18 +201,30 @@ def test_collective_matmul_budget_in_shard_map(model, dp, tp, remat):
 test_collective_matmul_budget_in_shard_map.fast_cases = {"gpt2-tp8"}
 
 
-def test_collective_matmul_under_gspmd_on_cpu_is_plain_sp(tmp_path, capsys):
-    """XLA's CPU compiler has no windowed-einsum pass: GSPMD's step with the
-    overlap asked for is SP's, and --compare-hlo says so."""
+def test_collective_matmul_under_gspmd_on_cpu_below_the_threshold(tmp_path, capsys):
+    """At ordinary shapes XLA's CPU compiler forms no windowed loop (its
+    threshold is 100000 MiB): GSPMD's and explicit's overlapped step is SP's
+    collectives with x split along T into each entry's matmul, gathered again
+    for the weight gradient, and --compare-hlo says why no loop formed."""
     assert train.main(["--tp", "4", "--sp", "--overlap", "collective_matmul", "--compare-hlo",
                        "--out", str(tmp_path), "model.n_layers=1", "model.d_model=32",
                        "model.d_ff=64", "model.n_heads=4", "model.seq_len=16",
                        "train.batch_size=4"]) == 0
     out = capsys.readouterr().out
-    assert "XLA's CPU compiler has no windowed-einsum pass" in out
+    for impl in ("gspmd", "explicit"):
+        assert (f"{impl} on cpu: no windowed-einsum loop: XLA's CPU compiler windows a dot only "
+                "past 100,000 MiB of global operand bytes; this step's [b, s, h] activation is "
+                "0.008 MiB") in out
     report = json.loads((tmp_path / "comm_report.json").read_text())
-    kinds = {c["kind"] for c in report["impls"]["gspmd"]["collectives"]}
-    assert "collective-permute" not in kinds and "all-gather" in kinds
+    for impl in ("gspmd", "explicit"):
+        got = report["impls"][impl]
+        assert got["windowed_einsum"]["loops"] == [] and "past 100,000 MiB" in \
+            got["windowed_einsum"]["why"]
+        kinds = {c["kind"] for c in got["collectives"]}
+        assert "collective-permute" not in kinds and "all-gather" in kinds
+        # the regather: the attention's, the MLP's and the LM head's input, once more
+        again = [e for e in got["expected"] if e["name"].startswith("SP overlap")]
+        assert sorted(e["scope"] for e in again) == ["attention", "cross_entropy", "mlp"]
     assert "collective-permute" in {c["kind"] for c in report["impls"]["shard_map"]["collectives"]}
     assert report["ok"]
     # the picture holds one entry per collective row and impl (the full check

@@ -8,7 +8,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtp import hlo
 from jaxtp.parallel import TP_AXIS, make_mesh
-from jaxtp.parallel.overlap import allgather_matmul, matmul_reducescatter, xla_options
+from jaxtp.parallel.overlap import allgather_matmul, matmul_reducescatter
+from jaxtp.parallel.xla_overlap import xla_options
 
 B, T, D, F = 2, 16, 8, 12
 
