@@ -43,6 +43,13 @@ def on_backend(rows: list[Expected], cfg: Config, impl: str, platform: str) -> l
         elif platform == "tpu":
             if r.kind == "reduce-scatter":  # libtpu: all-reduce + slice, every impl
                 r = whole(r)
+            if r.role.startswith("gather_grad") and impl != "shard_map" and \
+                    cfg.parallel.overlap != "none" and r.count > 1:
+                # GSPMD's overlap (no loop on this target): libtpu gathers an
+                # exit's output gradient for each of the two dots that read
+                # it, in the bf16 they read, but the last block's once
+                r = dataclasses.replace(r, dtype="bf16", count=2 * r.count - 1,
+                                        name=r.name + " [once per dot but the last block's]")
             # fp32 activations and gradients on their way into a matmul travel
             # in bf16, the precision a default-precision TPU matmul reads them in
             if r.dtype == "f32" and (r.role in ("gather_in", "gather_grad_mlp", "kv_grad") or

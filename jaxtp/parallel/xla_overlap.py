@@ -131,7 +131,7 @@ def forms(cfg: Config, platform: str, deviceless: bool = False,
                 if p.dp > 1 else "")))
     if _gpu(platform):
         if deviceless or cap == 0:
-            logged = "0" if cap is None else f"{cap} (logged by this compile)"
+            logged = "0" if cap is None else f"{cap} (logged by a compile for this target)"
             return Forms(False, False, (
                 f"a deviceless GPU compile sets XLA's windowed-einsum iteration cap to {logged}: "
                 "the loops form only at run time on a GPU client, whose cap is its NVLink "

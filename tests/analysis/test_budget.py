@@ -201,6 +201,39 @@ def test_collective_matmul_budget_in_shard_map(model, dp, tp, remat):
 test_collective_matmul_budget_in_shard_map.fast_cases = {"gpt2-tp8"}
 
 
+@pytest.mark.parametrize("model, dp, tp, remat, fsdp, impl", [
+    (MODEL, 1, 8, "none", False, "gspmd"), (MODEL, 2, 4, "full", True, "gspmd"),
+    (LLAMA, 1, 8, "dots", False, "explicit"), (LLAMA, 1, 2, "full", False, "explicit")],
+    ids=["gpt2-tp8", "gpt2-dp2-tp4-fsdp-full", "llama-kv-replicated-dots",
+         "llama-kv-sharded-full"])
+def test_windowed_overlap_budget_below_the_threshold(model, dp, tp, remat, fsdp, impl):
+    """GSPMD's overlap below XLA's CPU threshold: SP's collectives, each
+    entry's input gathered once more for its weight gradient (one more for
+    remat "full"'s recomputed entry), a kv-replicating attention (K < tp) at
+    SP's plain entry; each on its mesh axis, FSDP's weights gathered over dp
+    once (outside the rematerialised matmul)."""
+    model = dataclasses.replace(model, remat=remat)
+    cfg = Config(model, TrainConfig(batch_size=4 * dp),
+                 ParallelConfig(dp=dp, tp=tp, impl=impl, sp=True, fsdp=fsdp,
+                                overlap="collective_matmul"))
+    state = abstract_train_state(cfg, make_mesh(dp, tp, impl=impl))
+    colls = hlo.collectives(compile_train_step(state, 4 * dp, model.seq_len).as_text())
+    expected = expected_collectives(cfg, impl, "cpu")
+    assert check(colls, expected, {"dp": dp, "tp": tp}) is None
+    assert not [c for c in colls if c.kind == "collective-permute"]
+    again = Counter()
+    for e in expected:
+        if e.name.startswith("SP overlap"):
+            again[e.scope] += e.count
+    L, grouped = model.n_layers, model.kv_heads >= tp
+    # a kv-replicating attention keeps SP's own remat regather (remat != none)
+    assert again == {"mlp": (1 + (remat == "full")) * L, "cross_entropy": 1,
+                     "attention": (1 + (remat == "full")) * L if grouped else L}
+
+
+test_windowed_overlap_budget_below_the_threshold.fast_cases = {"gpt2-tp8"}
+
+
 def test_collective_matmul_under_gspmd_on_cpu_below_the_threshold(tmp_path, capsys):
     """At ordinary shapes XLA's CPU compiler forms no windowed loop (its
     threshold is 100000 MiB): GSPMD's and explicit's overlapped step is SP's

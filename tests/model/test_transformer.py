@@ -168,18 +168,24 @@ test_sequence_parallel_matches_single_device_reference.fast_cases = {'llama-gqa-
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant, tp, scan, remat", [
-    ("gpt2", 8, False, "none"), ("gpt2", 4, False, "dots"), ("llama-gqa", 2, False, "none"),
-    ("llama-gqa", 8, True, "full")])
-def test_collective_matmul_matches_single_device_reference(variant, tp, scan, remat):
-    """SP's entries and exits as ppermute rings (shard_map, overlap=
-    collective_matmul): loss and every gradient as on one device, with the kv
-    heads sharded (GQA at tp 2) and replicated (tp 8), with remat (the
-    entry's ring run again in the backward pass). A scanned stack
-    (initialised per layer slice, so other values than the reference's)
-    against the same stack with overlap=none."""
-    model = dataclasses.replace(VARIANTS[variant], scan_layers=scan, remat=remat)
-    cfg = lambda overlap: make_cfg(tp, "shard_map", model=model, sp=True, overlap=overlap)
+@pytest.mark.parametrize("variant, tp, scan, remat, impl, chunk", [
+    ("gpt2", 8, False, "none", "shard_map", 0), ("gpt2", 4, False, "dots", "shard_map", 0),
+    ("llama-gqa", 2, False, "none", "shard_map", 0), ("llama-gqa", 8, True, "full", "shard_map", 0),
+    ("gpt2", 8, False, "none", "gspmd", 0), ("llama-gqa", 2, False, "dots", "gspmd", 32),
+    ("llama-gqa", 8, False, "full", "explicit", 0), ("gpt2", 4, True, "minimal", "explicit", 0)])
+def test_collective_matmul_matches_single_device_reference(variant, tp, scan, remat, impl, chunk):
+    """SP's overlap: loss and every gradient as on one device. shard_map:
+    each entry and exit as a ppermute ring. gspmd and explicit: each entry's
+    matmul fed x split along T and rematerialised, each exit named split
+    along T, the LM head's entry too (or, with loss chunks, gathered first),
+    in the form XLA's windowed einsum decomposes. With the kv heads sharded
+    (GQA at tp 2) and replicated (tp 8), with remat (the entry's ring, or
+    gather, run again in the backward pass). A scanned stack (initialised per
+    layer slice, so other values than the reference's) against the same
+    stack with overlap=none."""
+    model = dataclasses.replace(VARIANTS[variant], scan_layers=scan, remat=remat,
+                                loss_chunk=chunk)
+    cfg = lambda overlap: make_cfg(tp, impl, model=model, sp=True, overlap=overlap)
     _, _, loss, grads, _ = run_model(cfg("collective_matmul"), with_logits=False)
     if scan:
         _, _, ref_l, ref_grads, _ = run_model(cfg("none"), with_logits=False)

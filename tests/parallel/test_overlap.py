@@ -9,7 +9,6 @@ from jax.sharding import PartitionSpec as P
 from jaxtp import hlo
 from jaxtp.parallel import TP_AXIS, make_mesh
 from jaxtp.parallel.overlap import allgather_matmul, matmul_reducescatter
-from jaxtp.parallel.xla_overlap import xla_options
 
 B, T, D, F = 2, 16, 8, 12
 
@@ -84,11 +83,3 @@ def test_an_entry_ring_carries_several_outputs():
     np.testing.assert_allclose(a, x @ w1, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(b, x @ w2, rtol=1e-5, atol=1e-5)
     assert kinds == ["collective-permute"] * (tp - 1)
-
-
-def test_xla_is_asked_for_windowed_einsum_on_gpu_and_tpu_only():
-    assert xla_options("cpu") == {}
-    gpu = xla_options("cuda")
-    assert gpu == xla_options("gpu") and gpu["xla_gpu_threshold_for_windowed_einsum_mib"] == 0
-    assert gpu["xla_gpu_enable_latency_hiding_scheduler"] is True
-    assert xla_options("tpu")["xla_tpu_enable_windowed_einsum_for_all_gather"] is True

@@ -80,15 +80,18 @@ test_dp2_tp4_fsdp_and_sp_equal_one_device.fast_cases = {'llama-gqa-shard_map'}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", [MODEL, GQA], ids=["gpt2", "llama-gqa"])
-def test_dp2_tp4_collective_matmul_with_and_without_fsdp_equals_one_device(model):
-    """The shard_map rings at dp=2 x tp=4, the weights replicated over dp or
-    split over it (FSDP): loss and every gradient as on one device. (That
-    each gradient is summed over dp once, not once per ring step, is the
-    budget's to see: tests/analysis/test_budget.py.)"""
+@pytest.mark.parametrize("model, impl", [(MODEL, "shard_map"), (GQA, "shard_map"),
+                                         (MODEL, "gspmd")],
+                         ids=["gpt2", "llama-gqa", "gpt2-gspmd"])
+def test_dp2_tp4_collective_matmul_with_and_without_fsdp_equals_one_device(model, impl):
+    """SP's overlap at dp=2 x tp=4 (shard_map's rings; GSPMD's windowed form,
+    its entry matmul rematerialised over FSDP's gathered weight), the weights
+    replicated over dp or split over it (FSDP): loss and every gradient as on
+    one device. (That each gradient is summed over dp once, not once per ring
+    step, is the budget's to see: tests/analysis/test_budget.py.)"""
     ref = one_device(model)
     for fsdp in (False, True):
-        assert_same(loss_and_grads(cfg_of(model, dp=2, tp=4, impl="shard_map", sp=True,
+        assert_same(loss_and_grads(cfg_of(model, dp=2, tp=4, impl=impl, sp=True,
                                           fsdp=fsdp, overlap="collective_matmul")), ref)
 
 
