@@ -75,8 +75,9 @@ def _layout_flags(ap) -> None:
     group.add_argument("--overlap", choices=OVERLAPS,
                        help="with --sp: collective_matmul overlaps each region's all-gather and "
                             "reduce-scatter with its matmuls (shard_map: ppermute rings; gspmd "
-                            "and explicit: XLA's windowed einsum asked for on GPU/TPU, none on "
-                            "CPU)")
+                            "and explicit: dots XLA's windowed einsum can loop, which it does on "
+                            "a GPU client, on CPU only past 100000 MiB); collective_matmul_bidi: "
+                            "shard_map's rings sending half of each step each way")
     group.add_argument("--fsdp", action="store_true", default=None,
                        help="also split parameters and optimizer state over dp (FSDP-style)")
     group.add_argument("--microbatches", type=int,

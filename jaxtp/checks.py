@@ -21,7 +21,7 @@ IMPLS = ("gspmd", "shard_map", "explicit")
 INFERENCE_IMPLS = ("gspmd", "shard_map")
 # how SP's all-gathers and reduce-scatters meet the matmuls they feed
 # (jaxtp.parallel.overlap): one collective each, or collective-matmul rings
-OVERLAPS = ("none", "collective_matmul")
+OVERLAPS = ("none", "collective_matmul", "collective_matmul_bidi")
 STYLES = ("gpt2", "llama")
 REMATS = ("none", "full", "dots", "minimal")  # jaxtp.model.transformer.REMAT_POLICIES
 ATTENTIONS = ("auto", "xla", "blockwise", "cudnn")  # jaxtp.model.kernels (auto: per device)
@@ -172,6 +172,14 @@ def _check_layout(cfg: Config) -> None:
     if p.sp and m.seq_len % p.tp:
         raise ConfigError(f"sequence parallelism splits model.seq_len={m.seq_len} over "
                           f"tp={p.tp}; set model.seq_len to a multiple of {p.tp}")
+    if p.overlap == "collective_matmul_bidi" and p.impl != "shard_map":
+        raise ConfigError(f"parallel.overlap='collective_matmul_bidi' is shard_map's "
+                          f"bidirectional rings; under impl={p.impl} XLA chooses the form of "
+                          "its windowed loops: use --overlap collective_matmul")
+    if p.overlap == "collective_matmul_bidi" and p.sp and m.seq_len % (2 * p.tp):
+        raise ConfigError(f"the bidirectional rings send halves of each rank's "
+                          f"model.seq_len/tp = {m.seq_len}/{p.tp} positions both ways; set "
+                          f"model.seq_len to a multiple of {2 * p.tp}")
     if t.batch_size % (p.dp * t.microbatches):
         raise ConfigError(
             f"train.batch_size={t.batch_size} is not divisible by dp*microbatches="

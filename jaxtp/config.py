@@ -138,9 +138,12 @@ class ParallelConfig:
     # "embed" dim), gathered for use and reduce-scattered as gradients
     fsdp: bool = False
     # with sp: "collective_matmul" overlaps each region's entry all-gather and
-    # exit reduce-scatter with its matmuls (shard_map: ppermute rings; gspmd:
-    # XLA's windowed einsum asked for on GPU/TPU, which jaxlib 0.10.2 does not
-    # form for these regions on H100; nothing on CPU)
+    # exit reduce-scatter with its matmuls (shard_map: ppermute rings; gspmd
+    # and explicit: dots in the form XLA's windowed einsum loops, which it
+    # does on a GPU client, on CPU only past 100000 MiB of operand bytes, and
+    # never in a deviceless GPU compile: jaxtp.parallel.xla_overlap);
+    # "collective_matmul_bidi": shard_map's rings with half of each step sent
+    # each way round the ring
     overlap: str = "none"
 
     def without_sp(self) -> "ParallelConfig":

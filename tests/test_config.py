@@ -92,7 +92,14 @@ def test_overrides_are_typed():
     (["parallel.overlap=collective_matmul", "parallel.tp=8"],
      r"parallel.overlap='collective_matmul' overlaps sequence parallelism.*add --sp"),
     (["parallel.overlap=ring"],
-     r"parallel.overlap='ring'; choose one of \('none', 'collective_matmul'\)"),
+     r"parallel.overlap='ring'; choose one of \('none', 'collective_matmul', "
+     r"'collective_matmul_bidi'\)"),
+    (["parallel.overlap=collective_matmul_bidi", "parallel.tp=8", "parallel.sp=true"],
+     r"shard_map's bidirectional rings; under impl=gspmd XLA chooses .*--overlap "
+     r"collective_matmul"),
+    (["parallel.overlap=collective_matmul_bidi", "parallel.tp=8", "parallel.sp=true",
+      "parallel.impl=shard_map", "model.seq_len=136"],
+     r"halves of each rank's model.seq_len/tp = 136/8 .* a multiple of 16"),
 ])
 def test_inconsistent_values_are_rejected(overrides, match):
     with pytest.raises(ConfigError, match=match):

@@ -292,7 +292,7 @@ def _seq_shard_params(cfg: Config, impl: str, E, s: int, L: int) -> list:
 def _sp_regions(cfg: Config, E, act: int, shard: int, L: int, xla_kv: bool,
                 impl: str, forms: xla_overlap.Forms) -> list:
     """Each region's SP entry and exit, forward and backward (and a remat's regather)."""
-    if impl == "shard_map" and cfg.parallel.overlap == "collective_matmul":
+    if impl == "shard_map" and cfg.parallel.overlap != "none":
         return _ring_regions(cfg, E, shard, L)
     if cfg.parallel.overlap != "none":
         return _windowed_regions(cfg, E, act, shard, L, xla_kv, forms)
@@ -404,10 +404,15 @@ def _ring_regions(cfg: Config, E, shard: int, L: int) -> list:
     same ring bytes; the backward pass is the reverse ring of each (dX
     reduce-scattered, the output gradient all-gathered), and a remat policy
     runs the entry's ring again to regather x for the weight gradient. The
-    permutes' pairs span the whole mesh (dp x tp: each dp group's ring)."""
-    hops, pairs = cfg.parallel.tp - 1, cfg.parallel.tp * cfg.parallel.dp
-    P = lambda name, pass_, scope, n, role="": E(name, "collective-permute", pass_, scope, shard,
-                                                 n * hops * L, group=pairs, role=role)
+    permutes' pairs span the whole mesh (dp x tp: each dp group's ring).
+    Bidirectional (`collective_matmul_bidi`): each of the tp - 1 steps sends
+    half a chunk each way, two permutes of b*s*h/(2 tp): the same bytes, half
+    on each direction of a link."""
+    bidi = cfg.parallel.overlap == "collective_matmul_bidi"
+    hops, pairs = (cfg.parallel.tp - 1) * (1 + bidi), cfg.parallel.tp * cfg.parallel.dp
+    P = lambda name, pass_, scope, n, role="": E(name, "collective-permute", pass_, scope,
+                                                 shard // (1 + bidi), n * hops * L, group=pairs,
+                                                 role=role)
     rows = []
     for scope in ("attention", "mlp"):
         rows += [P(f"f_sp ring: x's chunks into {scope}'s column matmul", "forward", scope, 1,

@@ -104,8 +104,10 @@ class Layout:
     kv_sharded: bool = True
     # SP's entry all-gather and exit reduce-scatter overlapped with their
     # matmuls: collective-matmul rings (shard_map), XLA's windowed einsum
-    # asked for (gspmd, explicit); only with sp
+    # asked for (gspmd, explicit); only with sp. `bidi`: shard_map's rings
+    # send each chunk's halves both ways
     overlap: bool = False
+    bidi: bool = False
     # context parallelism (a cp axis): how the attention core sees the other
     # cp ranks' keys and values (jaxtp.config.CP_STRATEGIES), and whether rank r holds
     # the sequence's chunks r and 2cp-1-r (causal load balance) or chunk r
@@ -133,7 +135,8 @@ class Layout:
         sp = p.sp and p.tp > 1
         return cls.make(p.dp, p.tp, p.cp, impl=p.impl, sp=sp, fsdp=p.fsdp,
                         kv_sharded=m.kv_heads % p.tp == 0,
-                        overlap=sp and p.overlap == "collective_matmul",
+                        overlap=sp and p.overlap != "none",
+                        bidi=sp and p.overlap == "collective_matmul_bidi",
                         cp_attention=p.cp_attention, cp_balance=p.cp_balance)
 
     @property

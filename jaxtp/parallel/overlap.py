@@ -51,8 +51,9 @@ def reread(mm: Callable) -> Callable:
     return jax.checkpoint(mm)
 
 
-def _ring(tp: int) -> list[tuple[int, int]]:
-    return [(j, (j + 1) % tp) for j in range(tp)]
+def _ring(tp: int, step: int = 1) -> list[tuple[int, int]]:
+    """Each rank sends to rank + step (1: up the ring, -1: down)."""
+    return [(j, (j + step) % tp) for j in range(tp)]
 
 
 def allgather_matmul(x_BtD, mm: Callable, axis: str = TP_AXIS):
@@ -93,3 +94,52 @@ def matmul_reducescatter(h_BT, mm: Callable, axis: str = TP_AXIS):
     for i in range(1, tp):
         acc = jax.lax.ppermute(acc, axis, _ring(tp)) + part((r - 1 - i) % tp)
     return acc
+
+
+def allgather_matmul_bidi(x_BtD, mm: Callable, axis: str = TP_AXIS):
+    """`allgather_matmul` with each chunk's two halves going opposite ways
+    round the ring (the JAX shard_map tutorial's bidirectional collective
+    matmul): at step i rank r holds the first half of rank r - i's chunk
+    (sent up) and the second half of rank r + i's (sent down) and multiplies
+    both in one matmul. tp - 1 steps of two half-chunk permutes: the one-way
+    ring's bytes, half of them on each direction of every link. The chunk
+    length T/tp must be even."""
+    tp, r = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    t = x_BtD.shape[1]
+    h = t // 2
+    whole = lambda p: jnp.zeros((p.shape[0], t * tp, *p.shape[2:]), p.dtype)
+    y, lo, hi = None, x_BtD[:, :h], x_BtD[:, h:]
+    for i in range(tp):
+        # the next step's halves travel while this step's multiply
+        nxt = (jax.lax.ppermute(lo, axis, _ring(tp, 1)),
+               jax.lax.ppermute(hi, axis, _ring(tp, -1))) if i < tp - 1 else None
+        part = mm(jnp.concatenate([lo, hi], 1))
+        y = jax.tree.map(whole, part) if y is None else y
+        put = lambda y, p: jax.lax.dynamic_update_slice_in_dim(
+            jax.lax.dynamic_update_slice_in_dim(y, p[:, :h], (r - i) % tp * t, 1),
+            p[:, h:], (r + i) % tp * t + h, 1)
+        y = jax.tree.map(put, y, part)
+        lo, hi = nxt if nxt else (None, None)
+    return y
+
+
+def matmul_reducescatter_bidi(h_BT, mm: Callable, axis: str = TP_AXIS):
+    """`matmul_reducescatter` with the partial sums of each chunk's two
+    halves going opposite ways: the first half's accumulator for chunk e
+    starts on rank e + 1 and travels up, the second half's starts on rank
+    e - 1 and travels down; each step multiplies the two halves a rank adds
+    in one matmul. tp - 1 steps of two half-chunk permutes."""
+    tp, r = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    t = jax.tree.leaves(h_BT)[0].shape[1] // tp
+    h = t // 2
+    rows = lambda a, lo, hi: jnp.concatenate([jax.lax.dynamic_slice_in_dim(a, lo * t, h, 1),
+                                              jax.lax.dynamic_slice_in_dim(a, hi * t + h, h, 1)],
+                                             1)
+    part = lambda lo, hi: mm(jax.tree.map(lambda a: rows(a, lo, hi), h_BT))
+    both = part((r - 1) % tp, (r + 1) % tp)
+    up, down = both[:, :h], both[:, h:]
+    for i in range(1, tp):
+        both = part((r - 1 - i) % tp, (r + 1 + i) % tp)
+        up = jax.lax.ppermute(up, axis, _ring(tp, 1)) + both[:, :h]
+        down = jax.lax.ppermute(down, axis, _ring(tp, -1)) + both[:, h:]
+    return jnp.concatenate([up, down], 1)

@@ -18,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 from . import context
 from .collectives import f, f_sp, g, g_sp, gather, pmax, pmin, rank, vary
 from .layout import DATA_AXIS, TP_AXIS, Layout, cache_spec, keep_axes, spec, spec_axes
-from .overlap import allgather_matmul, matmul_reducescatter
+from .overlap import (allgather_matmul, allgather_matmul_bidi, matmul_reducescatter,
+                      matmul_reducescatter_bidi)
 
 BF16_CPU_SHARD_MAP = ("impl='shard_map' with model.dtype=bfloat16 crashes XLA's CPU compiler "
                       "(jax 0.10.2); on CPU use model.dtype=float32 (or float16), or "
@@ -144,16 +145,19 @@ class ShardMap:
 
 class Ring(ShardMap):
     """`ShardMap` under SP with each region's entry and exit as collective-
-    matmul rings: tp - 1 ppermutes of one sequence chunk each, a chunk's
-    matmul running while the next one travels. Only the blocks' regions use
+    matmul rings: tp - 1 ppermutes of one sequence chunk each (`layout.bidi`:
+    two of half a chunk, one each way), a chunk's matmul running while the
+    next one travels. Only the blocks' regions use
     it: the embedding's reduce-scatter and the LM head's all-gather (whose
     matmul runs per loss chunk) are not overlapped yet."""
 
     def enter(self, x_BtD, mm: Callable | None = None, out: tuple | None = None):
-        return super().enter(x_BtD) if mm is None else allgather_matmul(x_BtD, mm)
+        if mm is None:
+            return super().enter(x_BtD)
+        return (allgather_matmul_bidi if self.layout.bidi else allgather_matmul)(x_BtD, mm)
 
     def exit(self, h, mm: Callable):
-        return matmul_reducescatter(h, mm)
+        return (matmul_reducescatter_bidi if self.layout.bidi else matmul_reducescatter)(h, mm)
 
 
 def run_sharded(module, fn: Callable, *args, arg_specs=None, out_specs=None,

@@ -153,21 +153,24 @@ def test_sequence_parallel_budget_in_explicit(model):
 
 
 
-@pytest.mark.parametrize("model, dp, tp, remat", [
-    (MODEL, 1, 8, "none"), (MODEL, 2, 4, "none"), (MODEL, 1, 8, "minimal"),
-    (LLAMA, 1, 8, "dots")],
-    ids=["gpt2-tp8", "gpt2-dp2-tp4", "gpt2-remat", "llama-gqa-remat-dots"])
-def test_collective_matmul_budget_in_shard_map(model, dp, tp, remat):
+@pytest.mark.parametrize("model, dp, tp, remat, bidi", [
+    (MODEL, 1, 8, "none", False), (MODEL, 2, 4, "none", False), (MODEL, 1, 8, "minimal", False),
+    (LLAMA, 1, 8, "dots", False), (MODEL, 1, 8, "none", True), (MODEL, 2, 4, "dots", True)],
+    ids=["gpt2-tp8", "gpt2-dp2-tp4", "gpt2-remat", "llama-gqa-remat-dots", "gpt2-tp8-bidi",
+         "gpt2-dp2-tp4-dots-bidi"])
+def test_collective_matmul_budget_in_shard_map(model, dp, tp, remat, bidi):
     """overlap=collective_matmul: inside the blocks no all-gather or
     reduce-scatter is left; each region's entry and exit is tp - 1
     collective-permutes of one sequence chunk (b*s*h/tp) forward and tp - 1
     backward (a remat policy runs the entry's ring once more), the ring bytes
-    of the SP collectives they replace."""
+    of the SP collectives they replace. Bidirectional: twice the permutes,
+    of half a chunk each, the same bytes."""
     # 2 layers: the rings (tp - 1 steps each, unrolled) make long programs
     model = dataclasses.replace(model, remat=remat, n_layers=2)
     cfg = Config(model, TrainConfig(batch_size=4 * dp),
                  ParallelConfig(dp=dp, tp=tp, impl="shard_map", sp=True,
-                                overlap="collective_matmul"))
+                                overlap="collective_matmul_bidi" if bidi else
+                                "collective_matmul"))
     state = abstract_train_state(cfg, make_mesh(dp, tp))
     colls = hlo.collectives(compile_train_step(state, 4 * dp, model.seq_len).as_text())
     assert check(colls, expected_collectives(cfg, "shard_map")) is None
@@ -185,13 +188,14 @@ def test_collective_matmul_budget_in_shard_map(model, dp, tp, remat):
     assert all(c.pass_ == "backward" and c.elements < act
                for c in reduced if c.axes(sizes) == ("tp",))
     assert any(c.axes(sizes) == ("dp",) for c in reduced) == (dp > 1)
+    k = 1 + bidi  # permutes per ring step, each of 1/k of a chunk
     permutes = lambda pass_: sum(c.count for c in blocks if c.kind == "collective-permute"
-                                 and c.pass_ == pass_ and c.elements == act // tp)
+                                 and c.pass_ == pass_ and c.elements == act // tp // k)
     regathers = 2 if remat != "none" else 0  # attention's and the MLP's entry, again
-    assert permutes("forward") == 4 * (tp - 1) * L
-    assert permutes("backward") == (4 + regathers) * (tp - 1) * L
+    assert permutes("forward") == 4 * (tp - 1) * L * k
+    assert permutes("backward") == (4 + regathers) * (tp - 1) * L * k
     assert sum(c.count for c in blocks if c.kind == "collective-permute") == \
-        (8 + regathers) * (tp - 1) * L
+        (8 + regathers) * (tp - 1) * L * k
     # the budget prices the rings at the ring bytes of the collectives they replace
     no_sp = 4 * L * 2 * (tp - 1) / tp * act * 4  # the 2 + 2 all-reduces per block
     rows = [e for e in expected_collectives(cfg, "shard_map") if e.kind == "collective-permute"]

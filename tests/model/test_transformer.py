@@ -171,11 +171,14 @@ test_sequence_parallel_matches_single_device_reference.fast_cases = {'llama-gqa-
 @pytest.mark.parametrize("variant, tp, scan, remat, impl, chunk", [
     ("gpt2", 8, False, "none", "shard_map", 0), ("gpt2", 4, False, "dots", "shard_map", 0),
     ("llama-gqa", 2, False, "none", "shard_map", 0), ("llama-gqa", 8, True, "full", "shard_map", 0),
+    ("gpt2", 8, False, "none", "bidi", 0), ("gpt2", 4, False, "dots", "bidi", 0),
+    ("llama-gqa", 2, False, "none", "bidi", 0),
     ("gpt2", 8, False, "none", "gspmd", 0), ("llama-gqa", 2, False, "dots", "gspmd", 32),
     ("llama-gqa", 8, False, "full", "explicit", 0), ("gpt2", 4, True, "minimal", "explicit", 0)])
 def test_collective_matmul_matches_single_device_reference(variant, tp, scan, remat, impl, chunk):
     """SP's overlap: loss and every gradient as on one device. shard_map:
-    each entry and exit as a ppermute ring. gspmd and explicit: each entry's
+    each entry and exit as a ppermute ring ("bidi": each step's halves sent
+    both ways, collective_matmul_bidi). gspmd and explicit: each entry's
     matmul fed x split along T and rematerialised, each exit named split
     along T, the LM head's entry too (or, with loss chunks, gathered first),
     in the form XLA's windowed einsum decomposes. With the kv heads sharded
@@ -185,8 +188,11 @@ def test_collective_matmul_matches_single_device_reference(variant, tp, scan, re
     stack with overlap=none."""
     model = dataclasses.replace(VARIANTS[variant], scan_layers=scan, remat=remat,
                                 loss_chunk=chunk)
+    bidi = impl == "bidi"
+    impl = "shard_map" if bidi else impl
     cfg = lambda overlap: make_cfg(tp, impl, model=model, sp=True, overlap=overlap)
-    _, _, loss, grads, _ = run_model(cfg("collective_matmul"), with_logits=False)
+    _, _, loss, grads, _ = run_model(
+        cfg("collective_matmul_bidi" if bidi else "collective_matmul"), with_logits=False)
     if scan:
         _, _, ref_l, ref_grads, _ = run_model(cfg("none"), with_logits=False)
     else:

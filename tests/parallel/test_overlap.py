@@ -8,7 +8,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtp import hlo
 from jaxtp.parallel import TP_AXIS, make_mesh
-from jaxtp.parallel.overlap import allgather_matmul, matmul_reducescatter
+from jaxtp.parallel.overlap import (allgather_matmul, allgather_matmul_bidi,
+                                   matmul_reducescatter, matmul_reducescatter_bidi)
 
 B, T, D, F = 2, 16, 8, 12
 
@@ -19,11 +20,13 @@ def sharded(fn, in_specs, out_specs, tp):
                                        axis_names={TP_AXIS}, check_vma=False))
 
 
-def check_ring(ring, mesh, x, w, tp: int, replaces: str, tol: float, grad_tol: float):
+def check_ring(ring, mesh, x, w, tp: int, replaces: str, tol: float, grad_tol: float,
+               bidi: bool = False):
     """The ring equals x @ w in value (to `tol`) and gradient (`grad_tol`),
     and compiles to tp - 1 collective-permutes forward, 2(tp - 1) with its
     gradient (the reverse ring), and no `replaces` (nor the other SP
-    collective) anywhere."""
+    collective) anywhere; `bidi`: twice as many, of half a chunk each, half
+    of them sent each way."""
     loss = lambda x, w: (ring(x, w) ** 2).sum()
     with jax.set_mesh(mesh):
         np.testing.assert_allclose(ring(x, w), x @ w, rtol=tol, atol=tol)
@@ -33,39 +36,61 @@ def check_ring(ring, mesh, x, w, tp: int, replaces: str, tol: float, grad_tol: f
             np.testing.assert_allclose(g, r, rtol=grad_tol, atol=grad_tol)
         text = ring.lower(x, w).compile().as_text()
         grad_text = jax.jit(jax.grad(loss, (0, 1))).lower(x, w).compile().as_text()
+    permutes = [c for c in hlo.collectives(text) if c.kind == "collective-permute"]
     kinds = [c.kind for c in hlo.collectives(text)]
-    assert kinds.count("collective-permute") == tp - 1 and replaces not in kinds
+    assert len(permutes) == (tp - 1) * (1 + bidi) and replaces not in kinds
+    # one sequence chunk (bidi: half of one) of the [B, T, .] array a permute carries
+    assert {c.shape[1] for c in permutes} == {T // tp // (1 + bidi)}
     grad_kinds = [c.kind for c in hlo.collectives(grad_text)]
-    assert grad_kinds.count("collective-permute") == 2 * (tp - 1)
+    assert grad_kinds.count("collective-permute") == 2 * (tp - 1) * (1 + bidi)
     assert "all-gather" not in grad_kinds and "reduce-scatter" not in grad_kinds
 
 
-@pytest.mark.parametrize("tp", [2, 8])
-def test_allgather_matmul_equals_gather_then_matmul(tp):
+@pytest.mark.parametrize("tp, bidi", [(2, False), (8, False), (2, True), (4, True), (8, True)],
+                         ids=["2", "8", "bidi-2", "bidi-4", "bidi-8"])
+def test_allgather_matmul_equals_gather_then_matmul(tp, bidi):
     x = jax.random.normal(jax.random.PRNGKey(0), (B, T, D))
     w = jax.random.normal(jax.random.PRNGKey(1), (D, F))
     # w replicated: every rank computes the whole [B, T, F]
-    mesh, ring = sharded(lambda x, w: allgather_matmul(x, lambda c: c @ w),
+    ring_fn = allgather_matmul_bidi if bidi else allgather_matmul
+    mesh, ring = sharded(lambda x, w: ring_fn(x, lambda c: c @ w),
                          (P(None, TP_AXIS), P()), P(), tp)
     # forward: the same products, measured equal; backward: dw sums the chunks'
     # products in ring order (measured 1.5e-6 at tp 2 as |a-b| / (1 + |b|))
-    check_ring(ring, mesh, x, w, tp, "all-gather", tol=1e-6, grad_tol=1e-5)
+    check_ring(ring, mesh, x, w, tp, "all-gather", tol=1e-6, grad_tol=1e-5, bidi=bidi)
 
 
-@pytest.mark.parametrize("tp", [2, 8])
-def test_matmul_reducescatter_equals_matmul_then_reduce_scatter(tp):
+@pytest.mark.parametrize("tp, bidi", [(2, False), (8, False), (2, True), (4, True), (8, True)],
+                         ids=["2", "8", "bidi-2", "bidi-4", "bidi-8"])
+def test_matmul_reducescatter_equals_matmul_then_reduce_scatter(tp, bidi):
     # each rank holds a different [B, T, F] partial input (F split over tp)
     x = jax.random.normal(jax.random.PRNGKey(2), (B, T, F * tp))
     w = jax.random.normal(jax.random.PRNGKey(3), (F * tp, D))
-    mesh, ring = sharded(lambda x, w: matmul_reducescatter(x, lambda c: c @ w),
+    ring_fn = matmul_reducescatter_bidi if bidi else matmul_reducescatter
+    mesh, ring = sharded(lambda x, w: ring_fn(x, lambda c: c @ w),
                          (P(None, None, TP_AXIS), P(TP_AXIS)), P(None, TP_AXIS), tp)
     # forward: tp partial products summed in ring order (measured 1.9e-6 at tp
     # 8); backward: dx and dw of those sums, reassociated (measured 2.0e-5)
-    check_ring(ring, mesh, x, w, tp, "reduce-scatter", tol=1e-5, grad_tol=1e-4)
+    check_ring(ring, mesh, x, w, tp, "reduce-scatter", tol=1e-5, grad_tol=1e-4, bidi=bidi)
 
 
-test_allgather_matmul_equals_gather_then_matmul.fast_cases = {"8"}
-test_matmul_reducescatter_equals_matmul_then_reduce_scatter.fast_cases = {"8"}
+test_allgather_matmul_equals_gather_then_matmul.fast_cases = {"8", "bidi-8"}
+test_matmul_reducescatter_equals_matmul_then_reduce_scatter.fast_cases = {"8", "bidi-8"}
+
+
+def test_the_bidirectional_rings_send_half_of_each_step_each_way():
+    """Each step of a bidirectional ring is two permutes: one to rank + 1,
+    one to rank - 1 (at tp = 2 both go to the other rank)."""
+    tp = 4
+    x = jax.random.normal(jax.random.PRNGKey(7), (B, T, D))
+    w = jax.random.normal(jax.random.PRNGKey(8), (D, F))
+    _, ring = sharded(lambda x, w: allgather_matmul_bidi(x, lambda c: c @ w),
+                      (P(None, TP_AXIS), P()), P(), tp)
+    pairs = {tuple(sorted(c.groups)) for c in hlo.collectives(ring.lower(x, w).compile()
+                                                             .as_text())}
+    up = tuple(sorted((j, (j + 1) % tp) for j in range(tp)))
+    down = tuple(sorted((j, (j - 1) % tp) for j in range(tp)))
+    assert pairs == {up, down}
 
 
 def test_an_entry_ring_carries_several_outputs():
