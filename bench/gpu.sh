@@ -12,10 +12,15 @@
 #      time, model TFLOP/s and MFU against the device's dense bf16 peak; then
 #      4 x 4096 with cuDNN against XLA attention in the step (XLA's does not
 #      fit 8 x 4096: 91 GiB planned); then the attention kernels alone;
-#   3. train.py --plan: the llama3-8b preset planned for tp=8, compiled for
+#   3. given 2 or more GPUs, python -m jaxtp.bench --gpu-overlap: llama-1b's SP
+#      step at tp <= 8 with GSPMD's overlap against none: the windowed-einsum
+#      iteration cap the client logs, the loops XLA forms, the step time ratio
+#      (unverified until run on such a machine);
+#   4. train.py --plan: the llama3-8b preset planned for tp=8, compiled for
 #      this GPU model (h200 or h100) without using the device.
 #
-# Writes $OUT/bench.json and $OUT/bench.md (the plan appended), $OUT/tests.txt
+# Writes $OUT/bench.json and $OUT/bench.md (the overlap and the plan appended),
+# $OUT/tests.txt, $OUT/overlap.txt (and $OUT/overlap/ given 2+ GPUs)
 # and $OUT/plan-llama3-8b-tp8.txt. Extra arguments go to step 2, e.g.
 #   bench/gpu.sh --steps 20 train.batch_size=4
 # (JAXTP_BENCH_ANY_DEVICE=1 runs it without a GPU: a dry run of the script.)
@@ -46,6 +51,19 @@ JAXTP_GPU_TESTS=1 "$PY" -m pytest -q -n 0 -p no:cacheprovider tests/test_gpu.py 
   | tee "$OUT/tests.txt" || true
 
 "$PY" -m jaxtp.bench --gpu --gpu-config llama-1b --out "$OUT" "$@"
+
+# GSPMD's overlap, given 2 or more GPUs (unverified until run there: no session has
+# had more than one): the windowed-einsum cap this client logs, the loops XLA forms
+# in the SP step at tp <= 8, and its step time against no overlap
+NDEV=$("$PY" -c 'import jax; print(jax.device_count())')
+if [ "$NDEV" -ge 2 ]; then
+  "$PY" -m jaxtp.bench --gpu-overlap --gpu-config llama-1b --out "$OUT/overlap" \
+    | tee "$OUT/overlap.txt"
+  { echo; tail -n +3 "$OUT/overlap/bench.md"; } >> "$OUT/bench.md"
+else
+  echo "overlap: $NDEV device here; GSPMD's windowed loops need 2 or more GPUs (skipped)" \
+    | tee "$OUT/overlap.txt"
+fi
 
 # compile-only devices of the GPU model (jaxtp.analysis.targets): the device stays free
 JAX_PLATFORMS=cpu "$PY" train.py --config llama3-8b --plan --tp 8 --hardware "$HW" \

@@ -2,9 +2,12 @@
 
     python -m jaxtp.bench [--quick] [--out DIR] [--only impl,scaling,compile,...,loop]
     python -m jaxtp.bench --gpu [--gpu-config llama-1b] [--steps 40] [section.key=value ...]
+    python -m jaxtp.bench --gpu-overlap [--gpu-config llama-1b] [--steps 20]
 
 `--gpu` (`jaxtp.bench.gpu`, bench/gpu.sh) trains a preset on one accelerator
-and reports absolute tokens/s, model TFLOP/s and MFU.
+and reports absolute tokens/s, model TFLOP/s and MFU. `--gpu-overlap`
+(`jaxtp.bench.gpu_overlap`), given 2 or more GPUs: GSPMD's overlap, its
+logged iteration cap, its loops and its step time against none.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 from ..parallel import ensure_devices
 from . import suite
 from .gpu import gpu_bench, gpu_config
+from .gpu_overlap import gpu_overlap
 from .report import RESULTS_PAGE, header, readme_parts, splice_readme, write_report
 
 
@@ -30,7 +34,10 @@ def main(argv=None) -> int:
                          f"(without PATH: the results page, {RESULTS_PAGE})")
     ap.add_argument("--gpu", action="store_true",
                     help="train --gpu-config on one device at tp=1; tokens/s, TFLOP/s, MFU")
-    ap.add_argument("--gpu-config", default="llama-1b", help="preset for --gpu")
+    ap.add_argument("--gpu-overlap", action="store_true",
+                    help="given 2 or more devices: the SP step at tp <= 8 with GSPMD's overlap "
+                         "against none (the logged cap, the loops XLA formed, the step times)")
+    ap.add_argument("--gpu-config", default="llama-1b", help="preset for --gpu, --gpu-overlap")
     ap.add_argument("--steps", type=int, default=40, help="--gpu: timed steps")
     ap.add_argument("--warmup", type=int, default=3, help="--gpu: untimed steps first")
     ap.add_argument("--peak-tflops", type=float,
@@ -43,8 +50,8 @@ def main(argv=None) -> int:
         only = suite.check_only(args.only.split(",") if args.only else None)
         if args.readme:
             readme_parts(args.readme)  # the markers are there, before hours of benchmarks
-        if args.overrides and not args.gpu:
-            raise ValueError("config overrides apply to --gpu only")
+        if args.overrides and not (args.gpu or args.gpu_overlap):
+            raise ValueError("config overrides apply to --gpu and --gpu-overlap only")
         if args.gpu:
 
             cfg = gpu_config(args.gpu_config, args.overrides)
@@ -54,6 +61,13 @@ def main(argv=None) -> int:
     if args.gpu:
 
         report = gpu_bench(cfg, args.steps, args.warmup, args.peak_tflops, args.gpu_config)
+    elif args.gpu_overlap:
+        print(ensure_devices(8))  # fake CPU devices where there is no accelerator (a dry run)
+        try:
+            report = gpu_overlap(args.gpu_config, args.steps, args.warmup, args.overrides)
+        except ValueError as e:  # one device, or a ConfigError
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     else:
         print(ensure_devices(8))  # before JAX starts: the suite wants tp up to 8
         report = suite.run_suite(args.quick, only)

@@ -201,3 +201,23 @@ def test_readme_results_are_spliced_between_the_markers(tmp_path):
     readme.write_text("# no markers\n")
     with pytest.raises(ValueError, match="needs one line"):
         splice_readme(readme, "x")
+
+
+def test_the_overlap_section_takes_the_largest_tp_up_to_8_that_divides_the_heads():
+    from jaxtp.bench.gpu_overlap import overlap_tp
+
+    assert [overlap_tp(n, 32) for n in (1, 2, 3, 4, 8, 16)] == [1, 2, 2, 4, 8, 8]
+    assert overlap_tp(8, 12) == 4 and overlap_tp(8, 3) == 1
+
+
+@pytest.mark.slow
+def test_the_overlap_section_runs_where_there_are_devices(tmp_path, capsys):
+    """--gpu-overlap's code path on the 8 fake CPU devices (its subject is a
+    multi-GPU machine: bench/gpu.sh): the cap row, the loops row (none: below
+    the CPU threshold) and a paired ratio."""
+    assert bench_main(["--gpu-overlap", "--gpu-config", "tiny", "--steps", "2", "--warmup", "1",
+                       "--out", str(tmp_path)]) == 0
+    (sec,) = json.loads((tmp_path / "bench.json").read_text())["sections"]
+    cap, loops, ratio = sec["rows"]
+    assert loops["value"] == 0 and _positive(ratio["value"]) and ratio["unit"] == "ratio"
+    assert "tiny tp=8 sp gspmd" in ratio["case"]

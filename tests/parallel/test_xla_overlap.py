@@ -90,3 +90,21 @@ def test_the_workaround_is_in_the_compiler_options():
     options = compiler_options(cfg_of(), "gpu")
     assert options["xla_gpu_multi_streamed_windowed_einsum"] is False
     assert options["xla_gpu_threshold_for_windowed_einsum_mib"] == 0
+
+
+def test_a_run_meeting_the_bug_says_so_at_start_up(monkeypatch):
+    """The start-up lines of a GPU run with GSPMD's overlap at jaxlib 0.10.2:
+    the overlap asked for, and one line naming jax#39200 and its workaround
+    (the run records the same in run.json: `jaxtp.train.record`)."""
+    from jaxtp.train import start
+
+    monkeypatch.setattr(start.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(xla_overlap.metadata, "version", lambda pkg: "0.10.2")
+    lines = start.config_warnings(cfg_of())
+    assert lines == [known_bugs(cfg_of(), "gpu", "0.10.2")[0].line()]
+    assert start._overlap(cfg_of()).startswith(", overlap: XLA's windowed einsum, loops: asked "
+                                               "for on a GPU client")
+    monkeypatch.setattr(start.jax, "default_backend", lambda: "cpu")
+    assert start.config_warnings(cfg_of()) == []
+    assert "no loop here: XLA's CPU compiler windows a dot only past" in start._overlap(
+        cfg_of(b=1, s=16))

@@ -181,7 +181,8 @@ def test_a_checkpoint_resumes_under_another_impl(tmp_path):
         # the resumed steps ran under the new impl: the history and run.json say so
         entry = [json.loads(line) for line in (out / "resumes.jsonl").read_text().splitlines()][-1]
         assert entry["changes"]["parallel.impl"] == [first, then] and entry["step"] == at
-        assert json.loads((out / "run.json").read_text())["impl"] == then
+        record = json.loads((out / "run.json").read_text())
+        assert record["impl"] == then and record["known_bugs"] == []  # none met on CPU
     got = logged(out)
     assert [r["step"] for r in got] == [r["step"] for r in want]
     assert got[:2] == want[:2]  # the same program up to the first save
