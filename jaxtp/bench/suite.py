@@ -42,8 +42,8 @@ from .report import RATIO_COLUMNS, format_section, machine_info, section
 from .timing import build, paired_ratio, time_alternating
 from .windowed import bench_windowed
 
-SECTIONS = ("impl", "scaling", "overlap", "windowed", "cp", "compile", "collectives", "profile", "peer",
-            "attention", "loop", "decode")
+SECTIONS = ("impl", "scaling", "overlap", "windowed", "cp", "compile", "collectives", "profile",
+            "peer", "attention", "loop", "decode")
 # quick: for CI, about a minute on 2 CPU cores; full: ~10 minutes there
 PLANS = {
     "quick": dict(presets=("tiny",), tps=(1, 8), impls=("gspmd",), overlap_impls=("shard_map",),
@@ -57,7 +57,8 @@ PLANS = {
                  cps=(2, 4, 8), cp_layouts=((2, 4), (4, 2), (8, 1)),
                  overlap_impls=("shard_map", "gspmd"),
                  windowed_cases=tuple((m, i, "none") for m in ("gpt2", "llama")
-                                      for i in ("gspmd", "explicit")) + (("gpt2", "gspmd", "full"),),
+                                      for i in ("gspmd", "explicit"))
+                 + (("gpt2", "gspmd", "full"),),
                  warmup=2, steps=7, depths=(2, 8, 32), unscanned=(2, 8),
                  payloads=("tiny", "gpt2-small", "llama-1b"), samples=10,
                  attention_seqs=(256, 512, 1024, 2048), loop_steps=60, decode_batch=8,

@@ -81,7 +81,8 @@ def test_jax_39200_is_met_on_gpu_with_jaxlib_0_10_2_past_1024_per_device():
         cfg.parallel, impl="shard_map")), "gpu", jaxlib="0.10.2") == []
     # per device 2 x 512 / 8 = 128 tokens, F/tp = 128, N*H/tp = 1024: not past it
     small = cfg_of(b=2, s=512, d=8192, d_ff=1024)
-    assert xla_overlap.per_device_matmul_dim(small) == 1024 and known_bugs(small, "gpu", "0.10.2") == []
+    assert xla_overlap.per_device_matmul_dim(small) == 1024
+    assert known_bugs(small, "gpu", "0.10.2") == []
 
 
 @pytest.mark.skipif(xla_overlap.metadata.version("jaxlib") != "0.10.2",
@@ -102,8 +103,8 @@ def test_a_run_meeting_the_bug_says_so_at_start_up(monkeypatch):
     monkeypatch.setattr(xla_overlap.metadata, "version", lambda pkg: "0.10.2")
     lines = start.config_warnings(cfg_of())
     assert lines == [known_bugs(cfg_of(), "gpu", "0.10.2")[0].line()]
-    assert start._overlap(cfg_of()).startswith(", overlap: XLA's windowed einsum, loops: asked "
-                                               "for on a GPU client")
+    assert start._overlap(cfg_of()).startswith(
+        ", overlap: XLA's windowed einsum, loops: asked for on a GPU client")
     monkeypatch.setattr(start.jax, "default_backend", lambda: "cpu")
     assert start.config_warnings(cfg_of()) == []
     assert "no loop here: XLA's CPU compiler windows a dot only past" in start._overlap(
