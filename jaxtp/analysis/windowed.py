@@ -39,8 +39,10 @@ def logged_cap(target: str = "cpu", timeout: float = 300) -> int | None:
     `jaxtp.train.metrics.HARDWARE` compiled deviceless), read from a
     subprocess that compiles one small partitioned dot with the partitioner's
     logging on; None where it logged none (or the compiler is absent)."""
-    env = {**os.environ, **LOG_ENV, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",
-           "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # beside a process holding the GPU
+    # no compilation cache: a cached program is not partitioned again, and logs nothing
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(LOG_ENV, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", JAX_ENABLE_COMPILATION_CACHE="false",
+               XLA_PYTHON_CLIENT_PREALLOCATE="false")  # beside a process holding the GPU
     try:
         run = subprocess.run([sys.executable, "-m", "jaxtp.analysis.windowed", target],
                              env=env, capture_output=True, text=True, timeout=timeout)

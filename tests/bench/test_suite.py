@@ -185,7 +185,7 @@ def test_cli_rejects_bad_arguments_before_compiling(capsys, tmp_path):
     assert bench_main(["--gpu", "--gpu-config", "tiny", "model.n_heads=7", "--out", str(out)]) == 2
     assert "model.d_model=128 is not divisible by model.n_heads=7" in capsys.readouterr().err
     assert bench_main(["--quick", "model.n_layers=2", "--out", str(out)]) == 2
-    assert "--gpu only" in capsys.readouterr().err
+    assert "--gpu and --gpu-overlap only" in capsys.readouterr().err
     assert not out.exists()
 
 

@@ -101,16 +101,27 @@ def test_dp2_tp4_collective_matmul_with_and_without_fsdp_equals_one_device(model
 def test_grad_norm_and_update_at_dp_tp_fsdp_equal_one_device():
     """The one-all-reduce gradient norm (weights 1/size over unsplit axes) and
     the clipped AdamW step, against one device."""
-    ref = run(cfg_of(warmup_steps=0), 1, lambda s: step_controls())[-1]
+    cfg = cfg_of(warmup_steps=0)
+    ref = run(cfg, 1, lambda s: step_controls())[-1]
     got = run(cfg_of(dp=2, tp=4, fsdp=True, warmup_steps=0), 1, lambda s: step_controls())[-1]
     np.testing.assert_allclose(got[1]["grad_norm"], ref[1]["grad_norm"], rtol=1e-6)
+    # Adam's first step is lr * g / (|g| + eps): near eps it turns the round-off
+    # of a gradient that cancels to almost 0 into the update (the key bias's is
+    # exactly 0, softmax being shift-invariant; a key weight's measured 4e-9,
+    # whose 0.16% moved the update by 1.4e-6 on an AMD EPYC). The update is
+    # compared where the (clipped) gradient is past 100 eps; the gradients
+    # themselves are compared everywhere (tests/train/test_scale.py's parity).
+    _, grads = loss_and_grads(cfg)
+    clip = min(1.0, cfg.train.grad_clip / float(ref[1]["grad_norm"]))
     flat = jax.tree_util.tree_flatten_with_path(ref[0][0])[0]
+    compared = []
     for (path, b), a in zip(flat, jax.tree.leaves(got[0][0])):
-        if "['kv']['bias']" in jax.tree_util.keystr(path):
-            # the key bias's exact gradient is 0 (softmax is shift-invariant), so
-            # Adam's first step is lr * sign(round-off): compare the value bias
-            a, b = a[1], b[1]
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        g = grads[jax.tree_util.keystr(path).removesuffix(".value")] * clip
+        well = np.abs(g) > 100 * 1e-8  # optax.adamw's eps
+        compared.append(well.ravel())
+        np.testing.assert_allclose(np.asarray(a)[well], np.asarray(b)[well], rtol=1e-5,
+                                   atol=1e-6)
+    assert np.concatenate(compared).mean() > 0.98  # all but the near-zero gradients (98.8%)
 
 
 def test_fsdp_splits_parameters_and_adam_state_over_dp():
