@@ -216,8 +216,9 @@ def test_the_overlap_section_runs_where_there_are_devices(tmp_path, capsys):
     multi-GPU machine: bench/gpu.sh): the cap row, the loops row (none: below
     the CPU threshold) and a paired ratio."""
     assert bench_main(["--gpu-overlap", "--gpu-config", "tiny", "--steps", "2", "--warmup", "1",
-                       "--out", str(tmp_path)]) == 0
+                       "--out", str(tmp_path), "model.n_layers=1", "model.seq_len=32",
+                       "train.batch_size=8"]) == 0
     (sec,) = json.loads((tmp_path / "bench.json").read_text())["sections"]
     cap, loops, ratio = sec["rows"]
     assert loops["value"] == 0 and _positive(ratio["value"]) and ratio["unit"] == "ratio"
-    assert "tiny tp=8 sp gspmd" in ratio["case"]
+    assert "tiny tp=8 sp gspmd float32 B=8 T=32" in ratio["case"]
