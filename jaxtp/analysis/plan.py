@@ -108,7 +108,8 @@ def analyze(cfg: Config, mesh=None) -> dict:
     # fake CPU devices: planning needs no accelerator, nor as many as tp
     mesh = make_mesh(p.dp, p.tp, devices=jax.devices("cpu"), cp=p.cp) if mesh is None else mesh
     mesh = mesh_for(mesh, p.impl)
-    cfg = resolve_attention(cfg, mesh.devices.flat[0])
+    # a CPU plan stands in for an accelerator: its kernel choice, not the CPU's own
+    cfg = resolve_attention(cfg, mesh.devices.flat[0], cpu_tuned=False)
     state = abstract_train_state(cfg, mesh)
     on_cpu = mesh.devices.flat[0].platform == "cpu"
     compiled = compile_train_step(state, t.batch_size, m.seq_len, microbatches=t.microbatches,

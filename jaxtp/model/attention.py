@@ -62,10 +62,12 @@ class Attention(nnx.Module):
             pos_T, inv_freq = local.positions(T), rope_inv_freq(H, self.cfg)
             q_BTKGH = rope(q_BTKGH, pos_T, self.rope_theta, inv_freq)
             k_BTKH = rope(k_BTKH, pos_T, self.rope_theta, inv_freq)
-        kernel = self.kernel
+        kernel, block = self.kernel, self.block
         if kernel == "auto":  # a module used on its own; a model resolves it when built
-            kernel = kernels.choose(kernel, q_BTKGH.dtype, H, T, jax.devices()[0])
-        o_BTKGH = local.attend(kernels.Core(kernel, self.block), q_BTKGH, k_BTKH, v_BTKH)
+            device = jax.devices()[0]
+            kernel = kernels.choose(kernel, q_BTKGH.dtype, H, T, device)
+            block = kernels.choose_block("auto", block, device)
+        o_BTKGH = local.attend(kernels.Core(kernel, block), q_BTKGH, k_BTKH, v_BTKH)
         o_BTKGH = checkpoint_name(o_BTKGH, "attn_core")
         # split by heads into the row-parallel matmul, so that its transpose
         # keeps the output gradient's product split by heads too (an SP

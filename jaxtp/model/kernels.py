@@ -26,10 +26,15 @@ from ..config import ATTENTIONS
 from .blockwise import NEG_INF, blockwise_attention, blockwise_chunk, causal, scaled
 
 KERNELS = ATTENTIONS  # the config owns the names
-# `auto` takes blockwise from this sequence length on (measured on CPU,
-# jaxtp.bench attention section: below it the T x T scores are small and the
-# single fused einsum/softmax/einsum is faster).
+# `auto` on an accelerator without cuDNN takes blockwise from this sequence
+# length on (below it the T x T scores are small).
 BLOCKWISE_FROM_SEQ = 1024
+# `auto` on CPU: blockwise in blocks of at most 64 from two blocks on. XLA's
+# CPU backend (jaxlib 0.10.2) runs the tiny step (T = 128) in 0.73x the time
+# of the xla kernel: the causal block above the diagonal is skipped, and the
+# custom VJP's backward (FlashAttention-2's rowsum(dO o)) makes fewer passes
+# over the scores than autodiff's softmax does (jaxtp.bench cpu_profile).
+CPU_BLOCK = 64
 
 
 class KernelError(ValueError):
@@ -51,8 +56,11 @@ def cudnn_problem(dtype, head_dim: int, platform: str, device_kind: str = "") ->
     return None
 
 
-def choose(kernel: str, dtype, head_dim: int, seq_len: int, device) -> str:
-    """Resolve `auto` (and check an explicit choice) for `device`."""
+def choose(kernel: str, dtype, head_dim: int, seq_len: int, device,
+           cpu_tuned: bool = True) -> str:
+    """Resolve `auto` (and check an explicit choice) for `device`.
+    `cpu_tuned=False`: on CPU, the accelerators' rule (the planner, whose CPU
+    compile stands in for an accelerator's)."""
     platform = getattr(device, "platform", "cpu")
     kind = getattr(device, "device_kind", "")
     problem = cudnn_problem(dtype, head_dim, platform, kind)
@@ -64,7 +72,16 @@ def choose(kernel: str, dtype, head_dim: int, seq_len: int, device) -> str:
         return kernel
     if problem is None:
         return "cudnn"
+    if platform == "cpu" and cpu_tuned:
+        return "blockwise" if seq_len >= 2 * CPU_BLOCK else "xla"
     return "blockwise" if seq_len >= BLOCKWISE_FROM_SEQ else "xla"
+
+
+def choose_block(kernel: str, block: int, device, cpu_tuned: bool = True) -> int:
+    """The blockwise block `kernel` (as configured, before `choose`) runs
+    with on `device`: `auto` on CPU at most `CPU_BLOCK` (`cpu_tuned`)."""
+    cpu = getattr(device, "platform", "cpu") == "cpu" and cpu_tuned
+    return min(block, CPU_BLOCK) if kernel == "auto" and cpu else block
 
 
 def attend(q_BTKGH, k_BTKH, v_BTKH, kernel: str = "xla", block: int = 512):

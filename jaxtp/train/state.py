@@ -37,16 +37,19 @@ class TrainState:
     compiler_options: dict | None = None
 
 
-def resolve_attention(cfg: Config, device=None) -> Config:
+def resolve_attention(cfg: Config, device=None, cpu_tuned: bool = True) -> Config:
     """`cfg` with model.attention resolved for `device` (default: the first
     device): `auto` becomes a kernel; `cudnn` where it cannot run is a
-    `kernels.KernelError` naming the reason."""
+    `kernels.KernelError` naming the reason. `cpu_tuned=False`: a CPU device
+    takes the accelerators' choice (`kernels.choose`)."""
     m = cfg.model
     device = jax.devices()[0] if device is None else device
-    kernel = kernels.choose(m.attention, m.dtype, m.head_dim, m.seq_len, device)
+    kernel = kernels.choose(m.attention, m.dtype, m.head_dim, m.seq_len, device, cpu_tuned)
     if kernel == "cudnn" and m.attention == "auto" and cfg.parallel.cp > 1:
         kernel = "blockwise"  # cuDNN gives no log-sum-exp to merge cp's parts by
-    return dataclasses.replace(cfg, model=dataclasses.replace(m, attention=kernel))
+    block = kernels.choose_block(m.attention, m.attention_block, device, cpu_tuned)
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, attention=kernel,
+                                                              attention_block=block))
 
 
 def build_model(cfg: Config, seed: int = 0, device=None) -> Transformer:

@@ -13,7 +13,8 @@ Device = collections.namedtuple("Device", "platform device_kind")
 
 
 @pytest.mark.parametrize("kernel, dtype, H, T, device, want", [
-    ("auto", "float32", 16, 128, Device("cpu", "cpu"), "xla"),
+    ("auto", "float32", 16, 64, Device("cpu", "cpu"), "xla"),
+    ("auto", "float32", 16, 128, Device("cpu", "cpu"), "blockwise"),
     ("auto", "bfloat16", 128, 8192, Device("cpu", "cpu"), "blockwise"),
     ("auto", "bfloat16", 128, kernels.BLOCKWISE_FROM_SEQ, Device("tpu", "TPU v5p"), "blockwise"),
     ("auto", "bfloat16", 128, 2048, Device("gpu", "NVIDIA H100 80GB HBM3"), "cudnn"),
@@ -78,3 +79,14 @@ def test_cudnn_lowers_for_an_h100_inside_each_impl(impl):
                               cfg.model.seq_len, compiler_options=GPU_UNCOMBINED).as_text()
     assert "__cudnn$fmhaSoftmax\"" in text and "__cudnn$fmhaSoftmaxBackward" in text
     assert check(hlo.collectives(text), expected_collectives(cfg, impl, "gpu")) is None
+
+
+def test_auto_on_cpu_runs_blockwise_in_blocks_of_at_most_64():
+    cpu, gpu = Device("cpu", "cpu"), Device("gpu", "NVIDIA H100 80GB HBM3")
+    assert kernels.choose_block("auto", 512, cpu) == kernels.CPU_BLOCK == 64
+    assert kernels.choose_block("auto", 32, cpu) == 32
+    assert kernels.choose_block("blockwise", 512, cpu) == 512  # a block asked for is kept
+    assert kernels.choose_block("auto", 512, gpu) == 512
+    # the planner's CPU compile stands in for an accelerator: its choice, not the CPU's
+    assert kernels.choose("auto", "float32", 16, 128, cpu, cpu_tuned=False) == "xla"
+    assert kernels.choose_block("auto", 512, cpu, cpu_tuned=False) == 512
