@@ -17,7 +17,8 @@ LAZY = {("jaxtp.data.tokenizer", "tokenizers"): "optional [data]",
         ("jaxtp.analysis.picture", "matplotlib.patches"): "optional [plot]",
         ("jaxtp.hlo", "jax"): "the HLO text reader needs no JAX",
         ("jaxtp.parallel.distributed", "jax._src"): "a private API, tried",
-        ("jaxtp.analysis.targets", "jax.experimental"): "after the CUDA plugin's setting"}
+        ("jaxtp.analysis.targets", "jax.experimental"): "after the CUDA plugin's setting",
+        ("jaxtp.bench.torch_peer", "torch"): "never a dependency: the bench's optional peer"}
 
 
 def _name(path: Path) -> str:

@@ -127,6 +127,31 @@ def collective_names(hlo_text: str) -> set[str]:
     return set(_COLLECTIVE_INSTR.findall(hlo_text))
 
 
+def trace(run_step, steps: int):
+    """The `jax.profiler` trace (ProfileData) of `steps` calls of `run_step()`,
+    or None where the profiler wrote nothing."""
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        try:
+            for _ in range(steps):
+                run_step()
+        finally:
+            jax.profiler.stop_trace()
+        files = sorted(Path(d).rglob("*.xplane.pb"))
+        return jax.profiler.ProfileData.from_file(str(files[-1])) if files else None
+
+
+def op_events(data):
+    """(plane, line, event, stats) of every executed XLA op in a trace: the
+    events carrying `hlo_op` (and `hlo_module`; on CPU `device_ordinal`)."""
+    for plane in data.planes:
+        for line in plane.lines:
+            for e in line.events:
+                st = dict(e.stats)
+                if "hlo_op" in st:
+                    yield plane, line, e, st
+
+
 def collective_share(run_step, hlo_text: str | None = None, steps: int = 2) -> dict:
     """Trace `steps` calls of `run_step()` and split the time of XLA's ops.
 
@@ -140,31 +165,18 @@ def collective_share(run_step, hlo_text: str | None = None, steps: int = 2) -> d
     mean share, or share None with the reason when the trace has no such events.
     """
     names = collective_names(hlo_text) if hlo_text else None
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        try:
-            for _ in range(steps):
-                run_step()
-        finally:
-            jax.profiler.stop_trace()
-        files = sorted(Path(d).rglob("*.xplane.pb"))
-        if not files:
-            return {"share": None, "reason": "the profiler wrote no .xplane.pb"}
-        data = jax.profiler.ProfileData.from_file(str(files[-1]))
+    data = trace(run_step, steps)
+    if data is None:
+        return {"share": None, "reason": "the profiler wrote no .xplane.pb"}
     spans = defaultdict(lambda: [math.inf, -math.inf, 0.0])  # start, end, collective ns
-    for plane in data.planes:
-        for line in plane.lines:
-            for e in line.events:
-                st = dict(e.stats)
-                if "hlo_op" not in st:
-                    continue
-                key = (st.get("hlo_module"), plane.name, st.get("device_ordinal", line.name),
-                       st.get("run_id"))
-                span = spans[key]
-                span[0], span[1] = min(span[0], e.start_ns), max(span[1], e.end_ns)
-                op = str(st["hlo_op"])
-                if op in names if names else _COLLECTIVE_NAME.match(op):
-                    span[2] += e.duration_ns
+    for plane, line, e, st in op_events(data):
+        key = (st.get("hlo_module"), plane.name, st.get("device_ordinal", line.name),
+               st.get("run_id"))
+        span = spans[key]
+        span[0], span[1] = min(span[0], e.start_ns), max(span[1], e.end_ns)
+        op = str(st["hlo_op"])
+        if op in names if names else _COLLECTIVE_NAME.match(op):
+            span[2] += e.duration_ns
     if not spans:
         return {"share": None, "reason": "no events with an hlo_op in the trace "
                 "(this platform's profiler does not record XLA ops)"}

@@ -9,8 +9,10 @@ sequence parallelism against tp=1; SP's collectives as collective-matmul
 rings against plain ones (`overlap`); XLA's windowed-einsum loops past the
 CPU threshold, compile-only (`windowed`); compile time against depth; collectives
 over the tp axis (`collectives`); the share of step time in collectives,
-read from a profiler trace; jaxtp against a plain JAX step of the same model
-(`peer`); blockwise against xla attention as the sequence grows; the
+read from a profiler trace; the step's time by kind of work (`cpu_profile`);
+jaxtp against two independent plain JAX steps of the same model and a tuned
+one (`peer`), and PyTorch eager where torch imports (`torch-peer`);
+blockwise against xla attention as the sequence grows; the
 training loop's host time per step. Each section is printed; the report goes
 to DIR/bench.json and DIR/bench.md (`report`).
 
@@ -27,23 +29,25 @@ from typing import Callable
 import jax
 import numpy as np
 
+from ..model import kernels
 from ..parallel import make_mesh
 from ..train.loop import train
 from ..train.options import RunOptions
 from ..train.state import abstract_train_state
 from ..train.step import compile_train_step
 from . import collectives as bc
-from . import peer as bp
 from .cases import PAIRED, _case, _get, _paired, preset, valid_tps
 from .collectives import bench_collectives
 from .cp import bench_cp
 from .decode import bench_decode
 from .report import RATIO_COLUMNS, format_section, machine_info, section
 from .timing import build, paired_ratio, time_alternating
+from .versus import bench_peer, bench_torch_peer
 from .windowed import bench_windowed
+from .cpu_profile import bench_cpu_profile
 
 SECTIONS = ("impl", "scaling", "overlap", "windowed", "cp", "compile", "collectives", "profile",
-            "peer", "attention", "loop", "decode")
+            "cpu_profile", "peer", "torch-peer", "attention", "loop", "decode")
 # quick: for CI, about a minute on 2 CPU cores; full: ~10 minutes there
 PLANS = {
     "quick": dict(presets=("tiny",), tps=(1, 8), impls=("gspmd",), overlap_impls=("shard_map",),
@@ -201,40 +205,6 @@ def bench_profile(plan: dict, cache: dict) -> dict:
         rows, notes)
 
 
-def bench_peer(plan: dict, cache: dict) -> dict:
-    """jaxtp's tiny train step at tp=1 (the scaling section's, when it ran)
-    against the same model written in plain JAX (`jaxtp.bench.peer`), timed
-    alternately in one process."""
-
-    run, cut = _get(plan, cache, "tiny", 1)
-    cfg = run.cfg
-    step, params, opt_state = bp.make_step(cfg)
-    tokens = jax.device_put(np.asarray(run.tokens), jax.devices()[0])
-    state = {"params": params, "opt_state": opt_state}
-
-    class Peer:
-        name = "plain JAX"
-
-        def __call__(self):
-            state["params"], state["opt_state"], loss = step(state["params"],
-                                                             state["opt_state"], tokens)
-            return jax.block_until_ready(loss)
-
-    t = time_alternating([run, Peer()], plan["warmup"], plan["steps"] + 2)
-    ratio, lo, hi = paired_ratio(t, run.name, Peer.name)
-    rows = [{"case": _case("tiny tp=1", cfg, cut), "measured": "train step time, jaxtp / plain "
-             "JAX", "value": ratio, "unit": "ratio", "ratio_min": lo, "ratio_max": hi,
-             "jaxtp_ms": np.median(t[run.name]) * 1e3,
-             "peer_ms": np.median(t[Peer.name]) * 1e3, "attention": run.cfg.model.attention}]
-    return section("peer", "jaxtp against a plain JAX GPT-2 step of the same shape", PAIRED + [
-        ("jaxtp_ms", "jaxtp ms (median)"), ("peer_ms", "plain JAX ms (median)"),
-        ("attention", "jaxtp attention")], rows, [
-        "the peer (jaxtp/bench/peer.py): a dict of arrays, 2-D matmuls, 4-D [B, N, T, S] "
-        "attention, full-vocabulary cross-entropy, optax clip + AdamW; jaxtp adds the "
-        "guarded update, the vocab-parallel loss and its logged gradient norm",
-        "timed alternately in one process; value: median over rounds of the paired ratio"])
-
-
 def bench_attention(plan: dict, log=print) -> dict:
     """The tiny train step with blockwise attention against xla attention, at
     growing sequence lengths (batch 2), timed alternately."""
@@ -243,8 +213,11 @@ def bench_attention(plan: dict, log=print) -> dict:
         log(f"attention {i}/{len(plan['attention_seqs'])}: T={T}, blockwise / xla")
         runs = []
         for kernel in ("xla", "blockwise"):
+            # the block auto takes on this device (CPU: CPU_BLOCK)
+            block = kernels.choose_block("auto", 512, jax.devices()[0])
             cfg, _ = preset("tiny", *plan["small"], "parallel.tp=1", f"model.seq_len={T}",
-                            "train.batch_size=2", f"model.attention={kernel}")
+                            "train.batch_size=2", f"model.attention={kernel}",
+                            f"model.attention_block={block}")
             runs.append(build(f"T={T} {kernel}", cfg))
         t = time_alternating(runs, plan["warmup"], plan["steps"])
         ratio, lo, hi = paired_ratio(t, runs[1].name, runs[0].name)
@@ -258,9 +231,9 @@ def bench_attention(plan: dict, log=print) -> dict:
     return section("attention", "Attention kernels: blockwise against xla", PAIRED + [
         ("xla_ms", "xla ms (median)"), ("blockwise_ms", "blockwise ms (median)")], rows, [
         "same parameters' shapes, both compiled in one process and timed alternately; "
-        "< 1: blockwise faster", "model.attention=auto picks blockwise from "
-        "model.seq_len >= 1024 (jaxtp.model.kernels.BLOCKWISE_FROM_SEQ) where cuDNN is not "
-        "available"])
+        "< 1: blockwise faster", "model.attention=auto picks blockwise on CPU from two blocks "
+        "of 64 on (jaxtp.model.kernels.CPU_BLOCK), on an accelerator without cuDNN from "
+        "model.seq_len >= 1024 (BLOCKWISE_FROM_SEQ)"])
 
 
 def bench_loop(plan: dict, log=print) -> dict:
@@ -307,7 +280,12 @@ def run_suite(quick: bool = False, only=None, log: Callable[[str], None] = print
             "cp": lambda: bench_cp(plan, cache, log),
             "compile": lambda: bench_compile(plan, log),
             "collectives": lambda: bench_collectives(plan, log),
-            "profile": lambda: bench_profile(plan, cache), "peer": lambda: bench_peer(plan, cache),
+            "profile": lambda: bench_profile(plan, cache),
+            "cpu_profile": lambda: bench_cpu_profile(
+                [(f"tiny gspmd tp={tp}", _get(plan, cache, "tiny", tp)[0])
+                 for tp in sorted({1, min(8, jax.device_count())})]),
+            "peer": lambda: bench_peer(plan, cache),
+            "torch-peer": lambda: bench_torch_peer(plan, cache),
             "attention": lambda: bench_attention(plan, log), "loop": lambda: bench_loop(plan),
             "decode": lambda: bench_decode(plan)}
     for sid in SECTIONS:

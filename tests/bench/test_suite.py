@@ -90,6 +90,25 @@ def test_quick_suite_end_to_end(tmp_path):
     for r in by_id["profile"]["rows"]:  # the CPU trace records XLA ops per device
         assert r["reason"] is None and 0 < r["value"] <= 100, r
 
+    kinds = {}  # the step's time by kind of work: each case's shares sum to 100%
+    for r in by_id["cpu_profile"]["rows"]:
+        kinds.setdefault(r["case"], {})[r["measured"]] = r["value"]
+    assert sorted(kinds) == ["tiny gspmd tp=1", "tiny gspmd tp=8"]
+    for case, shares in kinds.items():
+        assert sum(shares.values()) == pytest.approx(100, abs=1e-6), case
+        assert shares["matmuls"] > 0 and shares["optimizer update"] > 0, (case, shares)
+    assert kinds["tiny gspmd tp=1"]["matmuls"] > 10  # at tp=8 collectives' waits dominate
+    assert "collectives" in kinds["tiny gspmd tp=8"] and "collectives" not in kinds[
+        "tiny gspmd tp=1"]
+
+    peers = by_id["peer"]["rows"]  # jaxtp / peer, peer_alt / peer, jaxtp / tuned
+    assert len(peers) == 3 and all(_positive(r["value"]) for r in peers)
+    for r in peers:
+        _within_rounds(r, r["ms"] / r["base_ms"])
+    (torch_row,) = by_id["torch-peer"]["rows"]  # measured where torch imports, else why not
+    assert _positive(torch_row["value"]) if torch_row["reason"] is None \
+        else "torch" in torch_row["reason"]
+
     json_path, md_path = write_report(report, tmp_path)
     assert json.loads(json_path.read_text())["sections"][0]["id"] == "impl"
     md = md_path.read_text()

@@ -1,0 +1,98 @@
+"""A PyTorch reference for the CPU: the same GPT-2 train step in PyTorch eager
+(`python -m jaxtp.bench --only torch-peer`), where `torch` is importable.
+torch is never a dependency of jaxtp: without it the section says so.
+
+Same shapes, initialisation scheme, dtype (fp32) and optimizer as a jaxtp
+`gpt2` config at tp=1: pre-norm blocks, a fused qkv projection, causal
+attention (`scaled_dot_product_attention`, PyTorch's fused kernel), tanh
+GELU, a tied head over the padded table (padding logits masked), mean
+cross-entropy, global-norm clipping and decoupled weight decay on matrices
+(AdamW).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..config import Config
+
+
+def available() -> str | None:
+    """None where torch imports, else why not."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        return f"torch is not installed ({e}); pip install torch to time it"
+    return None
+
+
+def describe() -> str:
+    import torch
+
+    return f"PyTorch {torch.__version__} eager, {torch.get_num_threads()} threads"
+
+
+def make_step(cfg: Config):
+    """A callable running one PyTorch train step on a fixed batch (returns the loss)."""
+    import torch
+    from torch import nn
+
+    m, t = cfg.model, cfg.train
+    torch.manual_seed(t.seed)
+    D, N, L, V = m.d_model, m.n_heads, m.n_layers, m.padded_vocab
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(D, eps=m.ln_eps), nn.LayerNorm(D, eps=m.ln_eps)
+            self.qkv, self.out = nn.Linear(D, 3 * D), nn.Linear(D, D)
+            self.up, self.down = nn.Linear(D, m.d_ff), nn.Linear(m.d_ff, D)
+
+        def forward(self, x):
+            B, T, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, N, D // N).permute(2, 0, 3, 1, 4)
+            o = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.out(o.transpose(1, 2).reshape(B, T, D))
+            return x + self.down(nn.functional.gelu(self.up(self.ln2(x)), approximate="tanh"))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(V, D), nn.Embedding(m.seq_len, D)
+            self.blocks = nn.ModuleList(Block() for _ in range(L))
+            self.ln_f = nn.LayerNorm(D, eps=m.ln_eps)
+            for name, p in self.named_parameters():
+                if p.dim() > 1:  # GPT-2's init: residual outputs scaled by 1/sqrt(2L)
+                    std = m.init_std / (math.sqrt(2 * L) if name.endswith(("out.weight",
+                                                                            "down.weight"))
+                                        else 1)
+                    nn.init.normal_(p, std=std)
+                elif name.endswith("bias") and "ln" not in name:
+                    nn.init.zeros_(p)
+
+        def forward(self, x, y):
+            h = self.wte(x) + self.wpe.weight[: x.shape[1]]
+            for b in self.blocks:
+                h = b(h)
+            logits = self.ln_f(h) @ self.wte.weight.T
+            logits[..., m.vocab_size:] = float("-inf")
+            return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    model = GPT()
+    # jaxtp's decay: matrices and tables, not biases or norm scales
+    groups = [{"params": [p for p in model.parameters() if p.dim() > 1]},
+              {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.b1, t.b2), weight_decay=t.weight_decay)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, m.vocab_size, (t.batch_size, m.seq_len + 1), generator=g)
+
+    def step():
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if t.grad_clip:
+            nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+        return loss.detach().item()
+
+    return step
