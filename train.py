@@ -173,6 +173,12 @@ def _analysis_flags(ap) -> None:
                             "having it, where its compiler is installed (jax[cuda12] or "
                             "jax[tpu]), else plan on CPU; --plan's memory verdict and roofline "
                             "use it (default: h100, planned on CPU)")
+    group.add_argument("--cluster", metavar="NAME|FILE",
+                       help="--plan: also predict the step on this cluster (a preset: "
+                            "h100x8, h100x8x8nodes, h200x8, a100x8, v5p-32; or a JSON file, "
+                            "jaxtp.analysis.cluster): matmul, HBM and per-axis communication "
+                            "time, the step with communication exposed and hidden, tokens/s "
+                            "and MFU")
     group.add_argument("--check", action="store_true",
                        help="replay the first steps on one device, up to the first that moves "
                             "the parameters (step 2: step 1 runs at lr 0), and record loss, "
@@ -213,6 +219,12 @@ def resolve_run(args: argparse.Namespace) -> tuple[Config, dict]:
     if args.resume and (args.plan or args.compare_hlo):
         raise ConfigError("--resume continues a training run; --plan and --compare-hlo "
                           "do not train")
+    if args.cluster and not args.plan:
+        raise ConfigError("--cluster applies to --plan")
+    if args.cluster:
+        from jaxtp.analysis.cluster import load
+
+        load(args.cluster)  # a bad preset name or file refused before compiling
     if args.resume and not args.out:
         raise ConfigError("--resume needs --out DIR: the run directory to continue (or "
                           "to start)")
@@ -336,7 +348,7 @@ def plan(args, cfg: Config) -> int:
     cps = [2 ** i for i in range(p.cp.bit_length()) if 2 ** i <= p.cp] if p.cp > 1 else None
     plan(cfg, [args.tp or p.tp] if cps else [args.tp] if args.tp else [1, 2, 4, 8],
          args.hardware or "h100", compile_for_target=args.hardware is not None,
-         out_dir=args.out, cps=cps)
+         out_dir=args.out, cps=cps, cluster=args.cluster)
     return 0
 
 

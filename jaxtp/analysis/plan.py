@@ -43,6 +43,7 @@ from ..train.state import abstract_train_state, resolve_attention
 from ..train.step import compile_train_step
 from .cp import kv_heads_per_rank
 from .dp import param_shards
+from .predict import from_hlo, plan_lines
 from .targets import CPU_OVERSTATES, TargetUnavailable, target_mesh
 
 # Planning on CPU: XLA's CPU scheduler orders work for speed, and keeps more
@@ -141,6 +142,10 @@ def analyze(cfg: Config, mesh=None) -> dict:
                             "activations_korthikanti": activation_bytes(cfg),
                             # ZeRO-3's accounting (without FSDP: split over tp only)
                             "state": state_bytes(cfg)},
+        "mesh": dict(mesh.shape),
+        # each collective as the predictor prices it (jaxtp.analysis.predict)
+        "traffic": [dataclasses.asdict(t) for t in from_hlo(colls, dict(mesh.shape))],
+        "hbm_bytes": float(cost.get("bytes accessed", float("nan"))),
         "collectives_per_step": sum(c.count for c in colls),
         "collective_bytes_per_step": sum(c.count * c.bytes for c in colls),
         # the same bytes by the mesh axes each collective spans: what each link carries
@@ -152,7 +157,8 @@ def analyze(cfg: Config, mesh=None) -> dict:
 
 
 def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = False,
-         log: Callable[[str], None] = print, out_dir=None, cps=None) -> list[dict]:
+         log: Callable[[str], None] = print, out_dir=None, cps=None,
+         cluster: str | None = None) -> list[dict]:
     """Analyze `cfg` at each tp (or, with `cps`, at each cp at the largest of
     `tps`); print the table with a fits / does not fit verdict against
     `hardware`'s memory; return the rows (and, with `out_dir`, write them to
@@ -160,7 +166,9 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
 
     `compile_for_target`: compile for `hardware` itself (`jaxtp.analysis.targets`)
     where its compiler is installed; otherwise, or when it is not, compile for
-    this machine's CPU, whose temporaries overstate an accelerator's."""
+    this machine's CPU, whose temporaries overstate an accelerator's.
+    `cluster` (a preset or JSON file, `jaxtp.analysis.cluster`): also predict
+    each row's step there (`jaxtp.analysis.predict`)."""
 
     target = HARDWARE[hardware]
     on_target = compile_for_target
@@ -170,7 +178,7 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
         except TargetUnavailable as e:
             log(f"{e}: planning on CPU instead")
             on_target = False
-    rows, base = [], None
+    rows, cfgs, base = [], [], None
     if cps:  # a sweep over cp at one tp; cp=1 the base of the redundancy
         cases = [(cp, max(tps)) for cp in sorted(set(cps) | {1})]
     else:  # tp=1: the base of the redundancy
@@ -193,6 +201,7 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
         _verdict(r, c, cp if cps else tp, base, target)
         if tp in tps and (not cps or cp in cps):
             rows.append(r)
+            cfgs.append(c)
     if not rows:
         log(f"no valid tp among {sorted(tps)}")
         return rows
@@ -202,8 +211,10 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
             + ", ".join(f"{v:g}x for {k}" for k, v in CPU_OVERSTATES.items())
             + f"); --hardware {hardware} compiles for it where "
             + ("jax[tpu]" if target.platform == "tpu" else "jax[cuda12]") + " is installed")
+    for r, c in zip(rows, cfgs) if cluster else ():
+        for line in plan_lines(r, c, cluster):
+            log(line)
     if out_dir is not None:
-
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "plan.json").write_text(json.dumps(rows, indent=2) + "\n")

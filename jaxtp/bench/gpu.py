@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..analysis.cluster import one_device
+from ..analysis.predict import predict_step, step_flops
 from ..config import Config, apply_overrides, load_config, validate
 from ..model import kernels
 from ..parallel import make_mesh
@@ -65,7 +67,8 @@ def train_timed(cfg: Config, steps: int, warmup: int, peak: float | None) -> dic
     step = compile_train_step(state, t.batch_size, m.seq_len, microbatches=t.microbatches)
     compile_s = time.perf_counter() - t0
     cost = step.cost_analysis()
-    xla_flops = (cost[0] if isinstance(cost, (list, tuple)) else cost or {}).get("flops")
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+    xla_flops, hbm_bytes = cost.get("flops"), cost.get("bytes accessed")
     batches = Dataset(load_tokens(None), m.seq_len, m.vocab_size).train_batches(
         t.batch_size, t.seed)
     batches = [to_mesh(next(batches), mesh) for _ in range(warmup + steps)]
@@ -85,9 +88,28 @@ def train_timed(cfg: Config, steps: int, warmup: int, peak: float | None) -> dic
     tflops = tokens_s * flops_token / 1e12
     mem = (device.memory_stats() or {}).get("peak_bytes_in_use")
     return {"cfg": cfg, "n_params": n_params, "compile_s": compile_s, "xla_flops": xla_flops,
+            "hbm_bytes": hbm_bytes,
             "step": s, "tokens_s": tokens_s, "flops_token": flops_token, "tflops": tflops,
             "mfu": 100 * tflops * 1e12 / peak if peak else None, "peak_mem": mem,
             "losses": losses, "steps": steps, "warmup": warmup}
+
+
+def _predicted(r: dict, device, case: str) -> dict:
+    """What `jaxtp.analysis.predict` expects of this run on one such device."""
+    one = one_device(device.device_kind)
+    if one is None:
+        return _row(case, "predicted throughput (jaxtp.analysis.predict)", None, "tokens/s",
+                    f"{device.device_kind!r} is not a known accelerator")
+    cfg = r["cfg"]
+    tokens = cfg.train.batch_size * cfg.model.seq_len
+    flops = r["xla_flops"] or step_flops(cfg) * tokens
+    p = predict_step(one, {"dp": 1, "tp": 1}, flops, [], tokens, r["flops_token"],
+                     r.get("hbm_bytes"))
+    want = p["hidden"]["tokens_per_s"]
+    return _row(case, "predicted throughput (jaxtp.analysis.predict)", want, "tokens/s",
+                f"measured / predicted {r['tokens_s'] / want:.3f}; matmuls at "
+                f"{one.accelerator.matmul_fraction:.1%} of the peak"
+                + ("" if r.get("hbm_bytes") else ", HBM time not reported"))
 
 
 def _case(cfg: Config, name: str) -> str:
@@ -126,6 +148,7 @@ def gpu_bench(cfg: Config, steps: int = 40, warmup: int = 3, peak_tflops: float 
         _row(case, "loss, last step", r["losses"][-1], "nats",
              f"first step {r['losses'][0]:.3f}, built-in corpus (bytes)"),
     ]
+    rows.append(_predicted(r, device, case))
     train = section("gpu_train", f"Training on one {device.device_kind}", COLUMNS, rows, [
         f"attention in the train step: {m.attention} (model.attention="
         f"{cfg.model.attention})", "MFU counts model flops only (recomputation is not useful "

@@ -13,7 +13,8 @@ read from a profiler trace; the step's time by kind of work (`cpu_profile`);
 jaxtp against two independent plain JAX steps of the same model and a tuned
 one (`peer`), and PyTorch eager where torch imports (`torch-peer`);
 blockwise against xla attention as the sequence grows; the
-training loop's host time per step. Each section is printed; the report goes
+training loop's host time per step; the step predictor against published
+runs (`predict`). Each section is printed; the report goes
 to DIR/bench.json and DIR/bench.md (`report`).
 
 On CPU the tp ranks are fake devices sharing the host's cores: the ratios
@@ -39,15 +40,16 @@ from . import collectives as bc
 from .cases import PAIRED, _case, _get, _paired, preset, valid_tps
 from .collectives import bench_collectives
 from .cp import bench_cp
+from .cpu_profile import bench_cpu_profile
 from .decode import bench_decode
+from .published import bench_predict
 from .report import RATIO_COLUMNS, format_section, machine_info, section
 from .timing import build, paired_ratio, time_alternating
 from .versus import bench_peer, bench_torch_peer
 from .windowed import bench_windowed
-from .cpu_profile import bench_cpu_profile
 
 SECTIONS = ("impl", "scaling", "overlap", "windowed", "cp", "compile", "collectives", "profile",
-            "cpu_profile", "peer", "torch-peer", "attention", "loop", "decode")
+            "cpu_profile", "peer", "torch-peer", "attention", "loop", "decode", "predict")
 # quick: for CI, about a minute on 2 CPU cores; full: ~10 minutes there
 PLANS = {
     "quick": dict(presets=("tiny",), tps=(1, 8), impls=("gspmd",), overlap_impls=("shard_map",),
@@ -287,7 +289,7 @@ def run_suite(quick: bool = False, only=None, log: Callable[[str], None] = print
             "peer": lambda: bench_peer(plan, cache),
             "torch-peer": lambda: bench_torch_peer(plan, cache),
             "attention": lambda: bench_attention(plan, log), "loop": lambda: bench_loop(plan),
-            "decode": lambda: bench_decode(plan)}
+            "decode": lambda: bench_decode(plan), "predict": bench_predict}
     for sid in SECTIONS:
         if sid in only:
             t1 = time.perf_counter()

@@ -1,0 +1,217 @@
+"""What a step will cost on a cluster, before anyone pays for it.
+
+Per device and step (the scaling book's accounting, Austin et al. 2025, "How
+to Scale Your Model", Training chapter: compute time against communication
+time, each axis on its own link):
+
+- matmul time: the step's flops over peak x the fraction large bf16 matmuls
+  reach on the accelerator (`cluster.Accelerator.matmul_fraction`, measured);
+- memory-bound time: the step's HBM bytes over the HBM bandwidth, where the
+  compiled program reports them (cost analysis' "bytes accessed");
+- per collective, on the link its mesh axes cross (`cluster.axis_links`, the
+  slowest where a group spans several): latency plus the bytes a rank puts on
+  the wire over the link's bandwidth, a ring's share of the full buffer
+  (nccl-tests' bus factors: all-reduce 2(n-1)/n, all-gather and
+  reduce-scatter (n-1)/n, a permute the whole buffer);
+- the step as two bounds, since the schedule that hides communication behind
+  compute is not known before running: exposed = compute + communication,
+  hidden = max(compute, communication); tokens/s and MFU (model flops,
+  6N + 12*L*h*s per token, over the peak) for both.
+
+Decode (`predict_decode`): per generated token, the weights and the KV
+cache a device holds read once from HBM, plus each decode collective's
+latency and bytes: at batch 1 the all-reduces of B x D are latency-bound.
+
+The collectives come from the compiled step's HLO (`jaxtp.hlo.collectives`)
+or from the ledger that the tests hold the compiled HLO to
+(`jaxtp.analysis.budget.expected_collectives`), which prices layouts this
+machine cannot compile (64 devices) in no time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from ..config import Config
+from ..train.metrics import model_flops_per_token
+from .cluster import Cluster, Link, axis_links, describe, load
+from .decode import decode_budget
+
+# a rank's bytes on the wire per byte of the full buffer, and its ring steps
+_RING = {"all-reduce": (lambda n: 2 * (n - 1) / n, lambda n: 2 * (n - 1)),
+         "all-gather": (lambda n: (n - 1) / n, lambda n: n - 1),
+         "reduce-scatter": (lambda n: (n - 1) / n, lambda n: n - 1),
+         "all-to-all": (lambda n: (n - 1) / n, lambda n: n - 1),
+         "collective-permute": (lambda n: 1.0, lambda n: 1)}
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "f64": 8}
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """`count` collectives per step of `bytes` each (the full buffer, as
+    nccl-tests sizes it) over a group of `group` devices along `axes`."""
+
+    kind: str
+    bytes: float
+    group: int
+    axes: tuple[str, ...]
+    count: int = 1
+
+
+def from_hlo(colls, mesh: dict[str, int]) -> list[Traffic]:
+    """Traffic of the compiled step's collectives (`jaxtp.hlo.collectives`)."""
+    return [Traffic(c.kind, c.bytes, c.group_size or 1, c.axes(mesh), c.count) for c in colls]
+
+
+def from_budget(rows) -> list[Traffic]:
+    """Traffic of ledger rows (`jaxtp.analysis.rows.Expected`)."""
+    return [Traffic(r.kind, r.elements * _BYTES[r.dtype] * (r.group if r.kind == "reduce-scatter"
+                                                            else 1), r.group, tuple(r.axes),
+                    r.count) for r in rows]
+
+
+def link_of(axes, links: dict[str, Link]) -> Link:
+    """The link a group along `axes` runs at: the slowest among them."""
+    return min((links[a] for a in axes if a in links), key=lambda k: k.bandwidth,
+               default=next(iter(links.values())))
+
+
+def collective_time(t: Traffic, link: Link) -> tuple[float, float]:
+    """(seconds, bytes a rank sends) for `t.count` of them on `link`."""
+    if t.group <= 1:
+        return 0.0, 0.0
+    factor, steps = _RING.get(t.kind, _RING["all-reduce"])
+    wire = t.bytes * factor(t.group)
+    latency = link.latency * (steps(t.group) if link.per_hop else 1)
+    return t.count * (latency + wire / link.bandwidth), t.count * wire
+
+
+def predict_step(cluster: Cluster, mesh: dict[str, int], flops: float, traffic: list[Traffic],
+                 tokens: int, flops_per_token: float, hbm_bytes: float | None = None,
+                 overlap: str = "") -> dict:
+    """Both bounds of one train step per device: `flops` and `hbm_bytes` per
+    device, `traffic` its collectives, `tokens` the global batch's tokens."""
+    acc, devices = cluster.accelerator, math.prod(mesh.values())
+    links = axis_links(mesh, cluster)
+    compute = flops / (acc.peak_flops * acc.matmul_fraction)
+    memory = hbm_bytes / acc.hbm_bandwidth if hbm_bytes else None
+    busy = max(compute, memory or 0.0)
+    axes: dict[str, dict] = {}
+    for t in traffic:
+        link = link_of(t.axes, links)
+        s, wire = collective_time(t, link)
+        row = axes.setdefault("+".join(t.axes) or "?", {"link": link.name, "bytes": 0.0,
+                                                        "seconds": 0.0, "collectives": 0})
+        row["bytes"] += wire
+        row["seconds"] += s
+        row["collectives"] += t.count
+    comm = sum(r["seconds"] for r in axes.values())
+    bounds = {"exposed": busy + comm, "hidden": max(busy, comm)}
+    out = {"cluster": cluster.name, "devices": devices, "compute_s": compute, "memory_s": memory,
+           "comm_s": comm, "overlap": overlap, "axes": axes}
+    for name, step in bounds.items():
+        tps = tokens / step
+        out[name] = {"step_s": step, "tokens_per_s": tps, "tokens_per_s_per_device": tps / devices,
+                     "mfu": flops_per_token * tps / (devices * acc.peak_flops)}
+    for r in axes.values():
+        r["share"] = r["seconds"] / bounds["exposed"]
+    return out
+
+
+def lines(p: dict) -> list[str]:
+    """The prediction as printed by --plan --cluster."""
+    ms = lambda s: f"{s * 1e3:,.1f} ms"
+    out = [f"predicted on {p['cluster']} ({p['devices']} devices), per device and step: "
+           f"matmul {ms(p['compute_s'])}"
+           + (f", HBM {ms(p['memory_s'])}" if p["memory_s"] is not None else
+              ", HBM time left out")
+           + f", communication {ms(p['comm_s'])}"]
+    for name, what in (("exposed", "communication exposed"), ("hidden", "communication "
+                                                              "hidden behind compute")):
+        b = p[name]
+        out.append(f"  {what}: step {ms(b['step_s'])}, {b['tokens_per_s']:,.0f} tokens/s "
+                   f"({b['tokens_per_s_per_device']:,.0f} per device), MFU {b['mfu']:.1%}")
+    for axis, r in sorted(p["axes"].items()):
+        out.append(f"  {axis}: {r['collectives']} collectives, {r['bytes'] / 2**20:,.1f} MiB "
+                   f"sent per device on {r['link']}, {ms(r['seconds'])}, {r['share']:.1%} "
+                   "of the exposed step")
+    if p["overlap"]:
+        out.append(f"  overlap: {p['overlap']}")
+    return out
+
+
+def plan_lines(row: dict, cfg: Config, cluster: str | Cluster) -> list[str]:
+    """A `--plan` row's prediction on `cluster` (stored in row["prediction"])."""
+    cluster = load(cluster) if isinstance(cluster, str) else cluster
+    mesh, m, p = row["mesh"], cfg.model, cfg.parallel
+    tokens, devices = cfg.train.batch_size * m.seq_len, math.prod(row["mesh"].values())
+    notes, flops, hbm = [], row["flops_per_device"], row.get("hbm_bytes")
+    if m.scan_layers or not math.isfinite(flops):
+        flops = step_flops(cfg) * tokens / devices
+        notes.append("flops: model flops x remat's recomputation over the devices ("
+                     + ("XLA's cost analysis counts a scanned stack's body once)"
+                        if m.scan_layers else "this compile has no cost analysis)"))
+    if m.scan_layers or row["compiled_for"].startswith("cpu") or not (hbm and math.isfinite(hbm)):
+        hbm = None
+        notes.append("HBM time left out: it needs the accelerator's own compile (--hardware) "
+                     "with cost analysis and an unscanned stack")
+    traffic = [Traffic(t["kind"], t["bytes"], t["group"], tuple(t["axes"]), t["count"])
+               for t in row["traffic"]]
+    overlap = (f"impl {p.impl}, --overlap {p.overlap}: SP's collectives written to run beside "
+               "their matmuls" if p.overlap != "none" else
+               f"impl {p.impl}, no --overlap: what hides is up to XLA's scheduler")
+    pred = predict_step(cluster, mesh, flops, traffic, tokens,
+                        model_flops_per_token(cfg, row["n_params"]), hbm, overlap)
+    row["prediction"] = pred
+    name = ", ".join(f"{a}={n}" for a, n in mesh.items() if n > 1) or "one device"
+    return [f"{name} on {describe(mesh, cluster)}"] + lines(pred) + [f"  {n}" for n in notes]
+
+
+def param_count(cfg: Config) -> int:
+    """Parameters of `cfg`'s model, from its sizes (the model's own count is
+    checked against this in the tests)."""
+    m = cfg.model
+    D, F, L, V, H = m.d_model, m.d_ff, m.n_layers, m.padded_vocab, m.head_dim
+    N, K = m.n_heads, m.kv_heads
+    llama = m.style == "llama"
+    attn = D * N * H + 2 * D * K * H + N * H * D + (0 if llama else N * H + 2 * K * H + D)
+    mlp = 3 * D * F if llama else 2 * D * F + F + D
+    norms = (1 if llama else 2) * 2 * D
+    table = V * D * (1 if m.tie_embeddings else 2)
+    return L * (attn + mlp + norms) + table + (1 if llama else 2) * D + \
+        (0 if llama else m.seq_len * D)
+
+
+def step_flops(cfg: Config) -> float:
+    """Model flops per token x the recomputation remat adds (full: the forward
+    again, 8/6; the others recompute little and count 1)."""
+    return model_flops_per_token(cfg, param_count(cfg)) * (8 / 6 if cfg.model.remat == "full"
+                                                            else 1.0)
+
+
+def predict_decode(cfg: Config, cluster: Cluster, batch: int, context: int,
+                   tps=(1, 2, 4, 8), impl: str = "shard_map") -> list[dict]:
+    """Seconds per generated token at batch `batch` with `context` tokens
+    cached, at each tp (one node): HBM time for the weights and KV cache a
+    device reads plus the decode step's collectives (`decode_budget`)."""
+    acc, rows = cluster.accelerator, []
+    m = cfg.model
+    weights = param_count(cfg) * np.dtype(m.dtype).itemsize
+    kv = 2 * m.n_layers * batch * context * m.kv_heads * m.head_dim * np.dtype(m.dtype).itemsize
+    for tp in tps:
+        c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, dp=1,
+                                                                  sp=False))
+        hbm = (weights + kv) / tp / acc.hbm_bandwidth
+        links = axis_links({"tp": tp}, cluster)
+        traffic = from_budget(decode_budget(c, batch, impl))
+        comm = sum(collective_time(t, links["tp"])[0] for t in traffic)
+        latency = sum(t.count * links["tp"].latency for t in traffic if t.group > 1)
+        rows.append({"tp": tp, "hbm_s": hbm, "comm_s": comm, "latency_s": latency,
+                     "token_s": hbm + comm,
+                     "tokens_per_s": batch / (hbm + comm)})
+    for r in rows:
+        r["speedup"] = rows[0]["token_s"] / r["token_s"]
+    return rows
