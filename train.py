@@ -346,7 +346,15 @@ def plan(args, cfg: Config) -> int:
     p = cfg.parallel
     # --cp N: a sweep over cp = 1, 2, 4, ... N at the one tp (--tp, else the config's)
     cps = [2 ** i for i in range(p.cp.bit_length()) if 2 ** i <= p.cp] if p.cp > 1 else None
-    plan(cfg, [args.tp or p.tp] if cps else [args.tp] if args.tp else [1, 2, 4, 8],
+    tps = [args.tp or p.tp] if cps else [args.tp] if args.tp else [1, 2, 4, 8]
+    if args.cluster:  # the largest mesh against the cluster, before compiling anything
+        from jaxtp.analysis.cluster import load
+
+        cluster, need = load(args.cluster), p.dp * p.cp * max(tps)
+        if need > cluster.devices:
+            raise ValueError(f"--cluster {args.cluster}: dp*cp*tp = {need} devices at the "
+                             f"largest tp, and {cluster.name} has {cluster.devices}")
+    plan(cfg, tps,
          args.hardware or "h100", compile_for_target=args.hardware is not None,
          out_dir=args.out, cps=cps, cluster=args.cluster)
     return 0

@@ -110,8 +110,9 @@ PRESETS = {
 
 def one_device(device_kind: str) -> Cluster | None:
     """A one-device cluster of the accelerator a device reports, if known."""
-    acc = next((a for key, a in (("H200", H200), ("H100", H100), ("A100", A100),
-                                 ("TPU v5p", V5P)) if key in device_kind), None)
+    v5p = "TPU v5" in device_kind and "lite" not in device_kind  # a v5p VM says "TPU v5"
+    acc = V5P if v5p else next((a for key, a in (("H200", H200), ("H100", H100),
+                                                 ("A100", A100)) if key in device_kind), None)
     return None if acc is None else Cluster(acc.name, acc, 1, 1, NVLINK4, IB_NDR)
 
 
@@ -129,6 +130,13 @@ def from_dict(d: dict) -> Cluster:
     """A cluster from its JSON form; a missing, zero, negative or non-numeric
     field is refused with its name."""
     _positive(d, ("devices_per_node", "nodes"), "cluster")
+    for k in ("devices_per_node", "nodes"):
+        if not isinstance(d[k], int):
+            raise ClusterError(f"cluster: {k}={d[k]!r} must be a whole number")
+    for part in ("intra", "inter"):
+        hop = d.get(part, {}).get("per_hop", False) if isinstance(d.get(part), dict) else False
+        if not isinstance(hop, bool):
+            raise ClusterError(f"{part}: per_hop={hop!r} must be true or false")
     for part in ("accelerator", "intra", "inter"):
         if not isinstance(d.get(part), dict):
             raise ClusterError(f"cluster: missing field {part!r} (an object)")
@@ -173,7 +181,8 @@ def axis_links(mesh: dict[str, int], cluster: Cluster) -> dict[str, Link]:
     out, stride = {}, 1
     for axis in reversed(list(mesh)):
         size = mesh[axis]
-        inside = stride * size <= cluster.devices_per_node
+        # a group stays in one node when the groups tile the nodes exactly
+        inside = cluster.devices_per_node % (stride * size) == 0
         out[axis] = cluster.intra if inside or size == 1 else cluster.inter
         stride *= size
     return dict(reversed(out.items()))

@@ -43,7 +43,7 @@ from ..train.state import abstract_train_state, resolve_attention
 from ..train.step import compile_train_step
 from .cp import kv_heads_per_rank
 from .dp import param_shards
-from .predict import from_hlo, plan_lines
+from .predict import decode_lines, from_hlo, plan_lines
 from .targets import CPU_OVERSTATES, TargetUnavailable, target_mesh
 
 # Planning on CPU: XLA's CPU scheduler orders work for speed, and keeps more
@@ -214,6 +214,8 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
     for r, c in zip(rows, cfgs) if cluster else ():
         for line in plan_lines(r, c, cluster):
             log(line)
+    for line in decode_lines(cfg, cluster) if cluster else ():
+        log(line)
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)

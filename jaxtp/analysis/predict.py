@@ -36,7 +36,9 @@ import math
 import numpy as np
 
 from ..config import Config
+from ..hlo import DTYPE_BYTES
 from ..train.metrics import model_flops_per_token
+from .budget import expected_collectives
 from .cluster import Cluster, Link, axis_links, describe, load
 from .decode import decode_budget
 
@@ -46,7 +48,6 @@ _RING = {"all-reduce": (lambda n: 2 * (n - 1) / n, lambda n: 2 * (n - 1)),
          "reduce-scatter": (lambda n: (n - 1) / n, lambda n: n - 1),
          "all-to-all": (lambda n: (n - 1) / n, lambda n: n - 1),
          "collective-permute": (lambda n: 1.0, lambda n: 1)}
-_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "f64": 8}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +69,9 @@ def from_hlo(colls, mesh: dict[str, int]) -> list[Traffic]:
 
 def from_budget(rows) -> list[Traffic]:
     """Traffic of ledger rows (`jaxtp.analysis.rows.Expected`)."""
-    return [Traffic(r.kind, r.elements * _BYTES[r.dtype] * (r.group if r.kind == "reduce-scatter"
-                                                            else 1), r.group, tuple(r.axes),
-                    r.count) for r in rows]
+    return [Traffic(r.kind, r.elements * DTYPE_BYTES[r.dtype] * (
+        r.group if r.kind == "reduce-scatter" else 1), r.group, tuple(r.axes), r.count)
+        for r in rows]
 
 
 def link_of(axes, links: dict[str, Link]) -> Link:
@@ -158,8 +159,16 @@ def plan_lines(row: dict, cfg: Config, cluster: str | Cluster) -> list[str]:
         hbm = None
         notes.append("HBM time left out: it needs the accelerator's own compile (--hardware) "
                      "with cost analysis and an unscanned stack")
-    traffic = [Traffic(t["kind"], t["bytes"], t["group"], tuple(t["axes"]), t["count"])
-               for t in row["traffic"]]
+    if row["compiled_for"].startswith("cpu"):
+        # XLA's CPU compile carries collectives in f32 and all-reduces where a GPU
+        # reduce-scatters: price the ledger the tests hold the accelerator's compile to
+        platform = "tpu" if cluster.accelerator.name.startswith("tpu") else "gpu"
+        traffic = from_budget(expected_collectives(cfg, p.impl, platform))
+        notes.append(f"collectives: the {platform.upper()} ledger (expected_collectives), not "
+                     "the CPU compile's")
+    else:
+        traffic = [Traffic(t["kind"], t["bytes"], t["group"], tuple(t["axes"]), t["count"])
+                   for t in row["traffic"]]
     overlap = (f"impl {p.impl}, --overlap {p.overlap}: SP's collectives written to run beside "
                "their matmuls" if p.overlap != "none" else
                f"impl {p.impl}, no --overlap: what hides is up to XLA's scheduler")
@@ -176,10 +185,10 @@ def param_count(cfg: Config) -> int:
     m = cfg.model
     D, F, L, V, H = m.d_model, m.d_ff, m.n_layers, m.padded_vocab, m.head_dim
     N, K = m.n_heads, m.kv_heads
-    llama = m.style == "llama"
-    attn = D * N * H + 2 * D * K * H + N * H * D + (0 if llama else N * H + 2 * K * H + D)
-    mlp = 3 * D * F if llama else 2 * D * F + F + D
-    norms = (1 if llama else 2) * 2 * D
+    llama, bias = m.style == "llama", m.use_bias
+    attn = D * N * H + 2 * D * K * H + N * H * D + (N * H + 2 * K * H + D if bias else 0)
+    mlp = (3 * D * F if llama else 2 * D * F) + ((2 * F if llama else F) + D if bias else 0)
+    norms = 2 * D * (1 if llama else 2)  # RMSNorm: a scale; LayerNorm: scale and bias
     table = V * D * (1 if m.tie_embeddings else 2)
     return L * (attn + mlp + norms) + table + (1 if llama else 2) * D + \
         (0 if llama else m.seq_len * D)
@@ -199,19 +208,40 @@ def predict_decode(cfg: Config, cluster: Cluster, batch: int, context: int,
     device reads plus the decode step's collectives (`decode_budget`)."""
     acc, rows = cluster.accelerator, []
     m = cfg.model
-    weights = param_count(cfg) * np.dtype(m.dtype).itemsize
-    kv = 2 * m.n_layers * batch * context * m.kv_heads * m.head_dim * np.dtype(m.dtype).itemsize
+    size = np.dtype(m.dtype).itemsize
+    # an untied input table is looked up (B rows), not read whole
+    weights = (param_count(cfg) - (0 if m.tie_embeddings else m.padded_vocab * m.d_model)) * size
+    kv = 2 * m.n_layers * batch * context * m.kv_heads * m.head_dim * size
     for tp in tps:
         c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, dp=1,
                                                                   sp=False))
-        hbm = (weights + kv) / tp / acc.hbm_bandwidth
-        links = axis_links({"tp": tp}, cluster)
+        # kv heads split over tp as far as they go (K < tp: replicated in groups)
+        hbm = (weights / tp + kv / min(tp, m.kv_heads)) / acc.hbm_bandwidth
+        link = axis_links({"tp": tp}, cluster)["tp"]
         traffic = from_budget(decode_budget(c, batch, impl))
-        comm = sum(collective_time(t, links["tp"])[0] for t in traffic)
-        latency = sum(t.count * links["tp"].latency for t in traffic if t.group > 1)
-        rows.append({"tp": tp, "hbm_s": hbm, "comm_s": comm, "latency_s": latency,
-                     "token_s": hbm + comm,
+        comm = sum(collective_time(t, link)[0] for t in traffic)
+        latency = sum(collective_time(dataclasses.replace(t, bytes=0), link)[0] for t in traffic)
+        rows.append({"tp": tp, "batch": batch, "hbm_s": hbm, "comm_s": comm,
+                     "latency_s": latency, "token_s": hbm + comm,
                      "tokens_per_s": batch / (hbm + comm)})
     for r in rows:
         r["speedup"] = rows[0]["token_s"] / r["token_s"]
     return rows
+
+
+def decode_lines(cfg: Config, cluster: str | Cluster, context: int | None = None) -> list[str]:
+    """--plan --cluster's decode lines: per generated token at batch 1 and at
+    the train batch, `context` (default seq_len) tokens cached, tp 1, 2, 4, 8
+    (those the heads and a node allow)."""
+    cluster = load(cluster) if isinstance(cluster, str) else cluster
+    m, context = cfg.model, context or cfg.model.seq_len
+    tps = [t for t in (1, 2, 4, 8) if m.n_heads % t == 0 and t <= cluster.devices_per_node]
+    out = []
+    for batch in sorted({1, cfg.train.batch_size}):
+        rows = predict_decode(cfg, cluster, batch, context, tps, cfg.parallel.impl)
+        out.append(f"decode on {cluster.name}, batch {batch}, {context:,} tokens cached, per "
+                   "token (weights and KV cache over HBM + the decode collectives): " + "; ".join(
+                       f"tp={r['tp']} {r['token_s'] * 1e3:,.2f} ms ({r['tokens_per_s']:,.0f} "
+                       f"tokens/s, {r['speedup']:.2f}x, collectives {r['comm_s'] * 1e3:,.2f} ms)"
+                       for r in rows))
+    return out

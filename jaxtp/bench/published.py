@@ -18,6 +18,7 @@ from ..analysis import predict as P
 from ..analysis.budget import expected_collectives
 from ..analysis.cluster import PRESETS
 from ..config import apply_overrides, load_config, validate
+from ..train.metrics import model_flops_per_token
 from .report import section
 
 TITAN = "torchtitan benchmarks/"
@@ -63,7 +64,7 @@ def training_row(source, what, preset, overrides, cluster, published, misses) ->
     devices = p.dp * p.cp * p.tp
     traffic = P.from_budget(expected_collectives(cfg, p.impl, "gpu"))
     pred = P.predict_step(PRESETS[cluster], mesh, P.step_flops(cfg) * tokens / devices, traffic,
-                          tokens, P.step_flops(cfg) / (8 / 6 if cfg.model.remat == "full" else 1))
+                          tokens, model_flops_per_token(cfg, P.param_count(cfg)))
     lo = pred["exposed"]["tokens_per_s_per_device"]
     hi = pred["hidden"]["tokens_per_s_per_device"]
     return {"source": source, "config": what, "cluster": cluster, "measured": "tokens/s per GPU",
@@ -107,8 +108,9 @@ def bench_predict() -> dict:
         ("comm_share", "comm. share of the exposed step"), ("misses", "what the model misses")],
         rows, [
         "prediction: jaxtp.analysis.predict on the cited accelerator and link figures of "
-        "jaxtp.analysis.cluster (matmuls at the MAMF fraction of the bf16 peak; NVLink 450 GB/s "
-        "and 20 us, InfiniBand 48 GB/s and 25 us per collective); nothing fitted to these rows",
+        "jaxtp.analysis.cluster (matmuls at the MAMF fraction of the bf16 peak; NVLink 4 450 "
+        "GB/s (the A100s' NVLink 3: 300) and 20 us, InfiniBand 48 GB/s and 25 us per "
+        "collective); nothing fitted to these rows",
         "training: model flops 6N + 12*L*h*s per token (x 8/6 under full remat) and the "
         "configuration's ledger (expected_collectives, gspmd on GPU); HBM-bound time not "
         "counted (no compiled program); decode: weights and KV cache over HBM bandwidth plus "

@@ -104,19 +104,26 @@ def test_decode_is_latency_bound_at_batch_1_and_bandwidth_bound_at_large_batch()
     assert 1 < small[8]["speedup"] < 4
     # at batch 256 the KV cache's reads dominate: HBM bandwidth-bound
     assert big[8]["hbm_s"] > 0.85 * big[8]["token_s"] and big[8]["speedup"] > 6.5
-    # weights (8.03e9 x 2 B) and KV cache (2 x 32 x 256 x 8192 x 8 x 128 x 2 B) over HBM
+    # weights (8.03e9 x 2 B, less the untied lookup table, of which B rows are read) and
+    # KV cache (2 x 32 x 256 x 8192 x 8 x 128 x 2 B) over HBM
     kv = 2 * 32 * 256 * 8192 * 8 * 128 * 2
-    assert big[1]["hbm_s"] == pytest.approx((P.param_count(cfg) * 2 + kv) / 2.039e12)
+    weights = (8_030_261_248 - 128_256 * 4_096) * 2
+    assert big[1]["hbm_s"] == pytest.approx((weights + kv) / 2.039e12)
+    # 8 kv heads: at tp=8 each device holds one; the cache splits 8 ways too
+    assert big[8]["hbm_s"] == pytest.approx((weights + kv) / 8 / 2.039e12)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "llama-tiny", "gpt2-small", "llama3-8b"])
-def test_param_count_is_the_models(preset):
+@pytest.mark.parametrize("preset, overrides", [
+    ("tiny", ()), ("tiny", ("model.use_bias=false", "model.tie_embeddings=false")),
+    ("llama-tiny", ()), ("llama-tiny", ("model.use_bias=true",)), ("gpt2-small", ()),
+    ("llama3-8b", ())])
+def test_param_count_is_the_models(preset, overrides):
     import jax
 
     from jaxtp.parallel import make_mesh
     from jaxtp.train.state import abstract_train_state
 
-    cfg = _cfg("parallel.tp=1", preset=preset)
+    cfg = _cfg("parallel.tp=1", *overrides, preset=preset)
     state = abstract_train_state(cfg, make_mesh(1, 1, devices=jax.devices()[:1]))
     real = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     assert P.param_count(cfg) == real
@@ -137,6 +144,16 @@ def test_the_published_rows_are_present_sourced_and_their_ratios_as_computed():
                    "Table 2, FSDP 2 x CP 4", "gpt-fast"):
         assert needle in sources
     assert [r["published"] for r in rows] == [5762.0, 4378.0, 1071.0, 104.9, 328.4]
+    # by hand: Llama-3-8B's model flops per token at 8192, 6 (N - the untied lookup table)
+    # + 12 L h s = 6 (8,030,261,248 - 128,256 x 4,096) + 12 x 32 x 4,096 x 8,192
+    fpt = 6 * (8_030_261_248 - 128_256 * 4_096) + 12 * 32 * 4_096 * 8_192
+    assert fpt == 57_914_449_920
+    # FSDP's traffic hides behind compute: the bound is the H100's MAMF over the flops
+    assert rows[0]["predicted_hidden"] == pytest.approx(792.1e12 / fpt)
+    # Llama-2-7B at batch 1: 6,738,415,616 bf16 weights less the untied lookup table
+    # (32,000 x 4,096, B rows read), and 205 tokens of K and V, over 2.039 TB/s
+    read = (6_738_415_616 - 32_000 * 4_096) * 2 + 2 * 32 * 205 * 32 * 128 * 2
+    assert rows[3]["predicted_exposed"] == pytest.approx(2.039e12 / read)
 
 
 def test_plan_cluster_prices_the_compiled_step_as_the_ledger_does(capsys):
@@ -147,7 +164,8 @@ def test_plan_cluster_prices_the_compiled_step_as_the_ledger_does(capsys):
     out = capsys.readouterr().out
     assert "tp=2 on h100x8 (1 x 8 h100): tp=2 on NVLink 4" in out
     for needle in ("communication exposed: step", "communication hidden behind compute",
-                   "tokens/s", "MFU", "  tp: ", "of the exposed step"):
+                   "tokens/s", "MFU", "  tp: ", "of the exposed step", "the GPU ledger",
+                   "decode on h100x8, batch 1, 128 tokens cached", "tp=2 "):
         assert needle in out, needle
     from jaxtp.analysis.plan import analyze
 
@@ -156,15 +174,24 @@ def test_plan_cluster_prices_the_compiled_step_as_the_ledger_does(capsys):
     compiled = sum(t["bytes"] * t["count"] for t in row["traffic"] if t["group"] > 1)
     ledger = sum(t.bytes * t.count for t in P.from_budget(expected_collectives(
         cfg, cfg.parallel.impl, "cpu")) if t.group > 1)
-    assert compiled == ledger > 0
+    assert compiled == ledger > 0  # the two readers of the step agree
+    # and a CPU plan prices the GPU's ledger (XLA's CPU compile all-reduces in f32)
+    P.plan_lines(row, cfg, "h100x8")
+    gpu = P.from_budget(expected_collectives(cfg, cfg.parallel.impl, "gpu"))
+    wire = sum(P.collective_time(t, C.NVLINK4)[1] for t in gpu)
+    assert row["prediction"]["axes"]["tp"]["bytes"] == pytest.approx(wire)
 
 
 @pytest.mark.parametrize("argv, match", [
     (["--cluster", "h100x8"], "--cluster applies to --plan"),
     (["--plan", "--cluster", "nowhere"], "neither a preset"),
+    (["--plan", "--tp", "8", "--cluster", "FOUR"], "dp*cp*tp = 8 devices at the largest tp, "
+     "and hand has 4"),
 ])
-def test_cluster_flag_refusals(argv, match, capsys):
-    assert train.main(argv) == 2
+def test_cluster_flag_refusals(argv, match, capsys, tmp_path):
+    four = tmp_path / "four.json"
+    four.write_text(json.dumps(SPEC | {"devices_per_node": 4, "nodes": 1}))
+    assert train.main([str(four) if a == "FOUR" else a for a in argv]) == 2
     assert match in capsys.readouterr().err
 
 
@@ -172,3 +199,37 @@ def test_every_preset_is_well_formed():
     for name, c in C.PRESETS.items():
         spec = dataclasses.asdict(c)
         assert C.from_dict(spec) == c, name
+
+
+def test_each_kind_priced_on_its_wire_bytes_and_hops():
+    fast = C.Link("f", 1e11, 1e-5)
+    torus = C.Link("t", 1e11, 1e-6, per_hop=True)
+    ring = lambda kind, link, n=8: P.collective_time(P.Traffic(kind, 8e8, n, ("tp",)), link)
+    assert ring("all-reduce", fast) == pytest.approx((1e-5 + 8e8 * 14 / 8 / 1e11, 1.4e9))
+    assert ring("all-gather", fast) == pytest.approx((1e-5 + 7e8 / 1e11, 7e8))
+    assert ring("reduce-scatter", fast)[1] == pytest.approx(7e8)
+    assert ring("collective-permute", fast) == pytest.approx((1e-5 + 8e8 / 1e11, 8e8))
+    # a torus: the latency per ring step (all-reduce: 2(n-1) steps)
+    assert ring("all-reduce", torus)[0] == pytest.approx(14 * 1e-6 + 1.4e9 / 1e11)
+    assert ring("all-reduce", fast, n=1) == (0.0, 0.0)  # a group of one sends nothing
+    # ledger rows: a reduce-scatter's elements are its output's, its buffer the input
+    from jaxtp.analysis.rows import Expected
+
+    rs = Expected("x", "reduce-scatter", "backward", "mlp", 1000, "bf16", 4, 3)
+    ag = Expected("y", "all-gather", "forward", "mlp", 1000, "f32", 4, 1, axes=("dp",))
+    assert P.from_budget([rs, ag]) == [P.Traffic("reduce-scatter", 8000, 4, ("tp",), 3),
+                                       P.Traffic("all-gather", 4000, 4, ("dp",), 1)]
+
+
+def test_a_node_size_the_groups_do_not_tile_puts_them_across_nodes():
+    six = C.from_dict(SPEC | {"devices_per_node": 6, "nodes": 2})
+    assert C.axis_links({"tp": 4}, six)["tp"].name == "slow"  # {4..7} spans two nodes
+    assert C.axis_links({"tp": 2}, six)["tp"].name == "fast"
+    for k, v, match in (("nodes", 1.5, "nodes=1.5 must be a whole number"),):
+        with pytest.raises(C.ClusterError, match=match):
+            C.from_dict(SPEC | {k: v})
+    with pytest.raises(C.ClusterError, match="per_hop='false' must be true or false"):
+        C.from_dict(SPEC | {"intra": SPEC["intra"] | {"per_hop": "false"}})
+    assert C.one_device("TPU v5").accelerator is C.V5P
+    assert C.one_device("TPU v5 lite") is None
+    assert C.one_device("NVIDIA H100 80GB HBM3").accelerator is C.H100
