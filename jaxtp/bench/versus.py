@@ -68,7 +68,8 @@ def bench_torch_peer(plan: dict, cache: dict) -> dict:
     if why:
         return section("torch-peer", "jaxtp against PyTorch eager", columns, [
             {"case": case, "measured": "train step time, jaxtp / PyTorch", "value": None,
-             "unit": "ratio", "reason": why}], ["skipped: torch is not a dependency of jaxtp"])
+             "unit": "ratio", "ratio_min": None, "ratio_max": None, "jaxtp_ms": None,
+             "torch_ms": None, "reason": why}], ["skipped: torch is not a dependency of jaxtp"])
     step = torch_peer.make_step(run.cfg)
 
     class Torch:
