@@ -171,13 +171,7 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
     each row's step there (`jaxtp.analysis.predict`)."""
 
     target = HARDWARE[hardware]
-    on_target = compile_for_target
-    if on_target:
-        try:
-            target_mesh(hardware, 1, 1)
-        except TargetUnavailable as e:
-            log(f"{e}: planning on CPU instead")
-            on_target = False
+    on_target = compile_for_target and _compiler_here(hardware, log)
     rows, cfgs, base = [], [], None
     if cps:  # a sweep over cp at one tp; cp=1 the base of the redundancy
         cases = [(cp, max(tps)) for cp in sorted(set(cps) | {1})]
@@ -211,17 +205,26 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
             + ", ".join(f"{v:g}x for {k}" for k, v in CPU_OVERSTATES.items())
             + f"); --hardware {hardware} compiles for it where "
             + ("jax[tpu]" if target.platform == "tpu" else "jax[cuda12]") + " is installed")
-    for r, c in zip(rows, cfgs) if cluster else ():
-        for line in plan_lines(r, c, cluster):
+    if cluster:
+        for line in [x for r, c in zip(rows, cfgs) for x in plan_lines(r, c, cluster)] \
+                + decode_lines(cfg, cluster):
             log(line)
-    for line in decode_lines(cfg, cluster) if cluster else ():
-        log(line)
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "plan.json").write_text(json.dumps(rows, indent=2) + "\n")
         log(f"wrote {out / 'plan.json'}")
     return rows
+
+
+def _compiler_here(hardware: str, log) -> bool:
+    """Whether `hardware`'s compiler is installed here (else say so: CPU plans)."""
+    try:
+        target_mesh(hardware, 1, 1)
+    except TargetUnavailable as e:
+        log(f"{e}: planning on CPU instead")
+        return False
+    return True
 
 
 def _verdict(r: dict, cfg: Config, split: int, base: float | None, target) -> None:

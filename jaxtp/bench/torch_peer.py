@@ -32,8 +32,8 @@ def describe() -> str:
     return f"PyTorch {torch.__version__} eager, {torch.get_num_threads()} threads"
 
 
-def make_step(cfg: Config):
-    """A callable running one PyTorch train step on a fixed batch (returns the loss)."""
+def _model(cfg: Config):
+    """The GPT-2 of `cfg` as a torch module (seeded with train.seed)."""
     import torch
     from torch import nn
 
@@ -78,7 +78,16 @@ def make_step(cfg: Config):
             logits[..., m.vocab_size:] = float("-inf")
             return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
-    model = GPT()
+    return GPT()
+
+
+def make_step(cfg: Config):
+    """A callable running one PyTorch train step on a fixed batch (returns the loss)."""
+    import torch
+    from torch import nn
+
+    m, t = cfg.model, cfg.train
+    model = _model(cfg)
     # jaxtp's decay: matrices and tables, not biases or norm scales
     groups = [{"params": [p for p in model.parameters() if p.dim() > 1]},
               {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}]

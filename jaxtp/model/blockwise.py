@@ -92,6 +92,28 @@ def _scores(q_BKRH, k_BKSH):
     return jnp.einsum("BKRH,BKSH->BKRS", q_BKRH, k_BKSH, preferred_element_type=jnp.float32)
 
 
+def _fold(lo, hi, visit, carry):
+    """`fori_loop(lo, hi, visit, carry)`; unrolled where both bounds are Python
+    ints (`UNROLL`: the blocks one by one, static slices)."""
+    if isinstance(lo, int) and isinstance(hi, int):
+        for i in range(lo, hi):
+            carry = visit(i, carry)
+        return carry
+    return jax.lax.fori_loop(lo, hi, visit, carry)
+
+
+def _scan(f, init, n: int, unroll: bool):
+    """`lax.scan(f, init, arange(n))`, or with `unroll` over the Python ints
+    0..n-1 (so `_fold`'s bounds stay static), outputs stacked."""
+    if not unroll:
+        return jax.lax.scan(f, init, jnp.arange(n))
+    ys = []
+    for i in range(n):
+        init, y = f(init, i)
+        ys.append(y)
+    return init, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+
+
 def _flash_fwd(q_BTKGH, k_BTKH, v_BTKH, block, d=None):
     """(o like q, lse [n, B, K, G*b]): per query block, the diagonal key block
     (masked), then the blocks below it; never the ones above.
@@ -129,12 +151,7 @@ def _flash_fwd(q_BTKGH, k_BTKH, v_BTKH, block, d=None):
                 _full(likes, q_i.shape, 0.0))
         if not chunk:
             carry = visit(i, init, masked=True)  # every row sees its own position: finite max
-            if isinstance(i, int):  # unrolled (`UNROLL`): the blocks below, one by one
-                for j in range(i):
-                    carry = visit(j, carry)
-                m, l, acc = carry
-            else:
-                m, l, acc = jax.lax.fori_loop(0, i, visit, carry)
+            m, l, acc = _fold(0, i, visit, carry)
             return (acc / l[..., None]).astype(q_BTKGH.dtype), m + jnp.log(l)
         diag = d + i
         carry = jax.lax.cond((diag >= 0) & (diag < nk),
@@ -145,10 +162,7 @@ def _flash_fwd(q_BTKGH, k_BTKH, v_BTKH, block, d=None):
         l1 = jnp.where(seen, l, 1.0)
         return acc / l1[..., None], jnp.where(seen, m + jnp.log(l1), NEG_INF)
 
-    if not chunk and n <= UNROLL:
-        o, lse = map(jnp.stack, zip(*[query_block(i) for i in range(n)]))
-    else:
-        o, lse = jax.lax.map(query_block, jnp.arange(n))
+    _, (o, lse) = _scan(lambda c, i: (c, query_block(i)), None, n, not chunk and n <= UNROLL)
     return _unrows(o, T, G), lse
 
 
@@ -216,13 +230,7 @@ def _backward(block, res, do_BTKGH, dlse_BKGT=None, d=None):
 
         zeros = _full((q, k, v, do), k_j.shape, 0.0)
         if not chunk:
-            carry = visit(j, (dq, zeros, zeros), masked=True)
-            if isinstance(j, int):  # unrolled (`UNROLL`)
-                for i in range(j + 1, n):
-                    carry = visit(i, carry)
-                dq, dk_j, dv_j = carry
-            else:
-                dq, dk_j, dv_j = jax.lax.fori_loop(j + 1, n, visit, carry)
+            dq, dk_j, dv_j = _fold(j + 1, n, visit, visit(j, (dq, zeros, zeros), masked=True))
             return dq, (dk_j, dv_j)
         diag = j - d
         carry = jax.lax.cond((diag >= 0) & (diag < n),
@@ -231,15 +239,8 @@ def _backward(block, res, do_BTKGH, dlse_BKGT=None, d=None):
         dq, dk_j, dv_j = jax.lax.fori_loop(jnp.clip(diag + 1, 0, n), n, visit, carry)
         return dq, (dk_j, dv_j)
 
-    dq = _full((q, k, v, do), q.shape, 0.0)
-    if not chunk and n <= UNROLL:
-        dkv = []
-        for j in range(n):
-            dq, dkv_j = key_block(dq, j)
-            dkv.append(dkv_j)
-        dk, dv = map(jnp.stack, zip(*dkv))
-    else:
-        dq, (dk, dv) = jax.lax.scan(key_block, dq, jnp.arange(nk))
+    dq, (dk, dv) = _scan(key_block, _full((q, k, v, do), q.shape, 0.0), nk,
+                         not chunk and n <= UNROLL)
     # the scores used q * H^-1/2: the chain rule scales dq by the same factor
     dq = _unrows(dq * H ** -0.5, T, G).astype(q_BTKGH.dtype)
     S = k_BTKH.shape[1]
