@@ -1,9 +1,13 @@
 """Train a tensor-parallel Transformer: `python train.py --tp 8`.
 
 A thin CLI over the `jaxtp` library. Any config field can be overridden with
-`section.key=value` arguments, e.g. `python train.py --tp 4 model.n_layers=2`.
+`section.key=value` arguments anywhere on the command line, e.g.
+`python train.py model.n_layers=2 --tp 4 train.lr=1e-3`.
 `python train.py --resume --out DIR` starts or continues the run in DIR with
 its own config: the one command a job that may be requeued needs.
+
+The run's log (its description, compile time, one line per logged step)
+goes to stdout; warnings, errors and where a stopped run stands go to stderr.
 
 Exit status: 0 done (or stopped at --until), 1 the run failed (too many
 skipped steps, no usable checkpoint, a budget deviation, processes that never
@@ -30,7 +34,8 @@ import time
 from jaxtp.cli import Parser, positive
 from jaxtp.config import (ATTENTIONS, COORDINATOR_TIMEOUT_S, CP_STRATEGIES, IMPLS, OVERLAPS, REMATS, Config,
                           ConfigError, apply_overrides, load_config, preset_names, validate)
-from jaxtp.train.metrics import HARDWARE, TARGET_NAMES
+from jaxtp.checks import check_asked
+from jaxtp.hardware import HARDWARE, TARGET_NAMES
 from jaxtp.train.rundir import RunDir
 
 EXIT_FAILED, EXIT_USAGE, EXIT_SAVE = 1, 2, 3
@@ -99,7 +104,8 @@ def _layout_flags(ap) -> None:
                             "blockwise (memory-efficient exact, plain JAX), cudnn (flash "
                             "attention, NVIDIA GPUs)")
     group.add_argument("overrides", nargs="*", metavar="section.key=value",
-                       help="config overrides, e.g. model.d_model=256 train.lr=1e-3")
+                       help="config overrides, anywhere on the command line, e.g. "
+                            "model.d_model=256 train.lr=1e-3")
 
 
 def _run_flags(ap) -> None:
@@ -165,7 +171,9 @@ def _analysis_flags(ap) -> None:
                             "1 on a deviation")
     group.add_argument("--plan", action="store_true",
                        help="no training: compile the train step at tp in {1,2,4,8} (or --tp; "
-                            "with --cp N at cp = 1, 2, ..., N and one tp) on abstract shapes and "
+                            "with --cp N at cp = 1, the powers of two below N, and N, at one "
+                            "tp; a cp the sequence does not split into is skipped, saying why) "
+                            "on abstract shapes and "
                             "print per-device memory, collectives, flops, redundancy, whether tp "
                             "is compute- or communication-bound and, under cp, the cp roofline")
     group.add_argument("--hardware", choices=TARGET_NAMES,
@@ -196,13 +204,14 @@ def parse_args(argv=None) -> argparse.Namespace:
             section, key = FLAG_KEYS[action.dest].split(".")
             action.help += (f" [{section}.{key}; default: the config's, "
                             f"{tiny[section][key]} in tiny]")
-    return ap.parse_args(argv)
+    # overrides before, between and after the flags, as a user writes them
+    return ap.parse_intermixed_args(argv)
 
 
 def resolve_config(args: argparse.Namespace, base: Config | None = None) -> Config:
     """The config the command line asks for: `base` (else --config, else
     tiny; --init-from-hf's model section), then the flags, then the overrides."""
-    cfg = base or load_config(args.config or "tiny")
+    cfg = base or load_config("tiny" if args.config is None else args.config)
     if args.init_from_hf:
         from jaxtp.hf import hf_model_config
 
@@ -210,7 +219,8 @@ def resolve_config(args: argparse.Namespace, base: Config | None = None) -> Conf
     flags = {FLAG_KEYS[k]: getattr(args, k) for k in FLAG_KEYS}
     flags["model.dtype"] = "bfloat16" if args.bf16 else None
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + args.overrides
-    return validate(apply_overrides(cfg, overrides))
+    return check_asked(validate(apply_overrides(cfg, overrides)),
+                       {o.split("=", 1)[0] for o in overrides})
 
 
 def resolve_run(args: argparse.Namespace) -> tuple[Config, dict]:
@@ -219,9 +229,9 @@ def resolve_run(args: argparse.Namespace) -> tuple[Config, dict]:
     if args.resume and (args.plan or args.compare_hlo):
         raise ConfigError("--resume continues a training run; --plan and --compare-hlo "
                           "do not train")
-    if args.cluster and not args.plan:
+    if args.cluster is not None and not args.plan:
         raise ConfigError("--cluster applies to --plan")
-    if args.cluster:
+    if args.cluster is not None:  # '' too: refused, not ignored
         from jaxtp.analysis.cluster import load
 
         load(args.cluster)  # a bad preset name or file refused before compiling
@@ -232,7 +242,8 @@ def resolve_run(args: argparse.Namespace) -> tuple[Config, dict]:
     if run is None or not run.has_run():
         return resolve_config(args), {"data": args.data, "init_from_hf": args.init_from_hf}
     launch = run.launch()
-    whole = args.config or args.init_from_hf  # a whole config, else the run's with flags
+    # a whole config, else the run's with flags
+    whole = args.config is not None or args.init_from_hf
     cfg = resolve_config(args, None if whole else run.config())
     run.changes(cfg)  # refuses what a resume may not change, before JAX starts
     return cfg, {"data": args.data or launch.get("data"),
@@ -341,11 +352,12 @@ def start_jax(args, cfg: Config) -> str | None:
 
 
 def plan(args, cfg: Config) -> int:
-    from jaxtp.analysis.plan import plan
+    from jaxtp.analysis.plan import cp_sweep, plan
+    from jaxtp.train.step import compiled_step
 
     p = cfg.parallel
-    # --cp N: a sweep over cp = 1, 2, 4, ... N at the one tp (--tp, else the config's)
-    cps = [2 ** i for i in range(p.cp.bit_length()) if 2 ** i <= p.cp] if p.cp > 1 else None
+    # --cp N: a sweep over cp_sweep(N) = 1, 2, 4, ... below N, and N, at the one tp
+    cps = cp_sweep(p.cp) if p.cp > 1 else None
     tps = [args.tp or p.tp] if cps else [args.tp] if args.tp else [1, 2, 4, 8]
     if args.cluster:  # the largest mesh against the cluster, before compiling anything
         from jaxtp.analysis.cluster import load
@@ -356,19 +368,21 @@ def plan(args, cfg: Config) -> int:
                              f"largest tp, and {cluster.name} has {cluster.devices}")
     plan(cfg, tps,
          args.hardware or "h100", compile_for_target=args.hardware is not None,
-         out_dir=args.out, cps=cps, cluster=args.cluster)
+         out_dir=args.out, cps=cps, cluster=args.cluster, compile_step=compiled_step)
     return 0
 
 
 def compare(args, cfg: Config) -> int:
     from jaxtp.analysis.compare import compare_hlo
+    from jaxtp.train.step import compiled_step
 
     p, mesh = cfg.parallel, None
     if args.hardware:
         from jaxtp.analysis.targets import target_mesh
 
         mesh = target_mesh(args.hardware, p.dp, p.tp, p.cp)  # or TargetUnavailable
-    return 0 if compare_hlo(cfg, default_out(args, cfg), mesh=mesh)["ok"] else EXIT_FAILED
+    ok = compare_hlo(cfg, default_out(args, cfg), mesh=mesh, compile_step=compiled_step)["ok"]
+    return 0 if ok else EXIT_FAILED
 
 
 def run(args, cfg: Config, given: dict) -> int:
@@ -388,18 +402,27 @@ def run(args, cfg: Config, given: dict) -> int:
     summary = train(cfg, args.out, RunOptions(
         data_path=given["data"], check=args.check, init_params=init, resume=args.resume,
         inject_nan_at=args.inject_nan_at, peak_tflops=args.peak_tflops,
-        tensorboard=args.tensorboard, until=args.until, init_from_hf=hf, argv=sys.argv))
+        tensorboard=args.tensorboard, until=args.until, init_from_hf=hf, argv=sys.argv,
+        log=_log))
     if summary["interrupted"]:
         return 128 + signal.Signals[summary["interrupted"]]
     if jax.process_index() == 0 and not summary["finished"]:
         print(f"stopped after step {summary['last_step']} (--until); continue with "
-              f"--resume --out {args.out}")
+              f"--resume --out {args.out}", file=sys.stderr)
     return 0
+
+
+def _log(line: str) -> None:
+    """The run's log lines on stdout; its warnings and where a stopped run
+    stands (`Notice`) on stderr, so that stdout piped on holds the log alone."""
+    from jaxtp.train.options import Notice
+
+    print(line, file=sys.stderr if isinstance(line, Notice) else sys.stdout, flush=True)
 
 
 def default_out(args, cfg: Config) -> str:
     p = cfg.parallel
-    name = args.config or "tiny"
+    name = args.config or "tiny"  # (an empty --config was refused)
     cp = f"-cp{p.cp}" if p.cp > 1 else ""
     return args.out or (f"runs/{name.split('/')[-1].removesuffix('.json')}"
                         f"-dp{p.dp}{cp}-tp{p.tp}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -46,6 +46,21 @@ def check(cfg: Config) -> None:
     _check_layout(cfg)
 
 
+def check_asked(cfg: Config, asked) -> Config:
+    """`cfg` if what a command line set itself (`asked`: its "section.key"s,
+    from flags and overrides) has an effect in it, else a ConfigError. Not
+    part of `check`: a stored config cannot tell a value asked for from one
+    kept (a run trained at cp=4 with ring and resumed at --cp 1 keeps ring,
+    which then does nothing, as allgather, the default, would not)."""
+    p = cfg.parallel
+    if "parallel.cp_attention" in asked and p.cp_attention == "ring" and p.cp == 1:
+        raise ConfigError("parallel.cp_attention='ring' (--cp-attention ring) passes K/V "
+                          "chunks between the cp ranks, and parallel.cp=1 has none: add --cp "
+                          "N (N > 1) to split the sequence over N devices, or drop "
+                          "--cp-attention")
+    return cfg
+
+
 def _divisible(name: str, value: int, tp: int) -> None:
     if value % tp:
         ok = [t for t in range(1, value + 1) if value % t == 0 and t <= 64]

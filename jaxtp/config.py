@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,19 @@ from .checks import (ATTENTIONS, COORDINATOR_TIMEOUT_S, CP_STRATEGIES, DTYPES, I
 _HERE = Path(__file__).resolve().parent
 CONFIG_DIR = next((d for d in (_HERE / "configs", _HERE.parent / "configs") if d.is_dir()),
                   _HERE / "configs")
+def resumable(default):
+    """A field a resumed run may change: it leaves the run the same run (the
+    layout, for checkpoints are read into any; the same gradient computed
+    another way; what is logged, evaluated and saved, and when to stop)."""
+    return dataclasses.field(default=default, metadata={"resumable": True})
+
+
+def degree(default: int = 1):
+    """A parallel degree: the size of the mesh axis of the same name (and
+    resumable: checkpoints are read into any layout)."""
+    return dataclasses.field(default=default, metadata={"resumable": True, "degree": True})
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     # "gpt2": LayerNorm, learned positions, GELU MLP;
@@ -56,18 +70,18 @@ class ModelConfig:
     scan_layers: bool = False
     # what each block keeps for the backward pass (jaxtp.model.REMAT_POLICIES):
     # none | full | dots | minimal
-    remat: str = "none"
+    remat: str = resumable("none")
     # attention kernel (jaxtp.model.kernels): auto | xla | blockwise | cudnn; auto
     # picks cudnn on NVIDIA GPUs in bf16/fp16, else blockwise for long sequences
-    attention: str = "auto"
-    attention_block: int = 512  # blockwise: query and key block length
+    attention: str = resumable("auto")
+    attention_block: int = resumable(512)  # blockwise: query and key block length
     # the LM head and cross-entropy over chunks of this many tokens (per dp
     # rank), each recomputed in the backward pass, so no device holds the
     # whole [tokens, vocab/tp] fp32 logits; 0: one chunk. 4096: below it
     # llama-1b's step (tp=1, 8 x 4096, H100 compile) needs no less memory,
     # above it more (8192: +5.7 GiB, 16384: +18.5 GiB). Batches of at most
     # this many tokens per rank are not chunked.
-    loss_chunk: int = 4096
+    loss_chunk: int = resumable(4096)
 
     @property
     def head_dim(self) -> int:
@@ -84,9 +98,10 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 300
+    steps: int = resumable(300)
     batch_size: int = 16  # global batch in sequences, split over dp
-    microbatches: int = 1  # gradient accumulation: the batch in this many sequential slices
+    # gradient accumulation: the batch in this many slices (jaxtp.parallel.Schedule)
+    microbatches: int = resumable(1)
     lr: float = 3e-3
     warmup_steps: int = 30
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
@@ -95,16 +110,16 @@ class TrainConfig:
     b1: float = 0.9
     b2: float = 0.95
     seed: int = 0
-    log_every: int = 10
-    eval_every: int = 100
-    eval_batches: int = 4
+    log_every: int = resumable(10)
+    eval_every: int = resumable(100)
+    eval_batches: int = resumable(4)
     # every this many steps (at a logged row), print a short greedy sample
     # from a prompt of the validation text (0: off)
-    sample_every: int = 0
+    sample_every: int = resumable(0)
     # faults: a step with a non-finite loss or gradient norm (or, with
     # spike_factor > 0, a loss above spike_factor x the mean of the last 20
     # applied steps) is skipped; the run stops after this many in a row
-    max_skipped_steps: int = 5
+    max_skipped_steps: int = resumable(5)
     spike_factor: float = 0.0
     # checkpoints (in <out>/checkpoints), keeping the last `keep_checkpoints`:
     # every `checkpoint_every` steps and, checked at logged rows, once
@@ -112,31 +127,32 @@ class TrainConfig:
     # off); always at the end, at --until and on SIGTERM/SIGINT. Every 100
     # steps costs tiny at tp=8 on CPU 0.9% of its step time (README, "Runs on
     # a cluster").
-    checkpoint_every: int = 100
-    checkpoint_minutes: float = 30.0
-    keep_checkpoints: int = 3
+    checkpoint_every: int = resumable(100)
+    checkpoint_minutes: float = resumable(30.0)
+    keep_checkpoints: int = resumable(3)
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    dp: int = 1
-    tp: int = 1
+    dp: int = degree()
+    tp: int = degree()
     # context parallelism: the sequence split over a cp axis for the whole
     # model (mesh (dp, cp, tp)); the attention core reaches the other ranks'
     # keys and values by `cp_attention` ("allgather": K/V all-gathered;
     # "ring": K/V chunks passed cp-1 hops); `cp_balance`: rank r holds the
     # sequence's chunks r and 2cp-1-r of 2cp, so that under the causal mask
     # every rank does the same work (jaxtp.parallel.context)
-    cp: int = 1
-    cp_attention: str = "allgather"
-    cp_balance: bool = True
+    cp: int = degree()
+    cp_attention: str = resumable("allgather")
+    cp_balance: bool = resumable(True)
     # "gspmd": XLA inserts collectives; "shard_map": written out; "explicit":
     # typed shardings on an Explicit mesh (reductions named by out_sharding)
-    impl: str = "gspmd"
-    sp: bool = False  # sequence parallelism: residual stream split over tp along T (tp > 1)
+    impl: str = resumable("gspmd")
+    # sequence parallelism: the residual stream split over tp along T (tp > 1)
+    sp: bool = resumable(False)
     # FSDP-style: also split parameters and optimizer state over dp (their
     # "embed" dim), gathered for use and reduce-scattered as gradients
-    fsdp: bool = False
+    fsdp: bool = resumable(False)
     # with sp: "collective_matmul" overlaps each region's entry all-gather and
     # exit reduce-scatter with its matmuls (shard_map: ppermute rings; gspmd
     # and explicit: dots in the form XLA's windowed einsum loops, which it
@@ -144,16 +160,22 @@ class ParallelConfig:
     # never in a deviceless GPU compile: jaxtp.parallel.xla_overlap);
     # "collective_matmul_bidi": shard_map's rings with half of each step sent
     # each way round the ring
-    overlap: str = "none"
+    overlap: str = resumable("none")
 
     def without_sp(self) -> "ParallelConfig":
         """This layout without sequence parallelism (and so without its overlap)."""
         return dataclasses.replace(self, sp=False, overlap="none")
 
     @property
+    def degrees(self) -> dict[str, int]:
+        """Each parallel degree by its mesh axis name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.metadata.get("degree")}
+
+    @property
     def devices(self) -> int:
-        """The mesh's device count, dp * cp * tp."""
-        return self.dp * self.cp * self.tp
+        """The mesh's device count: the product of the degrees."""
+        return math.prod(self.degrees.values())
 
     @property
     def sequence_parallel(self) -> bool:
@@ -170,6 +192,14 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def resumable_keys(cls) -> frozenset[str]:
+        """The "section.key"s a resumed run may change (their fields say so:
+        `resumable`, `degree`)."""
+        return frozenset(f"{section.name}.{f.name}" for section in dataclasses.fields(cls)
+                         for f in dataclasses.fields(section.default)
+                         if f.metadata.get("resumable"))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Config":
@@ -266,10 +296,16 @@ def load_config(name_or_path: str = "tiny") -> Config:
             f"presets: {preset_names()} or a path to a .json file"
         )
     try:
-        d = json.loads(path.read_text())
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:  # a ValueError that names no file
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                          f"{e.start}): a config is a JSON file") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
-    return Config.from_dict(d)
+    try:
+        return Config.from_dict(d)
+    except ConfigError as e:  # what is wrong, and in which file
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def validate(cfg: Config) -> Config:

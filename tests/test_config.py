@@ -35,7 +35,7 @@ def test_large_presets_have_their_published_parameter_counts(name):
     import jax
 
     from jaxtp.parallel import make_mesh
-    from jaxtp.train.state import abstract_model
+    from jaxtp.model.build import abstract_model
 
     _, abstract = abstract_model(load_config(name), make_mesh(1, 1))  # nothing allocated
     assert sum(x.size for x in jax.tree.leaves(abstract)) == PUBLISHED[name]
@@ -136,8 +136,41 @@ def test_bad_files_are_rejected(tmp_path):
         load_config("no-such-preset")
 
 
+def test_a_file_that_is_no_config_is_refused_naming_it(tmp_path):
+    """Bytes that are not UTF-8 (decoding's own error names no file) and JSON
+    that is not an object: each a ConfigError that starts with the path."""
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b'{"model": {"n_layers": 2}}\xff')
+    with pytest.raises(ConfigError, match=f"^{bad} is not UTF-8 text \\(byte 0xff at offset "
+                                          "26\\): a config is a JSON file$"):
+        load_config(str(bad))
+    for text, what in (("5", "int"), ("null", "NoneType"), ("[1]", "list")):
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=f"^{bad}: a config must be a JSON object, got "
+                                              f"{what}$"):
+            load_config(str(bad))
+
+
+def test_ring_attention_is_refused_where_it_was_asked_for_at_cp_1():
+    """What a command line asked for is held to having an effect; a stored
+    config (a run resumed from cp=4 ring to cp=1) keeps its ring, unasked."""
+    from jaxtp.checks import check_asked
+
+    ring1 = apply_overrides(Config(), ["parallel.cp_attention=ring"])
+    with pytest.raises(ConfigError, match="parallel.cp=1 has none: add --cp N"):
+        check_asked(ring1, {"parallel.cp_attention"})
+    assert check_asked(ring1, {"parallel.cp"}) is ring1  # kept from the run, not asked
+    ring2 = apply_overrides(ring1, ["parallel.cp=2"])
+    assert check_asked(ring2, {"parallel.cp_attention", "parallel.cp"}) is ring2
+    gather1 = Config()
+    assert check_asked(gather1, {"parallel.cp_attention"}) is gather1  # the default
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--tp", "3"], "model.n_heads=8 is not divisible by tp=3"),
+    (["--cp-attention", "ring"], "config error: parallel.cp_attention='ring' (--cp-attention "
+     "ring) passes K/V chunks between the cp ranks, and parallel.cp=1 has none"),
+    (["--plan", "parallel.cp_attention=ring"], "parallel.cp=1 has none: add --cp N (N > 1)"),
     (["--tp", "8", "model.d_ff=12"], "model.d_ff=12 is not divisible by tp=8"),
     (["--dp", "3"], "train.batch_size=16 is not divisible by dp*microbatches=3*1"),
     (["model.heads=4"], "unknown config key 'model.heads'"),

@@ -3,7 +3,8 @@
 A `Cluster` is an accelerator (dense bf16 peak, the fraction of it large
 bf16 matmuls reach, HBM bandwidth and size) times a topology (devices per
 node, nodes, the link inside a node and the one between nodes). Presets
-(`PRESETS`, `--cluster h100x8`) or a JSON file a user writes (`load`):
+(`PRESETS`, `--cluster h100x8`) or a JSON file a user writes (`load`; a field
+it does not know, a misspelling, is refused by name):
 
     {"name": "my-h100s", "devices_per_node": 8, "nodes": 2,
      "accelerator": {"name": "h100", "peak_flops": 989e12, "matmul_fraction": 0.801,
@@ -23,6 +24,7 @@ otherwise it crosses nodes and runs at the inter-node link.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 from pathlib import Path
@@ -126,9 +128,29 @@ def _positive(d: dict, keys, where: str) -> None:
             raise ClusterError(f"{where}: {k}={v!r} must be a positive number")
 
 
+def _known(d: dict, cls, where: str) -> None:
+    """Refuse a field `cls` does not have: a misspelt one would be dropped
+    silently, its value replaced by a default or reported as missing."""
+    known = [f.name for f in dataclasses.fields(cls)]
+    for k in d:
+        if k not in known:
+            near = difflib.get_close_matches(k, known, 1)
+            raise ClusterError(f"{where}: unknown field {k!r}"
+                               + (f" (did you mean {near[0]!r}?)" if near else "")
+                               + f"; the fields of {where}: {', '.join(known)}")
+
+
 def from_dict(d: dict) -> Cluster:
-    """A cluster from its JSON form; a missing, zero, negative or non-numeric
-    field is refused with its name."""
+    """A cluster from its JSON form; an unknown field, or a missing, zero,
+    negative or non-numeric one, is refused with its name."""
+    if not isinstance(d, dict):
+        raise ClusterError('a cluster is a JSON object ({"devices_per_node": 8, "nodes": 1, '
+                           '"accelerator": {...}, "intra": {...}, "inter": {...}}: '
+                           f"jaxtp.analysis.cluster), not {json.dumps(d)[:60]}")
+    _known(d, Cluster, "cluster")
+    for part, cls in (("accelerator", Accelerator), ("intra", Link), ("inter", Link)):
+        if isinstance(d.get(part), dict):
+            _known(d[part], cls, part)
     _positive(d, ("devices_per_node", "nodes"), "cluster")
     for k in ("devices_per_node", "nodes"):
         if not isinstance(d[k], int):
@@ -158,17 +180,28 @@ def from_dict(d: dict) -> Cluster:
 
 
 def load(name_or_path: str) -> Cluster:
-    """A preset by name, or a cluster JSON file."""
+    """A preset by name, or a cluster JSON file (UTF-8); a ClusterError names
+    the file and what in it is wrong."""
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
+    presets = ", ".join(PRESETS)
+    if not name_or_path.strip():
+        raise ClusterError(f"--cluster {name_or_path!r} is empty: name a preset ({presets}) "
+                           "or a cluster JSON file")
     path = Path(name_or_path)
-    if not path.exists():
-        raise ClusterError(f"--cluster {name_or_path!r}: neither a preset "
-                           f"({', '.join(PRESETS)}) nor a file")
+    if not path.is_file():
+        raise ClusterError(f"--cluster {name_or_path!r}: neither a preset ({presets}) nor a "
+                           + ("file (a directory)" if path.is_dir() else "file"))
     try:
-        return from_dict(json.loads(path.read_text()))
+        return from_dict(json.loads(path.read_text(encoding="utf-8")))
+    except UnicodeDecodeError as e:
+        raise ClusterError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                           f"{e.start}); a cluster file is JSON (jaxtp.analysis.cluster)") \
+            from None
     except json.JSONDecodeError as e:
         raise ClusterError(f"{path}: not JSON ({e})") from None
+    except ClusterError as e:
+        raise ClusterError(f"{path}: {e}") from None
 
 
 def axis_links(mesh: dict[str, int], cluster: Cluster) -> dict[str, Link]:

@@ -18,7 +18,7 @@ import time
 
 from ..parallel import ensure_devices
 from . import suite
-from .gpu import gpu_bench, gpu_config
+from .gpu import check_accelerator, gpu_bench, gpu_config
 from .gpu_overlap import gpu_overlap
 from .report import RESULTS_PAGE, header, readme_parts, splice_readme, write_report
 
@@ -44,22 +44,21 @@ def main(argv=None) -> int:
                     help="--gpu: the device's peak TFLOP/s, where jaxtp does not know it")
     ap.add_argument("overrides", nargs="*", metavar="section.key=value",
                     help="--gpu: config overrides after the preset's GPU defaults")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides before or after flags
     out = args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}"
     try:  # bad arguments fail here, before anything is compiled
-        only = suite.check_only(args.only.split(",") if args.only else None)
+        only = suite.check_only(None if args.only is None else args.only.split(","))
         if args.readme:
             readme_parts(args.readme)  # the markers are there, before hours of benchmarks
         if args.overrides and not (args.gpu or args.gpu_overlap):
             raise ValueError("config overrides apply to --gpu and --gpu-overlap only")
         if args.gpu:
-
             cfg = gpu_config(args.gpu_config, args.overrides)
+            check_accelerator(args.gpu_config)  # a CPU host: refused before compiling
     except (ValueError, OSError) as e:  # a ConfigError too
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.gpu:
-
         report = gpu_bench(cfg, args.steps, args.warmup, args.peak_tflops, args.gpu_config)
     elif args.gpu_overlap:
         print(ensure_devices(8))  # fake CPU devices where there is no accelerator (a dry run)

@@ -263,7 +263,15 @@ def bench_loop(plan: dict, log=print) -> dict:
 
 
 def check_only(only) -> list[str]:
-    only = list(only or SECTIONS)
+    """The sections `only` names (None: all of them); an empty name or an
+    unknown one is a ValueError naming it and the sections."""
+    if only is None:
+        return list(SECTIONS)
+    only = list(only)
+    if not only or "" in only:
+        raise ValueError(f"--only {','.join(only)!r}: an empty section name; give sections "
+                         f"separated by commas, from {','.join(SECTIONS)} (or leave --only out "
+                         "for all of them)")
     bad = sorted(set(only) - set(SECTIONS))
     if bad:
         raise ValueError(f"unknown benchmark(s) {bad}; choose from {','.join(SECTIONS)}")

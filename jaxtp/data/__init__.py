@@ -3,11 +3,13 @@ memory-mapped (`python -m jaxtp.data prepare`; `train.py --data FILE`).
 
 A token file is a 4096-byte header, then the token ids, little-endian,
 uint16 when the tokenizer's vocabulary fits, else uint32. The header is
-b"JAXTPTOK", a uint32 length, and JSON: format, dtype, vocab_size (the
-tokenizer's), tokenizer (its file name) and tokenizer_sha256, eos_id,
-n_tokens, max_id, documents. The tokenizer itself is copied next to the
-file as FILE.tokenizer.json, so a run (and generate.py) can decode. Reading
-maps the file: a process touches only the pages of the windows it draws.
+b"JAXTPTOK", a uint32 length, and a JSON object: format, dtype, vocab_size
+(the tokenizer's), tokenizer (its file name) and tokenizer_sha256, eos_id,
+n_tokens, max_id, documents (`FIELDS`, each checked when read; `max_id` is
+not trusted alone: `jaxtp.train.data` checks the ids it reads). The
+tokenizer itself is copied next to the file as FILE.tokenizer.json, so a run
+(and generate.py) can decode. Reading maps the file: a process touches only
+the pages of the windows it draws.
 """
 
 from __future__ import annotations
@@ -35,24 +37,64 @@ def is_token_file(path: str | os.PathLike) -> bool:
         return f.read(len(MAGIC)) == MAGIC
 
 
+# the header's fields and what each holds: one of a tuple's values, a string,
+# or an integer of at least the number given
+FIELDS = {"format": (FORMAT,), "dtype": DTYPES, "vocab_size": 1, "tokenizer": str,
+          "tokenizer_sha256": str, "eos_id": 0, "n_tokens": 0, "max_id": 0, "documents": 0}
+_JSON = {dict: "an object", list: "an array", str: "the string", bool: "the boolean",
+         int: "the integer", float: "the number", type(None): "null"}
+
+
+def _held(v) -> str:
+    """A JSON value as a message names it: 'the string "384"', 'an array'."""
+    if isinstance(v, (dict, list)) or v is None:
+        return _JSON[type(v)]
+    shown = json.dumps(v)
+    return f"{_JSON[type(v)]} {shown if len(shown) <= 40 else shown[:37] + '...'}"
+
+
+def _wanted(rule) -> str:
+    if isinstance(rule, tuple):
+        return " or ".join(map(repr, rule))
+    return "a string" if rule is str else f"an integer >= {rule}"
+
+
+def _header_error(header) -> str | None:
+    """What is wrong with a header's fields (the first field, what it holds,
+    what the format wants), or None."""
+    if not isinstance(header, dict):
+        return f"is {_held(header)}, not a JSON object of its fields"
+    for field, rule in FIELDS.items():
+        if field not in header:
+            return f"has no {field} (the format wants {_wanted(rule)})"
+        v = header[field]
+        if isinstance(rule, tuple):  # (1,) is not met by 1.0 or true
+            ok = v in rule and type(v) is type(rule[0])
+        elif rule is str:
+            ok = isinstance(v, str)
+        else:  # neither true nor 3.0 is an integer here
+            ok = type(v) is int and v >= rule
+        if not ok:
+            return f"{field} is {_held(v)}, not {_wanted(rule)}"
+    return None
+
+
 def read_header(path: str | os.PathLike) -> dict:
-    """A token file's header (ValueError naming the file if it is damaged)."""
+    """A token file's header, its fields checked (ValueError naming the file,
+    the field and what the format wants, if it is damaged)."""
     with open(path, "rb") as f:
         head = f.read(HEADER_BYTES)
+    again = "prepare it again with python -m jaxtp.data prepare"
     try:
         if head[:len(MAGIC)] != MAGIC:
             raise ValueError("no JAXTPTOK magic")
         n = int.from_bytes(head[len(MAGIC):len(MAGIC) + 4], "little")
         header = json.loads(head[len(MAGIC) + 4:len(MAGIC) + 4 + n])
-        if header.get("format") != FORMAT:
-            raise ValueError(f"format {header.get('format')!r}, not {FORMAT}")
     except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not a readable token file ({e}); prepare it again with "
-                         "python -m jaxtp.data prepare") from None
-    if header.get("dtype") not in DTYPES:
-        raise ValueError(f"{path}: its header's dtype {header.get('dtype')!r} is not one a "
-                         f"token file holds ({', '.join(DTYPES)}); prepare it again with "
-                         "python -m jaxtp.data prepare")
+        raise ValueError(f"{path} is not a readable token file ({e}); {again}") from None
+    wrong = _header_error(header)
+    if wrong:
+        raise ValueError(f"{path}: its token file header {wrong}; {again}")
     size = os.path.getsize(path) - HEADER_BYTES
     want = header["n_tokens"] * np.dtype(header["dtype"]).itemsize
     if size != want:

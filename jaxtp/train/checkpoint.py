@@ -27,8 +27,9 @@ dtype and fingerprint, and a sha256 of both JSON items).
   (a shard read into the wrong place) is caught but for a 2**-64 chance.
 - A step that cannot be read, whose JSON fails its checksum or whose arrays
   fail their fingerprints is corrupt: `restore` warns, naming it, and falls
-  back to the previous complete step. It is deleted only when `save` writes
-  that step (or an earlier one) again. A different model (a shape-changing
+  back to the previous complete step (the reads of it orbax leaves waiting
+  print nothing: `_QuietAbandonedReads`). It is deleted only when `save`
+  writes that step (or an earlier one) again. A different model (a shape-changing
   config key, or an array's name, shape or dtype) is an error, not a
   fallback, as the run's older steps share it.
 - Multi-process: every process calls every method; orbax coordinates the
@@ -38,9 +39,11 @@ dtype and fingerprint, and a sha256 of both JSON items).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import shutil
+import sys
 from typing import Any, Callable
 
 import jax
@@ -50,6 +53,7 @@ from etils import epath
 
 from ..parallel.distributed import any_process
 from .fingerprint import fingerprints, nbytes
+from .options import Notice
 from .orbax_errors import brief, quiet_orbax
 
 FORMAT = 1
@@ -99,7 +103,8 @@ class Checkpointer:
         self.log = log
         self._corrupt: set[int] = set()  # steps restore() found unusable
         self._saving: int | None = None  # the step of the last save started
-        quiet_orbax()
+        _quiet_abandoned_reads()
+        quiet_orbax()  # after ours: it looks at the hook on top only
         options = ocp.CheckpointManagerOptions(max_to_keep=keep,
                                                enable_async_checkpointing=async_save)
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
@@ -120,8 +125,8 @@ class Checkpointer:
         self.finish()
         for s in sorted(self._corrupt & set(self.steps())):
             if s >= step:  # newer than what we resumed from, and unusable
-                self.log(f"WARNING: deleting corrupt checkpoint step {s} in {self.directory} "
-                         f"before saving step {step}")
+                self.log(Notice(f"WARNING: deleting corrupt checkpoint step {s} in "
+                                f"{self.directory} before saving step {step}"))
                 self._mngr.delete(s)
                 self._corrupt.discard(s)
         later = [s for s in self.steps() if s >= step]
@@ -138,8 +143,8 @@ class Checkpointer:
         arrays = {**pflat, **oflat}
         self.check_space(nbytes(arrays.values()), f"save checkpoint step {step}")
         if (self.directory / f"{step}.orbax-checkpoint-tmp").exists():
-            self.log(f"note: step {step} in {self.directory} was half-written by a save that "
-                     "was cut short; orbax replaces it")
+            self.log(Notice(f"note: step {step} in {self.directory} was half-written by a save "
+                            "that was cut short; orbax replaces it"))
         manifest = {"format": FORMAT, "arrays": {
             name: {"shape": list(x.shape), "dtype": jnp.dtype(x.dtype).name, "fingerprint": fp}
             for (name, x), fp in zip(arrays.items(), fingerprints(list(arrays.values())))}}
@@ -229,8 +234,8 @@ class Checkpointer:
             failures.append(f"step {s}: {reason}")
             then = (f"falling back to step {candidates[i + 1]}" if i + 1 < len(candidates)
                     else "no earlier step to fall back to")
-            self.log(f"WARNING: checkpoint step {s} in {self.directory} is unusable "
-                     f"({reason}); {then}")
+            self.log(Notice(f"WARNING: checkpoint step {s} in {self.directory} is unusable "
+                            f"({reason}); {then}"))
         raise CheckpointError(
             f"no usable checkpoint in {self.directory}: {'; '.join(failures)}. Move the "
             "corrupt step directories aside (or restore another step), or start afresh")
@@ -276,8 +281,8 @@ class Checkpointer:
                 f"{', '.join(shape)}. Use the checkpoint's model config (a different tp or dp "
                 "is fine), or a new checkpoint directory")
         if changed:
-            self.log(f"note: restoring step {step} with changed model settings that keep all "
-                     f"shapes: {', '.join(said.values())}")
+            self.log(Notice(f"note: restoring step {step} with changed model settings that keep "
+                            f"all shapes: {', '.join(said.values())}"))
 
     def _check_arrays(self, step: int, saved: dict, target: dict) -> None:
         for name in sorted(set(saved) | set(target)):
@@ -302,6 +307,37 @@ class Checkpointer:
             self._mngr.close()
         except Exception:
             pass
+
+
+class _QuietAbandonedReads:
+    """Orbax 0.12.8 runs a restore in an event loop that it closes without
+    cancelling what is left (`asyncio_utils._run_sync_via_new_loop`): when
+    one read of a damaged step fails, the step's other reads stay suspended,
+    and as the garbage collector closes each (at any later time, exit
+    included) orbax turns its GeneratorExit into an Exception that Python
+    prints as "Exception ignored in: <coroutine ...>" with a TensorStore spec,
+    ~60 lines per read. `restore` reports the step in one line: these are
+    dropped; any other unraisable goes on."""
+
+    def __init__(self, hook):
+        self.hook = hook
+
+    def __call__(self, unraisable) -> None:
+        coro, exc = unraisable.object, unraisable.exc_value
+        closed = any(isinstance(e, GeneratorExit)  # orbax raises `from` it
+                     for e in (exc, getattr(exc, "__cause__", None)))
+        if not (closed and inspect.iscoroutine(coro) and "orbax" in coro.cr_code.co_filename):
+            self.hook(unraisable)
+
+
+def _quiet_abandoned_reads() -> None:
+    """Install `_QuietAbandonedReads` once per process (it stays)."""
+    hook = sys.unraisablehook
+    while hook is not None:
+        if isinstance(hook, _QuietAbandonedReads):
+            return
+        hook = getattr(hook, "hook", None)  # a filter wrapping another (orbax_errors)
+    sys.unraisablehook = _QuietAbandonedReads(sys.unraisablehook)
 
 
 def _checksum(manifest: dict, meta: dict) -> str:

@@ -8,16 +8,18 @@ bytes is the validation split.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sysconfig
 from pathlib import Path
+from typing import Callable
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
 from .. import data as token_files
-from ..parallel import CP_AXIS, batch_sharding, cp_batch, named
+from ..parallel import batch_sharding, cp_batch, named, sequence_split
 from ..parallel.distributed import global_batch
 
 BUILTIN_MAX_BYTES = 8 * 2**20
@@ -99,15 +101,16 @@ def same_data(saved: dict | str, now: dict) -> bool:
 class Windows:
     """A batch of windows [B, T+1] of a token array, read when asked: a process
     of a multi-process run reads only the rows its devices hold (`to_mesh`),
-    so a memory-mapped file is touched only there. np.asarray reads them all."""
+    so a memory-mapped file is touched only there. np.asarray reads them all.
+    `read(starts)`: the windows at those starts (`Dataset._read`)."""
 
-    def __init__(self, split: np.ndarray, starts: np.ndarray, seq_len: int):
-        self.split, self.starts = split, starts
+    def __init__(self, read: Callable[[np.ndarray], np.ndarray], starts: np.ndarray,
+                 seq_len: int):
+        self.read, self.starts = read, starts
         self.shape, self.ndim, self.dtype = (len(starts), seq_len + 1), 2, np.dtype(np.int32)
 
     def rows(self, lo: int, hi: int) -> np.ndarray:
-        idx = self.starts[lo:hi, None] + np.arange(self.shape[1])[None]
-        return self.split[idx].astype(np.int32)
+        return self.read(self.starts[lo:hi])
 
     def __array__(self, dtype=None, copy=None):
         rows = self.rows(0, self.shape[0])
@@ -124,15 +127,20 @@ class Dataset:
                  val_fraction: float = 0.1, max_id: int | None = None,
                  vocab_of: str | None = None):
         """`max_id`: the largest id, where known (a token file's header), so
-        that a memory-mapped file is not read whole to find it. `vocab_of`: a
-        checkpoint directory that fixes the vocabulary (no raising it then)."""
+        that a memory-mapped file is not read whole to find it; every window
+        read is checked too, so a header that understates it stops the run at
+        the batch that holds the id. `vocab_of`: a checkpoint directory that
+        fixes the vocabulary (no raising it then)."""
+        # a token file is a memmap: its name is the file's
+        self.source, self.max_id = getattr(tokens, "filename", None), max_id
+        self.vocab_size = vocab_size
         top = max_id if max_id is not None else int(tokens.max()) if tokens.size else -1
         if top >= vocab_size:
             fix = (f"the checkpoint {vocab_of} fixes it: tokenize the data with its tokenizer "
                    f"(python -m jaxtp.data prepare --tokenizer {vocab_of} ...)" if vocab_of
                    else "raise model.vocab_size above it")
-            raise ValueError(f"data has token id {top} but model.vocab_size="
-                             f"{vocab_size}; {fix}")
+            raise ValueError(f"data has token id {top} but model.vocab_size={vocab_size}"
+                             f"{f' ({self.source})' if self.source else ''}; {fix}")
         n_val = int(len(tokens) * val_fraction)
         self.train, self.val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
         need = seq_len + 2
@@ -142,9 +150,18 @@ class Dataset:
                                  f"model.seq_len+2={need}; use more data or a shorter seq_len")
         self.seq_len = seq_len
 
-    def _windows(self, split: np.ndarray, starts: np.ndarray) -> np.ndarray:
-        idx = starts[:, None] + np.arange(self.seq_len + 1)[None]
-        return split[idx].astype(np.int32)
+    def _read(self, split: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """The windows [len(starts), T+1] of `split` at `starts`, as int32, their
+        ids checked against the vocabulary (a max over the batch being read)."""
+        ids = split[starts[:, None] + np.arange(self.seq_len + 1)[None]]
+        top = int(ids.max(initial=0))
+        if top >= self.vocab_size:
+            said = "" if self.max_id is None else \
+                f", whose header says its largest id is {self.max_id}"
+            raise ValueError(f"data has token id {top} but model.vocab_size={self.vocab_size} "
+                             f"({self.source or 'the data'}{said}): the file is damaged; "
+                             "prepare it again with python -m jaxtp.data prepare")
+        return ids.astype(np.int32)
 
     def train_batches(self, batch_size: int, seed: int, skip: int = 0):
         """Endless random windows [B, T+1] from the train split; `skip`: start
@@ -154,14 +171,15 @@ class Dataset:
         last = len(self.train) - self.seq_len - 1  # the last window that fits
         for _ in range(skip):
             rng.integers(0, last + 1, batch_size)
+        read = functools.partial(self._read, self.train)
         while True:
-            yield Windows(self.train, rng.integers(0, last + 1, batch_size), self.seq_len)
+            yield Windows(read, rng.integers(0, last + 1, batch_size), self.seq_len)
 
     def eval_batches(self, batch_size: int, n: int) -> list[np.ndarray]:
         """`n` fixed batches, evenly spaced over the validation split."""
         hi = len(self.val) - self.seq_len - 1
         starts = np.linspace(0, hi, n * batch_size).astype(np.int64)
-        return [self._windows(self.val, s) for s in starts.reshape(n, batch_size)]
+        return [self._read(self.val, s) for s in starts.reshape(n, batch_size)]
 
 
 def to_mesh(batch, mesh: Mesh, cp_balance: bool = True) -> jax.Array:
@@ -174,8 +192,8 @@ def to_mesh(batch, mesh: Mesh, cp_balance: bool = True) -> jax.Array:
     the order of `jaxtp.parallel.cp_order` (`cp_balance`: the causal load
     balance); every process reads its rows whole then.
     """
-    if CP_AXIS in mesh.axis_names:
-        cp = dict(mesh.shape)[CP_AXIS]
+    cp = sequence_split(mesh)
+    if cp > 1:
         return global_batch(cp_batch(np.asarray(batch), cp, cp_balance), mesh,
                             batch_sharding(mesh))
     sharding = named(mesh, "batch", *([None] * (batch.ndim - 1)))

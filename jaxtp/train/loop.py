@@ -53,22 +53,23 @@ import numpy as np
 from flax import nnx
 
 from ..config import Config
-from ..parallel import Layout, batch_shape, batch_sharding
+from ..model.build import abstract_model
+from ..parallel import batch_shape, batch_sharding
 from ..parallel.distributed import any_process
 from .checkpoint import Checkpointer, SaveFailed, nbytes
 from .data import to_mesh
 from .loopstep import LoopState, is_row_step, make_loop_step
-from .metrics import (MetricsLog, metrics_row, model_flops_per_token, peak_flops, progress_line,
-                      skip_line, speed)
+from ..hardware import model_flops_per_token, peak_flops
+from .metrics import MetricsLog, metrics_row, progress_line, skip_line, speed
 from .optim import lr_schedule
-from .options import RunOptions
+from .options import Notice, RunOptions
 from .record import run_record
 from .rundir import RunDir, write_atomic
 from .runstate import RunState
 from .sampler import LoopSampler
 from .start import (Signals, check_options, claim, config_warnings, count_params, describe,
                     idle_summary, load_data, process0, restore_or_init)
-from .state import abstract_model, resolve_attention
+from .state import decide
 from .step import ReplayCheck, make_eval_step
 
 
@@ -98,9 +99,8 @@ def train(cfg: Config, out_dir: str | Path, opts: RunOptions = RunOptions()) -> 
     if jax.process_index() != 0:
         o = dataclasses.replace(o, log=lambda _: None)
     data, data_id, tokenizer = load_data(o.data_path, cfg, o.init_from_hf)
-    mesh = Layout.of(cfg).mesh()
     asked = cfg  # as given: the run records "auto", not the kernel this machine picks
-    cfg = resolve_attention(cfg, mesh.devices.flat[0])  # a KernelError before writing
+    cfg, _, mesh = decide(cfg)  # a KernelError before writing
     out = Path(out_dir)
     rerun = o.resume and RunDir(out).has_run()
     changes, lock = claim(RunDir(out), o.resume, o.tensorboard, asked, o.data_path,
@@ -186,7 +186,8 @@ class _Loop:
             step = make_loop_step(state, cfg, inject_nan_at).lower(
                 state.params, state.opt_state, self.loop, tokens).compile()
         self.log(f"compiled the train step in {time.perf_counter() - t0:.1f}s")
-        structure = nnx.merge(*abstract_model(cfg, mesh))  # no buffers: step 1 donates them
+        # no buffers: step 1 donates them
+        structure = nnx.merge(*abstract_model(cfg, mesh, state.layout))
         return step, run_record(cfg, mesh, structure, step.as_text())
 
     def run(self, last: int) -> None:
@@ -240,8 +241,9 @@ class _Loop:
             self.interrupted = signal.Signals(signals.received or signal.SIGTERM).name
             self.save(step, self.loop.to_json())
             self.ckpt.finish()
-            self.log(f"{self.interrupted} received: saved a checkpoint at step {step} in "
-                     f"{self.out}/checkpoints; continue with --resume --out {self.out}")
+            self.log(Notice(f"{self.interrupted} received: saved a checkpoint at step {step} "
+                            f"in {self.out}/checkpoints; continue with --resume --out "
+                            f"{self.out}"))
             return True
         if not (row_step or ckpt_step or self.check):
             self.host_s.append((t_call - t_iter) + (time.perf_counter() - t_back))

@@ -8,6 +8,12 @@ import dataclasses
 from typing import Any, Callable
 
 
+class Notice(str):
+    """A line of the log that is not the run's progress: a warning, or where a
+    stopped run stands. A `log` that keeps them apart can tell (train.py
+    prints them on stderr); to any other they are lines like the rest."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
     data_path: str | None = None  # text, token file or .bin (None: the built-in corpus)
@@ -22,7 +28,7 @@ class RunOptions:
     # run: one call for a job that a cluster may requeue
     resume: bool = False
     inject_nan_at: frozenset = frozenset()  # steps whose gradients are made NaN (a drill)
-    # per-device peak for MFU, where jaxtp.train.metrics.HARDWARE lacks the device
+    # per-device peak for MFU, where jaxtp.hardware.HARDWARE lacks the device
     peak_tflops: float | None = None
     tensorboard: bool = False  # also write the rows as TensorBoard scalars
     # stop after this step with a checkpoint (the schedule still spans train.steps)

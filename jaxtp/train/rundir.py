@@ -13,7 +13,9 @@ before JAX starts (the saved tp and dp decide how many devices to make).
 - `writer.lock`: an exclusive advisory lock (flock) held by the one process
   that writes the run, with its host, PID and start time. The kernel drops
   it when that process dies, however it dies, so a requeued job never finds
-  a stale lock; a second writer while it lives is refused (`RunInUse`).
+  a stale lock; a second writer while it lives is refused (`RunInUse`), and
+  so is a writer.lock that is not a regular file (never followed: a link
+  would have the run overwrite the file it points to).
 
 A resume may change only what leaves the run the same run (`RESUMABLE`):
 the layout (checkpoints reshard), how the same math is computed (remat,
@@ -29,25 +31,14 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 
 from ..config import Config, ConfigError, validate
 
-# what a resume may change, and why it stays the same run
-RESUMABLE = {
-    # the mesh: checkpoints are read into any layout
-    "parallel.dp", "parallel.tp", "parallel.impl", "parallel.sp", "parallel.fsdp",
-    "parallel.overlap", "parallel.cp", "parallel.cp_attention", "parallel.cp_balance",
-    # the same gradient, computed another way
-    "train.microbatches", "model.remat", "model.attention", "model.attention_block",
-    "model.loss_chunk",
-    # what is logged, evaluated and saved, and when to stop
-    "train.log_every", "train.eval_every", "train.eval_batches", "train.sample_every",
-    "train.checkpoint_every",
-    "train.checkpoint_minutes", "train.keep_checkpoints", "train.max_skipped_steps",
-    "train.steps",
-}
+# what a resume may change: the config's fields marked resumable (jaxtp.config)
+RESUMABLE = Config.resumable_keys()
 
 
 def flat(cfg: Config) -> dict:
@@ -102,10 +93,20 @@ class RunDir:
     def lock(self) -> RunLock:
         """Take the writer lock (creating the directory), before anything of
         the run is written. RunInUse names the live holder; an OSError (with
-        its strerror) if the directory cannot be written."""
+        its strerror) if the directory cannot be written; a ConfigError naming
+        the lock if it is not a regular file (a symbolic link is not followed:
+        the holder's line would overwrite the file it points to)."""
         self.path.mkdir(parents=True, exist_ok=True)
         path = self.path / "writer.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                raise
+            raise _not_a_lock(path) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or a device
+            os.close(fd)
+            raise _not_a_lock(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -190,6 +191,17 @@ class RunDir:
                  "changes": {k: list(v) for k, v in changes.items()}}
         lines = [json.dumps(h) for h in self.history()] + [json.dumps(entry)]
         write_atomic(self.history_path, "".join(line + "\n" for line in lines))
+
+
+def _not_a_lock(path: Path) -> ConfigError:
+    """The refusal of a writer.lock that is not a regular file, saying what it is."""
+    mode = os.lstat(path).st_mode
+    kind = (f"a symbolic link to {os.readlink(path)}" if stat.S_ISLNK(mode) else
+            "a directory" if stat.S_ISDIR(mode) else
+            "a named pipe" if stat.S_ISFIFO(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "a device file")
+    return ConfigError(f"the run's writer lock {path} is {kind}, not a regular file: move "
+                       "it aside (the run makes its own) and start again")
 
 
 def _holder(path: Path) -> str:

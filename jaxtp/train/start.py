@@ -28,6 +28,7 @@ from .data import Dataset, data_identity, load_tokens
 from .metrics import MetricsLog
 from .rundir import RunDir, RunLock
 from .runstate import RunState
+from .options import Notice
 from .state import TrainState, init_train_state
 
 
@@ -35,7 +36,7 @@ def count_params(params) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
 
 
-def config_warnings(cfg: Config) -> list[str]:
+def config_warnings(cfg: Config) -> list[Notice]:
     """What a legal config does that its user may not expect, a line each."""
     t = cfg.train
     said = []
@@ -47,7 +48,7 @@ def config_warnings(cfg: Config) -> list[str]:
     # a feature asked for that the installed jaxlib is known to break (and
     # the workaround jaxtp applies: `jaxtp.parallel.compiler_options`)
     said += [bug.line() for bug in known_bugs(cfg, jax.default_backend())]
-    return said
+    return [Notice(line) for line in said]
 
 
 def check_options(check: bool, resume: bool, until, inject_nan_at, peak_tflops) -> None:
@@ -118,8 +119,8 @@ def claim(run_dir: RunDir, resume: bool, tensorboard: bool, cfg: Config,
         log("--resume with changes: " + ", ".join(f"{k} {a!r} -> {b!r}"
                                                  for k, (a, b) in changes.items()))
     if "train.steps" in changes:
-        log(f"warning: the lr schedule now spans {cfg.train.steps} steps: the steps left "
-            "run at other learning rates than the run first planned")
+        log(Notice(f"warning: the lr schedule now spans {cfg.train.steps} steps: the steps "
+                   "left run at other learning rates than the run first planned"))
     return changes, lock
 
 
@@ -148,6 +149,10 @@ def load_data(data_path: str | None, cfg: Config, init_from_hf: str | None):
     data = Dataset(tokens, cfg.model.seq_len, cfg.model.vocab_size,
                    max_id=header.get("max_id"), vocab_of=init_from_hf)
     tokenizer = check_data(data_path, data, cfg, init_from_hf)
+    # the evaluation batches are read (and their ids checked) before the run
+    # directory is claimed: a file whose header understates its ids is
+    # refused there, not after writing a run that cannot go on
+    data.eval_batches(cfg.train.batch_size, cfg.train.eval_batches)
     return data, data_identity(tokens, data_path and os.path.abspath(data_path)), tokenizer
 
 

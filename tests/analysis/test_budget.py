@@ -437,16 +437,20 @@ def test_dp_budgets_hold_compiled_for_an_h100(extra, tmp_path):
 def test_slices_over_dp_are_kept_off_cudnn_under_gspmd_and_explicit():
     """cuDNN attention's custom partitioning fails (jax 0.10.2) inside a
     shard_map that leaves tp to GSPMD: there the slices reduce one by one."""
-    from jaxtp.train.step import slices_over_dp
+    from jaxtp.parallel import Layout
+    from jaxtp.parallel.schedule import _mode
 
-    assert slices_over_dp(2, False, 2, "gspmd", "xla")
-    assert not slices_over_dp(2, False, 2, "gspmd", "cudnn")
-    assert not slices_over_dp(2, False, 2, "explicit", "cudnn")
-    assert slices_over_dp(2, False, 2, "shard_map", "cudnn")
-    assert not slices_over_dp(2, True, 2, "gspmd", "xla")  # FSDP: per slice
-    assert not slices_over_dp(1, False, 2, "gspmd", "xla")
-    assert not slices_over_dp(2, False, 1, "gspmd", "xla")
-    assert not slices_over_dp(2, False, 2, "gspmd", "xla", cp=2)  # cp: per slice
+    def over_dp(dp, fsdp, M, impl, attention, cp=1):
+        return _mode(Layout.make(dp=dp, cp=cp, impl=impl, fsdp=fsdp), M, attention) == "over_dp"
+
+    assert over_dp(2, False, 2, "gspmd", "xla")
+    assert not over_dp(2, False, 2, "gspmd", "cudnn")
+    assert not over_dp(2, False, 2, "explicit", "cudnn")
+    assert over_dp(2, False, 2, "shard_map", "cudnn")
+    assert not over_dp(2, True, 2, "gspmd", "xla")  # FSDP: per slice
+    assert not over_dp(1, False, 2, "gspmd", "xla")
+    assert not over_dp(2, False, 1, "gspmd", "xla")
+    assert not over_dp(2, False, 2, "gspmd", "xla", cp=2)  # cp: per slice
 
 
 @pytest.mark.slow
@@ -461,7 +465,7 @@ def test_cudnn_attention_in_slices_over_dp_compiles_for_an_h100():
     from jaxtp.analysis.targets import target_mesh
     from jaxtp.config import apply_overrides, load_config
     from jaxtp.parallel import mesh_for
-    from jaxtp.train.state import resolve_attention
+    from jaxtp.model.build import resolve_attention
 
     base = apply_overrides(load_config("llama-tiny"), [
         "parallel.dp=2", "parallel.tp=4", "model.dtype=bfloat16", "train.microbatches=2"])
@@ -471,7 +475,7 @@ def test_cudnn_attention_in_slices_over_dp_compiles_for_an_h100():
         assert resolve_attention(cfg, mesh.devices.flat[0]).model.attention == "cudnn"
         m = mesh_for(mesh, impl)
         text = compile_train_step(abstract_train_state(cfg, m), cfg.train.batch_size,
-                                  cfg.model.seq_len, microbatches=2).as_text()
+                                  cfg.model.seq_len).as_text()
         assert "custom-call" in text
 
 
@@ -486,3 +490,21 @@ def test_a_budget_row_without_a_collective_shows_its_element_count():
     # found 0, budgeted 1, and the role: the row's name up to its colon
     assert "f32[32768 elements]" in table[2] and table[2].split()[-4:] == ["0", "1", "SP",
                                                                            "embedding"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--dp", "2", "--cp", "2", "--tp", "2"],
+                                    ["--cp", "2", "--tp", "4"]], ids=["dp2-cp2-tp2", "cp2-tp4"])
+def test_compare_hlo_writes_the_report_of_cp_with_fsdp(layout, tmp_path, capsys):
+    """cp with FSDP: at dp 2 a gradient sum over dp x cp at once and GSPMD's
+    over cp outside the regions; at dp 1 FSDP splits nothing. Every impl
+    matches, the roofline agrees on each axis and comm_report.json is
+    written (its values plain JSON)."""
+    assert train.main([*layout, "--fsdp", "--compare-hlo", "--out", str(tmp_path),
+                       "model.n_layers=1", "model.d_model=32", "model.d_ff=64",
+                       "model.n_heads=4", "model.seq_len=16", "train.batch_size=4"]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((tmp_path / "comm_report.json").read_text())
+    assert report["ok"] and report["roofline"]["agree"] is True
+    assert {"cp", "tp"} <= set(report["roofline"]["axes"])
+    assert "DIFFER" not in printed and printed.count(": matches budget") == 3

@@ -7,8 +7,12 @@ import importlib.util
 
 import pytest
 
+from jaxtp.analysis import plan as planner
 from jaxtp.config import apply_overrides, load_config
-from jaxtp.analysis.plan import analyze
+from jaxtp.train.step import compiled_step
+
+# the planner compiles the train step it is handed
+analyze = functools.partial(planner.analyze, compile_step=compiled_step)
 
 # the tiny preset at 2 blocks (b=16, s=128, h=128, fp32): half the compile of its 4
 TINY = apply_overrides(load_config("tiny"), ["model.n_layers=2"])
@@ -87,7 +91,7 @@ def test_plan_out_writes_plan_json_with_the_verdict(tmp_path, capsys):
     import json
 
     import train
-    from jaxtp.train.metrics import HARDWARE
+    from jaxtp.hardware import HARDWARE
 
     assert train.main(["--config", "llama3-8b", "--plan", "--tp", "1", "--out", str(tmp_path),
                        "model.seq_len=256", "train.batch_size=1"]) == 0
@@ -197,7 +201,7 @@ def test_a_cp_sweep_splits_the_activations_and_prices_the_kv_it_moves():
     from jaxtp.analysis.plan import plan
 
     cfg = apply_overrides(load_config("llama-tiny"), ["parallel.tp=2", "model.n_layers=2"])
-    rows = plan(cfg, [2], cps=[1, 2, 4], log=lambda _: None)
+    rows = plan(cfg, [2], cps=[1, 2, 4], log=lambda _: None, compile_step=compiled_step)
     assert [(r["cp"], r["tp"]) for r in rows] == [(1, 2), (2, 2), (4, 2)]
     temps = [r["memory"]["temporaries"] for r in rows]
     b, s, h, L = 16, 128, 128, 2
@@ -208,3 +212,36 @@ def test_a_cp_sweep_splits_the_activations_and_prices_the_kv_it_moves():
     assert rows[0]["redundancy"] == 1.0  # the sweep's base: cp=1 at the same tp
     assert rows[1]["cp_flops_per_kv_byte"] == 128
     assert rows[2]["cp_flops_per_kv_byte"] == pytest.approx(128 * 8 / (2 * 4 * 3))
+
+
+def test_plan_cp_n_sweeps_one_the_powers_of_two_below_n_and_n(monkeypatch):
+    """--plan --cp N plans cp = 1, the powers of two below N, and N itself
+    (it once stopped at the last power of two: --cp 6 planned 1, 2, 4)."""
+    import train
+    from jaxtp.analysis import plan as P
+
+    assert [P.cp_sweep(n) for n in (1, 2, 3, 4, 6, 8, 12)] == [
+        [1], [1, 2], [1, 2, 3], [1, 2, 4], [1, 2, 4, 6], [1, 2, 4, 8], [1, 2, 4, 8, 12]]
+    asked = {}
+    monkeypatch.setattr(P, "plan", lambda cfg, tps, *a, **kw: asked.update(tps=tps, **kw))
+    for n, seq in ((3, 96), (6, 96)):
+        args = train.parse_args(["--plan", "--cp", str(n), f"model.seq_len={seq}"])
+        assert train.plan(args, train.resolve_config(args)) == 0
+        assert (asked["cps"], asked["tps"]) == (P.cp_sweep(n), [1])
+
+
+@pytest.mark.slow
+def test_a_cp_sweep_plans_n_and_skips_a_cp_the_sequence_does_not_split_into():
+    """--cp 6 at s=36: cp=4 needs 8 chunks of 36 and is skipped, saying why;
+    1, 2 and 6 (12 chunks) are planned."""
+    from jaxtp.analysis.plan import cp_sweep, plan
+
+    cfg = apply_overrides(load_config("tiny"), ["model.n_layers=1", "model.seq_len=36",
+                                                "train.batch_size=2", "parallel.cp=6"])
+    lines = []
+    rows = plan(cfg, [1], cps=cp_sweep(6), log=lines.append, compile_step=compiled_step)
+    assert [(r["cp"], r["tp"]) for r in rows] == [(1, 1), (2, 1), (6, 1)]
+    assert [line for line in lines if "skipped" in line] == [
+        "cp=4 tp=1: skipped (context parallelism splits model.seq_len=36 into 8 chunks (rank r "
+        "holds chunks r and 2cp-1-r); valid --cp here: [1, 2, 3, 6, 9, 18], or set "
+        "model.seq_len to a multiple of 8)"]

@@ -5,6 +5,7 @@ regimes, the published comparison, and --plan --cluster end to end."""
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 
@@ -88,6 +89,44 @@ def test_a_cluster_file_with_a_bad_field_is_refused_naming_it(tmp_path, path, va
         C.load("h100x9")
 
 
+@pytest.mark.parametrize("text, match", [
+    (b"5", "a cluster is a JSON object .*, not 5$"),
+    (b"null", "a cluster is a JSON object .*, not null$"),
+    (b"[8, 1]", "a cluster is a JSON object .*, not \\[8, 1\\]$"),
+    (b"\xff\xfe{}", "not UTF-8 text \\(byte 0xff at offset 0\\)"),
+    (json.dumps(SPEC | {"gpus_per_node": 8}).encode(),
+     "cluster: unknown field 'gpus_per_node' \\(did you mean 'devices_per_node'\\?\\); the "
+     "fields of cluster: name, accelerator, devices_per_node, nodes, intra, inter$"),
+    (json.dumps(SPEC | {"intra": SPEC["intra"] | {"per_hops": True}}).encode(),
+     "intra: unknown field 'per_hops' \\(did you mean 'per_hop'\\?\\); the fields of intra: "
+     "name, bandwidth, latency, per_hop, source$"),
+    (json.dumps(SPEC | {"accelerator": SPEC["accelerator"] | {"vendor": "x"}}).encode(),
+     "accelerator: unknown field 'vendor'; the fields of accelerator: name, peak_flops, "
+     "matmul_fraction, hbm_bandwidth, memory, source$"),
+])
+def test_a_cluster_file_that_is_no_cluster_is_refused_naming_the_file(tmp_path, text, match):
+    """A JSON value that is not an object, bytes that are not UTF-8, and a
+    field the cluster does not have (a misspelling would fall back to a
+    default, or to "missing" for the field meant): one ClusterError, naming
+    the file and, for a field, the ones there are."""
+    f = tmp_path / "c.json"
+    f.write_bytes(text)
+    with pytest.raises(C.ClusterError, match=f"^{re.escape(str(f))}: {match}"):
+        C.load(str(f))
+
+
+@pytest.mark.parametrize("name, said", [
+    ("", "--cluster '' is empty: name a preset (h100x8, "),
+    ("  ", "--cluster '  ' is empty"),
+    (".", "--cluster '.': neither a preset (h100x8, "),
+])
+def test_a_cluster_name_that_names_nothing_is_refused(name, said):
+    with pytest.raises(C.ClusterError) as e:
+        C.load(name)
+    assert str(e.value).startswith(said), e.value
+    assert str(e.value).endswith("a file (a directory)" if name == "." else "JSON file")
+
+
 def _cfg(*overrides, preset="llama3-8b"):
     return validate(apply_overrides(load_config(preset), ["model.dtype=bfloat16", *overrides]))
 
@@ -168,9 +207,10 @@ def test_plan_cluster_prices_the_compiled_step_as_the_ledger_does(capsys):
                    "decode on h100x8, batch 1, 128 tokens cached", "tp=2 "):
         assert needle in out, needle
     from jaxtp.analysis.plan import analyze
+    from jaxtp.train.step import compiled_step
 
     cfg = _cfg("parallel.tp=2", "model.n_layers=1", "model.dtype=float32", preset="tiny")
-    row = analyze(cfg)
+    row = analyze(cfg, compile_step=compiled_step)
     compiled = sum(t["bytes"] * t["count"] for t in row["traffic"] if t["group"] > 1)
     ledger = sum(t.bytes * t.count for t in P.from_budget(expected_collectives(
         cfg, cfg.parallel.impl, "cpu")) if t.group > 1)
@@ -185,6 +225,8 @@ def test_plan_cluster_prices_the_compiled_step_as_the_ledger_does(capsys):
 @pytest.mark.parametrize("argv, match", [
     (["--cluster", "h100x8"], "--cluster applies to --plan"),
     (["--plan", "--cluster", "nowhere"], "neither a preset"),
+    (["--plan", "--cluster", ""], "--cluster '' is empty"),
+    (["--cluster", ""], "--cluster applies to --plan"),
     (["--plan", "--tp", "8", "--cluster", "FOUR"], "dp*cp*tp = 8 devices at the largest tp, "
      "and hand has 4"),
 ])

@@ -208,6 +208,48 @@ def test_cli_rejects_bad_arguments_before_compiling(capsys, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("only", ["", "impl,", ",", "impl,,loop"])
+def test_an_empty_only_is_refused_not_read_as_all(only, capsys, tmp_path):
+    """--only '' once ran the whole suite (an empty string read as no --only)."""
+    assert bench_main(["--only", only, "--out", str(tmp_path / "never")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --only {only!r}: an empty section name; "
+                                               "give sections separated by commas, from impl,")
+    assert bench.check_only(None) == list(bench.SECTIONS)
+    assert bench.check_only(["loop", "impl"]) == ["loop", "impl"]
+
+
+class _Device:
+    def __init__(self, platform, device_kind):
+        self.platform, self.device_kind = platform, device_kind
+
+
+def test_gpu_mode_is_refused_on_a_cpu_host_before_compiling(monkeypatch, capsys, tmp_path):
+    """--gpu where jax.devices()[0] is the CPU: llama-1b's 8 x 4096 once asked
+    86 GB of the host and died out of memory after a minute; now one line,
+    naming the device and what to run instead. JAXTP_BENCH_ANY_DEVICE=1 (the
+    dry run of bench/gpu.sh) and an accelerator pass."""
+    from jaxtp.bench import gpu
+
+    monkeypatch.delenv("JAXTP_BENCH_ANY_DEVICE", raising=False)
+    monkeypatch.setattr(jax, "devices", lambda *a: [_Device("cpu", "cpu")])
+    compiled = []
+    monkeypatch.setattr(gpu, "train_timed", lambda *a: compiled.append(a))
+    assert bench_main(["--gpu", "--out", str(tmp_path / "never")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == ("error: --gpu times training on a GPU, and none was found: "
+                    "jax.devices()[0] is cpu (cpu); run it where jax has CUDA (pip install "
+                    "'jax[cuda12]'); here, python -m jaxtp.bench --quick runs the CPU suite and "
+                    "python train.py --plan --config llama-1b --tp 1 plans the preset's memory")
+    assert not compiled and not (tmp_path / "never").exists()
+    for device, env in ((_Device("gpu", "NVIDIA H100 80GB HBM3"), None),
+                        (_Device("tpu", "TPU v5"), None), (_Device("cpu", "cpu"), "1")):
+        monkeypatch.setattr(jax, "devices", lambda *a, d=device: [d])
+        if env:
+            monkeypatch.setenv("JAXTP_BENCH_ANY_DEVICE", env)
+        assert gpu.check_accelerator() is None
+
+
 def test_readme_results_are_spliced_between_the_markers(tmp_path):
     from jaxtp.bench.report import README_BEGIN, README_END, splice_readme
 

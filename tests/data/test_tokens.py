@@ -120,6 +120,70 @@ def test_refusals_are_clear(tmp_path):
         Dataset(load_tokens(str(out)), 8, 100, max_id=token_files.read_header(out)["max_id"])
 
 
+GOOD = {"format": 1, "dtype": "uint16", "vocab_size": 384, "tokenizer": "tokenizer.json",
+        "tokenizer_sha256": "0", "eos_id": 0, "n_tokens": 10, "max_id": 9, "documents": 1}
+
+
+def token_file(path, header, ids=np.arange(10, dtype="<u2")):
+    """A token file of `ids` under `header` (any JSON value), as prepare lays one out."""
+    body = json.dumps(header).encode()
+    path.write_bytes((token_files.MAGIC + len(body).to_bytes(4, "little") + body)
+                     .ljust(token_files.HEADER_BYTES, b" ") + ids.tobytes())
+    return path
+
+
+@pytest.mark.parametrize("header, said", [
+    (list(GOOD), "is an array, not a JSON object of its fields"),
+    ("header", 'is the string "header", not a JSON object of its fields'),
+    ({**GOOD, "vocab_size": "384"}, 'vocab_size is the string "384", not an integer >= 1'),
+    ({k: v for k, v in GOOD.items() if k != "n_tokens"},
+     "has no n_tokens (the format wants an integer >= 0)"),
+    ({**GOOD, "n_tokens": "10"}, 'n_tokens is the string "10", not an integer >= 0'),
+    ({**GOOD, "n_tokens": -10}, "n_tokens is the integer -10, not an integer >= 0"),
+    ({**GOOD, "n_tokens": 10.0}, "n_tokens is the number 10.0, not an integer >= 0"),
+    ({**GOOD, "max_id": True}, "max_id is the boolean true, not an integer >= 0"),
+    ({**GOOD, "vocab_size": 0}, "vocab_size is the integer 0, not an integer >= 1"),
+    ({**GOOD, "eos_id": None}, "eos_id is null, not an integer >= 0"),
+    ({**GOOD, "tokenizer": ["a"]}, "tokenizer is an array, not a string"),
+    ({**GOOD, "format": 2}, "format is the integer 2, not 1"),
+    ({**GOOD, "format": "1"}, 'format is the string "1", not 1'),
+    ({**GOOD, "dtype": "object"}, "dtype is the string \"object\", not 'uint16' or 'uint32'"),
+    ({**GOOD, "n_tokens": "x" * 100}, 'n_tokens is the string "' + "x" * 36 + '..., not'),
+])
+def test_a_header_is_checked_field_by_field_naming_the_file(tmp_path, header, said):
+    path = token_file(tmp_path / "t.tokens", header)
+    with pytest.raises(ValueError) as e:
+        load_tokens(str(path))
+    assert str(e.value).startswith(f"{path}: its token file header {said}")
+    assert str(e.value).endswith("; prepare it again with python -m jaxtp.data prepare")
+    assert "\n" not in str(e.value)
+    assert token_files.read_header(token_file(tmp_path / "good.tokens", GOOD)) == GOOD
+
+
+def test_a_header_that_understates_max_id_stops_at_the_batch_that_holds_the_id(tmp_path):
+    ids = (np.arange(5000) % 100).astype("<u2")
+    ids[[1000, 4500]] = 1999, 2000  # in the train split; the validation split's first id
+    path = token_file(tmp_path / "t.tokens", {**GOOD, "n_tokens": 5000, "max_id": 99}, ids)
+    ds = Dataset(load_tokens(str(path)), 16, 384, max_id=token_files.read_header(path)["max_id"])
+    with pytest.raises(ValueError) as e:
+        ds.eval_batches(2, 1)
+    assert str(e.value) == (f"data has token id 2000 but model.vocab_size=384 ({path}, whose "
+                            "header says its largest id is 99): the file is damaged; prepare "
+                            "it again with python -m jaxtp.data prepare")
+    batches, read = ds.train_batches(4, seed=0), 0
+    while True:  # batches read as ever, until the first window that holds token 1000
+        batch = next(batches)
+        holds = (batch.starts <= 1000) & (1000 <= batch.starts + 16)
+        if holds.any():
+            break
+        read += np.asarray(batch).shape[0]
+    assert read > 0
+    with pytest.raises(ValueError, match="data has token id 1999 but model.vocab_size=384"):
+        np.asarray(batch)
+    for i in np.flatnonzero(~holds):  # a process reads only its rows: the others' are fine
+        assert batch.rows(i, i + 1).max() < 100
+
+
 @pytest.mark.slow
 def test_train_on_a_token_file_then_generate_with_its_tokenizer(tmp_path, capsys):
     import generate

@@ -2,11 +2,13 @@
 pruned; torn, truncated or silently corrupted steps are skipped with a warning;
 a half-written step is never a step; a different model is refused."""
 
+import asyncio
 import dataclasses
 import glob
 import json
 import os
 import shutil
+import sys
 
 import jax
 import numpy as np
@@ -230,6 +232,54 @@ def test_corrupt_latest_step_falls_back(tmp_path, gpt2_tp8, saved_two_steps, dam
     ckpt.close()
 
 
+def test_the_reads_a_failed_restore_abandons_print_nothing(tmp_path, gpt2_tp8, saved_two_steps,
+                                                          monkeypatch):
+    """Orbax closes a failed restore's event loop with its other reads still
+    waiting; as the garbage collector closes each, orbax raises from its
+    GeneratorExit, which Python prints (~60 lines a read, thousands in all).
+    Here every read that succeeds lingers, so that some are surely left
+    waiting. The restore's warning is the one report; any other unraisable
+    still reaches the hook."""
+    import gc
+
+    from orbax.checkpoint._src.serialization import serialization
+
+    two_steps(tmp_path, gpt2_tp8, saved_two_steps)
+    truncate(*stored_chunk(tmp_path / "2"))
+    read = serialization._read_shard
+
+    async def slow_read(*args, **kwargs):
+        out = await read(*args, **kwargs)  # a failure is raised at once
+        await asyncio.sleep(0.5)
+        return out
+
+    monkeypatch.setattr(serialization, "_read_shard", slow_read)
+    printed = []
+    monkeypatch.setattr(sys, "unraisablehook", printed.append)  # what Python would print
+    logs = []
+    ckpt = Checkpointer(tmp_path, async_save=False, log=logs.append)
+    target = abstract_train_state(config(GPT2, 1, 4), make_mesh(1, 4))
+    assert ckpt.restore(target.params, target.opt_state, dataclasses.asdict(GPT2))[0] == 1
+    ckpt.close()
+    gc.collect()
+    assert [m for m in logs if m.startswith("WARNING")][0].startswith("WARNING: checkpoint step 2")
+    assert printed == [], [f"{u.object}: {u.exc_value!r}"[:200] for u in printed[:3]]
+
+    class Pending:
+        def __await__(self):
+            yield
+
+    async def mine():
+        try:
+            await Pending()
+        finally:
+            raise RuntimeError("a coroutine of ours")
+
+    coro = mine()
+    coro.send(None)  # suspended, then closed by the garbage collector
+    del coro
+    gc.collect()
+    assert [str(u.exc_value) for u in printed] == ["a coroutine of ours"]
 
 
 def test_only_step_corrupt_raises(tmp_path, gpt2_tp8, saved_two_steps):

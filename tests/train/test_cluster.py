@@ -69,6 +69,8 @@ def test_resume_keeps_the_runs_config_and_records_what_it_changes(tmp_path, caps
     out = tmp_path / "run"
     assert train.main(["--tp", "2", "--steps", "4", "--until", "2", "--out", str(out),
                        *SMALL]) == 0
+    printed, err = capsys.readouterr()  # where the stopped run stands: on stderr
+    assert err.startswith("stopped after step 2 (--until)") and "stopped" not in printed
     original = (out / "config.json").read_bytes()
     # a kill while writing row 3 (after the save at step 2) left half a line
     with open(out / "metrics.jsonl", "a") as f:
@@ -89,8 +91,9 @@ def test_resume_keeps_the_runs_config_and_records_what_it_changes(tmp_path, caps
     assert "model.d_model=32 (the run has 64)" in err and "train.seed=7 (the run has 0)" in err
     # the schedule may grow (with a warning); tp stays 4 as the last resume set it
     assert train.main(["--resume", "--out", str(out), "--steps", "5"]) == 0
-    printed = capsys.readouterr().out
-    assert "warning: the lr schedule now spans 5 steps" in printed
+    printed, err = capsys.readouterr()
+    assert err.startswith("warning: the lr schedule now spans 5 steps")
+    assert "warning:" not in printed
     assert "mesh dp=1 x cp=2 (allgather, balanced) x tp=4" in printed
     assert "step     5/5" in printed
     assert [r["step"] for r in rows(out)] == [1, 2, 3, 4, 5]
@@ -150,11 +153,14 @@ def test_a_save_the_file_system_refuses_stops_the_run_with_one_line(tmp_path, ca
                         str(ROOT / "train.py"), "--resume", "--out", str(out),
                         "--checkpoint-every", "2"], capture_output=True, text=True,
                        timeout=300, env=child_env(drop=("JAX_COMPILATION_CACHE_DIR",)))
+    # the first line says it all; orbax's, asyncio's and TensorStore's threads
+    # racing the exit may add lines after it, never a traceback
     assert r.returncode == 3, r.stderr[-3000:]
-    assert r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr[-3000:]
-    assert r.stderr.startswith("error: saving checkpoint step 4 in ")
-    assert "File too large (errno 27)" in r.stderr
-    assert "the latest complete checkpoint is step 2" in r.stderr
+    first = r.stderr.splitlines()[0]
+    assert first.startswith("error: saving checkpoint step 4 in "), r.stderr[-3000:]
+    assert "File too large (errno 27)" in first
+    assert "the latest complete checkpoint is step 2" in first
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
     # before a save: too little free space is refused with the numbers, nothing written
     monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=100 * 2**10))

@@ -75,8 +75,10 @@ def test_sigterm_saves_a_checkpoint_that_a_new_process_resumes_bit_identically(t
     finally:
         proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]  # resumable, not done
-    assert "SIGTERM received: saved a checkpoint at step" in stdout
-    step = int(stdout.split("saved a checkpoint at step ")[1].split()[0])
+    # where the run stands on stderr, apart from the log rows on stdout
+    assert "SIGTERM received: saved a checkpoint at step" in stderr
+    assert "SIGTERM received" not in stdout
+    step = int(stderr.split("saved a checkpoint at step ")[1].split()[0])
     assert (out / "checkpoints" / str(step)).is_dir()
     end = (step // 4 + 1) * 4  # the next eval (every 4 steps), whenever the signal landed
     r = cli(*long, "--until", str(end), "--resume", "--out", str(out))
