@@ -1,11 +1,12 @@
 """jaxtp: Megatron-style tensor parallelism in JAX/Flax NNX, with proof from HLO.
 
     config.py   frozen dataclasses, presets, overrides, validation
-    parallel/   the mesh and Layout; f, g and regions per impl; multi-process start-up
+    parallel/   the mesh, Layout and Schedule; f, g and regions per impl; multi-process start-up
     model/      layers, attention and its kernels, MLP, vocab-parallel embedding, Transformer
     train/      optimizer, state, jitted steps, the loop, checkpoints, data, metrics, run record
     analysis/   the communication budget, --compare-hlo, the planner, compile-only targets
     hlo.py      collectives read from compiled HLO text
+    hardware.py the one hardware table, model FLOPs per token
     hf.py       Hugging Face Llama checkpoints in and out
     bench/      the benchmark suite (python -m jaxtp.bench)
 
@@ -22,13 +23,14 @@ __version__ = "0.1.0"
 _LAZY = {
     "Config": "config", "ConfigError": "config", "ModelConfig": "config",
     "ParallelConfig": "config", "TrainConfig": "config", "load_config": "config",
-    "Layout": "parallel", "make_mesh": "parallel", "constrain": "parallel", "spec": "parallel",
+    "Layout": "parallel", "Schedule": "parallel", "make_mesh": "parallel",
+    "constrain": "parallel", "spec": "parallel",
     "Transformer": "model", "Block": "model", "stack_layers": "model",
     "unstack_layers": "model", "init_train_state": "train.state",
     "abstract_train_state": "train.state", "make_optimizer": "train.optim",
     "make_train_step": "train.step", "compile_train_step": "train.step",
     "make_eval_step": "train.step", "loss_fn": "train.step", "grads_of": "train.step",
-    "step_controls": "train.step",
+    "step_controls": "train.step", "compiled_step": "train.step",
 }
 
 

@@ -15,7 +15,8 @@ import numpy as np
 from flax import nnx
 
 from jaxtp.config import Config, ModelConfig, TrainConfig
-from jaxtp.parallel import Layout, make_mesh
+from jaxtp.model.build import resolve_attention
+from jaxtp.parallel import Layout, Schedule, make_mesh
 from jaxtp.train.data import to_mesh
 from jaxtp.train.state import init_params, place_params
 from jaxtp.train.step import grads_of
@@ -43,13 +44,15 @@ def loss_and_grads(cfg: Config, tokens, values=None, key=None):
     as the training loop places it (under cp: inputs and targets in the
     balanced order); `values` as `place_params` takes them (default: the
     initial ones)."""
-    mesh = Layout.of(cfg).mesh()
+    layout = Layout.of(cfg)
+    mesh = layout.mesh()
+    schedule = Schedule.of(resolve_attention(cfg), layout)
     graphdef, params, _ = (initial_params(cfg, mesh) if values is None else
                            place_params(cfg, mesh, values))
     placed = to_mesh(tokens, mesh, cfg.parallel.cp_balance)
     with jax.set_mesh(mesh):
-        loss, grads = jax.jit(lambda p, t: grads_of(graphdef, p, t, key,
-                                                    cfg.train.microbatches))(params, placed)
+        loss, grads = jax.jit(lambda p, t: grads_of(graphdef, p, t, key, schedule))(params,
+                                                                                   placed)
     flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(jax.device_get(grads)))[0]
     return float(loss), {jax.tree_util.keystr(k): np.asarray(v) for k, v in flat}
 

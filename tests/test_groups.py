@@ -75,7 +75,7 @@ def test_a_compiled_dp_by_tp_program_puts_tp_and_dp_traffic_on_their_axes():
     w = jax.ShapeDtypeStruct((16, 4), jnp.float32, sharding=jax.NamedSharding(mesh, P("tp", None)))
     with jax.set_mesh(mesh):
         text = jax.jit(jax.grad(step, argnums=1)).lower(x, w).compile().as_text()
-    sizes = Layout.make(2, 4).sizes
+    sizes = Layout.make(dp=2, tp=4).sizes
     axes = {c.axes(sizes) for c in hlo.collectives(text)}
     assert ("tp",) in axes and ("dp",) in axes, axes
     assert hlo.by_axis(hlo.collectives(text), sizes).keys() <= {"tp", "dp", "dp+tp"}

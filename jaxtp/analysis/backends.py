@@ -1,26 +1,56 @@
 """The budget as each compiler carries it out: the rules by which XLA's CPU
 and GPU pipelines and libtpu place a budget row (`jaxtp.analysis.budget`)
-differently, each measured from compiled HLO."""
+differently, each measured from compiled HLO with the compilers named in
+`MEASURED_ON` (another version may place collectives otherwise:
+`version_note`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 from typing import TYPE_CHECKING
 
 from ..config import Config
-from ..parallel import DATA_AXIS, TP_AXIS
-from ..train.step import slices_over_dp_of
+from ..parallel import CP_AXIS, DATA_AXIS, TP_AXIS
 
-from .rows import ANY_SCOPE
+from .rows import ANY_SCOPE, reduces_once
 
 if TYPE_CHECKING:
     from .rows import Expected
 
 
+# the compilers every rule below was measured with (tiny and llama-tiny at
+# tp=8, and the layouts of tests/analysis/test_budget.py)
+MEASURED_ON = {"jaxlib": "0.10.2", "libtpu": "0.0.42"}
+REMEASURE = ("re-measure: run `python -m pytest tests/analysis -m slow` and `python train.py "
+             "--compare-hlo` (with --hardware h100 / v5p for the accelerators) on this version, "
+             "update the rules in jaxtp/analysis/backends.py where they differ, then "
+             "MEASURED_ON there")
+
+
+def installed(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def version_note(platform: str) -> str | None:
+    """One line where the compiler for `platform` is not the one the rules
+    were measured on (a deviation may then be the compiler's, not the
+    step's), else None."""
+    package = "libtpu" if platform == "tpu" else "jaxlib"
+    have = installed(package)
+    if have is None or have == MEASURED_ON[package]:
+        return None
+    return (f"note: the budget's compiler rules were measured on {package} "
+            f"{MEASURED_ON[package]}; this is {package} {have}, so a deviation may be the "
+            f"compiler's; {REMEASURE}")
+
+
 def on_backend(rows: list[Expected], cfg: Config, impl: str, platform: str) -> list[Expected]:
     """The budget as each compiler carries it out: what XLA's CPU and GPU
-    pipelines and libtpu do differently from the budget's rows (measured with
-    jaxlib 0.10.2 and libtpu 0.0.42, compiling tiny and llama-tiny at tp=8)."""
+    pipelines and libtpu do differently from the budget's rows (`MEASURED_ON`)."""
     m = cfg.model
     sixteen = m.dtype in ("bfloat16", "float16")
     out = []
@@ -84,8 +114,8 @@ def _gpu_cp(rows: list[Expected], cfg: Config) -> list[Expected]:
     p = cfg.parallel
     if p.dp > 1 or p.fsdp:
         return rows
-    over_cp = lambda r: r.axes == ("cp",) and r.kind == "all-reduce" and (
-        r.scope == ANY_SCOPE or r.name.startswith("cp: mean"))
+    over_cp = lambda r: r.axes == (CP_AXIS,) and r.kind == "all-reduce" and (
+        r.scope == ANY_SCOPE or r.role == "loss_mean")
     joined = [r for r in rows if over_cp(r)]
     if not joined:
         return rows
@@ -97,7 +127,7 @@ def _gpu_cp(rows: list[Expected], cfg: Config) -> list[Expected]:
 
 def _gpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
     """At dp > 1, XLA's GPU pipeline reduces some gradients over dp and tp at
-    once, or once instead of twice; the dp total (`jaxtp.analysis.dp.expected_dp`) loses them.
+    once, or once instead of twice; the dp total (`jaxtp.analysis.grads`) loses them.
     - replicated weights used on sequence shards (norms, row-parallel biases):
       one all-reduce over all dp * tp devices;
     - shard_map and explicit, tied embeddings: the lookup's and the LM
@@ -105,8 +135,8 @@ def _gpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
       all-reduce reassociation; GSPMD's two stay apart)."""
     p, m = cfg.parallel, cfg.model
     # in slices over dp, dp is manual inside them and reduced once after
-    # (jaxtp.train.step): nothing is summed over dp and tp at once
-    once = not p.fsdp and not slices_over_dp_of(cfg)
+    # (jaxtp.parallel.Schedule): nothing is summed over dp and tp at once
+    once = not p.fsdp and not reduces_once(cfg)
     moved, out = 0, []
     for r in rows:
         if r.role == "seq_shard_param" and once:
@@ -116,5 +146,7 @@ def _gpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
         out.append(r)
     if impl != "gspmd" and m.tie_embeddings and once:
         moved += m.padded_vocab // p.tp * m.d_model * cfg.train.microbatches
+    # from the gradient totals over dp (measured at cp = 1: at cp > 1 the GPU's
+    # sums over dp are not budgeted, docs/scale.md)
     return [dataclasses.replace(r, elements=r.elements - moved)
-            if r.name.startswith("dp: every") else r for r in out]
+            if r.role == "grads" and r.axes == (DATA_AXIS,) and p.cp == 1 else r for r in out]

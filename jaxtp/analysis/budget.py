@@ -26,19 +26,20 @@ Outside the blocks this model needs, per train step (`expected_collectives`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
 from ..config import Config
 from ..model.vocab import loss_chunks
 from ..parallel import CP_AXIS, DATA_AXIS, TP_AXIS
-from ..train.step import slices_over_dp_of
 from ..parallel import xla_overlap
 from .backends import on_backend
-from .cp import expected_cp, settle_cp
-from .dp import expected_dp
+from .cp import expected_cp
+from .dp import expected_fsdp
+from .grads import expected_grads
 from .overlap_rows import ring_regions, windowed_head, windowed_regions
-from .rows import HLO_DTYPES, Expected
+from .rows import HLO_DTYPES, Expected, per_step, reduces_once, schedule_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,86 +94,80 @@ def budget_for(cfg: Config) -> Budget:
 
 def expected_collectives(cfg: Config, impl: str, platform: str = "",
                          forms: xla_overlap.Forms | None = None) -> list[Expected]:
-    """Every collective the train step of `cfg` needs under `impl`: over tp,
-    with dp > 1 over dp (`jaxtp.analysis.dp.expected_dp`), with cp > 1 over
-    cp (`jaxtp.analysis.cp.expected_cp`, and the gradients over dp x cp); as
-    the compiler for `platform` ("cpu", "gpu", "tpu"; "" for none) carries it
+    """Every collective the train step of `cfg` needs under `impl`, one
+    ledger per axis: tp's activations (here), the gradients' sums over dp,
+    cp and under SP tp (`jaxtp.analysis.grads`), FSDP's gathers
+    (`jaxtp.analysis.dp`), cp's attention core (`jaxtp.analysis.cp`); each
+    row's count multiplied out per step once (`rows.per_step`); as the
+    compiler for `platform` ("cpu", "gpu", "tpu"; "" for none) carries it
     out (`backends.on_backend`). `forms`: which of XLA's windowed-einsum
     loops form under GSPMD's overlap (default: `xla_overlap.forms` for the
     platform, a GPU's compiled deviceless)."""
     forms = xla_overlap.forms(cfg, platform, deviceless=True) if forms is None else forms
-    rows = settle_cp(cfg, impl, _per_microbatch(cfg, _expected_tp(cfg, impl, forms))
-                     + expected_dp(cfg, impl) + expected_cp(cfg, impl))
+    rows = per_step(_expected_tp(cfg, impl, forms) + expected_grads(cfg, impl)
+                    + expected_fsdp(cfg, impl) + expected_cp(cfg, impl), schedule_of(cfg))
     return on_backend(rows, cfg, impl, platform) if platform else rows
 
 
-def _per_microbatch(cfg: Config, rows: list[Expected]) -> list[Expected]:
-    """The tp rows of a step in `train.microbatches` slices: each activation's
-    collectives once per slice (`_expected_tp` sizes them for one); the
-    gradient norm once per step, over dp and tp under FSDP (the gradients
-    are split over both)."""
-    M, p = cfg.train.microbatches, cfg.parallel
-    out = []
-    for r in rows:
-        if r.pass_ == "other":  # the gradient norm
-            if p.fsdp and p.dp > 1:
-                r = dataclasses.replace(r, group=p.dp * p.tp, axes=(DATA_AXIS, TP_AXIS))
-        elif r.role != "positions_ids":  # that one is hoisted out of the loop
-            r = dataclasses.replace(r, count=r.count * M)
-        out.append(r)
-    return out
-
-
 def _expected_tp(cfg: Config, impl: str, forms: xla_overlap.Forms) -> list[Expected]:
-    m, tp = cfg.model, cfg.parallel.tp
+    m, p = cfg.model, cfg.parallel
+    tp = p.tp
     if tp == 1:
         return []
     # each cp rank's s/cp positions: the tp rows are Megatron's within each cp group
-    b, s, L, dt = cfg.train.batch_size // (cfg.parallel.dp * cfg.train.microbatches), \
-        m.seq_len // cfg.parallel.cp, m.n_layers, HLO_DTYPES[m.dtype]
+    b, s, dt = cfg.train.batch_size // (p.dp * cfg.train.microbatches), m.seq_len // p.cp, \
+        HLO_DTYPES[m.dtype]
     act = b * s * m.d_model
-    E = lambda name, kind, pass_, scope, n, count, dtype=dt, group=tp, role="", axes=(TP_AXIS,): \
-        Expected(name, kind, pass_, scope, n, dtype, group, count, role, axes)
-    if cfg.parallel.sequence_parallel:
-        return _expected_sp(cfg, impl, E, b, s, L, act, forms)
+    # counted per microbatch (E) or per layer and microbatch (EL): `per_step`
+    E = lambda name, kind, pass_, scope, n, count, dtype=dt, group=tp, role="", axes=(TP_AXIS,), \
+        per="microbatch": Expected(name, kind, pass_, scope, n, dtype, group, count, role, axes,
+                                   per=per)
+    EL = functools.partial(E, per="layer")
+    # the gradient norm, once per step: over dp and tp under FSDP (the
+    # gradients are split over both)
+    over = (p.dp * tp, (DATA_AXIS, TP_AXIS)) if p.fsdp and p.dp > 1 else (tp, (TP_AXIS,))
+    norm = E("gradient norm: one sum of squares", "all-reduce", "other", "", 1, 1, "f32",
+             group=over[0], axes=over[1], per="step")
+    if p.sequence_parallel:
+        return _expected_sp(cfg, impl, E, EL, b, s, act, forms) + [norm]
     n, c = loss_chunks(m.loss_chunk, b, s)
     rows = [
         E("g: vocab-parallel embedding lookup", "all-reduce", "forward", "embed", act, 1,
           role="embed"),
-        E("g: attention out-proj output", "all-reduce", "forward", "attention", act, L),
-        E("g: MLP down-proj output", "all-reduce", "forward", "mlp", act, L),
+        EL("g: attention out-proj output", "all-reduce", "forward", "attention", act, 1),
+        EL("g: MLP down-proj output", "all-reduce", "forward", "mlp", act, 1),
         *_cross_entropy(E, b, n, c),
-        E("f: dX entering the q/kv projection", "all-reduce", "backward", "attention", act, L),
-        E("f: dX entering the MLP up-proj", "all-reduce", "backward", "mlp", act, L),
+        EL("f: dX entering the q/kv projection", "all-reduce", "backward", "attention", act, 1),
+        EL("f: dX entering the MLP up-proj", "all-reduce", "backward", "mlp", act, 1),
         E("f: dX entering the LM head", "all-reduce", "backward", "cross_entropy", act, 1,
           role="head_dx")
         if impl == "shard_map" or n == 1 else
         E("f: dX entering the LM head, per loss chunk (GSPMD reduces each chunk's partial "
           "dX; shard_map once after the loop)", "all-reduce", "backward", "cross_entropy",
           b * c * m.d_model, n, role="head_dx"),
-        E("gradient norm: one sum of squares", "all-reduce", "other", "", 1, 1, "f32"),
+        norm,
     ]
-    return rows + _kv_rows(cfg, impl, E, b * s * 2 * m.kv_heads * m.head_dim)
+    return rows + _kv_rows(cfg, impl, EL, b * s * 2 * m.kv_heads * m.head_dim)
 
 
-def _kv_rows(cfg: Config, impl: str, E, kv: int) -> list[Expected]:
+def _kv_rows(cfg: Config, impl: str, EL, kv: int) -> list[Expected]:
     """With fewer kv heads than tp the kv projection is replicated, and the kv
     activation gradient (kv = b*s*2*K*H elements) is summed over the ranks that
-    share each kv head (`jaxtp.model.attention`)."""
-    m, tp, L = cfg.model, cfg.parallel.tp, cfg.model.n_layers
+    share each kv head (`jaxtp.model.attention`), per layer."""
+    m, tp = cfg.model, cfg.parallel.tp
     K = m.kv_heads
     if K >= tp:
         return []
     # explicit picks each rank's kv head by a contraction over tp
     # (`jaxtp.parallel.Explicit.kv_for_heads`): the same one sum as shard_map
     if impl != "gspmd" or K == 1:
-        return [E("kv gradient: sum over the ranks sharing a kv head", "all-reduce",
-                  "backward", "attention", kv, L, role="kv_grad")]
+        return [EL("kv gradient: sum over the ranks sharing a kv head", "all-reduce",
+                   "backward", "attention", kv, 1, role="kv_grad")]
     # GSPMD splits the same sum: within each kv group, then gathered
-    return [E("kv gradient: sum within each group of tp/K ranks", "all-reduce", "backward",
-              "attention", kv // K, L, group=tp // K, role="kv_grad"),
-            E("kv gradient: gathered across the K groups", "all-gather", "backward",
-              "attention", kv, L, group=K, role="kv_grad")]
+    return [EL("kv gradient: sum within each group of tp/K ranks", "all-reduce", "backward",
+               "attention", kv // K, 1, group=tp // K, role="kv_grad"),
+            EL("kv gradient: gathered across the K groups", "all-gather", "backward",
+               "attention", kv, 1, group=K, role="kv_grad")]
 
 
 def _cross_entropy(E, b: int, n: int, c: int) -> list[Expected]:
@@ -183,15 +178,14 @@ def _cross_entropy(E, b: int, n: int, c: int) -> list[Expected]:
               "cross_entropy", b * c, 3 * n, "f32")]
 
 
-def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int,
+def _expected_sp(cfg: Config, impl: str, E, EL, b: int, s: int, act: int,
                  forms: xla_overlap.Forms):
     """Megatron-SP (Korthikanti et al. 2022, Sec. 4.2.2): each all-reduce of a
     region becomes an all-gather at its entry and a reduce-scatter at its exit
     (their mirrors in the backward pass), the same ring bytes. Elements count
-    the result: a reduce-scatter returns b*s*h/tp. Replicated parameters used
-    on sequence shards (norm scales, row-parallel biases, learned positions)
-    get partial gradients, all-reduced over tp (a bias's in the compute dtype:
-    it is summed from the output gradient).
+    the result: a reduce-scatter returns b*s*h/tp. (The replicated parameters
+    used on sequence shards get partial gradients over tp: their sums are the
+    gradient ledger's, `jaxtp.analysis.grads`.)
 
     With a remat policy, the backward pass gathers each region's input again
     for its weight gradient instead of keeping the gathered copy, as
@@ -208,7 +202,7 @@ def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int,
     # GSPMD and explicit sum the kv gradient as they do without SP
     # (`_kv_rows`); shard_map sums the replicated kv weight's gradient instead
     xla_kv = impl != "shard_map" and m.kv_heads < tp
-    rows = _sp_regions(cfg, E, act, shard, L, xla_kv, impl, forms)
+    rows = _sp_regions(cfg, EL, act, shard, xla_kv, impl, forms)
     head_windowed = impl != "shard_map" and cfg.parallel.overlap != "none" and n == 1
     rows += [
         E("SP embedding: reduce-scatter of the looked-up rows", "reduce-scatter", "forward",
@@ -224,93 +218,33 @@ def _expected_sp(cfg: Config, impl: str, E, b: int, s: int, L: int, act: int,
               "all-reduce", "backward", "cross_entropy", b * c * m.d_model, n,
               role="head_dx")]),
         *_cross_entropy(E, b, n, c),
-        E("gradient norm: one sum of squares", "all-reduce", "other", "", 1, 1, "f32"),
     ]
-    # GSPMD sums these outside the regions, under every impl; under cp over
-    # cp x tp at once (the sequence is split over both; `expected_cp`
-    # takes them out of the dp x cp total)
-    joint = {} if cfg.parallel.cp == 1 else dict(group=cfg.parallel.cp * tp,
-                                                  axes=(CP_AXIS, TP_AXIS))
-    rows += [dataclasses.replace(r, written=False, **joint)
-             for r in _seq_shard_params(cfg, impl, E, m.seq_len, L)]
-    return rows + _sp_kv_rows(cfg, impl, E, b * s * 2 * m.kv_heads * m.head_dim, xla_kv)
+    return rows + (_kv_rows(cfg, impl, EL, b * s * 2 * m.kv_heads * m.head_dim) if xla_kv
+                   else [])
 
 
-def _sp_kv_rows(cfg: Config, impl: str, E, kv: int, xla_kv: bool) -> list[Expected]:
-    """Under SP with fewer kv heads than tp: GSPMD and explicit sum the kv
-    activation gradient (kv elements) as without SP (`_kv_rows`); shard_map's
-    replicated kv projection, fed the gathered x, sums its weight gradient
-    (in the compute dtype it multiplied) over dp, cp and tp at once, one psum
-    (`jaxtp.analysis.dp.expected_dp` leaves it out). Under FSDP the dp part is
-    the weight's reduce-scatter; in slices over dp, dp is manual and reduced
-    once after them (jaxtp.train.step)."""
-    m, p = cfg.model, cfg.parallel
-    if xla_kv:
-        return _kv_rows(cfg, impl, E, kv)
-    if m.kv_heads >= p.tp:
-        return []
-    dp = 1 if p.fsdp or slices_over_dp_of(cfg) else p.dp
-    over = tuple(a for a, n in ((DATA_AXIS, dp), (CP_AXIS, p.cp)) if n > 1)
-    return [E("replicated kv weight gradient: sum over tp" + "".join(f" and {a}" for a in over),
-              "all-reduce", "backward", "attention", m.d_model * 2 * m.kv_heads * m.head_dim,
-              m.n_layers, group=p.tp * dp * p.cp, axes=over + (TP_AXIS,))]
-
-
-def _seq_shard_params(cfg: Config, impl: str, E, s: int, L: int) -> list:
-    """Replicated parameters used on sequence shards under SP: each rank's
-    gradient is partial, summed over tp (in the parameter dtype; a
-    row-parallel bias's in the compute dtype, from the output gradient)."""
-    m, pd = cfg.model, HLO_DTYPES[cfg.model.param_dtype]
-    norm_params = (2 * L + 1) * (1 if m.style == "llama" else 2)
-    rows = [E("norm weights used on sequence shards: gradient sum", "all-reduce", "backward",
-              "", m.d_model, norm_params, pd, role="seq_shard_param")]
-    dp_local = slices_over_dp_of(cfg)  # jaxtp.train.step
-    if m.use_bias:
-        # GSPMD sums the attention's from the output gradient it gathered
-        # anyway (but not in slices over dp, where dp is manual, nor under the
-        # overlap, where the gradient reaches the bias split along T)
-        whole = impl == "gspmd" and not dp_local and cfg.parallel.overlap == "none"
-        rows += [E(f"{scope} row-parallel bias on sequence shards: gradient sum",
-                   "all-reduce", "backward", scope, m.d_model, L, role="seq_shard_param")
-                 for scope in ("attention", "mlp") if scope == "mlp" or not whole]
-    if m.style != "llama":
-        # explicit: the positions are resharded from replicated to the sequence
-        # split, whose transpose gathers the gradient's rows (half the bytes);
-        # so does every impl in slices over dp (jaxtp.train.step's dp-local sum)
-        gather = impl == "explicit" or dp_local
-        if dp_local and impl != "explicit":
-            # GSPMD partitions the positions' scatter-add in the dp-manual
-            # region by gathering its indices (loop-invariant: once per step)
-            rows.append(E("learned positions: the gradient scatter's indices gathered",
-                          "all-gather", "backward", "", s, 1, "s32", role="positions_ids"))
-        rows.append(E("learned positions on sequence shards: gradient sum"
-                      + (" (gathered rows)" if gather else ""),
-                      "all-gather" if gather else "all-reduce",
-                      "backward", "", s * m.d_model, 1, pd, role="positions"))
-    return rows
-
-
-def _sp_regions(cfg: Config, E, act: int, shard: int, L: int, xla_kv: bool,
+def _sp_regions(cfg: Config, EL, act: int, shard: int, xla_kv: bool,
                 impl: str, forms: xla_overlap.Forms) -> list:
-    """Each region's SP entry and exit, forward and backward (and a remat's regather)."""
+    """Each region's SP entry and exit, forward and backward (and a remat's
+    regather), per layer (`EL`)."""
     if impl == "shard_map" and cfg.parallel.overlap != "none":
-        return ring_regions(cfg, E, shard, L)
+        return ring_regions(cfg, EL, shard)
     if cfg.parallel.overlap != "none":
-        return windowed_regions(cfg, E, act, shard, L, xla_kv, forms)
+        return windowed_regions(cfg, EL, act, shard, xla_kv, forms)
     rows = []
     for scope in ("attention", "mlp"):
-        rows += [E(f"SP entry: all-gather into {scope}", "all-gather", "forward", scope, act, L,
-                   role="gather_in"),
-                 E(f"SP exit: reduce-scatter out of {scope}", "reduce-scatter", "forward",
-                   scope, shard, L),
-                 E(f"SP exit, backward: all-gather of the {scope} output gradient",
-                   "all-gather", "backward", scope, act, L, role=f"gather_grad_{scope}"),
-                 E(f"SP entry, backward: all-reduce of dX into {scope} (the kv branch's dX "
-                   "is whole)", "all-reduce", "backward", scope, act, L)
+        rows += [EL(f"SP entry: all-gather into {scope}", "all-gather", "forward", scope, act, 1,
+                    role="gather_in"),
+                 EL(f"SP exit: reduce-scatter out of {scope}", "reduce-scatter", "forward",
+                    scope, shard, 1),
+                 EL(f"SP exit, backward: all-gather of the {scope} output gradient",
+                    "all-gather", "backward", scope, act, 1, role=f"gather_grad_{scope}"),
+                 EL(f"SP entry, backward: all-reduce of dX into {scope} (the kv branch's dX "
+                    "is whole)", "all-reduce", "backward", scope, act, 1)
                  if scope == "attention" and xla_kv else
-                 E(f"SP entry, backward: reduce-scatter of dX into {scope}",
-                   "reduce-scatter", "backward", scope, shard, L)]
+                 EL(f"SP entry, backward: reduce-scatter of dX into {scope}",
+                    "reduce-scatter", "backward", scope, shard, 1)]
         if cfg.model.remat != "none":
-            rows.append(E(f"SP remat: {scope}'s input gathered again in the backward pass",
-                          "all-gather", "backward", scope, act, L, role="gather_in"))
+            rows.append(EL(f"SP remat: {scope}'s input gathered again in the backward pass",
+                           "all-gather", "backward", scope, act, 1, role="gather_in"))
     return rows

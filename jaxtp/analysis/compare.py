@@ -20,10 +20,10 @@ from typing import Callable
 from .. import hlo
 from ..config import IMPLS, Config
 from ..parallel import make_mesh, mesh_for, xla_overlap
-from ..train.metrics import HARDWARE
-from ..train.state import abstract_train_state, resolve_attention
-from ..train.step import compile_train_step
+from ..hardware import HARDWARE
+from ..model.build import resolve_attention
 from . import roofline, windowed
+from .backends import version_note
 from .budget import budget_for, expected_collectives
 from .picture import write
 from .rows import check, format_table, size_text, table_rows
@@ -37,14 +37,16 @@ GPU_UNCOMBINED = {"xla_gpu_all_reduce_combine_threshold_bytes": 0,
 
 
 def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = print,
-                mesh=None) -> dict:
-    """Compile the train step under each impl, check each against the budget.
+                mesh=None, *, compile_step: Callable) -> dict:
+    """Compile the train step under each impl (by `compile_step`:
+    `jaxtp.train.step.compiled_step`), check each against the budget.
 
     Writes `hlo_<impl>.txt` (optimized HLO), `comm_report.json` and
-    `collectives.svg` into
-    `out_dir`; returns the report (its `ok` is False on any deviation).
-    `mesh`: a (dp, tp) mesh to compile for, e.g. of compile-only devices of
-    another platform (`jax.experimental.topologies`); default: this machine's.
+    `collectives.svg` into `out_dir`; returns the report (its `ok` is False
+    on any deviation). `mesh`: the mesh to compile for, e.g. of compile-only
+    devices of another platform (`jax.experimental.topologies`); default:
+    this machine's. Where the compiler is not the one the budget's rules were
+    measured on, one line says so (`backends.version_note`).
     """
 
     p = cfg.parallel
@@ -56,7 +58,7 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
     for impl in IMPLS:
         colls_by_impl[impl], expected_by_impl[impl], impls[impl] = _compile_and_check(
             dataclasses.replace(cfg, parallel=dataclasses.replace(p, impl=impl)),
-            mesh_for(mesh, impl), out, log, forms)
+            mesh_for(mesh, impl), out, log, forms, compile_step)
     budget, sizes = budget_for(cfg), dict(mesh.shape)
     ring = {impl: sum(e.count * e.ring_bytes for e in rows)
             for impl, rows in expected_by_impl.items()}
@@ -68,6 +70,8 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
                        p.overlap != "none" and p.sequence_parallel))
     for impl, r in impls.items():
         log(f"{impl}: {r['verdict']}")
+    if report["compiler_note"]:
+        log(report["compiler_note"])
     for impl, r in impls.items():  # full-buffer bytes, by the mesh axes each collective spans
         log(f"{impl} by mesh axis: " + ", ".join(
             f"{axes} {size_text(v['bytes'])} in {v['collectives']}"
@@ -104,6 +108,8 @@ def _report(cfg: Config, mesh, budget, ring: dict, impls: dict, colls_by_impl: d
         },
         "impls": impls,
         "ok": all(v["matches_budget"] for v in impls.values()),
+        # the compiler the budget's rules were measured on, where this is another
+        "compiler_note": version_note(mesh.devices.flat[0].platform),
         # the rows of the table below, which `collectives.svg` draws
         "table": table_rows(colls_by_impl, expected_by_impl, dict(mesh.shape)),
     }
@@ -132,8 +138,8 @@ def _windowed_forms(cfg: Config, mesh) -> xla_overlap.Forms:
     return xla_overlap.forms(cfg, device.platform, deviceless=deviceless, cap=cap)
 
 
-def _compile_and_check(cfg: Config, mesh, out: Path, log,
-                       forms: xla_overlap.Forms) -> tuple[list, list, dict]:
+def _compile_and_check(cfg: Config, mesh, out: Path, log, forms: xla_overlap.Forms,
+                       compile_step: Callable) -> tuple[list, list, dict]:
     """(collectives, budget, report entry) of the train step of `cfg` (one impl)."""
 
     m, impl = cfg.model, cfg.parallel.impl
@@ -143,9 +149,7 @@ def _compile_and_check(cfg: Config, mesh, out: Path, log,
     # rows depend on it: cuDNN attention keeps the per-slice dp reduction)
     cfg = resolve_attention(cfg, mesh.devices.flat[0])
     log(f"compiling the {impl} train step (tp={cfg.parallel.tp}, {m.n_layers} layers) ...")
-    text = compile_train_step(abstract_train_state(cfg, mesh), cfg.train.batch_size, m.seq_len,
-                              microbatches=cfg.train.microbatches,
-                              compiler_options=options).as_text()
+    text = compile_step(cfg, mesh, options)[1].as_text()
     (out / f"hlo_{impl}.txt").write_text(text)
     colls = hlo.collectives(text)
     expected = expected_collectives(cfg, impl, platform, forms)

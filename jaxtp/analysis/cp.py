@@ -1,8 +1,8 @@
 """The context-parallel ledger of a train step: the attention core's
 collectives over cp (`jaxtp.parallel.context`), per layer and microbatch,
 that `jaxtp.analysis.budget.expected_collectives` adds at cp > 1. (The
-weight gradients' sum over dp x cp and the loss mean are the dp ledger's,
-`jaxtp.analysis.dp.data_group`; the tp rows are Megatron's on each rank's
+weight gradients' sums over dp x cp and the loss mean are the gradient
+ledger's, `jaxtp.analysis.grads`; the tp rows are Megatron's on each rank's
 s/cp positions, `jaxtp.analysis.budget`.)
 
 Per layer, with b the rows of one dp rank per microbatch, s the sequence,
@@ -33,12 +33,9 @@ except under gspmd, whose layout repeats the kv heads once per query head
 
 from __future__ import annotations
 
-import dataclasses
-
 from ..config import Config
-from ..model.vocab import loss_chunks
 from ..parallel import CP_AXIS
-from .rows import ANY_SCOPE, HLO_DTYPES, Expected
+from .rows import HLO_DTYPES, Expected
 
 
 def kv_heads_per_rank(cfg: Config, impl: str) -> int:
@@ -56,69 +53,26 @@ def expected_cp(cfg: Config, impl: str) -> list[Expected]:
         return []
     b = t.batch_size // (p.dp * t.microbatches)
     chunk = 2 * b * (m.seq_len // p.cp) * kv_heads_per_rank(cfg, impl) * m.head_dim
-    n = m.n_layers * t.microbatches
     again = m.remat == "full"  # the only policy that does not keep "cp_kv"
     dt = HLO_DTYPES[m.dtype]
+    # counted per layer and microbatch (`jaxtp.analysis.rows.per_step`)
     E = lambda name, kind, pass_, elements, count, group=p.cp: Expected(
         "cp: " + name, kind, pass_, "attention", elements, dt, group, count, "cp",
-        (CP_AXIS,))
+        (CP_AXIS,), per="layer")
     if p.cp_attention == "allgather":
-        rows = [E("K/V all-gathered over cp", "all-gather", "forward", chunk * p.cp, n),
-                E("dK/dV reduce-scattered over cp", "reduce-scatter", "backward", chunk, n)]
+        rows = [E("K/V all-gathered over cp", "all-gather", "forward", chunk * p.cp, 1),
+                E("dK/dV reduce-scattered over cp", "reduce-scatter", "backward", chunk, 1)]
         if again:
             rows.append(E("remat 'full': K/V all-gathered again for the backward",
-                          "all-gather", "backward", chunk * p.cp, n))
+                          "all-gather", "backward", chunk * p.cp, 1))
         return rows
     hops = p.cp - 1
     # a permute's source-target pairs span the whole mesh (each cp ring of it)
     rows = [E(f"K/V chunk passed {hops} hops around the cp ring", "collective-permute",
-              "forward", chunk, hops * n, p.devices),
+              "forward", chunk, hops, p.devices),
             E("dK/dV partial sums passed back around the reverse ring", "collective-permute",
-              "backward", chunk, hops * n, p.devices)]
+              "backward", chunk, hops, p.devices)]
     if again:
         rows.append(E("remat 'full': the forward ring again for the backward",
-                      "collective-permute", "backward", chunk, hops * n, p.devices))
+                      "collective-permute", "backward", chunk, hops, p.devices))
     return rows
-
-
-def settle_cp(cfg: Config, impl: str, rows: list[Expected]) -> list[Expected]:
-    """The whole budget with what cp moves between its ledgers: parameters
-    used on the sequence split whose gradient XLA does not sum in the
-    dp x cp total.
-
-    - Under SP the sequence is split over cp x tp at once, and the partial
-      gradients of the replicated parameters used on its shards (norms,
-      row-parallel biases, learned positions: the rows `jaxtp.analysis.budget`
-      sizes over cp x tp) are summed over both in one collective.
-    - impl explicit without SP reshards the learned positions from
-      replicated to the cp split; the transpose gathers the gradient's rows
-      over cp (the table's s*D elements) instead of summing them.
-    - The chunked loss takes its chunks within each rank's positions, so the
-      LM head's gradient is contracted, and summed over cp (and dp), once
-      per loss chunk: n - 1 more head tables in the gradient totals."""
-    m, p = cfg.model, cfg.parallel
-    if p.cp == 1:
-        return rows
-    moved = [r for r in rows if r.role in ("seq_shard_param", "positions") and CP_AXIS in r.axes]
-    if impl == "explicit" and not p.sequence_parallel and m.style != "llama":
-        row = Expected("cp: learned positions resharded to the cp split: gradient rows "
-                       "gathered", "all-gather", "backward", "", m.seq_len * m.d_model,
-                       HLO_DTYPES[m.param_dtype], p.cp, 1, "positions", (CP_AXIS,), False)
-        rows, moved = rows + [row], moved + [row]
-    out = list(rows)
-    taken = sum(r.elements * r.count for r in moved)
-    # the chunked loss (jaxtp.model.vocab) contracts the head's gradient per
-    # chunk over each rank's positions: its sums over cp (and dp) run once
-    # per chunk
-    b = cfg.train.batch_size // (p.dp * cfg.train.microbatches)
-    n = loss_chunks(m.loss_chunk, b, m.seq_len // p.cp)[0]
-    head = (n - 1) * m.padded_vocab // p.tp * m.d_model
-    for i, r in enumerate(out):
-        if head and r.scope == ANY_SCOPE and r.kind == "all-reduce" and r.pass_ == "backward" \
-                and (impl != "shard_map" or r.written) and not p.fsdp:
-            out[i] = dataclasses.replace(r, elements=r.elements + head // r.count)
-    for i, r in enumerate(out):  # the dp x cp total of what GSPMD sums
-        if taken and r.scope == ANY_SCOPE and r.kind == "all-reduce" and CP_AXIS in r.axes \
-                and (impl != "shard_map" or not r.written or r.role == "cp_grads"):
-            out[i] = dataclasses.replace(r, elements=r.elements - taken // r.count)
-    return out

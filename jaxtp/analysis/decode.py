@@ -30,7 +30,7 @@ from .. import hlo
 from ..config import INFERENCE_IMPLS, Config
 from ..generate import Generator
 from ..parallel import cache_spec, make_mesh, spec
-from ..train.state import abstract_model
+from ..model.build import abstract_model
 from .rows import HLO_DTYPES, Expected, check, format_table
 
 

@@ -1,8 +1,9 @@
 """The budget's rows for SP's overlapped regions (`parallel.overlap`): under
 shard_map the collective-matmul rings, under GSPMD and explicit the windowed
 loops XLA may form, and the LM head's entry likewise. Called by
-`jaxtp.analysis.budget` with its row factory `E(name, kind, pass, scope,
-elements, count, ...)`; a region without overlap is budgeted there."""
+`jaxtp.analysis.budget` with its row factories `E(name, kind, pass, scope,
+elements, count, ...)`, counted per microbatch, and `EL`, per layer and
+microbatch; a region without overlap is budgeted there."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from ..config import Config
 from ..parallel import xla_overlap
 
 
-def windowed_regions(cfg: Config, E, act: int, shard: int, L: int, xla_kv: bool,
+def windowed_regions(cfg: Config, EL, act: int, shard: int, xla_kv: bool,
                       forms: xla_overlap.Forms) -> list:
     """GSPMD's and explicit's SP regions under `parallel.overlap`: x enters
     each column matmul split along T with the output named split over tp,
@@ -31,8 +32,8 @@ def windowed_regions(cfg: Config, E, act: int, shard: int, L: int, xla_kv: bool,
     x: plain SP there."""
     ag, rs = forms.all_gather, forms.reduce_scatter
     hops, pairs = cfg.parallel.tp, cfg.parallel.tp * cfg.parallel.dp
-    loop = lambda what, pass_, scope, role="": E(
-        f"windowed {what}", "collective-permute", pass_, scope, shard, hops * L,
+    loop = lambda what, pass_, scope, role="": EL(
+        f"windowed {what}", "collective-permute", pass_, scope, shard, hops,
         group=pairs, role=role)
     rows = []
     for scope in ("attention", "mlp"):
@@ -43,30 +44,30 @@ def windowed_regions(cfg: Config, E, act: int, shard: int, L: int, xla_kv: bool,
         gathers = (remat != "none") if plain_entry else 1 + (remat == "full")
         rows += [loop(f"all-gather loop: x's chunks into {scope}'s column matmul", "forward",
                       scope, "gather_in") if ag and not plain_entry else
-                 E(f"SP entry: all-gather into {scope}", "all-gather", "forward", scope, act, L,
-                   role="gather_in"),
+                 EL(f"SP entry: all-gather into {scope}", "all-gather", "forward", scope, act, 1,
+                    role="gather_in"),
                  loop(f"reduce-scatter loop: partial sums out of {scope}'s row matmul",
                       "forward", scope) if rs else
-                 E(f"SP exit: reduce-scatter out of {scope}", "reduce-scatter", "forward",
-                   scope, shard, L),
-                 E(f"SP exit, backward: all-gather of the {scope} output gradient (read by "
-                   "two dots: no loop)", "all-gather", "backward", scope, act, L,
-                   role=f"gather_grad_{scope}")]
+                 EL(f"SP exit: reduce-scatter out of {scope}", "reduce-scatter", "forward",
+                    scope, shard, 1),
+                 EL(f"SP exit, backward: all-gather of the {scope} output gradient (read by "
+                    "two dots: no loop)", "all-gather", "backward", scope, act, 1,
+                    role=f"gather_grad_{scope}")]
         if plain_entry:
-            rows.append(E(f"SP entry, backward: all-reduce of dX into {scope} (the kv branch's "
-                          "dX is whole)", "all-reduce", "backward", scope, act, L))
+            rows.append(EL(f"SP entry, backward: all-reduce of dX into {scope} (the kv branch's "
+                           "dX is whole)", "all-reduce", "backward", scope, act, 1))
         else:
             rows.append(loop(f"reduce-scatter loop: partial sums of dX into {scope}", "backward",
                              scope) if rs else
-                        E(f"SP entry, backward: reduce-scatter of dX into {scope}",
-                          "reduce-scatter", "backward", scope, shard, L))
+                        EL(f"SP entry, backward: reduce-scatter of dX into {scope}",
+                           "reduce-scatter", "backward", scope, shard, 1))
         for i in range(gathers):
             what = f"all-gather loop: x's chunks into {scope} again for " + (
                 "dW" if i == 0 else "the remat")
             rows.append(loop(what, "backward", scope, "gather_in") if ag and not plain_entry else
-                        E(f"SP overlap: {scope}'s input gathered again for "
-                          + ("its weight gradient" if i == 0 else "the remat"), "all-gather",
-                          "backward", scope, act, L, role="gather_in"))
+                        EL(f"SP overlap: {scope}'s input gathered again for "
+                           + ("its weight gradient" if i == 0 else "the remat"), "all-gather",
+                           "backward", scope, act, 1, role="gather_in"))
     return rows
 
 
@@ -92,7 +93,7 @@ def windowed_head(E, act: int, shard: int, forms: xla_overlap.Forms, pairs: int,
               "all-gather", "backward", "cross_entropy", act, 1, role="gather_in")]
 
 
-def ring_regions(cfg: Config, E, shard: int, L: int) -> list:
+def ring_regions(cfg: Config, EL, shard: int) -> list:
     """SP's entry and exit as collective-matmul rings (`jaxtp.parallel.overlap`,
     Wang et al. 2023): each is tp - 1 ppermutes of one sequence chunk,
     b*s*h/tp elements, in place of the all-gather or reduce-scatter of the
@@ -105,9 +106,9 @@ def ring_regions(cfg: Config, E, shard: int, L: int) -> list:
     on each direction of a link."""
     bidi = cfg.parallel.overlap == "collective_matmul_bidi"
     hops, pairs = (cfg.parallel.tp - 1) * (1 + bidi), cfg.parallel.tp * cfg.parallel.dp
-    P = lambda name, pass_, scope, n, role="": E(name, "collective-permute", pass_, scope,
-                                                 shard // (1 + bidi), n * hops * L, group=pairs,
-                                                 role=role)
+    P = lambda name, pass_, scope, n, role="": EL(name, "collective-permute", pass_, scope,
+                                                  shard // (1 + bidi), n * hops, group=pairs,
+                                                  role=role)
     rows = []
     for scope in ("attention", "mlp"):
         rows += [P(f"f_sp ring: x's chunks into {scope}'s column matmul", "forward", scope, 1,

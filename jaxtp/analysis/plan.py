@@ -38,11 +38,10 @@ import numpy as np
 from .. import hlo
 from ..config import Config, ConfigError, validate
 from ..parallel import make_mesh, mesh_for
-from ..train.metrics import HARDWARE, model_flops_per_token
-from ..train.state import abstract_train_state, resolve_attention
-from ..train.step import compile_train_step
+from ..hardware import HARDWARE, model_flops_per_token
+from ..model.build import resolve_attention
 from .cp import kv_heads_per_rank
-from .dp import param_shards
+from .grads import param_shards
 from .predict import decode_lines, from_hlo, plan_lines
 from .targets import CPU_OVERSTATES, TargetUnavailable, target_mesh
 
@@ -99,9 +98,10 @@ def korthikanti_terms(cfg: Config) -> str:
                else "GELU MLP as counted"))
 
 
-def analyze(cfg: Config, mesh=None) -> dict:
-    """Compile the train step of `cfg` (abstract shapes) on `mesh` (default: this
-    machine's CPU devices; or compile-only devices of an accelerator,
+def analyze(cfg: Config, mesh=None, *, compile_step: Callable) -> dict:
+    """Compile the train step of `cfg` (abstract shapes, by `compile_step`:
+    `jaxtp.train.step.compiled_step`) on `mesh` (default: this machine's CPU
+    devices; or compile-only devices of an accelerator,
     `jaxtp.analysis.targets`) and account for it."""
 
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -111,10 +111,8 @@ def analyze(cfg: Config, mesh=None) -> dict:
     mesh = mesh_for(mesh, p.impl)
     # a CPU plan stands in for an accelerator: its kernel choice, not the CPU's own
     cfg = resolve_attention(cfg, mesh.devices.flat[0], cpu_tuned=False)
-    state = abstract_train_state(cfg, mesh)
     on_cpu = mesh.devices.flat[0].platform == "cpu"
-    compiled = compile_train_step(state, t.batch_size, m.seq_len, microbatches=t.microbatches,
-                                  compiler_options=CPU_PLAN_OPTIONS if on_cpu else None)
+    state, compiled = compile_step(cfg, mesh, CPU_PLAN_OPTIONS if on_cpu else None)
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()  # None for a compile-only GPU
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
@@ -156,9 +154,15 @@ def analyze(cfg: Config, mesh=None) -> dict:
     }
 
 
+def cp_sweep(n: int) -> list[int]:
+    """The cps `--plan --cp N` compiles: 1, the powers of two below N, and N
+    (a cp whose chunks the sequence does not split into is skipped, saying why)."""
+    return sorted({2 ** i for i in range(n.bit_length()) if 2 ** i < n} | {n})
+
+
 def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = False,
          log: Callable[[str], None] = print, out_dir=None, cps=None,
-         cluster: str | None = None) -> list[dict]:
+         cluster: str | None = None, *, compile_step: Callable) -> list[dict]:
     """Analyze `cfg` at each tp (or, with `cps`, at each cp at the largest of
     `tps`); print the table with a fits / does not fit verdict against
     `hardware`'s memory; return the rows (and, with `out_dir`, write them to
@@ -190,7 +194,7 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
         log(f"[{i + 1}/{len(cases)}] compiling the train step at {name} for {where} "
             "(abstract shapes) ...")
         mesh = target_mesh(hardware, c.parallel.dp, tp, cp) if on_target else None
-        r = analyze(c, mesh)
+        r = analyze(c, mesh, compile_step=compile_step)
         base = r["flops_per_device"] if (cp if cps else tp) == 1 else base
         _verdict(r, c, cp if cps else tp, base, target)
         if tp in tps and (not cps or cp in cps):

@@ -37,7 +37,8 @@ import numpy as np
 
 from ..config import Config
 from ..hlo import DTYPE_BYTES
-from ..train.metrics import model_flops_per_token
+from ..parallel import TP_AXIS
+from ..hardware import model_flops_per_token
 from .budget import expected_collectives
 from .cluster import Cluster, Link, axis_links, describe, load
 from .decode import decode_budget
@@ -217,7 +218,7 @@ def predict_decode(cfg: Config, cluster: Cluster, batch: int, context: int,
                                                                   sp=False))
         # kv heads split over tp as far as they go (K < tp: replicated in groups)
         hbm = (weights / tp + kv / min(tp, m.kv_heads)) / acc.hbm_bandwidth
-        link = axis_links({"tp": tp}, cluster)["tp"]
+        link = axis_links({TP_AXIS: tp}, cluster)[TP_AXIS]
         traffic = from_budget(decode_budget(c, batch, impl))
         comm = sum(collective_time(t, link)[0] for t in traffic)
         latency = sum(collective_time(dataclasses.replace(t, bytes=0), link)[0] for t in traffic)

@@ -15,6 +15,13 @@ What it cannot see, or prices by another model, is named, each with its bytes
 - a sum over dp and tp at once: booked to each axis by its two-phase model
   (half the buffer per phase), 7/8 of the buffer on each at dp=2 x tp=4 for
   the ledger's 2(n-1)/n on dp+tp;
+- a permute on an axis of 2 ranks (the ring of cp = 2, of tp = 2 under the
+  collective-matmul overlap): its pairs (0, 1) and (1, 0) cross the one link
+  between the two ranks, and the roofline counts pairs per link, not per
+  direction (`_ppermute_roofline`'s contention): 2x the buffer, where each
+  rank sends it once (the ledger's, and what the roofline's own all-gather
+  at cp = 2 books for the same exchange); on a ring of 3 or more ranks
+  every pair has a link of its own, 1x;
 - under FSDP a tied table is gathered in the lookup's region and in the
   head's, twice in the jaxpr; XLA merges the equal gathers (the ledger's one).
 Every remaining byte must agree. A loop's body is read once (no trip count),
@@ -25,16 +32,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 import numpy as np
 from jax.experimental.roofline import roofline
 
 from ..config import Config
-from ..parallel import batch_shape, batch_sharding
-from ..train.state import abstract_train_state
-from ..train.step import grads_of
+from ..model.build import abstract_model
+from ..parallel import Layout, batch_shape, batch_sharding, inputs_targets
 from .budget import expected_collectives
 from .rows import Expected
 
@@ -51,12 +59,16 @@ def unsupported(cfg: Config) -> str | None:
 def roofline_bytes(cfg: Config, mesh) -> dict[str, int]:
     """`ici_bytes` per mesh axis of the shard_map loss-and-gradient of `cfg`."""
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, impl="shard_map"))
-    state = abstract_train_state(cfg, mesh)
+    mesh = Layout.of(cfg).on(mesh)
+    graphdef, abstract = abstract_model(cfg, mesh)
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          abstract, nnx.get_named_sharding(abstract, mesh))
     m = cfg.model
     tokens = jax.ShapeDtypeStruct(batch_shape(cfg.train.batch_size, m.seq_len, mesh), jnp.int32,
                                   sharding=batch_sharding(mesh))
-    graphdef = state.graphdef
-    step = jax.jit(lambda p, t: grads_of(graphdef, p, t, None, 1))
+    # the loss and gradients of one whole batch (the train step's, `jaxtp.train.step.loss_fn`)
+    step = jax.jit(jax.value_and_grad(
+        lambda p, t: nnx.merge(graphdef, p).loss(*inputs_targets(t))))
     # it warns (on the root logger) for each primitive it has no rule for:
     # axis_index, iota, ... (no traffic)
     root = logging.getLogger()
@@ -64,7 +76,7 @@ def roofline_bytes(cfg: Config, mesh) -> dict[str, int]:
     root.setLevel(logging.ERROR)
     try:
         with jax.set_mesh(mesh):
-            _, result = roofline(step, mesh)(state.params, tokens)
+            _, result = roofline(step, mesh)(params, tokens)
     finally:
         root.setLevel(level)
     return {a: int(v) for a, v in result.ici_bytes.items() if v}
@@ -76,8 +88,10 @@ def _roofline_price(e: Expected, sizes: dict[str, int]) -> dict[str, float]:
     if e.role_label == "cross-entropy":  # max, sum of exp, target logit: the max a scalar
         n = sizes["tp"]
         return {"tp": e.count * (2 / 3 * e.ring_bytes + 4 * (n - 1) / 3)}
+    if e.kind == "collective-permute" and sizes[e.axes[0]] == 2:  # both pairs on one link
+        return {e.axes[0]: e.count * 2 * e.ring_bytes}
     if len(e.axes) > 1:  # two phases, half the buffer each, booked to every axis
-        shard, booked = e.bytes / np.prod([sizes[a] for a in e.axes]) / len(e.axes), 0.0
+        shard, booked = e.bytes / math.prod(sizes[a] for a in e.axes) / len(e.axes), 0.0
         for a in sorted(e.axes, key=lambda a: sizes[a], reverse=True):
             booked += shard * (sizes[a] - 1)
             shard *= sizes[a]
@@ -124,7 +138,7 @@ def crosscheck(cfg: Config, mesh) -> dict:
                   "placed_by_gspmd": unseen.get(a, 0.0),
                   "ratio_roofline_to_ledger": r / ledger[a] if ledger.get(a) else None,
                   # a group over several axes: its bytes are checked on each of them
-                  "agree": None if "+" in a else abs(r - p_) < 1}
+                  "agree": None if "+" in a else bool(abs(r - p_) < 1)}
     return {"axes": out, "named": {k: {"axis": a, "bytes": b} for k, (a, b) in named_.items()},
             "agree": all(v["agree"] is not False for v in out.values())}
 

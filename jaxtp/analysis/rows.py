@@ -10,7 +10,7 @@ import dataclasses
 from collections import Counter
 
 from .. import hlo
-from ..parallel import TP_AXIS
+from ..parallel import TP_AXIS, Layout, Schedule
 
 HLO_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 ANY_SCOPE = "(any)"  # a budget row matched by total elements, whatever the scopes
@@ -34,6 +34,9 @@ class Expected:
     # under shard_map: written in its code (a collective in the jaxpr), or
     # placed by GSPMD outside the regions (False: `jaxtp.analysis.roofline`)
     written: bool = True
+    # what `count` is counted per: "layer" (one layer's, one microbatch's),
+    # "microbatch" or "step"; `per_step` multiplies it out, once (`PER`)
+    per: str = "step"
 
     @property
     def key(self) -> tuple:
@@ -67,6 +70,33 @@ class Expected:
         d = dataclasses.asdict(self)
         d["pass"] = d.pop("pass_")
         return d | {"bytes": self.bytes}
+
+
+PER = ("layer", "microbatch", "step")
+
+
+def per_step(rows: list[Expected], schedule: Schedule) -> list[Expected]:
+    """The rows' counts per step: a "layer" row's times the layers a rank
+    runs and the loop trips it runs them in (`Schedule.ticks`: M without a
+    pipeline), a "microbatch" row's times the trips; the one place a ledger
+    multiplies by the layer count and the schedule."""
+    times = {"layer": schedule.layers_per_rank * schedule.ticks, "microbatch": schedule.ticks,
+             "step": 1}
+    for r in rows:
+        if r.per not in times:
+            raise ValueError(f"budget row {r.name!r} is counted per {r.per!r}: one of {PER}")
+    return [dataclasses.replace(r, count=r.count * times[r.per], per="step") for r in rows]
+
+
+def schedule_of(cfg) -> Schedule:
+    """`cfg`'s `jaxtp.parallel.Schedule` (its attention resolved for the device)."""
+    return Schedule.of(cfg, Layout.of(cfg))
+
+
+def reduces_once(cfg) -> bool:
+    """Whether `cfg`'s step reduces its gradients over dp once per step (its
+    `jaxtp.parallel.Schedule`; attention resolved for the device)."""
+    return schedule_of(cfg).reduces_once
 
 
 def collective_key(c: hlo.Collective, mesh: dict[str, int] | None = None) -> tuple:

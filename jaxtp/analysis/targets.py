@@ -14,7 +14,7 @@ to real post-partitioning HLO with `memory_analysis()`, without running it.
 
 Without the compiler the planner compiles for this machine's CPU, whose
 temporaries overstate a GPU compile's (measured in `CPU_OVERSTATES`). The
-accelerators' facts are the one hardware table, `jaxtp.train.metrics.HARDWARE`.
+accelerators' facts are the one hardware table, `jaxtp.hardware.HARDWARE`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 
 from ..parallel import make_mesh
-from ..train.metrics import HARDWARE, Hardware
+from ..hardware import HARDWARE, Hardware
 
 # CPU temporaries / the H100 compile's for the same step (XLA's CPU backend
 # upcasts bf16 buffers and keeps more live, even with the memory-optimized

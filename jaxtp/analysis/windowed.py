@@ -22,9 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .. import hlo
 from ..config import Config, ModelConfig, ParallelConfig, TrainConfig
+from ..parallel import TP_AXIS
 from ..parallel.xla_overlap import Forms, activation_bytes
-from ..train.state import abstract_train_state
-from ..train.step import compile_train_step
 from .budget import expected_collectives
 from .rows import check
 from .targets import compile_only_devices
@@ -36,7 +35,7 @@ LOG_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "stateful_rng_spmd_par
 def logged_cap(target: str = "cpu", timeout: float = 300) -> int | None:
     """The windowed-einsum iteration cap XLA's compiler logs for `target`
     ("cpu", "local" for this machine's accelerator, or a GPU in
-    `jaxtp.train.metrics.HARDWARE` compiled deviceless), read from a
+    `jaxtp.hardware.HARDWARE` compiled deviceless), read from a
     subprocess that compiles one small partitioned dot with the partitioner's
     logging on; None where it logged none (or the compiler is absent)."""
     # no compilation cache: a cached program is not partitioned again, and logs nothing
@@ -74,12 +73,13 @@ def _probe(target: str) -> None:
         devices = jax.devices()[:2]
     else:
         devices = compile_only_devices(target, 2)
-    mesh = jax.make_mesh((len(devices),), ("tp",), devices=devices,
+    mesh = jax.make_mesh((len(devices),), (TP_AXIS,), devices=devices,
                          axis_types=(jax.sharding.AxisType.Auto,))
-    x = jax.ShapeDtypeStruct((2, 64, 32), jnp.float32, sharding=NamedSharding(mesh, P(None, "tp")))
-    w = jax.ShapeDtypeStruct((32, 64), jnp.float32, sharding=NamedSharding(mesh, P(None, "tp")))
+    x = jax.ShapeDtypeStruct((2, 64, 32), jnp.float32,
+                             sharding=NamedSharding(mesh, P(None, TP_AXIS)))
+    w = jax.ShapeDtypeStruct((32, 64), jnp.float32, sharding=NamedSharding(mesh, P(None, TP_AXIS)))
     with jax.set_mesh(mesh):
-        jax.jit(lambda x, w: jax.lax.with_sharding_constraint(x @ w, P(None, None, "tp"))) \
+        jax.jit(lambda x, w: jax.lax.with_sharding_constraint(x @ w, P(None, None, TP_AXIS))) \
             .lower(x, w).compile()
 
 
@@ -127,7 +127,8 @@ def budgeted_loops(expected: list, tp: int) -> Counter:
     return out
 
 
-def prove(cfg: Config, mesh, log: Callable[[str], None] = print) -> dict:
+def prove(cfg: Config, mesh, log: Callable[[str], None] = print, *,
+          compile_step: Callable) -> dict:
     """Compile the step of `cfg` on `mesh` (compile-only, abstract) and hold
     it to the overlapped budget: every collective by kind, pass, scope, size
     and count; the loops per region and pass; the bytes each loop moves
@@ -136,8 +137,7 @@ def prove(cfg: Config, mesh, log: Callable[[str], None] = print) -> dict:
     loops but what the budget says cannot be a loop."""
     p = cfg.parallel
     t0 = time.perf_counter()
-    text = compile_train_step(abstract_train_state(cfg, mesh), cfg.train.batch_size,
-                              cfg.model.seq_len).as_text()
+    text = compile_step(cfg, mesh)[1].as_text()  # jaxtp.train.step.compiled_step
     colls = hlo.collectives(text)
     expected = expected_collectives(cfg, p.impl, "cpu")
     loops, want = hlo.windowed_loops(text), budgeted_loops(expected, p.tp)

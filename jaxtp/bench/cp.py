@@ -8,6 +8,8 @@ import jax
 
 from .. import hlo
 from ..analysis.cp import expected_cp
+from ..analysis.rows import per_step, schedule_of
+from ..parallel import CP_AXIS
 from .cases import PAIRED, _case, _get, _paired
 from .report import section
 
@@ -26,8 +28,9 @@ def bench_cp(plan: dict, cache: dict, log=print) -> dict:
             colls = hlo.collectives(run.step.as_text())
             got = sum(c.count * c.bytes for c in colls  # the core's (not the weights' sums)
                       if c.scope == "attention" and c.kind != "all-reduce"
-                      and c.axes(dict(run.mesh.shape)) == ("cp",))
-            want = sum(r.bytes * r.count for r in expected_cp(run.cfg, run.cfg.parallel.impl))
+                      and c.axes(dict(run.mesh.shape)) == (CP_AXIS,))
+            want = sum(r.bytes * r.count for r in per_step(
+                expected_cp(run.cfg, run.cfg.parallel.impl), schedule_of(run.cfg)))
             ledger[f"{name}_cp_bytes"], ledger[f"{name}_ledger_bytes"] = got, want
         rows.append(_paired(plan, ag, ring, "allgather_ms", "ring_ms",
                             case=_case(f"tiny cp={cp} tp={tp}", ag.cfg, cut),

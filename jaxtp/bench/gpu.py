@@ -2,9 +2,9 @@
 
 Trains a preset at tp=1 for a fixed number of steps on the first device and
 reports tokens/s, step time, model TFLOP/s and MFU: model flops per token
-6N + 12*L*h*s (`jaxtp.train.metrics.model_flops_per_token`, recomputation
+6N + 12*L*h*s (`jaxtp.hardware.model_flops_per_token`, recomputation
 not counted, as in PaLM's MFU) against the device's dense bf16 peak
-(`jaxtp.train.metrics.HARDWARE`). Then the same model at half the batch with
+(`jaxtp.hardware.HARDWARE`). Then the same model at half the batch with
 each attention kernel in the train step (cuDNN's flash attention against
 XLA's einsum/softmax/einsum, which does not fit the full batch), and the
 kernels alone (`jaxtp.model.kernels.attend`, forward + backward) at the train
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 
 import jax
@@ -25,10 +26,11 @@ from ..analysis.cluster import one_device
 from ..analysis.predict import predict_step, step_flops
 from ..config import Config, apply_overrides, load_config, validate
 from ..model import kernels
-from ..parallel import make_mesh
+from ..parallel import Layout, make_mesh
 from ..train.data import Dataset, load_tokens, to_mesh
-from ..train.metrics import model_flops_per_token, peak_flops
-from ..train.state import init_train_state, resolve_attention
+from ..hardware import model_flops_per_token, peak_flops
+from ..model.build import resolve_attention
+from ..train.state import init_train_state
 from ..train.step import compile_train_step, step_controls
 from . import collectives as bc
 from .report import RATIO_COLUMNS, format_section, machine_info, section
@@ -55,6 +57,20 @@ def gpu_config(preset: str = "llama-1b", overrides=()) -> Config:
     return validate(apply_overrides(load_config(preset), cut))
 
 
+def check_accelerator(preset: str = "llama-1b") -> None:
+    """A ValueError where jax.devices()[0] is the host's CPU: --gpu's presets
+    are sized for an 80 GB accelerator (llama-1b at 8 x 4096 asks 86 GB of a
+    CPU host, and dies after minutes out of memory). JAXTP_BENCH_ANY_DEVICE=1
+    runs it anyway (bench/gpu.sh's dry run, with small overrides)."""
+    device = jax.devices()[0]
+    if device.platform == "cpu" and not os.environ.get("JAXTP_BENCH_ANY_DEVICE"):
+        raise ValueError(
+            f"--gpu times training on a GPU, and none was found: jax.devices()[0] is "
+            f"{device.platform} ({device.device_kind}); run it where jax has CUDA (pip install "
+            "'jax[cuda12]'); here, python -m jaxtp.bench --quick runs the CPU suite and "
+            f"python train.py --plan --config {preset} --tp 1 plans the preset's memory")
+
+
 def train_timed(cfg: Config, steps: int, warmup: int, peak: float | None) -> dict:
     """Train `cfg` on jax.devices()[0] for warmup + steps steps; timings and memory."""
     m, t = cfg.model, cfg.train
@@ -64,7 +80,7 @@ def train_timed(cfg: Config, steps: int, warmup: int, peak: float | None) -> dic
     state = init_train_state(cfg, mesh)
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     t0 = time.perf_counter()
-    step = compile_train_step(state, t.batch_size, m.seq_len, microbatches=t.microbatches)
+    step = compile_train_step(state, t.batch_size, m.seq_len)
     compile_s = time.perf_counter() - t0
     cost = step.cost_analysis()
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
@@ -105,7 +121,7 @@ def _predicted(r: dict, device, case: str) -> dict:
     # a scanned stack's body counts once in XLA's cost analysis: model flops then
     scanned = cfg.model.scan_layers
     flops = step_flops(cfg) * tokens if scanned or not r["xla_flops"] else r["xla_flops"]
-    p = predict_step(one, {"dp": 1, "tp": 1}, flops, [], tokens, r["flops_token"],
+    p = predict_step(one, Layout.make().sizes, flops, [], tokens, r["flops_token"],
                      None if scanned else r.get("hbm_bytes"))
     want = p["hidden"]["tokens_per_s"]
     return _row(case, "predicted throughput (jaxtp.analysis.predict)", want, "tokens/s",

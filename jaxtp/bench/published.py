@@ -18,7 +18,8 @@ from ..analysis import predict as P
 from ..analysis.budget import expected_collectives
 from ..analysis.cluster import PRESETS
 from ..config import apply_overrides, load_config, validate
-from ..train.metrics import model_flops_per_token
+from ..parallel import Layout
+from ..hardware import model_flops_per_token
 from .report import section
 
 TITAN = "torchtitan benchmarks/"
@@ -59,7 +60,7 @@ DECODE_CONTEXT = 205  # the prompt and the 200 tokens its benchmark generates: t
 def training_row(source, what, preset, overrides, cluster, published, misses) -> dict:
     cfg = validate(apply_overrides(load_config(preset), ["model.dtype=bfloat16", *overrides]))
     p = cfg.parallel
-    mesh = {"dp": p.dp, "cp": p.cp, "tp": p.tp}
+    mesh = Layout.make(**p.degrees).sizes
     tokens = cfg.train.batch_size * cfg.model.seq_len
     devices = p.dp * p.cp * p.tp
     traffic = P.from_budget(expected_collectives(cfg, p.impl, "gpu"))

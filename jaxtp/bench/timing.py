@@ -45,7 +45,7 @@ def build(name: str, cfg: Config) -> Run:
     mesh = Layout.of(cfg).mesh()
     state = init_train_state(cfg, mesh)
     t0 = time.perf_counter()
-    step = compile_train_step(state, t.batch_size, m.seq_len, microbatches=t.microbatches)
+    step = compile_train_step(state, t.batch_size, m.seq_len)
     compile_s = time.perf_counter() - t0
     tokens = np.random.default_rng(0).integers(0, m.vocab_size, (t.batch_size, m.seq_len + 1))
     tokens = to_mesh(tokens.astype(np.int32), mesh, cfg.parallel.cp_balance)

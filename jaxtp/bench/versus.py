@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from . import peer, peer_alt, torch_peer
-from ..train.state import resolve_attention
+from ..model.build import resolve_attention
 from .cases import PAIRED, _case, _get
 from .report import section
 from .timing import paired_ratio, time_alternating

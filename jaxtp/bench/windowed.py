@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 
 from ..analysis import windowed
+from ..train.step import compiled_step
 from ..parallel import make_mesh, mesh_for
 from .report import section
 
@@ -27,7 +28,7 @@ def bench_windowed(plan: dict, log=print) -> dict:
         log(f"windowed {i}/{len(cases)}: {model} {impl} remat={remat}, compile-only")
         cfg = windowed.proof_config(model, impl, remat)
         r = windowed.prove(cfg, mesh_for(make_mesh(1, 8, devices=devices[:8]), impl),
-                           log=lambda _: None)
+                           log=lambda _: None, compile_step=compiled_step)
         count = lambda kind, pass_: sum(n for k, n in r["loops"].items()
                                         if k.startswith(f"{kind} {pass_}"))
         want = lambda kind, pass_: sum(n for k, n in r["loops_budgeted"].items()

@@ -14,7 +14,8 @@ from ..hf import load_hf
 from ..parallel import make_mesh
 from ..train.checkpoint import Checkpointer
 from ..train.rundir import RunDir
-from ..train.state import abstract_train_state, resolve_attention
+from ..model.build import resolve_attention
+from ..train.state import abstract_train_state
 
 
 def generation_config(cfg: Config, tp: int | None, impl: str | None,

@@ -95,9 +95,10 @@ class Transformer(nnx.Module):
             param_dtype=cfg.param_dtype, rngs=rngs)
         if cfg.scan_layers:
             # one Block whose every parameter has a leading layer axis [L, ...],
-            # replicated over the mesh (the None added to each PartitionSpec)
+            # split over the layout's stack axis (None: replicated)
             @nnx.split_rngs(splits=cfg.n_layers)
-            @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+            @nnx.vmap(in_axes=0, out_axes=0,
+                      transform_metadata={nnx.PARTITION_NAME: layout.stack_axis})
             def stack(rngs):
                 return Block(cfg, layout, rngs=rngs)
 
@@ -132,7 +133,7 @@ class Transformer(nnx.Module):
             xs = () if keys is None else (keys[1:],)
 
             @nnx.scan(in_axes=(nnx.Carry, 0) + (0,) * len(xs), out_axes=nnx.Carry,
-                      transform_metadata={nnx.PARTITION_NAME: None})
+                      transform_metadata={nnx.PARTITION_NAME: self.layout.stack_axis})
             def body(x_BTD, block, *key):
                 return block_fn(block, x_BTD, key[0] if key else None)
 
@@ -152,7 +153,7 @@ class Transformer(nnx.Module):
         x_BTD = constrain(x_BTD, *self.layout.residual)
         if self.cfg.scan_layers:
             @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0, 0),
-                      transform_metadata={nnx.PARTITION_NAME: None})
+                      transform_metadata={nnx.PARTITION_NAME: self.layout.stack_axis})
             def body(x_BTD, block, k_BSKH, v_BSKH):
                 return block.extend(x_BTD, k_BSKH, v_BSKH, pos_BT, prefill)
 

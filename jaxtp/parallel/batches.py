@@ -6,9 +6,9 @@ over cp."""
 from __future__ import annotations
 
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
-from .layout import CP_AXIS, DATA_AXIS, cp_order
+from .layout import CP_AXIS, cp_order, named
 
 
 def batch_shape(B: int, T: int, mesh) -> tuple[int, ...]:
@@ -19,10 +19,16 @@ def batch_shape(B: int, T: int, mesh) -> tuple[int, ...]:
 
 
 def batch_sharding(mesh) -> NamedSharding:
-    """How a batch (`batch_shape`) is placed: split over dp, and its T over cp."""
+    """How a batch (`batch_shape`) is placed, by `RULES`: its rows as
+    "batch" (over dp), and under cp its T as "seq"."""
     if CP_AXIS in mesh.axis_names:
-        return NamedSharding(mesh, P(DATA_AXIS, None, CP_AXIS))
-    return NamedSharding(mesh, P(DATA_AXIS, None))
+        return named(mesh, "batch", None, "seq")
+    return named(mesh, "batch", None)
+
+
+def sequence_split(mesh) -> int:
+    """How many ranks `mesh` splits a sequence over (its cp degree; 1: whole)."""
+    return dict(mesh.shape).get(CP_AXIS, 1)
 
 
 def cp_batch(windows_BT1: np.ndarray, cp: int, balance: bool) -> np.ndarray:

@@ -22,6 +22,10 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 DATA_AXIS = "dp"  # the axis data parallelism splits the batch over
 CP_AXIS = "cp"  # the axis context parallelism splits the sequence over
 TP_AXIS = "tp"  # the axis tensor parallelism splits
+# every mesh axis, outermost first (tp innermost, on the fastest links); those
+# in OPTIONAL are on a run's mesh only where their degree is above 1
+AXES = (DATA_AXIS, CP_AXIS, TP_AXIS)
+OPTIONAL = frozenset({CP_AXIS})
 
 # Megatron layout: the hidden dims of the MLP, the attention heads and the
 # vocabulary are split over tp; the model dim stays whole on every tp rank;
@@ -56,8 +60,8 @@ def spec(*logical: str | None, rules: dict[str, tuple[str, ...]] | None = None) 
     rules = RULES if rules is None else rules
     mesh = jax.sharding.get_abstract_mesh()
     manual = frozenset() if mesh.empty else frozenset(mesh.manual_axes)
-    # cp is an axis of the mesh only where a run splits the sequence (cp > 1)
-    absent = {CP_AXIS} if not mesh.empty and CP_AXIS not in mesh.axis_names else set()
+    # an axis of size 1 may be left off the mesh (`Layout.make`): not split
+    absent = set() if mesh.empty else set(AXES) - set(mesh.axis_names)
     dims = []
     for name in logical:
         if name is not None and name not in rules:
@@ -122,18 +126,21 @@ class Layout:
         object.__setattr__(self, "axes", axes)
 
     @classmethod
-    def make(cls, dp: int = 1, tp: int = 1, cp: int = 1, **kw) -> "Layout":
-        """A layout of the config's degrees (`parallel.dp`, `.cp`, `.tp`): the
-        mesh (dp, cp, tp), its cp axis only where cp > 1."""
-        cp_axis = ((CP_AXIS, cp),) if cp > 1 else ()
-        return cls(axes=((DATA_AXIS, dp),) + cp_axis + ((TP_AXIS, tp),), **kw)
+    def make(cls, **kw) -> "Layout":
+        """A layout of these degrees (keywords named as `AXES`; 1 where not
+        given) and fields: its mesh has the axes in `AXES` order, an
+        `OPTIONAL` one only where its degree is above 1."""
+        degrees = {a: kw.pop(a, 1) for a in AXES}
+        return cls(axes=tuple((a, n) for a, n in degrees.items()
+                              if n > 1 or a not in OPTIONAL), **kw)
 
     @classmethod
     def of(cls, cfg) -> "Layout":
-        """The layout of a `jaxtp.config.Config`."""
+        """The layout of a `jaxtp.config.Config` (its `parallel` degrees are
+        named as the mesh axes)."""
         p, m = cfg.parallel, cfg.model
         sp = p.sp and p.tp > 1
-        return cls.make(p.dp, p.tp, p.cp, impl=p.impl, sp=sp, fsdp=p.fsdp,
+        return cls.make(**{a: getattr(p, a) for a in AXES}, impl=p.impl, sp=sp, fsdp=p.fsdp,
                         kv_sharded=m.kv_heads % p.tp == 0,
                         overlap=sp and p.overlap != "none",
                         bidi=sp and p.overlap == "collective_matmul_bidi",
@@ -142,6 +149,12 @@ class Layout:
     @property
     def sizes(self) -> dict[str, int]:
         return dict(self.axes)
+
+    @property
+    def stack_axis(self) -> str | None:
+        """The mesh axis a stacked layer dim is split over (none yet: every
+        rank holds every layer)."""
+        return None
 
     @property
     def dp(self) -> int:
@@ -237,9 +250,9 @@ def split_over_tp(s: P) -> bool:
 
 def make_mesh(dp: int = 1, tp: int = 1, devices=None, *, impl: str = "gspmd",
               cp: int = 1) -> Mesh:
-    """`Layout.make(dp, tp, cp, impl=impl).mesh(devices)`: a (dp, [cp,] tp) mesh
+    """`Layout.make(dp=dp, tp=tp, cp=cp, impl=impl).mesh(devices)`: a (dp, [cp,] tp) mesh
     for `impl`."""
-    return Layout.make(dp, tp, cp, impl=impl).mesh(devices)
+    return Layout.make(dp=dp, tp=tp, cp=cp, impl=impl).mesh(devices)
 
 
 def mesh_for(mesh: Mesh, impl: str) -> Mesh:

@@ -94,7 +94,7 @@ def make_loop_step(state: TrainState, cfg: Config, inject_nan_at=()) -> Callable
     it logs may have dispatched a few more).
     """
     t, m = cfg.train, cfg.model
-    core = step_fn(state, m.dropout > 0, t.microbatches)
+    core = step_fn(state, m.dropout > 0)
     schedule = lr_schedule(t)
     nan_steps = np.asarray(sorted(inject_nan_at) or [-1], np.int32)
 

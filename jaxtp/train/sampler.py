@@ -14,7 +14,7 @@ from ..config import INFERENCE_IMPLS, Config
 from ..data.tokenizer import run_tokenizer
 from ..generate import Generator
 from ..parallel import mesh_for
-from .state import abstract_model
+from ..model.build import abstract_model
 
 
 class LoopSampler:

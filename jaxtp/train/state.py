@@ -14,15 +14,15 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..config import Config
-from ..model import Transformer
-from ..model import kernels
-from ..parallel import Layout, compiler_options, mesh_for
+from ..model.build import abstract_model, build_model, resolve_attention
+from ..parallel import Layout, Schedule, compiler_options, mesh_for
 from .optim import make_optimizer
 
 
 @dataclasses.dataclass
 class TrainState:
-    """Everything a step needs, with the shardings it was placed with."""
+    """Everything a step needs, with the shardings it was placed with, and the
+    Layout and Schedule the run was decided with (once, from its config)."""
 
     graphdef: Any
     params: Any  # nnx.State of Params, sharded over the mesh
@@ -35,44 +35,21 @@ class TrainState:
     # XLA options the steps compile with (GSPMD's windowed einsum under
     # parallel.overlap, `jaxtp.parallel.compiler_options`); None: the defaults
     compiler_options: dict | None = None
+    layout: Layout = Layout()
+    schedule: Schedule = Schedule()
 
 
-def resolve_attention(cfg: Config, device=None, cpu_tuned: bool = True) -> Config:
-    """`cfg` with model.attention resolved for `device` (default: the first
-    device): `auto` becomes a kernel; `cudnn` where it cannot run is a
-    `kernels.KernelError` naming the reason. `cpu_tuned=False`: a CPU device
-    takes the accelerators' choice (`kernels.choose`)."""
-    m = cfg.model
-    device = jax.devices()[0] if device is None else device
-    kernel = kernels.choose(m.attention, m.dtype, m.head_dim, m.seq_len, device, cpu_tuned)
-    if kernel == "cudnn" and m.attention == "auto" and cfg.parallel.cp > 1:
-        kernel = "blockwise"  # cuDNN gives no log-sum-exp to merge cp's parts by
-    block = kernels.choose_block(m.attention, m.attention_block, device, cpu_tuned)
-    return dataclasses.replace(cfg, model=dataclasses.replace(m, attention=kernel,
-                                                              attention_block=block))
+def decide(cfg: Config, mesh: Mesh | None = None) -> tuple[Config, Layout, Mesh]:
+    """The run's decisions, made here and nowhere else in `jaxtp.train`: its
+    `Layout`, `mesh` (default: the layout's over this machine's devices) with
+    the impl's axis types, and `cfg` with its attention kernel resolved for
+    the mesh's devices. (Here and below `mesh` may have any axis types.)"""
+    layout = Layout.of(cfg)
+    mesh = layout.mesh() if mesh is None else layout.on(mesh)
+    return resolve_attention(cfg, mesh.devices.flat[0]), layout, mesh
 
 
-def build_model(cfg: Config, seed: int = 0, device=None) -> Transformer:
-    """The model of `cfg`, its parameters laid out by its `Layout` (FSDP or not),
-    its attention kernel resolved for `device`. Call under `jax.set_mesh` or
-    inside eval_shape: each parameter is placed by its PartitionSpec as it is
-    created."""
-    cfg = resolve_attention(cfg, device)
-    return Transformer(cfg.model, Layout.of(cfg), rngs=nnx.Rngs(seed))
-
-
-def abstract_model(cfg: Config, mesh: Mesh):
-    """(graphdef, abstract params) without allocating anything. (Here and in
-    each function below, `mesh` may have any axis types: it is retyped for
-    the impl, `Layout.on`.)"""
-    mesh = Layout.of(cfg).on(mesh)
-    with jax.set_mesh(mesh):
-        model = nnx.eval_shape(lambda: build_model(cfg, device=mesh.devices.flat[0]))
-    graphdef, params = nnx.split(model)
-    return graphdef, params
-
-
-def init_params(cfg: Config, mesh: Mesh):
+def init_params(cfg: Config, mesh: Mesh, layout: Layout | None = None):
     """Initialise directly into the sharded layout.
 
     Threefry is partitionable and GSPMD partitions the draw, so every tp and
@@ -82,21 +59,22 @@ def init_params(cfg: Config, mesh: Mesh):
     to 3 ulp off one device's). Explicit's arrays are then retyped onto its
     mesh (the same devices and layout).
     """
-    mesh = Layout.of(cfg).on(mesh)
-    graphdef, abstract = abstract_model(cfg, mesh)
+    if layout is None:
+        cfg, layout, mesh = decide(cfg, mesh)
+    graphdef, abstract = abstract_model(cfg, mesh, layout)
     shardings = nnx.get_named_sharding(abstract, mesh)
     auto = mesh_for(mesh, "gspmd")
 
     def create():
-        return nnx.split(build_model(cfg, cfg.train.seed, mesh.devices.flat[0]))[1]
+        return nnx.split(build_model(cfg, layout, cfg.train.seed, mesh.devices.flat[0]))[1]
 
     with jax.set_mesh(auto):
         params = jax.jit(create, out_shardings=nnx.get_named_sharding(abstract, auto))()
     return graphdef, jax.device_put(params, shardings), shardings
 
 
-def _state(cfg: Config, mesh: Mesh, graphdef, params, param_shardings) -> TrainState:
-    mesh = Layout.of(cfg).on(mesh)
+def _state(cfg: Config, layout: Layout, mesh: Mesh, graphdef, params,
+           param_shardings) -> TrainState:
     tx = make_optimizer(cfg.train)
     abstract = isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct)
     # placed parameters: under this mesh, whatever mesh the caller is under
@@ -115,27 +93,29 @@ def _state(cfg: Config, mesh: Mesh, graphdef, params, param_shardings) -> TrainS
             opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
     options = compiler_options(cfg, mesh.devices.flat[0].platform)
     return TrainState(graphdef, params, opt_state, tx, mesh, param_shardings, opt_shardings,
-                      cfg.train.grad_clip, options)
+                      cfg.train.grad_clip, options, layout, Schedule.of(cfg, layout))
 
 
 def init_train_state(cfg: Config, mesh: Mesh, params=None) -> TrainState:
     """Parameters (fresh, or `params` placed onto this mesh) and AdamW state."""
+    cfg, layout, mesh = decide(cfg, mesh)
     if params is None:
-        graphdef, params, param_shardings = init_params(cfg, mesh)
+        graphdef, params, param_shardings = init_params(cfg, mesh, layout)
     else:
-        graphdef, params, param_shardings = place_params(cfg, mesh, params)
-    return _state(cfg, mesh, graphdef, params, param_shardings)
+        graphdef, params, param_shardings = place_params(cfg, mesh, params, layout)
+    return _state(cfg, layout, mesh, graphdef, params, param_shardings)
 
 
-def place_params(cfg: Config, mesh: Mesh, values):
+def place_params(cfg: Config, mesh: Mesh, values, layout: Layout | None = None):
     """Put parameter values (an nnx.State from any tp, or a nested dict of
     arrays) into this config's layout on `mesh`: (graphdef, params, shardings).
 
     The layout metadata is part of the pytree (a kv projection is sharded at
     one tp and replicated at another), so values go through a plain dict.
     """
-    mesh = Layout.of(cfg).on(mesh)
-    graphdef, abstract = abstract_model(cfg, mesh)
+    if layout is None:
+        cfg, layout, mesh = decide(cfg, mesh)
+    graphdef, abstract = abstract_model(cfg, mesh, layout)
     shardings = nnx.get_named_sharding(abstract, mesh)
     pure = values if isinstance(values, dict) else nnx.to_pure_dict(values)
     want = jax.tree.map(lambda x: (x.shape, jnp.dtype(x.dtype)), nnx.to_pure_dict(abstract))
@@ -149,9 +129,9 @@ def place_params(cfg: Config, mesh: Mesh, values):
 
 def abstract_train_state(cfg: Config, mesh: Mesh) -> TrainState:
     """A TrainState of ShapeDtypeStructs: enough to compile a step, allocates nothing."""
-    mesh = Layout.of(cfg).on(mesh)
-    graphdef, abstract = abstract_model(cfg, mesh)
+    cfg, layout, mesh = decide(cfg, mesh)
+    graphdef, abstract = abstract_model(cfg, mesh, layout)
     param_shardings = nnx.get_named_sharding(abstract, mesh)
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           abstract, param_shardings)
-    return _state(cfg, mesh, graphdef, params, param_shardings)
+    return _state(cfg, layout, mesh, graphdef, params, param_shardings)

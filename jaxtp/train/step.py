@@ -19,11 +19,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..config import Config
-from ..parallel import (DATA_AXIS, batch_shape, batch_sharding, constrain, inputs_targets,
-                        keep_axes, make_mesh)
-from ..parallel.layout import explicit_mesh
+from ..parallel import Schedule, batch_shape, batch_sharding, inputs_targets, make_mesh
 from .optim import clip_by_global_norm
-from .state import TrainState, init_train_state
+from .state import TrainState, abstract_train_state, init_train_state
 
 
 def loss_fn(graphdef, params, tokens_BT1, dropout_key=None):
@@ -39,130 +37,23 @@ def cross_entropy_of(model, tokens_BT1):
     return jax.jit(lambda p, t: loss_fn(graphdef, p, t))(params, tokens_BT1)
 
 
-def grads_of(graphdef, params, tokens_BT1, key, microbatches: int = 1):
-    """(mean loss, gradients) of a batch [B, T+1], in `microbatches` sequential
-    slices of B/M rows whose gradients are summed in fp32: the same result as
-    one batch (the loss is a mean over equal-sized slices), with the
-    activation memory of B/M rows. The dropout key is folded per slice.
-
-    Slice m holds rows m, M+m, 2M+m, ...: reshaping [B] -> [B/M, M] keeps
-    each dp rank's rows on that rank (the dp split is on the leading B/M), so
-    slicing needs no communication.
-
-    With dp > 1 and parameters replicated over dp (their PartitionSpecs name
-    no dp), the slices run inside a shard_map manual over
-    dp (`_over_dp_once`): each rank sums its own partial gradients and the sum
-    is reduced over dp once per step, not once per slice. Under FSDP each
-    slice's gradient is reduce-scattered over dp where it is made (ZeRO-3's
-    sharded accumulator: Rajbhandari et al. 2020, Sec. 5.1), M times a step.
-    """
+def grads_of(graphdef, params, tokens_BT1, key, schedule: Schedule = Schedule()):
+    """(mean loss, gradients) of a batch [B, T+1] as `schedule` consumes it
+    (`jaxtp.parallel.Schedule`: whole, in sequential slices, or in slices
+    reduced over dp once per step): the same result as one batch."""
     value_and_grad = jax.value_and_grad(lambda p, t, k: loss_fn(graphdef, p, t, k))
-    if microbatches == 1:
-        return value_and_grad(params, tokens_BT1, key)
-    specs = nnx.get_partition_spec(params)
-    model = nnx.merge(graphdef, params)  # what it was built with: its layout, its kernel
-    if slices_over_dp(model.layout.dp, model.layout.fsdp, microbatches, model.layout.impl,
-                      model.cfg.attention, model.layout.cp):
-        return _over_dp_once(value_and_grad, params, specs, tokens_BT1, key, microbatches)
-    return _accumulate(value_and_grad, params, tokens_BT1, key, microbatches)
+    return schedule.loss_and_grads(value_and_grad, params, nnx.get_partition_spec(params),
+                                   tokens_BT1, key)
 
 
-def slices_over_dp(dp: int, fsdp: bool, microbatches: int, impl: str, attention: str,
-                   cp: int = 1) -> bool:
-    """Whether `grads_of` runs its slices in a shard_map manual over dp (the
-    gradient reduced once per step). Not under FSDP (each slice's gradient is
-    reduce-scattered), nor with cuDNN attention under gspmd or explicit
-    (jax 0.10.2: its custom partitioning fails inside a shard_map that leaves
-    an axis to GSPMD; shard_map's own regions are manual over every axis),
-    nor under cp (its sum over cp is per slice, so the slices reduce as one
-    batch does: not yet built): those reduce once per slice."""
-    return (dp > 1 and not fsdp and microbatches > 1 and cp == 1
-            and (attention != "cudnn" or impl == "shard_map"))
-
-
-def slices_over_dp_of(cfg: Config) -> bool:
-    """`slices_over_dp` for `cfg` (its attention resolved for the device)."""
-    p = cfg.parallel
-    return slices_over_dp(p.dp, p.fsdp, cfg.train.microbatches, p.impl, cfg.model.attention,
-                          p.cp)
-
-
-def _is_spec(x) -> bool:
-    return isinstance(x, P)
-
-
-def _accumulate(value_and_grad, params, tokens_BT1, key, microbatches: int):
-    """The slices' (mean loss, mean gradient), summed in fp32 by a scan."""
-    B, *rest = tokens_BT1.shape
-    tail = (None, "seq") if len(rest) == 2 else (None,)  # under cp [B, 2, T]: T over cp
-    tokens_MBT = constrain(tokens_BT1.reshape(B // microbatches, microbatches, *rest),
-                           "batch", None, *tail)
-    tokens_MBT = constrain(jnp.moveaxis(tokens_MBT, 1, 0), None, "batch", *tail)
-    # zeros_like: typed like each parameter (its sharding, under impl explicit)
-    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
-
-    def body(carry, xs):
-        loss_sum, grad_sum = carry
-        m, tokens = xs
-        loss, grads = value_and_grad(params, tokens,
-                                     None if key is None else jax.random.fold_in(key, m))
-        grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
-        return (loss_sum + loss, grad_sum), None
-
-    (loss_sum, grad_sum), _ = jax.lax.scan(
-        body, (jnp.float32(0), zeros), (jnp.arange(microbatches), tokens_MBT))
-    grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grad_sum, params)
-    return loss_sum / microbatches, grads
-
-
-def _over_dp_once(value_and_grad, params, specs, tokens_BT1, key, microbatches: int):
-    """`_accumulate` on each dp rank's rows, inside a shard_map manual over dp
-    (check_vma off: the body has no dp collective to check, and with it on
-    jax 0.10.2 mis-specs the residuals of a nested shard_map): the gradient
-    of each slice is this rank's partial sum (the parameters are replicated
-    over dp and dp is manual, so no one sums it), and the mean over dp is
-    taken once at the end, in the gradient dtype: one all-reduce of every
-    gradient per step, the bytes of an unsliced step. GSPMD (or a shard_map
-    nested over the other axes) places the rest as it does without slices.
-
-    On an Explicit mesh the other axes are made Auto around the shard_map and
-    Explicit again inside it (`auto_axes`, `explicit_axes`), so that the
-    model's types are as without slices: jax 0.10.2 closes a partial-manual
-    shard_map's Explicit axes at its boundary, and every gradient would be
-    gathered over tp on the way out. (Typing the parameters `reduced` over dp,
-    whose gradients are then `unreduced`, fails at the first elementwise use
-    of a parameter: jax 0.10.2 types only dot_general's mixed operands.)"""
-    mesh = jax.sharding.get_abstract_mesh()
-    others = tuple(a for a in mesh.axis_names if a != DATA_AXIS)
-    drop = lambda s: keep_axes(s, others)
-    whole = jax.tree.map(lambda s: P(), specs, is_leaf=_is_spec)  # over dp: replicated
-    key_spec = None if key is None else P()
-
-    def local(params, tokens_BT1, key):
-        loss, grads = _accumulate(value_and_grad, params, tokens_BT1, key, microbatches)
-        return (jax.lax.pmean(loss, DATA_AXIS),
-                jax.tree.map(lambda g: jax.lax.pmean(g, DATA_AXIS), grads))
-
-    explicit = explicit_mesh()
-    if explicit:
-        local = jax.sharding.explicit_axes(
-            local, axes=others, in_sharding=(jax.tree.map(drop, specs, is_leaf=_is_spec),
-                                             P(), key_spec))
-    step = jax.shard_map(local, in_specs=(whole, P(DATA_AXIS), key_spec),
-                         out_specs=(P(), whole), axis_names={DATA_AXIS}, check_vma=False)
-    if explicit:
-        step = jax.sharding.auto_axes(step, axes=others, out_sharding=(P(), specs))
-    return step(params, tokens_BT1, key)
-
-
-def step_fn(state: TrainState, use_dropout: bool, microbatches: int) -> Callable:
-    graphdef, tx, clip = state.graphdef, state.tx, state.grad_clip
+def step_fn(state: TrainState, use_dropout: bool) -> Callable:
+    graphdef, tx, clip, schedule = state.graphdef, state.tx, state.grad_clip, state.schedule
     specs = jax.tree.map(lambda s: s.spec, state.param_shardings)
 
     def step(params, opt_state, tokens_BT1, key, controls):
         max_loss, grad_scale = controls[0], controls[1]
         loss, grads = grads_of(graphdef, params, tokens_BT1, key if use_dropout else None,
-                               microbatches)
+                               schedule)
         grads = jax.tree.map(lambda g: (g * grad_scale).astype(g.dtype), grads)
         grads, grad_norm = clip_by_global_norm(grads, clip, specs)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (loss <= max_loss)
@@ -175,7 +66,7 @@ def step_fn(state: TrainState, use_dropout: bool, microbatches: int) -> Callable
     return step
 
 
-def make_train_step(state: TrainState, use_dropout: bool, microbatches: int = 1) -> Callable:
+def make_train_step(state: TrainState, use_dropout: bool) -> Callable:
     """jitted (params, opt_state, tokens, key, controls) -> (params, opt_state, metrics).
 
     `controls` = f32[2] (see `step_controls`): [max_loss, grad_scale]. The
@@ -188,7 +79,7 @@ def make_train_step(state: TrainState, use_dropout: bool, microbatches: int = 1)
     """
     replicated = NamedSharding(state.mesh, P())
     return jax.jit(
-        step_fn(state, use_dropout, microbatches),
+        step_fn(state, use_dropout),
         in_shardings=(state.param_shardings, state.opt_shardings,
                       batch_sharding(state.mesh), replicated, replicated),
         out_shardings=(state.param_shardings, state.opt_shardings, replicated),
@@ -209,14 +100,13 @@ def make_eval_step(state: TrainState) -> Callable:
 
 
 def compile_train_step(state: TrainState, batch_size: int, seq_len: int,
-                       use_dropout: bool = False, microbatches: int = 1,
-                       compiler_options: dict | None = None):
+                       use_dropout: bool = False, compiler_options: dict | None = None):
     """Ahead-of-time compiled train step for [batch, seq+1] tokens.
 
     Callable like the jitted step; `.as_text()` is the post-partitioning HLO
     whose collectives `jaxtp.hlo` reads. Works on an abstract state too.
     """
-    step = make_train_step(state, use_dropout, microbatches)
+    step = make_train_step(state, use_dropout)
     tokens = jax.ShapeDtypeStruct(batch_shape(batch_size, seq_len, state.mesh), jnp.int32,
                                   sharding=batch_sharding(state.mesh))
     # every argument abstract, so a mesh of compile-only devices works too
@@ -228,6 +118,15 @@ def compile_train_step(state: TrainState, batch_size: int, seq_len: int,
     options = {**(state.compiler_options or {}), **(compiler_options or {})} or None
     with jax.set_mesh(state.mesh):
         return step.lower(state.params, state.opt_state, tokens, key, controls).compile(options)
+
+
+def compiled_step(cfg: Config, mesh, compiler_options: dict | None = None):
+    """(the abstract TrainState of `cfg` on `mesh`, its train step compiled
+    for [batch, seq+1] tokens): the program `jaxtp.analysis` reads, handed to
+    it as `compile_step` (analysis imports nothing of `jaxtp.train`)."""
+    state = abstract_train_state(cfg, mesh)
+    return state, compile_train_step(state, cfg.train.batch_size, cfg.model.seq_len,
+                                     compiler_options=compiler_options)
 
 
 def single_device_check(cfg: Config, params0, batches, keys, loss: float, grad_norm: float,
@@ -244,8 +143,7 @@ def single_device_check(cfg: Config, params0, batches, keys, loss: float, grad_n
                                                                 impl="gspmd"))
     mesh = make_mesh(1, 1, devices=jax.devices()[:1])
     state = init_train_state(one, mesh, params=params0)
-    step = make_train_step(state, use_dropout=cfg.model.dropout > 0,
-                           microbatches=cfg.train.microbatches)
+    step = make_train_step(state, use_dropout=cfg.model.dropout > 0)
     params, opt_state = state.params, state.opt_state
     # the run's keys live on its mesh (typed with it under impl explicit)
     keys = [jax.device_put(k, NamedSharding(mesh, P())) for k in keys]

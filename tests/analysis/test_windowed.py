@@ -9,6 +9,7 @@ from jaxtp import hlo
 from jaxtp.analysis import windowed
 from jaxtp.parallel import make_mesh, mesh_for
 from jaxtp.parallel.xla_overlap import Forms
+from jaxtp.train.step import compiled_step
 
 # a scanned body (trip count 3) holding an all-gather loop (XLA's CPU names)
 # and the entry holding a reduce-scatter loop (XLA's GPU names)
@@ -62,7 +63,8 @@ def test_every_budgeted_loop_forms_past_the_cpu_threshold():
     every collective as budgeted, and outside the loops only what cannot be
     one (the output gradients read by two dots, the embedding's gather)."""
     cfg = windowed.proof_config("llama", "explicit")
-    r = windowed.prove(cfg, mesh_for(make_mesh(1, 8), "explicit"), log=lambda _: None)
+    r = windowed.prove(cfg, mesh_for(make_mesh(1, 8), "explicit"), log=lambda _: None,
+                       compile_step=compiled_step)
     assert r["budget"] == "matches" and r["ok"], r
     assert r["loops"] == r["loops_budgeted"] == {
         **{f"{k} {p} {s}": 2 for k in ("all-gather", "reduce-scatter")

@@ -172,8 +172,7 @@ def ledger_case(name, impl):
     model, kw = LEDGER[name]
     cfg = cfg_of(model, impl=impl, **kw)
     mesh = Layout.of(cfg).mesh()
-    step = compile_train_step(abstract_train_state(cfg, mesh), 8, model.seq_len,
-                              microbatches=cfg.train.microbatches)
+    step = compile_train_step(abstract_train_state(cfg, mesh), 8, model.seq_len)
     return cfg, dict(mesh.shape), hlo.collectives(step.as_text())
 
 
@@ -238,7 +237,7 @@ def test_bad_cp_layouts_are_refused_with_the_fix(kw, needle):
 
 def test_more_devices_than_exist_is_refused_naming_each_axis():
     with pytest.raises(ValueError, match=r"dp\*cp\*tp = 2\*4\*2 = 16 devices"):
-        Layout.make(2, 2, 4).mesh()
+        Layout.make(dp=2, cp=2, tp=4).mesh()
 
 
 @pytest.mark.slow

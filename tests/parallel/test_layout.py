@@ -10,10 +10,10 @@ def test_logical_axes_map_through_the_rules():
     assert spec("mlp", "embed") == P("tp", None)
     # the sequence is split over cp, an axis only a context-parallel mesh has
     assert spec("batch", "seq", "embed") == P("dp", "cp", None)
-    with jax.sharding.use_abstract_mesh(Layout.make(2, 4).abstract_mesh()):
+    with jax.sharding.use_abstract_mesh(Layout.make(dp=2, tp=4).abstract_mesh()):
         assert spec("batch", "seq", "embed") == P("dp", None, None)
         assert spec("batch", "sp_seq", "embed") == P("dp", "tp", None)
-    with jax.sharding.use_abstract_mesh(Layout.make(1, 2, 4).abstract_mesh()):
+    with jax.sharding.use_abstract_mesh(Layout.make(dp=1, tp=2, cp=4).abstract_mesh()):
         assert spec("batch", "sp_seq", "embed") == P("dp", ("cp", "tp"), None)
     assert spec("embed", None, "heads", "head_dim") == P(None, None, "tp", None)
 

@@ -277,7 +277,7 @@ VARIANTS_DP = {"plain": {}, "sp": {"sp": True}, "fsdp": {"fsdp": True},
 def dp2_tp4_collectives(model, impl, **kw):
     cfg = cfg_of(model, dp=2, tp=4, impl=impl, **kw)
     text = compile_train_step(abstract_train_state(cfg, make_mesh(2, 4, impl=impl)), 8,
-                              MODEL.seq_len, microbatches=cfg.train.microbatches).as_text()
+                              MODEL.seq_len).as_text()
     return cfg, hlo.collectives(text)
 
 

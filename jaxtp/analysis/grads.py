@@ -1,0 +1,327 @@
+"""The gradient ledger: where each parameter's gradient is summed, by one rule.
+
+A parameter's gradient is summed over the mesh axes that split the tokens it
+sees, minus the parameter's own axes (`reduced_over`, per parameter). dp and cp split the
+batch and the sequence for every parameter; under SP the parameters used on
+the sequence shard (norms, row-parallel biases, learned positions) see tp's
+split of the sequence too; FSDP's parameters own dp, where their gradient is
+reduce-scattered instead (ZeRO-3, Rajbhandari et al. 2020, Sec. 5.1). How a
+sum is carried out (`_placed`):
+
+- written in a shard_map region (shard_map's region weights, and under SP
+  its replicated kv weight): one psum over all of its axes;
+- placed by GSPMD (every gradient under gspmd and explicit, shard_map's
+  outside its regions): the sequence axes (cp, and tp) in one all-reduce,
+  then dp in another;
+- in slices reduced once (`jaxtp.parallel.Schedule.reduces_once`): the dp
+  part of every gradient once per step, after the slices.
+
+What else decides the bytes is the parameter's own (`_Grad`): a tied table is
+summed twice (its lookup's and its head's parts, apart), the head's once per
+loss chunk under cp (the chunks are taken within each rank's positions); the
+learned positions' gradient lives on the rank's own sequence rows, which are
+all that the sum over dp reduces; explicit gathers the positions' gradient
+rows over the sequence axes instead of summing them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from flax import nnx
+
+from ..config import Config
+from ..model import Transformer
+from ..model.vocab import loss_chunks
+from ..parallel import CP_AXIS, DATA_AXIS, TP_AXIS, Layout, spec_axes
+from .rows import ANY_SCOPE, HLO_DTYPES, Expected, reduces_once
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamShard:
+    """One parameter as the ledgers need it: its path, the elements one rank
+    holds of it over the axes other than dp, whether FSDP splits it over dp,
+    where it is used."""
+
+    path: str
+    elements: int  # a stacked parameter's: all its layers'
+    dp_split: bool
+    in_stack: bool  # a block's (under a scanned stack: one layer per loop trip)
+    # "column" (kernel or bias) / "row" kernel or "vocab" table: used inside a
+    # region (shard_map gathers it there); "": on global arrays (norms,
+    # row-parallel biases, positions)
+    region: str
+    # the MLP's down-projection bias: added last, its value feeds only the
+    # block's output, so a remat's recompute never needs it
+    block_output: bool
+
+
+def param_shards(cfg: Config) -> list[ParamShard]:
+    """Every parameter of `cfg`'s model as a `ParamShard`, from abstract shapes."""
+    # Auto axes whatever the impl: shapes only, no contraction is typed
+    layout = dataclasses.replace(Layout.of(cfg), impl="gspmd")
+    model = dataclasses.replace(cfg.model, attention="xla")  # shapes only
+    with jax.sharding.use_abstract_mesh(layout.abstract_mesh()):
+        params = nnx.state(nnx.eval_shape(
+            lambda: Transformer(model, layout, rngs=nnx.Rngs(0))), nnx.Param)
+    out = []
+    flat = jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    for path, v in flat:
+        names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        spec = v.get_metadata().get("out_sharding") or ()
+        module, leaf = names[-2], names[-1]
+        # a column-parallel bias is added inside the region; a row-parallel
+        # one after g, outside it
+        region = ("vocab" if leaf == "embedding" and module in ("wte", "lm_head") else
+                  "column" if module in ("q", "kv", "up") else
+                  "row" if leaf == "kernel" and module in ("out", "down") else "")
+        split = {a for e in spec for a in spec_axes(e)} - {DATA_AXIS}
+        out.append(ParamShard(
+            "/".join(names), int(np.prod(v.shape)) // int(np.prod(
+                [layout.sizes.get(a, 1) for a in split])),
+            any(DATA_AXIS in spec_axes(e) for e in spec), names[0] == "blocks", region,
+            module == "down" and leaf == "bias"))
+    return out
+
+
+def data_group(cfg: Config) -> tuple[int, tuple[str, ...]]:
+    """(size, mesh axes) of the axes that split every parameter's tokens: dp
+    and cp (each rank's gradient is its tokens' part)."""
+    p = cfg.parallel
+    axes = tuple(a for a, n in ((DATA_AXIS, p.dp), (CP_AXIS, p.cp)) if n > 1)
+    return p.dp * p.cp, axes or (DATA_AXIS,)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Grad:
+    """A parameter's gradient as the sums see it."""
+
+    shard: ParamShard
+    sums: int  # how many times its gradient is summed apart (a tied table's parts)
+    seq: tuple[str, ...]  # the sequence axes its sum spans (cp, and tp under SP)
+    written: bool  # summed by a psum in a shard_map region
+    dp_elements: int  # what the sum over dp alone reduces (positions: its own rows)
+    keyed: bool  # its sum over the sequence axes is a row of its own (`_sequence_rows`)
+
+
+def _grads(cfg: Config, impl: str) -> list[_Grad]:
+    m, p = cfg.model, cfg.parallel
+    sp = p.sequence_parallel
+    once = reduces_once(cfg)
+    chunks = loss_chunks(m.loss_chunk, cfg.train.batch_size // (p.dp * cfg.train.microbatches),
+                         m.seq_len // p.cp)[0] if p.cp > 1 and not p.fsdp else 1
+    out = []
+    for s in param_shards(cfg):
+        seq = (CP_AXIS,) * (p.cp > 1)
+        if sp and not s.region and not _whole_over_tp(cfg, impl, s):
+            seq += (TP_AXIS,)  # used on the sequence shard: partial over tp
+        sums = 1
+        if s.path in ("wte/embedding", "lm_head/embedding") and not once:
+            lookup = s.path == "wte/embedding"
+            head = m.tie_embeddings or not lookup
+            sums = int(lookup) + (chunks if head else 0)
+        dp_elements = s.elements
+        if s.path == "wpe/embedding" and not once:
+            dp_elements = m.seq_len // (p.cp * (p.tp if sp else 1)) * m.d_model
+        keyed = TP_AXIS in seq or _sp_kv(cfg, impl, s) or (
+            s.path == "wpe/embedding" and impl == "explicit" and p.cp > 1)
+        out.append(_Grad(s, sums, seq, impl == "shard_map" and bool(s.region), dp_elements,
+                         keyed))
+    return out
+
+
+def reduced_over(cfg: Config, impl: str) -> dict[str, tuple[str, ...]]:
+    """{parameter path: the mesh axes its gradient is summed over}: the axes
+    that split its tokens (dp, cp; tp for a sequence-shard parameter under
+    SP) minus its own (FSDP's dp, where it is reduce-scattered instead)."""
+    p = cfg.parallel
+    batch = (DATA_AXIS,) * (p.dp > 1)
+    out = {}
+    for g in _grads(cfg, impl):
+        own = (DATA_AXIS,) if g.shard.dp_split and p.fsdp else ()
+        kv_tp = (TP_AXIS,) if _sp_kv(cfg, impl, g.shard) else ()
+        out[g.shard.path] = tuple(a for a in batch + g.seq + kv_tp if a not in own)
+    return out
+
+
+def _whole_over_tp(cfg: Config, impl: str, s: ParamShard) -> bool:
+    """GSPMD sums the attention's row-parallel bias under SP from the output
+    gradient it gathered anyway: whole over tp (but not in slices reduced
+    once, where dp is manual, nor under the overlap, where the gradient
+    reaches the bias split along T)."""
+    return (s.path.endswith("attn/out/bias") and impl == "gspmd" and not reduces_once(cfg)
+            and cfg.parallel.overlap == "none")
+
+
+def expected_grads(cfg: Config, impl: str) -> list[Expected]:
+    """Every gradient sum of a step (and the loss mean over the same axes),
+    by the module docstring's rule: the sequence-shard rows (per parameter)
+    and the totals over dp and cp (any scope: XLA combines, splits and loops
+    them)."""
+    m, p = cfg.model, cfg.parallel
+    grads = _grads(cfg, impl)
+    rows = _sequence_rows(cfg, impl, grads) + _sp_kv_rows(cfg, impl)
+    if data_group(cfg)[0] == 1:
+        return rows
+    pd = HLO_DTYPES[m.param_dtype]
+    if reduces_once(cfg):  # one reduction of each whole gradient at the end
+        total = sum(g.shard.elements for g in grads)
+        return rows + [_loss_mean(p.dp, (DATA_AXIS,), "other"), Expected(
+            f"dp: every parameter gradient (tp shard), summed over dp once after "
+            f"{cfg.train.microbatches} microbatches", "all-reduce", "other", ANY_SCOPE, total,
+            pd, p.dp, 1, "grads", (DATA_AXIS,))]
+    if p.fsdp and p.dp > 1:  # (at dp = 1 FSDP splits nothing)
+        return rows + _fsdp_rows(cfg, impl, grads)
+    # the kv weight's whole sum is its own row (`_sp_kv_rows`)
+    return rows + _placed(cfg, impl, [g for g in grads if not _sp_kv(cfg, impl, g.shard)])
+
+
+def _placed(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]:
+    """The totals without FSDP, per microbatch: a written gradient's one psum
+    over dp x cp; GSPMD's sum over the sequence axes (what `_sequence_rows`
+    does not sum) and then over dp; the loss mean as GSPMD's."""
+    p, pd = cfg.parallel, HLO_DTYPES[cfg.model.param_dtype]
+    group, axes = data_group(cfg)
+    over = lambda a: " x ".join(a)
+    steps = [((CP_AXIS,), p.cp), ((DATA_AXIS,), p.dp)] if p.dp > 1 and p.cp > 1 else \
+        [(axes, group)]
+    written = sum(g.shard.elements * g.sums for g in grads if g.written)
+    rows = [_loss_mean(n, a) for a, n in steps]
+    for a, n in steps:
+        # every sum over dp; over cp, what no row of its own sums
+        placed = sum((g.dp_elements if a == (DATA_AXIS,) else g.shard.elements) * g.sums
+                     for g in grads if not g.written and (a == (DATA_AXIS,) or not g.keyed))
+        if impl == "shard_map":
+            rows.append(Expected(f"{over(axes)}: parameter gradients outside the regions "
+                                 f"(norms, biases, positions), summed over {over(a)} by GSPMD",
+                                 "all-reduce", "backward", ANY_SCOPE, placed, pd, n, 1,
+                                 "grads_placed", a, False, "microbatch"))
+        else:
+            rows.append(Expected(f"{over(a)}: every parameter gradient (tp shard), summed over "
+                                 f"{over(a)}", "all-reduce", "backward", ANY_SCOPE, placed, pd,
+                                 n, 1, "grads", a, per="microbatch"))
+    if written:
+        rows.append(Expected(f"{over(axes)}: every parameter gradient (tp shard), summed "
+                             f"over {over(axes)} in its region", "all-reduce", "backward",
+                             ANY_SCOPE, written, pd, group, 1, "grads", axes, per="microbatch"))
+    return rows
+
+
+def _fsdp_rows(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]:
+    """FSDP's sums, per microbatch: over cp first (what is whole over dp; a
+    written gradient in its region), then each dp-split gradient
+    reduce-scattered over dp (n/dp elements per rank: the accumulator stays
+    sharded), each other one all-reduced (with cp at once where written)."""
+    m, p, pd = cfg.model, cfg.parallel, HLO_DTYPES[cfg.model.param_dtype]
+    rows = [_loss_mean(p.dp, (DATA_AXIS,))]
+    joint = lambda g: g.written and not g.shard.dp_split  # one psum over dp x cp
+    if p.cp > 1:
+        cp = lambda pick: sum(g.shard.elements * g.sums for g in grads
+                              if pick(g) and not joint(g) and not g.keyed)
+        name = "cp: {} summed over cp before FSDP's reduction"
+        row = lambda what, n, role, written: Expected(
+            name.format(what), "all-reduce", "backward", ANY_SCOPE, n, pd, p.cp, 1, role,
+            (CP_AXIS,), written, "microbatch")
+        rows.append(_loss_mean(p.cp, (CP_AXIS,)))
+        if impl == "shard_map":
+            rows += [row("the regions' parameter gradients (whole over dp)",
+                         cp(lambda g: g.written), "", True),
+                     row("by GSPMD, the gradients outside the regions (norms, biases, "
+                         "positions)", cp(lambda g: not g.written), "cp_grads", False)]
+        else:
+            rows.append(row("every parameter gradient (whole over dp)", cp(lambda g: True),
+                            "cp_grads", True))
+    E = lambda name, kind, n, group=p.dp, axes=(DATA_AXIS,), role="", written=True: Expected(
+        "FSDP: " + name, kind, "backward", ANY_SCOPE, n, pd, group, 1, role, axes, written,
+        "microbatch")
+    region = sum(g.shard.elements * g.sums for g in grads if g.shard.dp_split and g.written)
+    placed = sum(g.dp_elements * g.sums for g in grads if g.shard.dp_split and not g.written)
+    replicated = sum(g.shard.elements * g.sums for g in grads if not g.shard.dp_split)
+    both = dict(group=p.dp * p.cp, axes=(DATA_AXIS, CP_AXIS)) if impl == "shard_map" and \
+        p.cp > 1 else {}
+    if region:
+        rows.append(E("region weights' gradients reduce-scattered (shard_map)",
+                      "reduce-scatter", region // p.dp))
+    if placed:
+        rows.append(E("gradients reduce-scattered over dp" +
+                      (" (GSPMD: norms, biases, positions)" if impl == "shard_map" else ""),
+                      "reduce-scatter", placed // p.dp, role="fsdp_gspmd", written=False))
+    if replicated:
+        rows.append(E("parameters not split over dp (no model dim): gradient all-reduced"
+                      + (" over dp x cp" if both else ""), "all-reduce", replicated, **both))
+    return rows
+
+
+def _loss_mean(group: int, axes: tuple[str, ...], pass_: str = "forward") -> Expected:
+    """The loss averaged over `axes`: in the forward pass of each microbatch,
+    or once after the slices reduced once ("other", written there)."""
+    over = " x ".join(axes)
+    return Expected(f"{over}: mean of the loss over {over}", "all-reduce", pass_, "", 1, "f32",
+                    group, 1, "loss_mean", axes, pass_ == "other",
+                    "step" if pass_ == "other" else "microbatch")
+
+
+def _sequence_rows(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]:
+    """The sums over the sequence axes of the parameters used on the
+    sequence shard, per parameter, under SP (over cp x tp at once) or, for
+    explicit's learned positions, under cp (gathered rows)."""
+    m, p = cfg.model, cfg.parallel
+    pd, cd = HLO_DTYPES[m.param_dtype], HLO_DTYPES[m.dtype]
+    once = reduces_once(cfg)
+    rows = []
+    for g in grads:
+        s = g.shard
+        positions = s.path == "wpe/embedding"
+        if TP_AXIS not in g.seq and not (positions and impl == "explicit" and p.cp > 1):
+            continue
+        group = int(np.prod([dict(p.degrees)[a] for a in g.seq]))
+        layers = m.n_layers if s.in_stack and m.scan_layers else 1
+        module = s.path.split("/")[-2]
+        bias = module in ("out", "down")  # a row-parallel bias (its kernel is a region's)
+        # explicit reshards the positions from replicated to the sequence
+        # split, whose transpose gathers the gradient's rows; so does every
+        # impl in slices reduced once (dp is manual there)
+        gather = positions and (impl == "explicit" or once)
+        what = ("learned positions on sequence shards: gradient sum"
+                + (" (gathered rows)" if gather else "") if positions else
+                f"{'attention' if module == 'out' else 'mlp'} row-parallel bias on sequence "
+                "shards: gradient sum"
+                if bias else "norm weights used on sequence shards: gradient sum")
+        scope = ("attention" if module == "out" else "mlp") if bias else ""
+        rows.append(Expected(what, "all-gather" if gather else "all-reduce", "backward", scope,
+                             s.elements // layers, cd if bias else pd, group, layers,
+                             "positions" if positions else "seq_shard_param", g.seq, False,
+                             "microbatch"))
+        if positions and once and impl != "explicit":
+            # GSPMD partitions the positions' scatter-add in the dp-manual
+            # region by gathering its indices (loop-invariant: once per step)
+            rows.append(Expected("learned positions: the gradient scatter's indices gathered",
+                                 "all-gather", "backward", "", m.seq_len, "s32", group, 1,
+                                 "positions_ids", g.seq, False, "step"))
+    return rows
+
+
+def _sp_kv(cfg: Config, impl: str, s: ParamShard) -> bool:
+    """shard_map's replicated kv weight under SP with fewer kv heads than tp:
+    fed the gathered x, its gradient is partial over tp too."""
+    p = cfg.parallel
+    return (s.path.endswith("attn/kv/kernel") and impl == "shard_map" and p.sequence_parallel
+            and cfg.model.kv_heads < p.tp)
+
+
+def _sp_kv_rows(cfg: Config, impl: str) -> list[Expected]:
+    """`_sp_kv`'s weight gradient (in the compute dtype it multiplied), summed
+    over dp, cp and tp at once, one psum per layer; FSDP's dp part is the
+    weight's reduce-scatter, and in slices reduced once dp comes after them."""
+    m, p = cfg.model, cfg.parallel
+    if not (impl == "shard_map" and p.sequence_parallel and m.kv_heads < p.tp):
+        return []
+    dp = 1 if p.fsdp or reduces_once(cfg) else p.dp
+    over = tuple(a for a, n in ((DATA_AXIS, dp), (CP_AXIS, p.cp)) if n > 1)
+    return [Expected("replicated kv weight gradient: sum over tp" + "".join(
+        f" and {a}" for a in over), "all-reduce", "backward", "attention",
+        m.d_model * 2 * m.kv_heads * m.head_dim, HLO_DTYPES[m.dtype], p.tp * dp * p.cp, 1,
+        "", over + (TP_AXIS,), per="layer")]

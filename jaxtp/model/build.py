@@ -1,0 +1,46 @@
+"""The model of a config on a layout: its attention kernel resolved for a
+device, built under a mesh (each parameter placed by its PartitionSpec as it
+is created), or only its shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from flax import nnx
+
+from ..parallel import Layout
+from . import kernels
+from .transformer import Transformer
+
+
+def resolve_attention(cfg, device=None, cpu_tuned: bool = True):
+    """`cfg` with model.attention resolved for `device` (default: the first
+    device): `auto` becomes a kernel; `cudnn` where it cannot run is a
+    `kernels.KernelError` naming the reason. `cpu_tuned=False`: a CPU device
+    takes the accelerators' choice (`kernels.choose`)."""
+    m = cfg.model
+    device = jax.devices()[0] if device is None else device
+    kernel = kernels.choose(m.attention, m.dtype, m.head_dim, m.seq_len, device, cpu_tuned)
+    if kernel == "cudnn" and m.attention == "auto" and cfg.parallel.cp > 1:
+        kernel = "blockwise"  # cuDNN gives no log-sum-exp to merge cp's parts by
+    block = kernels.choose_block(m.attention, m.attention_block, device, cpu_tuned)
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, attention=kernel,
+                                                              attention_block=block))
+
+
+def build_model(cfg, layout: Layout, seed: int = 0, device=None) -> Transformer:
+    """The model of `cfg` on `layout`, its attention kernel resolved for
+    `device`. Call under `jax.set_mesh` or inside eval_shape."""
+    cfg = resolve_attention(cfg, device)
+    return Transformer(cfg.model, layout, rngs=nnx.Rngs(seed))
+
+
+def abstract_model(cfg, mesh, layout: Layout | None = None):
+    """(graphdef, abstract params) without allocating anything; `mesh` may
+    have any axis types (it is retyped for the layout's impl, `Layout.on`)."""
+    layout = Layout.of(cfg) if layout is None else layout
+    mesh = layout.on(mesh)
+    with jax.set_mesh(mesh):
+        model = nnx.eval_shape(lambda: build_model(cfg, layout, device=mesh.devices.flat[0]))
+    return nnx.split(model)

@@ -1,0 +1,159 @@
+"""Who consumes a step's microbatches: the `Schedule`, decided once from the
+config beside the `Layout` and carried with it (`TrainState.schedule`).
+
+A step of B rows runs in M microbatches of B/M rows (`train.microbatches`):
+
+- "whole": M = 1, one value-and-grad of the batch;
+- "sequential": M slices in a scan, their gradients summed in fp32; each
+  slice's gradient is reduced over dp where it is made (by GSPMD, or by
+  FSDP's reduce-scatter: ZeRO-3's sharded accumulator, Rajbhandari et al.
+  2020, Sec. 5.1), M times a step;
+- "over_dp": the same scan inside a shard_map manual over dp: each rank sums
+  its own partial gradients and the sum is reduced over dp once per step.
+
+The step asks `Schedule.loss_and_grads` for (loss, grads); the ledger
+(`jaxtp.analysis.ledger`) multiplies each row by the Schedule's counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from .layout import DATA_AXIS, Layout, constrain, explicit_mesh, keep_axes
+
+MODES = ("whole", "sequential", "over_dp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """How a step's batch is consumed: `microbatches` (M) slices run as `mode`
+    (see the module docstring), over `stages` pipeline stages of
+    `layers // stages` layers each (1: no pipeline)."""
+
+    microbatches: int = 1
+    mode: str = "whole"
+    layers: int = 1
+    stages: int = 1
+    repeats: int = 1
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"schedule mode {self.mode!r}: one of {MODES}")
+        if self.mode == "whole" and self.microbatches != 1:
+            raise ValueError(f"a whole-batch schedule has 1 microbatch, not {self.microbatches}")
+
+    @classmethod
+    def of(cls, cfg, layout: Layout) -> "Schedule":
+        """The schedule of a config (its attention kernel resolved for the
+        device: `jaxtp.model.resolve_attention`) on `layout`."""
+        M = cfg.train.microbatches
+        return cls(microbatches=M, mode=_mode(layout, M, cfg.model.attention),
+                   layers=cfg.model.n_layers)
+
+    @property
+    def reduces_once(self) -> bool:
+        """Whether the gradients are reduced over dp once per step (not once
+        per microbatch)."""
+        return self.mode == "over_dp"
+
+    @property
+    def ticks(self) -> int:
+        """Loop trips of one step: v*M + p - 1 (a pipeline's fill and drain:
+        Huang et al. 2019, GPipe); M without a pipeline."""
+        return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def layers_per_rank(self) -> int:
+        return self.layers // self.stages
+
+    def loss_and_grads(self, value_and_grad, params, specs, tokens, key):
+        """(mean loss, gradients) of a placed batch by `value_and_grad(params,
+        tokens, key)`, as this schedule runs it (the same result as one batch:
+        the loss is a mean over equal-sized slices)."""
+        if self.mode == "whole":
+            return value_and_grad(params, tokens, key)
+        if self.mode == "over_dp":
+            return _over_dp_once(value_and_grad, params, specs, tokens, key, self.microbatches)
+        return _accumulate(value_and_grad, params, tokens, key, self.microbatches)
+
+
+def _mode(layout: Layout, M: int, attention: str) -> str:
+    """"over_dp" where the parameters are replicated over dp (no FSDP) and
+    nothing else splits the tokens (no cp: its sum over cp would be per
+    slice); not with cuDNN attention under gspmd or explicit (jax 0.10.2:
+    its custom partitioning fails inside a shard_map that leaves an axis to
+    GSPMD; shard_map's own regions are manual over every axis)."""
+    if M == 1:
+        return "whole"
+    if (layout.dp > 1 and not layout.fsdp and layout.cp == 1
+            and (attention != "cudnn" or layout.impl == "shard_map")):
+        return "over_dp"
+    return "sequential"
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+def _accumulate(value_and_grad, params, tokens_BT1, key, microbatches: int):
+    """The slices' (mean loss, mean gradient), summed in fp32 by a scan.
+
+    Slice m holds rows m, M+m, 2M+m, ...: reshaping [B] -> [B/M, M] keeps
+    each dp rank's rows on that rank (the dp split is on the leading B/M), so
+    slicing needs no communication. The dropout key is folded per slice."""
+    B, *rest = tokens_BT1.shape
+    tail = (None, "seq") if len(rest) == 2 else (None,)  # under cp [B, 2, T]: T over cp
+    tokens_MBT = constrain(tokens_BT1.reshape(B // microbatches, microbatches, *rest),
+                           "batch", None, *tail)
+    tokens_MBT = constrain(jnp.moveaxis(tokens_MBT, 1, 0), None, "batch", *tail)
+    # zeros_like: typed like each parameter (its sharding, under impl explicit)
+    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
+
+    def body(carry, xs):
+        loss_sum, grad_sum = carry
+        m, tokens = xs
+        loss, grads = value_and_grad(params, tokens,
+                                     None if key is None else jax.random.fold_in(key, m))
+        grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
+        return (loss_sum + loss, grad_sum), None
+
+    (loss_sum, grad_sum), _ = jax.lax.scan(
+        body, (jnp.float32(0), zeros), (jnp.arange(microbatches), tokens_MBT))
+    grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grad_sum, params)
+    return loss_sum / microbatches, grads
+
+
+def _over_dp_once(value_and_grad, params, specs, tokens_BT1, key, microbatches: int):
+    """`_accumulate` on each dp rank's rows inside a shard_map manual over dp:
+    the parameters are replicated over dp and dp is manual, so each slice's
+    gradient is this rank's partial sum, and the mean over dp is taken once
+    at the end: one all-reduce of every gradient per step. check_vma is off:
+    the body has no dp collective to check. On an Explicit mesh the other
+    axes are made Auto around the shard_map and Explicit again inside it
+    (`auto_axes`, `explicit_axes`), so the model's types are as without
+    slices (why: docs/scale.md, "Gradient accumulation")."""
+    mesh = jax.sharding.get_abstract_mesh()
+    others = tuple(a for a in mesh.axis_names if a != DATA_AXIS)
+    drop = lambda s: keep_axes(s, others)
+    whole = jax.tree.map(lambda s: P(), specs, is_leaf=_is_spec)  # over dp: replicated
+    key_spec = None if key is None else P()
+
+    def local(params, tokens_BT1, key):
+        loss, grads = _accumulate(value_and_grad, params, tokens_BT1, key, microbatches)
+        return (jax.lax.pmean(loss, DATA_AXIS),
+                jax.tree.map(lambda g: jax.lax.pmean(g, DATA_AXIS), grads))
+
+    explicit = explicit_mesh()
+    if explicit:
+        local = jax.sharding.explicit_axes(
+            local, axes=others, in_sharding=(jax.tree.map(drop, specs, is_leaf=_is_spec),
+                                             P(), key_spec))
+    step = jax.shard_map(local, in_specs=(whole, P(DATA_AXIS), key_spec),
+                         out_specs=(P(), whole), axis_names={DATA_AXIS}, check_vma=False)
+    if explicit:
+        step = jax.sharding.auto_axes(step, axes=others, out_sharding=(P(), specs))
+    return step(params, tokens_BT1, key)
