@@ -250,8 +250,13 @@ def _checkpoints_fail(options: tuple[str, ...], read_only_after_first: bool):
         out = tmp / "run"
         shutil.copytree(_long_run(work), out, symlinks=True)
         shutil.move(out / "checkpoints", tmp / "saved")
-        with Tmpfs(out / "checkpoints", *options) as fs:
-            shutil.copytree(tmp / "saved" / "4", fs.path / "4")  # the latest: 30 inodes
+        # "nr_inodes=left:N": the latest step's inodes and N more (how many
+        # files orbax writes for a step varies with the load: ~30)
+        need = 1 + sum(1 for _ in (tmp / "saved" / "4").rglob("*")) + 1
+        opts = [f"nr_inodes={need + int(o.split(':')[1])}" if o.startswith("nr_inodes=left:")
+                else o for o in options]
+        with Tmpfs(out / "checkpoints", *opts) as fs:
+            shutil.copytree(tmp / "saved" / "4", fs.path / "4")  # the latest
             proc = _stamped(TRAIN, "--resume", "--out", out,
                             "--checkpoint-every", "100" if read_only_after_first else "5")
             if read_only_after_first:
@@ -321,18 +326,27 @@ def _exit_within(seconds):
 
 
 def _half_written_step(work, tmp):
-    out = copy_run(work, tmp)
+    """The long run (no schedule change on resume) with its step 6 half-written."""
+    out = tmp / "run"
+    shutil.copytree(_long_run(work), out, symlinks=True)
     cut = out / "checkpoints" / "6.orbax-checkpoint-tmp"
     shutil.copytree(out / "checkpoints" / "4", cut)
     shutil.rmtree(cut / "arrays")
-    return run(TRAIN, "--resume", "--out", out, "--steps", "6")
+    return run(TRAIN, "--resume", "--out", out, "--until", "6")
 
 
 def _row_cut_at_checkpoint(work, tmp):
-    out = copy_run(work, tmp)
+    out = tmp / "run"
+    shutil.copytree(_long_run(work), out, symlinks=True)
     lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
     (out / "metrics.jsonl").write_text("".join(lines[:-1]) + lines[-1][:20])  # row 4, cut
-    return run(TRAIN, "--resume", "--out", out, "--steps", "5")
+    return run(TRAIN, "--resume", "--out", out, "--until", "5")
+
+
+def _status_said(r, *starts: str) -> None:
+    """stderr is these status lines, in order, and nothing else."""
+    assert len(r.lines) == len(starts) and all(
+        line.startswith(s) for line, s in zip(r.lines, starts)), r.err[-2000:]
 
 
 def _rows_complete(steps):
@@ -633,11 +647,15 @@ CASES = [
          _checkpoints_fail(("size=64m",), read_only_after_first=True), 3,
          "error: saving checkpoint step 200 in ", _exit_within(60), mounts=True, racing=True),
     Case("train: no inodes left at a save's first file",
-         _checkpoints_fail(("size=64m", "nr_inodes=40"), read_only_after_first=False), 3,
+         _checkpoints_fail(("size=64m", "nr_inodes=left:8"), read_only_after_first=False), 3,
          "error: saving checkpoint step ", _exit_within(60), mounts=True, racing=True),
-    Case("train: resume over a half-written step", _half_written_step, 0, None),
+    # (--until: a status line on stderr, where the run stands)
+    Case("train: resume over a half-written step", _half_written_step, 0, None,
+         lambda tmp, r: _status_said(r, "note: step 6 in ", "stopped after step 6 (--until)"),
+         status=True),
     Case("train: the last row cut at a checkpointed step", _row_cut_at_checkpoint, 0, None,
-         _rows_complete([1, 2, 3, 4, 5])),
+         lambda tmp, r: (_rows_complete([1, 2, 3, 4, 5])(tmp, r),
+                         _status_said(r, "stopped after step 5 (--until)")), status=True),
     Case("train: --init-from-hf with data ids above its vocabulary", _hf_vocab, 2,
          "error: data has token id "),
     # the train CLI (issue 42)

@@ -237,7 +237,7 @@ def test_bad_cp_layouts_are_refused_with_the_fix(kw, needle):
 
 def test_more_devices_than_exist_is_refused_naming_each_axis():
     with pytest.raises(ValueError, match=r"dp\*cp\*tp = 2\*4\*2 = 16 devices"):
-        Layout.make(dp=2, cp=2, tp=4).mesh()
+        Layout.make(dp=2, tp=2, cp=4).mesh()
 
 
 @pytest.mark.slow
