@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from ..config import Config
 from ..parallel import DATA_AXIS
-from .grads import param_shards
+from .params import param_shards
 from .rows import ANY_PASS, ANY_SCOPE, HLO_DTYPES, Expected
 
 

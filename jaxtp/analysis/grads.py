@@ -28,63 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
-from flax import nnx
 
 from ..config import Config
-from ..model import Transformer
 from ..model.vocab import loss_chunks
-from ..parallel import CP_AXIS, DATA_AXIS, TP_AXIS, Layout, spec_axes
+from ..parallel import CP_AXIS, DATA_AXIS, TP_AXIS
+from .params import ParamShard, param_shards
 from .rows import ANY_SCOPE, HLO_DTYPES, Expected, reduces_once
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamShard:
-    """One parameter as the ledgers need it: its path, the elements one rank
-    holds of it over the axes other than dp, whether FSDP splits it over dp,
-    where it is used."""
-
-    path: str
-    elements: int  # a stacked parameter's: all its layers'
-    dp_split: bool
-    in_stack: bool  # a block's (under a scanned stack: one layer per loop trip)
-    # "column" (kernel or bias) / "row" kernel or "vocab" table: used inside a
-    # region (shard_map gathers it there); "": on global arrays (norms,
-    # row-parallel biases, positions)
-    region: str
-    # the MLP's down-projection bias: added last, its value feeds only the
-    # block's output, so a remat's recompute never needs it
-    block_output: bool
-
-
-def param_shards(cfg: Config) -> list[ParamShard]:
-    """Every parameter of `cfg`'s model as a `ParamShard`, from abstract shapes."""
-    # Auto axes whatever the impl: shapes only, no contraction is typed
-    layout = dataclasses.replace(Layout.of(cfg), impl="gspmd")
-    model = dataclasses.replace(cfg.model, attention="xla")  # shapes only
-    with jax.sharding.use_abstract_mesh(layout.abstract_mesh()):
-        params = nnx.state(nnx.eval_shape(
-            lambda: Transformer(model, layout, rngs=nnx.Rngs(0))), nnx.Param)
-    out = []
-    flat = jax.tree_util.tree_flatten_with_path(
-        params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
-    for path, v in flat:
-        names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
-        spec = v.get_metadata().get("out_sharding") or ()
-        module, leaf = names[-2], names[-1]
-        # a column-parallel bias is added inside the region; a row-parallel
-        # one after g, outside it
-        region = ("vocab" if leaf == "embedding" and module in ("wte", "lm_head") else
-                  "column" if module in ("q", "kv", "up") else
-                  "row" if leaf == "kernel" and module in ("out", "down") else "")
-        split = {a for e in spec for a in spec_axes(e)} - {DATA_AXIS}
-        out.append(ParamShard(
-            "/".join(names), int(np.prod(v.shape)) // int(np.prod(
-                [layout.sizes.get(a, 1) for a in split])),
-            any(DATA_AXIS in spec_axes(e) for e in spec), names[0] == "blocks", region,
-            module == "down" and leaf == "bias"))
-    return out
 
 
 def data_group(cfg: Config) -> tuple[int, tuple[str, ...]]:

@@ -41,7 +41,7 @@ from ..parallel import make_mesh, mesh_for
 from ..hardware import HARDWARE, model_flops_per_token
 from ..model.build import resolve_attention
 from .cp import kv_heads_per_rank
-from .grads import param_shards
+from .params import param_shards
 from .predict import decode_lines, from_hlo, plan_lines
 from .targets import CPU_OVERSTATES, TargetUnavailable, target_mesh
 
