@@ -244,3 +244,22 @@ def global_batch(batch: np.ndarray, mesh: Mesh | None,
 
 
 __all__ = ["initialize", "requested", "describe", "any_process", "is_main", "global_batch"]
+
+
+def ensure_devices(n: int) -> str:
+    """Give a CPU-only process `n` fake CPU devices; call before JAX starts.
+
+    On a GPU/TPU machine this changes nothing (the CPU client is not the default
+    backend); `make_mesh` then checks the real device count. Returns a one-line
+    description of what was done.
+    """
+    try:
+        jax.config.update("jax_num_cpu_devices", max(n, 1))
+    except RuntimeError:
+        pass  # backend already started (e.g. under pytest): keep what it has
+    backend = jax.default_backend()
+    count = jax.device_count()
+    if backend == "cpu":
+        return (f"no accelerator: using {count} CPU devices "
+                f"(fake devices via jax_num_cpu_devices={count})")
+    return f"using {count} {backend} device(s)"

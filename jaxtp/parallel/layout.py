@@ -286,25 +286,6 @@ def check_device_count(sizes: dict[str, int], available: int, platform: str) -> 
             f"requested but this machine has {available} {platform} device(s); {hint}")
 
 
-def ensure_devices(n: int) -> str:
-    """Give a CPU-only process `n` fake CPU devices; call before JAX starts.
-
-    On a GPU/TPU machine this changes nothing (the CPU client is not the default
-    backend); `make_mesh` then checks the real device count. Returns a one-line
-    description of what was done.
-    """
-    try:
-        jax.config.update("jax_num_cpu_devices", max(n, 1))
-    except RuntimeError:
-        pass  # backend already started (e.g. under pytest): keep what it has
-    backend = jax.default_backend()
-    count = jax.device_count()
-    if backend == "cpu":
-        return (f"no accelerator: using {count} CPU devices "
-                f"(fake devices via jax_num_cpu_devices={count})")
-    return f"using {count} {backend} device(s)"
-
-
 def mesh_size(name: str) -> int:
     """Size of a mesh axis of the mesh in context (1 without a mesh)."""
     mesh = jax.sharding.get_abstract_mesh()
