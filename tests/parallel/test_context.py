@@ -99,10 +99,11 @@ def test_parts_merged_by_log_sum_exp_are_causal_attention(kernel):
                                         for i in range(4)], 1) * w)
 
     ref = lambda q, k, v: jnp.sum(kernels.xla_attention(q, k, v) * w)
-    g_ref = jax.grad(ref, (0, 1, 2))(q, k, v)
-    for fn in (ring, gathered):
-        np.testing.assert_allclose(jax.jit(fn)(q, k, v), ref(q, k, v), rtol=1e-5)
-        for a, b in zip(jax.jit(jax.grad(fn, (0, 1, 2)))(q, k, v), g_ref):
+    want, g_ref = jax.jit(jax.value_and_grad(ref, (0, 1, 2)))(q, k, v)
+    for fn in (ring, gathered):  # one program each: the value and its gradients
+        got, grads = jax.jit(jax.value_and_grad(fn, (0, 1, 2)))(q, k, v)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        for a, b in zip(grads, g_ref):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 

@@ -28,14 +28,14 @@ def check_ring(ring, mesh, x, w, tp: int, replaces: str, tol: float, grad_tol: f
     collective) anywhere; `bidi`: twice as many, of half a chunk each, half
     of them sent each way."""
     loss = lambda x, w: (ring(x, w) ** 2).sum()
-    with jax.set_mesh(mesh):
-        np.testing.assert_allclose(ring(x, w), x @ w, rtol=tol, atol=tol)
-        got = jax.grad(loss, (0, 1))(x, w)
+    with jax.set_mesh(mesh):  # each program compiled once: run, then read
+        forward = ring.lower(x, w).compile()
+        backward = jax.jit(jax.grad(loss, (0, 1))).lower(x, w).compile()
+        np.testing.assert_allclose(forward(x, w), x @ w, rtol=tol, atol=tol)
         want = jax.grad(lambda x, w: ((x @ w) ** 2).sum(), (0, 1))(x, w)
-        for g, r in zip(got, want):
+        for g, r in zip(backward(x, w), want):
             np.testing.assert_allclose(g, r, rtol=grad_tol, atol=grad_tol)
-        text = ring.lower(x, w).compile().as_text()
-        grad_text = jax.jit(jax.grad(loss, (0, 1))).lower(x, w).compile().as_text()
+        text, grad_text = forward.as_text(), backward.as_text()
     permutes = [c for c in hlo.collectives(text) if c.kind == "collective-permute"]
     kinds = [c.kind for c in hlo.collectives(text)]
     assert len(permutes) == (tp - 1) * (1 + bidi) and replaces not in kinds
