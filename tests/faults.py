@@ -55,7 +55,8 @@ def run(*argv, cwd=None, env=None, timeout=300) -> Result:
     return Result(r.returncode, r.stdout, r.stderr, time.perf_counter() - t0)
 
 
-def started(*argv, until: str, stream: str = "stdout") -> tuple[subprocess.Popen, float]:
+def started(*argv, until: str, stream: str = "stdout",
+            env=None) -> tuple[subprocess.Popen, float]:
     """A process, once its `stream` has printed `until` (the rest of that
     stream is then read by `finish`). It takes SIGINT as from a terminal even
     where this process ignores it (a shell's background job does, the child
@@ -65,7 +66,7 @@ def started(*argv, until: str, stream: str = "stdout") -> tuple[subprocess.Popen
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         proc = subprocess.Popen([sys.executable, "-u", *map(str, argv)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env())
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env or child_env())
     finally:
         if ignored:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -204,10 +205,17 @@ def _flag(*argv):
 
 def _second_writer(work, tmp):
     """A requeue that lands while the old job still runs (held still by
-    SIGSTOP meanwhile, so that it is alive whatever the machine's speed)."""
+    SIGSTOP meanwhile, so that it is alive whatever the machine's speed).
+    A device thread stopped mid-collective finds on SIGCONT that its peers'
+    rendezvous took as long as the stop: XLA's CPU runtime warns after 20 s
+    and aborts later, so the stopped process is given the stop's length
+    (a busy machine's second process took over 20 s)."""
     out = tmp / "run"
+    env = child_env()
+    env["XLA_FLAGS"] += (" --xla_cpu_collective_call_warn_stuck_timeout_seconds=600"
+                         " --xla_cpu_collective_call_terminate_timeout_seconds=1200")
     first, t0 = started(TRAIN, "--tp", "2", "--steps", "12", "--checkpoint-every", "4",
-                        *SMALL, "--out", out, until="step     3/")
+                        *SMALL, "--out", out, until="step     3/", env=env)
     first.send_signal(signal.SIGSTOP)
     try:
         second = run(TRAIN, "--resume", "--out", out)
@@ -269,7 +277,7 @@ def _stamped(*argv) -> subprocess.Popen:
     """A process whose stdout and stderr lines are read as they come, each
     with the time it arrived (`proc.stamped["out"]`, `["err"]`)."""
     proc = subprocess.Popen([sys.executable, "-u", *map(str, argv)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env())
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env or child_env())
     proc.t0, proc.stamped = time.perf_counter(), {"out": [], "err": []}
 
     def read(pipe, into):
