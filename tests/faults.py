@@ -277,7 +277,7 @@ def _stamped(*argv) -> subprocess.Popen:
     """A process whose stdout and stderr lines are read as they come, each
     with the time it arrived (`proc.stamped["out"]`, `["err"]`)."""
     proc = subprocess.Popen([sys.executable, "-u", *map(str, argv)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env or child_env())
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env())
     proc.t0, proc.stamped = time.perf_counter(), {"out": [], "err": []}
 
     def read(pipe, into):
