@@ -12,14 +12,16 @@ import functools
 
 import jax
 import numpy as np
+import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtp.config import Config, ModelConfig, TrainConfig
 from jaxtp.model.build import resolve_attention
 from jaxtp.parallel import Layout, Schedule, make_mesh
 from jaxtp.train.data import to_mesh
-from jaxtp.train.state import init_params, place_params
-from jaxtp.train.step import grads_of
+from jaxtp.train.state import abstract_train_state, init_params, place_params
+from jaxtp.train.step import grads_of, step_controls
 from reference import host_params
 
 
@@ -55,6 +57,39 @@ def loss_and_grads(cfg: Config, tokens, values=None, key=None):
                                                                                    placed)
     flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(jax.device_get(grads)))[0]
     return float(loss), {jax.tree_util.keystr(k): np.asarray(v) for k, v in flat}
+
+
+def step_loss_and_grads(cfg: Config, step, tokens, values=None):
+    """(loss, {path: full gradient}) as `loss_and_grads` gives them, read from
+    one run of the compiled train step `step` (`compile_train_step` for cfg
+    on its mesh): a test that reads a step's HLO checks the same program's
+    numbers, with no second compile.
+
+    From zero moments AdamW's first moment is mu = (1 - b1) * g after the
+    step's clipping by min(1, clip / norm) (optax.scale_by_adam; the norm is
+    the step's grad_norm metric), so g = mu / (1 - b1) / that factor, to a
+    few roundings. A skipped step leaves mu zero and fails the comparison.
+    """
+    layout = Layout.of(cfg)
+    mesh = layout.mesh()
+    _, params, _ = (initial_params(cfg, mesh) if values is None else
+                    place_params(cfg, mesh, values))
+    abstract = abstract_train_state(cfg, mesh)
+    # optax's AdamW state starts at zero: counts, moments
+    opt_state = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding),
+                             abstract.opt_state)
+    replicated = NamedSharding(mesh, P())
+    key, controls = (jax.device_put(x, replicated)
+                     for x in (jax.random.key(0), step_controls()))
+    placed = to_mesh(tokens, mesh, cfg.parallel.cp_balance)
+    _, opt_state, metrics = step(params, opt_state, placed, key, controls)
+    t = cfg.train
+    norm = float(metrics["grad_norm"])
+    clip = min(1.0, t.grad_clip / max(norm, 1e-30)) if t.grad_clip > 0 else 1.0
+    mu = nnx.to_pure_dict(jax.device_get(optax.tree_utils.tree_get(opt_state, "mu")))
+    flat = jax.tree_util.tree_flatten_with_path(mu)[0]
+    return float(metrics["loss"]), {jax.tree_util.keystr(k): np.asarray(v) / (1 - t.b1) / clip
+                                    for k, v in flat}
 
 
 def assert_same(a, b, rtol=1e-5, atol=1e-6):

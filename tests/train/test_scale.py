@@ -14,12 +14,12 @@ import pytest
 
 from jaxtp import hlo
 from jaxtp.analysis.budget import expected_collectives
-from jaxtp.analysis.rows import check
+from jaxtp.analysis.rows import check as check_rows
 from jaxtp.config import REMATS, Config, ModelConfig, ParallelConfig, TrainConfig, validate
 from jaxtp.model import stack_layers
 from jaxtp.parallel import make_mesh
 from jaxtp.train.state import abstract_train_state, init_train_state
-from cached import assert_same, initial_values
+from cached import assert_same, initial_values, step_loss_and_grads
 from cached import loss_and_grads as cached_loss_and_grads
 from jaxtp.train.step import compile_train_step, make_train_step, step_controls
 
@@ -48,21 +48,6 @@ def one_device(model):
 
 
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
-@pytest.mark.parametrize("model", [MODEL, GQA], ids=["gpt2", "llama-gqa"])
-def test_dp2_tp4_fsdp_and_sp_equal_one_device(model, impl):
-    """dp=2 x tp=4 plain, with FSDP, with SP in 2 microbatches (the slices in
-    a shard_map manual over dp, their gradient reduced once: jaxtp.train.step),
-    and all three: one batch on one device."""
-    ref = one_device(model)
-    assert_same(loss_and_grads(cfg_of(model, dp=2, tp=4, impl=impl)), ref)
-    assert_same(loss_and_grads(cfg_of(model, dp=2, tp=4, impl=impl, fsdp=True)), ref)
-    assert_same(loss_and_grads(cfg_of(model, dp=2, tp=4, impl=impl, sp=True, microbatches=2)),
-                ref)
-    assert_same(loss_and_grads(cfg_of(model, dp=2, tp=4, impl=impl, sp=True, fsdp=True,
-                                      microbatches=2)), ref)
-
-
-@pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
 def test_dropout_in_microbatches_over_dp_equals_one_device(impl):
     """Dropout masks are drawn per global row (jaxtp.model.layers.dropout), so
     a dp rank's slice inside the dp-local accumulation drops the units one
@@ -74,9 +59,6 @@ def test_dropout_in_microbatches_over_dp_equals_one_device(impl):
 
 
 test_dropout_in_microbatches_over_dp_equals_one_device.fast_cases = {'shard_map'}
-
-
-test_dp2_tp4_fsdp_and_sp_equal_one_device.fast_cases = {'llama-gqa-shard_map'}
 
 
 @pytest.mark.slow
@@ -197,7 +179,7 @@ def test_scanned_collectives_per_layer_and_compile_time(impl):
         times[L] = time.perf_counter() - t0
         assert "while" in text
         colls = hlo.collectives(text)
-        assert check(colls, expected_collectives(cfg, impl)) is None
+        assert check_rows(colls, expected_collectives(cfg, impl)) is None
         per_layer = sum(c.count for c in colls if c.scope == "mlp" and c.kind == "all-reduce")
         assert per_layer == 2 * L  # one forward, one backward per layer
     print(f"\ncompile time, scanned, {impl}: 2 layers {times[2]:.1f}s, 8 layers {times[8]:.1f}s")
@@ -274,30 +256,54 @@ VARIANTS_DP = {"plain": {}, "sp": {"sp": True}, "fsdp": {"fsdp": True},
                                       "remat": "full"}}
 
 
-def dp2_tp4_collectives(model, impl, **kw):
+@functools.cache
+def dp2_tp4_step(model, impl, **kw):
+    """(cfg, its train step compiled at dp=2 x tp=4): one program per layout,
+    whose HLO the budget reads and whose numbers the parity check runs."""
     cfg = cfg_of(model, dp=2, tp=4, impl=impl, **kw)
-    text = compile_train_step(abstract_train_state(cfg, make_mesh(2, 4, impl=impl)), 8,
-                              MODEL.seq_len).as_text()
-    return cfg, hlo.collectives(text)
+    return cfg, compile_train_step(abstract_train_state(cfg, make_mesh(2, 4, impl=impl)), 8,
+                                   MODEL.seq_len)
 
 
+def dp2_tp4_collectives(model, impl, **kw):
+    cfg, step = dp2_tp4_step(model, impl, **kw)
+    return cfg, hlo.collectives(step.as_text())
+
+
+# each layout's one compiled step is checked twice, by neighbouring cases (so
+# one test worker compiles it once): its collectives against the budget, and
+# its gradients against one device
+@pytest.mark.parametrize("check", ["budget", "one-device"])
 @pytest.mark.parametrize("variant", list(VARIANTS_DP))
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
 @pytest.mark.parametrize("model", [MODEL, GQA], ids=["gpt2", "llama-gqa"])
-def test_dp2_tp4_collectives_match_the_budget(model, impl, variant):
-    """dp=2 x tp=4: the tp budget per dp rank and microbatch (b = B/dp/M)
-    plus the dp rows, for the three impls in every layout of VARIANTS_DP:
-    shard_map writes dp out too, so no activation is gathered over dp."""
+def test_the_dp2_tp4_step_holds_the_budget_and_one_devices_gradients(model, impl, variant,
+                                                                       check):
+    """dp=2 x tp=4 in every layout of VARIANTS_DP, for the three impls.
+
+    budget: the tp budget per dp rank and microbatch (b = B/dp/M) plus the dp
+    rows; shard_map writes dp out too, so no activation is gathered over dp.
+    one-device: the step's loss and gradients (read from its first Adam
+    moment: `cached.step_loss_and_grads`) are one batch's on one device (a
+    scanned stack's against one device's, scanned too): plain, FSDP, SP, the
+    slices in a shard_map manual over dp with their gradient reduced once
+    (jaxtp.parallel.schedule), and their combinations.
+    """
+    if check == "one-device":
+        cfg, step = dp2_tp4_step(model, impl, **VARIANTS_DP[variant])
+        ref = dataclasses.replace(model, scan_layers=cfg.model.scan_layers)
+        assert_same(step_loss_and_grads(cfg, step, TOKENS), one_device(ref))
+        return
     cfg, colls = dp2_tp4_collectives(model, impl, **VARIANTS_DP[variant])
     # exact: a collective the budget lacks (an activation gathered over dp) fails too,
     # and so does one over other mesh axes than its row names (tp, dp or both)
     expected = expected_collectives(cfg, impl, jax.default_backend())
     sizes = {"dp": 2, "tp": 4}
-    assert check(colls, expected, sizes) is None
+    assert check_rows(colls, expected, sizes) is None
     # the same rows with dp's and tp's axes swapped are caught
     swap = {("dp",): ("tp",), ("tp",): ("dp",)}
     wrong = [dataclasses.replace(e, axes=swap.get(e.axes, e.axes)) for e in expected]
-    assert "(dp)" in check(colls, wrong, sizes) or "(tp)" in check(colls, wrong, sizes)
+    assert "(dp)" in check_rows(colls, wrong, sizes) or "(tp)" in check_rows(colls, wrong, sizes)
     if cfg.parallel.fsdp and cfg.model.remat == "none":
         # by hand, ZeRO-3's forward: every parameter split over dp is gathered
         # over dp once (a loop invariant, hoisted out of the microbatch loop),
@@ -310,8 +316,9 @@ def test_dp2_tp4_collectives_match_the_budget(model, impl, variant):
         assert gathered == whole
 
 
-test_dp2_tp4_collectives_match_the_budget.fast_cases = {
-    "llama-gqa-shard_map-sp", "gpt2-gspmd-fsdp-sp-mb2", "gpt2-explicit-fsdp"}
+test_the_dp2_tp4_step_holds_the_budget_and_one_devices_gradients.fast_cases = {
+    f"{case}-{check}" for case in ("llama-gqa-shard_map-sp", "gpt2-gspmd-fsdp-sp-mb2",
+                                   "gpt2-explicit-fsdp") for check in ("budget", "one-device")}
 
 
 @pytest.mark.parametrize("impl", ["gspmd", "explicit"])
@@ -320,7 +327,7 @@ def test_fsdp_in_bf16_gathers_the_tied_table_once(impl):
     own fp32 for the lookup and the head alike, so the tied table's two uses
     are one gather (the budget, whose CPU rows carry 16-bit in fp32)."""
     cfg, colls = dp2_tp4_collectives(MODEL, impl, fsdp=True, dtype="bfloat16")
-    assert check(colls, expected_collectives(cfg, impl, "cpu"), {"dp": 2, "tp": 4}) is None
+    assert check_rows(colls, expected_collectives(cfg, impl, "cpu"), {"dp": 2, "tp": 4}) is None
     table = MODEL.padded_vocab // 4 * MODEL.d_model
     assert sum(c.count for c in colls if c.kind == "all-gather" and c.elements == table) == 1
 
