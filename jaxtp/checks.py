@@ -28,6 +28,8 @@ ATTENTIONS = ("auto", "xla", "blockwise", "cudnn")  # jaxtp.model.kernels (auto:
 # how the attention core reaches the other cp ranks' keys and values
 # (jaxtp.parallel.context); the parallel package holds the same names
 CP_STRATEGIES = ("allgather", "ring")
+# how the pipeline stages run their microbatches (jaxtp.parallel.pipeline)
+PP_SCHEDULES = ("gpipe",)
 # how long a multi-process start waits for every process (jaxtp.parallel.distributed)
 COORDINATOR_TIMEOUT_S = 300
 
@@ -81,6 +83,7 @@ def _check_ranges(cfg: Config) -> None:
             "eval_batches", "lr", "max_skipped_steps", "keep_checkpoints")},
         "model.ln_eps": m.ln_eps, "model.init_std": m.init_std,
         "parallel.dp": p.dp, "parallel.tp": p.tp, "parallel.cp": p.cp,
+        "parallel.pp": p.pp, "parallel.pp_repeats": p.pp_repeats,
     }
     for k, v in positive.items():
         if not v > 0:
@@ -112,7 +115,9 @@ def _check_choices(cfg: Config) -> None:
                                  ("parallel.impl", cfg.parallel.impl, IMPLS),
                                  ("parallel.overlap", cfg.parallel.overlap, OVERLAPS),
                                  ("parallel.cp_attention", cfg.parallel.cp_attention,
-                                  CP_STRATEGIES)):
+                                  CP_STRATEGIES),
+                                 ("parallel.pp_schedule", cfg.parallel.pp_schedule,
+                                  PP_SCHEDULES)):
         if value not in choices:
             raise ConfigError(f"{name}={value!r}; choose one of {choices}")
 
@@ -161,6 +166,38 @@ def _check_cp(cfg: Config) -> None:
                           "--overlap none with --cp")
 
 
+def _check_pp(cfg: Config) -> None:
+    """What a pipeline needs: whole layers per stage, at least as many
+    microbatches as stages, and the parts built for it so far."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    if p.pp == 1:
+        if p.pp_repeats != 1:
+            raise ConfigError(f"parallel.pp_repeats={p.pp_repeats} repeats pipeline stages, and "
+                              "parallel.pp=1 has none: add --pp N, or drop pp_repeats")
+        return
+    chunks = p.pp * p.pp_repeats
+    if m.n_layers % chunks:
+        ok = [n for n in range(2, m.n_layers + 1) if m.n_layers % (n * p.pp_repeats) == 0]
+        raise ConfigError(
+            f"pipeline parallelism splits model.n_layers={m.n_layers} evenly over pp={p.pp} "
+            f"stages x {p.pp_repeats} repeat(s); valid --pp here: {ok or 'none'}, or set "
+            f"model.n_layers to a multiple of {chunks}")
+    if t.microbatches < p.pp:
+        raise ConfigError(
+            f"train.microbatches={t.microbatches} is below pp={p.pp}: a pipeline keeps every "
+            f"stage busy only with at least one microbatch per stage; set --microbatches "
+            f"{2 * p.pp} (the default with --pp {p.pp}) or more")
+    if p.pp_repeats != 1:
+        raise ConfigError(f"parallel.pp_repeats={p.pp_repeats}: repeats belong to the circular "
+                          "schedule, which is not built yet; use parallel.pp_repeats=1")
+    unbuilt = [(p.impl == "explicit", "--impl explicit (use gspmd or shard_map)"),
+               (p.cp > 1, "--cp"), (m.dropout > 0, "model.dropout > 0"),
+               (p.overlap != "none", f"--overlap {p.overlap}")]
+    for cond, what in unbuilt:
+        if cond:
+            raise ConfigError(f"pipeline parallelism (--pp) is not built for {what} yet")
+
+
 def _check_layout(cfg: Config) -> None:
     """What the (dp, cp, tp) mesh must divide."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
@@ -195,11 +232,14 @@ def _check_layout(cfg: Config) -> None:
         raise ConfigError(f"the bidirectional rings send halves of each rank's "
                           f"model.seq_len/tp = {m.seq_len}/{p.tp} positions both ways; set "
                           f"model.seq_len to a multiple of {2 * p.tp}")
-    if t.batch_size % (p.dp * t.microbatches):
+    _check_pp(cfg)
+    if t.batch_size % (p.pp * p.dp * t.microbatches):
+        pp = f"pp*" * (p.pp > 1)
+        ppv = f"{p.pp}*" * (p.pp > 1)
         raise ConfigError(
-            f"train.batch_size={t.batch_size} is not divisible by dp*microbatches="
-            f"{p.dp}*{t.microbatches}; set train.batch_size to a multiple of "
-            f"{p.dp * t.microbatches}"
+            f"train.batch_size={t.batch_size} is not divisible by {pp}dp*microbatches="
+            f"{ppv}{p.dp}*{t.microbatches}; set train.batch_size to a multiple of "
+            f"{p.pp * p.dp * t.microbatches}"
         )
     _check_cp(cfg)
     if p.fsdp and m.d_model % p.dp:

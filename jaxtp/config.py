@@ -18,7 +18,8 @@ from typing import Any
 # the choices a config may make, the error of one it may not, and the rules
 # (jaxtp.checks, which imports nothing of this module)
 from .checks import (ATTENTIONS, COORDINATOR_TIMEOUT_S, CP_STRATEGIES, DTYPES, IMPLS,
-                     INFERENCE_IMPLS, OVERLAPS, REMATS, STYLES, ConfigError, check)
+                     INFERENCE_IMPLS, OVERLAPS, PP_SCHEDULES, REMATS, STYLES, ConfigError,
+                     check)
 
 # the presets: `jaxtp/configs/` in an installed wheel (pyproject maps the
 # repository's top-level `configs/` there), the repository's own in a checkout
@@ -134,6 +135,13 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
+    # pipeline parallelism: the blocks split by layer over a pp axis, the
+    # outermost (stages cross the slowest links); the batch runs through them
+    # in train.microbatches microbatches by `pp_schedule`
+    # (jaxtp.parallel.pipeline), with `pp_repeats` layer chunks per stage
+    pp: int = degree()
+    pp_schedule: str = resumable("gpipe")
+    pp_repeats: int = 1
     dp: int = degree()
     tp: int = degree()
     # context parallelism: the sequence split over a cp axis for the whole
@@ -317,5 +325,6 @@ def validate(cfg: Config) -> Config:
 
 __all__ = ["ATTENTIONS", "CONFIG_DIR", "COORDINATOR_TIMEOUT_S", "Config", "ConfigError",
            "CP_STRATEGIES", "DTYPES", "IMPLS", "INFERENCE_IMPLS", "ModelConfig", "OVERLAPS",
+           "PP_SCHEDULES",
            "ParallelConfig", "REMATS", "STYLES", "TrainConfig", "apply_overrides",
            "load_config", "preset_names", "validate"]

@@ -238,8 +238,10 @@ def collectives(text: str) -> list[Collective]:
             # a permute's group: its pairs; else the devices of one group
             group = None if groups is None else \
                 len(groups) if base == "collective-permute" else len(groups[0])
-            if group == 1:
-                continue  # over one device (a psum over a mesh axis of size 1): moves nothing
+            if group == 1 and (base != "collective-permute" or groups[0][0] == groups[0][1]):
+                # over one device (a psum over a mesh axis of size 1): moves
+                # nothing; a permute's one pair between two devices does
+                continue
             arrays = _arrays(type_text)
             for i, (dtype, shape) in enumerate(arrays):
                 elem_op = names.of_element(name, i, op_name) if len(arrays) > 1 else op_name

@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..config import Config
-from ..parallel import Layout, cache_spec, named
+from ..parallel import Layout, cache_spec, keep_axes, named
 from ..parallel.distributed import global_batch
 
 
@@ -99,7 +99,7 @@ class Generator:
 
         # the token comes back replicated: every process of a multi-process
         # run reads the whole batch's tokens (B values)
-        cache = NamedSharding(mesh, P(None, *cache_spec()))
+        cache = NamedSharding(mesh, P(None, *keep_axes(cache_spec(), mesh.axis_names)))
         outs = (NamedSharding(mesh, P()), cache, cache)
         self._prefill = jax.jit(prefill, out_shardings=outs)
         self._decode = jax.jit(decode, out_shardings=outs, donate_argnums=(3, 4))  # in place

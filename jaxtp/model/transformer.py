@@ -16,6 +16,7 @@ from flax import nnx
 from ..config import REMATS, ModelConfig
 from ..parallel import Layout, constrain
 from ..parallel.context import KV_NAME as CP_KV
+from ..parallel.pipeline import pipeline
 from .attention import Attention
 from .layers import Embed, dropout, make_norm
 from .mlp import MLP
@@ -93,18 +94,11 @@ class Transformer(nnx.Module):
         self.wpe = None if cfg.style == "llama" else Embed(
             cfg.seq_len, cfg.d_model, layout, std=cfg.init_std, dtype=cfg.dtype,
             param_dtype=cfg.param_dtype, rngs=rngs)
-        if cfg.scan_layers:
-            # one Block whose every parameter has a leading layer axis [L, ...],
-            # split over the layout's stack axis (None: replicated)
-            @nnx.split_rngs(splits=cfg.n_layers)
-            @nnx.vmap(in_axes=0, out_axes=0,
-                      transform_metadata={nnx.PARTITION_NAME: layout.stack_axis})
-            def stack(rngs):
-                return Block(cfg, layout, rngs=rngs)
-
-            self.blocks = stack(rngs)
-        else:
-            self.blocks = nnx.List([Block(cfg, layout, rngs=rngs) for _ in range(cfg.n_layers)])
+        # the blocks draw their parameters in order, one after another, whether
+        # they are kept as a list or stacked: a scanned or pipelined model
+        # starts from the values of the plain one
+        blocks = [Block(cfg, layout, rngs=rngs) for _ in range(cfg.n_layers)]
+        self.blocks = _stacked(blocks, cfg, layout) if layout.stacked(cfg) else nnx.List(blocks)
         self.ln_f = make_norm(cfg, layout)
         self.lm_head = None if cfg.tie_embeddings else VocabEmbed(cfg, layout, rngs=rngs)
         self.cfg, self.layout = cfg, layout
@@ -126,22 +120,31 @@ class Transformer(nnx.Module):
             x_BTD = x_BTD + pos_1TD
         x_BTD = constrain(dropout(x_BTD, self.cfg.dropout, None if keys is None else keys[0]),
                           *self.layout.residual)
-        block_fn = _block_fn(self.cfg.remat)
-        if self.cfg.scan_layers:
-            # a while loop over the stacked parameters: compile time and HLO size
-            # do not grow with depth (jaxtp.hlo multiplies by the trip count)
-            xs = () if keys is None else (keys[1:],)
-
-            @nnx.scan(in_axes=(nnx.Carry, 0) + (0,) * len(xs), out_axes=nnx.Carry,
-                      transform_metadata={nnx.PARTITION_NAME: self.layout.stack_axis})
-            def body(x_BTD, block, *key):
-                return block_fn(block, x_BTD, key[0] if key else None)
-
-            x_BTD = body(x_BTD, self.blocks, *xs)
+        if self.layout.pp > 1:
+            x_BTD = pipeline(lambda blocks, x: self._run_stack(blocks, x, None), self.blocks,
+                             x_BTD, self.layout)
+        elif self.layout.stacked(self.cfg):
+            x_BTD = self._run_stack(self.blocks, x_BTD, None if keys is None else keys[1:])
         else:
+            block_fn = _block_fn(self.cfg.remat)
             for i, block in enumerate(self.blocks):
                 x_BTD = block_fn(block, x_BTD, None if keys is None else keys[i + 1])
         return self.ln_f(x_BTD)
+
+    def _run_stack(self, blocks, x_BTD, keys_L):
+        """The stacked `blocks` on x in order: a while loop over the stacked
+        parameters, so that compile time and HLO size do not grow with depth
+        (jaxtp.hlo multiplies by the trip count). `keys_L`: per-layer dropout
+        keys, or None."""
+        block_fn = _block_fn(self.cfg.remat)
+        xs = () if keys_L is None else (keys_L,)
+
+        @nnx.scan(in_axes=(nnx.Carry, 0) + (0,) * len(xs), out_axes=nnx.Carry,
+                  transform_metadata={nnx.PARTITION_NAME: self.layout.stack_axis})
+        def body(x_BTD, block, *key):
+            return block_fn(block, x_BTD, key[0] if key else None)
+
+        return body(x_BTD, blocks, *xs)
 
     def extend(self, tokens_BT, pos_BT, k_LBSKH, v_LBSKH, prefill: bool):
         """Inference over new positions with per-layer KV caches [L, B, S, Kc, H]
@@ -151,7 +154,7 @@ class Transformer(nnx.Module):
         if self.wpe is not None:
             x_BTD = x_BTD + self.wpe(pos_BT)
         x_BTD = constrain(x_BTD, *self.layout.residual)
-        if self.cfg.scan_layers:
+        if self.layout.stacked(self.cfg):
             @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0, 0),
                       transform_metadata={nnx.PARTITION_NAME: self.layout.stack_axis})
             def body(x_BTD, block, k_BSKH, v_BSKH):
@@ -180,6 +183,25 @@ class Transformer(nnx.Module):
         """Mean next-token cross-entropy, from vocab-sharded logits."""
         x_BTD = self.hidden(tokens_BT, dropout_key=dropout_key)
         return self.head.token_losses(x_BTD, targets_BT).mean()
+
+
+def _stacked(blocks: list[Block], cfg: ModelConfig, layout: Layout) -> Block:
+    """One Block whose every parameter is the `blocks`' stacked on a leading
+    layer axis [L, ...], split over the layout's stack axis (None:
+    replicated). Its structure comes from an `nnx.vmap`ped construction
+    whose own draws are discarded (unused under jit)."""
+    @nnx.split_rngs(splits=cfg.n_layers)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: layout.stack_axis})
+    def stack(rngs):
+        return Block(cfg, layout, rngs=rngs)
+
+    stacked = stack(nnx.Rngs(0))
+    state = nnx.state(stacked)
+    pure = stack_layers({"blocks": dict(enumerate(nnx.to_pure_dict(nnx.state(b))
+                                                  for b in blocks))})["blocks"]
+    nnx.replace_by_pure_dict(state, pure)
+    nnx.update(stacked, state)
+    return stacked
 
 
 def stack_layers(pure: dict) -> dict:

@@ -121,7 +121,8 @@ class GlobalArrays:
     def batch_per_dp_rank(self, B: int) -> int:
         # the arrays are global (local over dp inside `jaxtp.train.step`'s
         # dp-local gradient accumulation)
-        return B if DATA_AXIS in manual_axes() else B // self.layout.dp
+        # (pp splits the batch as dp does outside the pipeline)
+        return B if DATA_AXIS in manual_axes() else B // (self.layout.dp * self.layout.pp)
 
     def vocab_max(self, v):
         return v

@@ -19,20 +19,23 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+PP_AXIS = "pp"  # the axis pipeline parallelism splits the layers over
 DATA_AXIS = "dp"  # the axis data parallelism splits the batch over
 CP_AXIS = "cp"  # the axis context parallelism splits the sequence over
 TP_AXIS = "tp"  # the axis tensor parallelism splits
 # every mesh axis, outermost first (tp innermost, on the fastest links); those
 # in OPTIONAL are on a run's mesh only where their degree is above 1
-AXES = (DATA_AXIS, CP_AXIS, TP_AXIS)
-OPTIONAL = frozenset({CP_AXIS})
+AXES = (PP_AXIS, DATA_AXIS, CP_AXIS, TP_AXIS)
+OPTIONAL = frozenset({PP_AXIS, CP_AXIS})
 
 # Megatron layout: the hidden dims of the MLP, the attention heads and the
 # vocabulary are split over tp; the model dim stays whole on every tp rank;
 # the batch is split over dp and the sequence over cp (context parallelism;
-# a mesh without a cp axis leaves it whole: `spec`).
+# a mesh without a cp axis leaves it whole: `spec`). Outside the pipeline
+# (embedding, LM head, loss) pp splits the batch as dp does: every stage
+# runs them on its own rows (`jaxtp.parallel.pipeline`).
 RULES: dict[str, tuple[str, ...]] = {
-    "batch": (DATA_AXIS,),
+    "batch": (PP_AXIS, DATA_AXIS),
     "seq": (CP_AXIS,),
     # the residual stream's sequence under sequence parallelism: each cp
     # rank's part split again over tp (Korthikanti et al. 2022)
@@ -117,6 +120,12 @@ class Layout:
     # the sequence's chunks r and 2cp-1-r (causal load balance) or chunk r
     cp_attention: str = "allgather"
     cp_balance: bool = True
+    # pipeline parallelism (a pp axis): the stacked blocks split over pp by
+    # layer, run as `pipeline` ("gpipe"; jaxtp.config.PP_SCHEDULES) over
+    # `microbatches` microbatches with `repeats` chunks per stage
+    pipeline: str = "gpipe"
+    microbatches: int = 1
+    repeats: int = 1
 
     def __post_init__(self):
         axes = tuple(self.axes.items()) if isinstance(self.axes, dict) else tuple(self.axes)
@@ -144,7 +153,10 @@ class Layout:
                         kv_sharded=m.kv_heads % p.tp == 0,
                         overlap=sp and p.overlap != "none",
                         bidi=sp and p.overlap == "collective_matmul_bidi",
-                        cp_attention=p.cp_attention, cp_balance=p.cp_balance)
+                        cp_attention=p.cp_attention, cp_balance=p.cp_balance,
+                        **({} if p.pp == 1 else dict(pipeline=p.pp_schedule,
+                                                     microbatches=cfg.train.microbatches,
+                                                     repeats=p.pp_repeats)))
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -152,9 +164,18 @@ class Layout:
 
     @property
     def stack_axis(self) -> str | None:
-        """The mesh axis a stacked layer dim is split over (none yet: every
-        rank holds every layer)."""
-        return None
+        """The mesh axis a stacked layer dim is split over: pp (each stage
+        holds its layers), or None (every rank holds every layer)."""
+        return PP_AXIS if self.pp > 1 else None
+
+    def stacked(self, model_cfg) -> bool:
+        """Whether the blocks' parameters are stacked on a leading layer axis
+        (`model.scan_layers`, and always under pp: the stages' layers)."""
+        return model_cfg.scan_layers or self.pp > 1
+
+    @property
+    def pp(self) -> int:
+        return self.sizes.get(PP_AXIS, 1)
 
     @property
     def dp(self) -> int:

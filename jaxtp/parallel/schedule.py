@@ -9,7 +9,11 @@ A step of B rows runs in M microbatches of B/M rows (`train.microbatches`):
   FSDP's reduce-scatter: ZeRO-3's sharded accumulator, Rajbhandari et al.
   2020, Sec. 5.1), M times a step;
 - "over_dp": the same scan inside a shard_map manual over dp: each rank sums
-  its own partial gradients and the sum is reduced over dp once per step.
+  its own partial gradients and the sum is reduced over dp once per step;
+- "pipeline": one value-and-grad of the batch, whose forward pass runs the
+  M microbatches through `stages` pipeline stages (`jaxtp.parallel.pipeline`)
+  and whose backward pass is its autodiff: each gradient is summed over the
+  microbatches as it is made, and reduced over dp once per step.
 
 The step asks `Schedule.loss_and_grads` for (loss, grads); the ledger
 (`jaxtp.analysis.ledger`) multiplies each row by the Schedule's counts.
@@ -25,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from .layout import DATA_AXIS, Layout, constrain, explicit_mesh, keep_axes
 
-MODES = ("whole", "sequential", "over_dp")
+MODES = ("whole", "sequential", "over_dp", "pipeline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +47,8 @@ class Schedule:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"schedule mode {self.mode!r}: one of {MODES}")
+        if self.mode == "pipeline" and self.stages == 1:
+            raise ValueError("a pipeline schedule has more than one stage")
         if self.mode == "whole" and self.microbatches != 1:
             raise ValueError(f"a whole-batch schedule has 1 microbatch, not {self.microbatches}")
 
@@ -51,6 +57,9 @@ class Schedule:
         """The schedule of a config (its attention kernel resolved for the
         device: `jaxtp.model.resolve_attention`) on `layout`."""
         M = cfg.train.microbatches
+        if layout.pp > 1:
+            return cls(microbatches=M, mode="pipeline", layers=cfg.model.n_layers,
+                       stages=layout.pp, repeats=layout.repeats)
         return cls(microbatches=M, mode=_mode(layout, M, cfg.model.attention),
                    layers=cfg.model.n_layers)
 
@@ -74,7 +83,7 @@ class Schedule:
         """(mean loss, gradients) of a placed batch by `value_and_grad(params,
         tokens, key)`, as this schedule runs it (the same result as one batch:
         the loss is a mean over equal-sized slices)."""
-        if self.mode == "whole":
+        if self.mode in ("whole", "pipeline"):  # (the model runs the pipeline)
             return value_and_grad(params, tokens, key)
         if self.mode == "over_dp":
             return _over_dp_once(value_and_grad, params, specs, tokens, key, self.microbatches)

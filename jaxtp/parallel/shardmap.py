@@ -209,6 +209,8 @@ def run_sharded(module, fn: Callable, *args, arg_specs=None, out_specs=None,
             leaves = [vary(x, manual) for x in leaves]
         return fn(nnx.merge(graphdef, jax.tree.unflatten(tree, leaves)), *args)
 
+    if not manual:  # inside a shard_map already manual over every axis (a pipeline's)
+        return per_shard(params, *args)
     in_specs = (param_specs,) + tuple(map(only, arg_specs or (act_spec(),) * len(args)))
     out_specs = act_spec() if out_specs is None else out_specs
     out_specs = tuple(map(only, out_specs)) if isinstance(out_specs, tuple) else only(out_specs)

@@ -20,7 +20,8 @@ import pytest
 from flax import nnx
 
 from jaxtp.config import Config, ModelConfig, ParallelConfig
-from jaxtp.parallel import make_mesh
+from jaxtp.model import unstack_layers
+from jaxtp.parallel import Layout, make_mesh
 from jaxtp.train.state import init_params
 from jaxtp.train.step import loss_fn
 from cached import initial_params, initial_values
@@ -96,18 +97,25 @@ def test_init_is_the_same_in_every_layout(variant):
     bit, as one device at every tp (the kv heads sharded at tp=2, replicated
     at 8), split over dp by FSDP, and on a mesh of Explicit axes (drawn on its
     Auto twin: typed on Explicit axes a third of the normal draws came out up
-    to 3 ulp off); shard_map's parameters are gspmd's. So the other tests take
-    them from one init (tests/cached.py)."""
+    to 3 ulp off); shard_map's parameters are gspmd's; stacked on a layer
+    axis (scanned, and over pp's stages) the blocks hold the list's values.
+    So the other tests take them from one init (tests/cached.py)."""
     model = VARIANTS[variant]
     want = initial_values(make_cfg(1, model=model))
-    for par in (ParallelConfig(tp=2), ParallelConfig(tp=8), ParallelConfig(tp=8, impl="explicit"),
-                ParallelConfig(dp=2, tp=4, fsdp=True)):
-        mesh = make_mesh(par.dp, par.tp, impl=par.impl)
-        got = host_params(init_params(Config(model=model, parallel=par), mesh)[1])
+    scanned = dataclasses.replace(model, scan_layers=True)
+    for m, par in ((model, ParallelConfig(tp=2)), (model, ParallelConfig(tp=8)),
+                   (model, ParallelConfig(tp=8, impl="explicit")),
+                   (model, ParallelConfig(dp=2, tp=4, fsdp=True)),
+                   (scanned, ParallelConfig(tp=4)), (model, ParallelConfig(pp=2, tp=4))):
+        layout = Layout.of(Config(model=m, parallel=par))
+        got = host_params(init_params(Config(model=m, parallel=par), layout.mesh())[1])
+        if layout.stacked(m):
+            got = unstack_layers(got)
         assert jax.tree.structure(got) == jax.tree.structure(want)
         for path, w in jax.tree_util.tree_flatten_with_path(want)[0]:
             g = functools.reduce(lambda d, k: d[k.key], path, got)
-            np.testing.assert_array_equal(g, w, err_msg=f"{par} {jax.tree_util.keystr(path)}")
+            np.testing.assert_array_equal(g, w, err_msg=f"{m.scan_layers} {par} "
+                                                        f"{jax.tree_util.keystr(path)}")
 
 
 test_init_is_the_same_in_every_layout.fast_cases = {"llama-gqa"}

@@ -8,8 +8,9 @@ from jaxtp.parallel import Layout, check_device_count, keep_axes, make_mesh, spe
 def test_logical_axes_map_through_the_rules():
     assert spec("embed", "mlp") == P(None, "tp")
     assert spec("mlp", "embed") == P("tp", None)
-    # the sequence is split over cp, an axis only a context-parallel mesh has
-    assert spec("batch", "seq", "embed") == P("dp", "cp", None)
+    # the sequence is split over cp, an axis only a context-parallel mesh
+    # has, the batch over pp (outside the pipeline) and dp
+    assert spec("batch", "seq", "embed") == P(("pp", "dp"), "cp", None)
     with jax.sharding.use_abstract_mesh(Layout.make(dp=2, tp=4).abstract_mesh()):
         assert spec("batch", "seq", "embed") == P("dp", None, None)
         assert spec("batch", "sp_seq", "embed") == P("dp", "tp", None)

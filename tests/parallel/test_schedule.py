@@ -37,7 +37,9 @@ def test_ticks_and_layers_per_rank():
 
 
 def test_a_schedule_that_cannot_run_is_refused():
-    with pytest.raises(ValueError, match="schedule mode 'pipeline'"):
-        Schedule(mode="pipeline")
+    with pytest.raises(ValueError, match="schedule mode 'zigzag'"):
+        Schedule(mode="zigzag")
+    with pytest.raises(ValueError, match="pipeline schedule has more than one stage"):
+        Schedule(microbatches=4, mode="pipeline")
     with pytest.raises(ValueError, match="whole-batch schedule has 1 microbatch, not 4"):
         Schedule(microbatches=4, mode="whole")

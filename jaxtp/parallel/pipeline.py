@@ -1,0 +1,124 @@
+"""Pipeline parallelism: the stacked blocks split by layer over the pp axis,
+the batch run through the stages in microbatches (SPMD, as GPipe: Huang et
+al. 2019; the form of MaxText's `layers/pipeline.py`).
+
+Stage r holds layers [r*L/p, (r+1)*L/p). Inside a shard_map manual over pp
+and dp, a scan runs M + p - 1 ticks; at tick t stage 0 takes microbatch t,
+every stage runs its layers on what it holds, the last stage keeps
+microbatch t - (p - 1)'s output, and every stage passes its output to the
+next by one `ppermute` (pairs r -> r+1). Every stage computes in every tick:
+the p - 1 fill and drain ticks of each stage run on zeros or stale inputs
+and their results are dropped (the bubble, (p-1)/(M+p-1) of the ticks).
+Autodiff of the scan gives the backward pass: a scan over the ticks in
+reverse whose ppermute has the pairs reversed.
+
+Outside the pipeline pp splits the batch as dp does (`RULES["batch"]`):
+each stage embeds, and later takes the loss of, its own B/p rows, so the
+LM head is not computed p times. Entering, stage 0 receives every other
+stage's rows (p - 1 permutes r -> 0); leaving, the last stage sends each
+stage its rows (p - 1 permutes p-1 -> r). Their transposes run in the
+backward pass. (Point to point, not all-gather and reduce-scatter: inside
+a shard_map manual over pp but not tp, XLA gathers an all-gather's or
+reduce-scatter's operand over tp first, measured on jax 0.10.2; a permute
+keeps its split.) The weights outside the pipeline (embedding, final norm,
+head) are replicated over pp; their gradients are summed over pp x dp once
+per step, as dp's are.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from .collectives import vary
+from .layout import (DATA_AXIS, PP_AXIS, TP_AXIS, Layout, constrain, keep_axes, spec,
+                     spec_axes)
+
+_is_spec = lambda x: isinstance(x, P)
+
+
+def pipeline(stage: Callable, blocks, x_BTD, layout: Layout):
+    """`stage(blocks, x)` over the stacked `blocks` of every stage, in
+    order, on `x_BTD` [B, T, D] (the residual stream, B split over pp and
+    dp), by GPipe's schedule: the stream after the last layer, laid out
+    like `x_BTD`.
+
+    The shard_map is manual over pp and dp (under impl shard_map over every
+    axis, so that the blocks' own regions run inside it, unnested): each
+    stage's parameters enter once, cast to varying over dp, so that their
+    gradients are reduced over dp once per step (the cast's transpose), not
+    once per tick. FSDP's are gathered over dp on entry (by GSPMD, before
+    the shard_map, under gspmd; by an all-gather in it under shard_map), so
+    a stage holds its layers whole for the step."""
+    p, M = layout.pp, layout.microbatches
+    mesh = jax.sharding.get_abstract_mesh()
+    big = {a for a, n in dict(mesh.shape).items() if n > 1}
+    everything = layout.impl == "shard_map"
+    manual = (big | {TP_AXIS}) if everything else big & {PP_AXIS, DATA_AXIS}
+    graphdef, params = nnx.split(blocks)
+    specs = nnx.get_partition_spec(params)
+    # under gspmd an FSDP weight enters whole over dp (GSPMD gathers it)
+    param_specs = jax.tree.map(lambda s: keep_axes(s, manual if everything else {PP_AXIS}),
+                               specs, is_leaf=_is_spec)
+    x_spec = keep_axes(spec(*layout.residual), manual)
+    dp = DATA_AXIS in manual
+
+    def per_stage(params, x_nTD):
+        leaves, tree = jax.tree.flatten(params)
+        leaves = [_enter(x, s, dp) for x, s in zip(
+            leaves, jax.tree.leaves(param_specs, is_leaf=_is_spec))]
+        params = jax.tree.unflatten(tree, leaves)
+        r = jax.lax.axis_index(PP_AXIS)
+        # (pinned as the stream is: under SP split along T over tp)
+        pin = lambda x: constrain(x, *(None,) * (x.ndim - 3), *layout.residual)
+        # stage 0 holds every stage's rows [p, n, T, D] -> M microbatches
+        # [M, p*n/M, T, D] (the other stages: zeros, unread)
+        xs_pnTD = jnp.stack([pin(x_nTD)] + [
+            jax.lax.ppermute(x_nTD, PP_AXIS, [(k, 0)]) for k in range(1, p)])
+        _, n, *rest = xs_pnTD.shape
+        xs_MbTD = pin(jnp.moveaxis(xs_pnTD.reshape(p, n // M, M, *rest), 2, 0).reshape(
+            M, p * n // M, *rest))
+        held_bTD = jnp.zeros_like(xs_MbTD[0])
+        out_MbTD = jnp.zeros_like(xs_MbTD)
+
+        def tick(carry, t):
+            held_bTD, out_MbTD = carry
+            x_bTD = jnp.where(r == 0, xs_MbTD[jnp.minimum(t, M - 1)], held_bTD)
+            # (the parameters' Variables remade in this trace: nnx refuses
+            # Variables from another trace level)
+            y_bTD = stage(nnx.merge(graphdef, jax.tree.map(lambda a: a, params)), x_bTD)
+            m = jnp.clip(t - (p - 1), 0, M - 1)  # the microbatch the last stage finished
+            done = (r == p - 1) & (t >= p - 1)
+            out_MbTD = jax.lax.dynamic_update_index_in_dim(
+                out_MbTD, jnp.where(done, y_bTD, out_MbTD[m]), m, 0)
+            held_bTD = jax.lax.ppermute(y_bTD, PP_AXIS, [(i, i + 1) for i in range(p - 1)])
+            return (held_bTD, out_MbTD), None
+
+        (_, out_MbTD), _ = jax.lax.scan(tick, (held_bTD, out_MbTD), jnp.arange(M + p - 1))
+        # the last stage's outputs back to their stages' rows [p, n, T, D]
+        out_pnTD = pin(jnp.moveaxis(out_MbTD.reshape(M, p, n // M, *rest), 0, 2).reshape(
+            p, n, *rest))
+        mine = jnp.where(r == p - 1, out_pnTD[p - 1], 0)
+        for k in range(p - 1):
+            mine = mine + jax.lax.ppermute(out_pnTD[k], PP_AXIS, [(p - 1, k)])
+        return mine
+
+    return jax.shard_map(per_stage, in_specs=(param_specs, x_spec), out_specs=x_spec,
+                         axis_names=manual, check_vma=True)(params, x_BTD)
+
+
+def _enter(x, s: P, dp: bool):
+    """A stage's parameter as its layers use it: whole over dp (FSDP's
+    all-gather, where it is split over dp here, whose transpose
+    reduce-scatters the gradient) and varying over dp (the transpose of the
+    cast: one all-reduce of the gradient)."""
+    if not dp:
+        return x
+    for dim, axes in enumerate(s):
+        if DATA_AXIS in spec_axes(axes):
+            x = jax.lax.all_gather(x, DATA_AXIS, axis=dim, tiled=True)
+    return vary(x, {DATA_AXIS})

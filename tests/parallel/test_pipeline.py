@@ -1,0 +1,176 @@
+"""Pipeline parallelism (jaxtp.parallel.pipeline): each layout's one compiled
+train step computes one device's loss and gradients, and its collectives
+on the pp axis are the pp ledger's (jaxtp.analysis.pp), counted by hand."""
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtp import hlo
+from jaxtp.analysis.pp import bubble, compiled_ticks, expected_pp
+from jaxtp.analysis.rows import check as check_rows
+from jaxtp.analysis.rows import per_step, schedule_of
+from jaxtp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
+from jaxtp.model import stack_layers
+from jaxtp.parallel import Layout
+from jaxtp.train.state import abstract_train_state
+from jaxtp.train.step import compile_train_step
+from cached import assert_same, initial_values, loss_and_grads, step_loss_and_grads
+
+# 8 layers, so that pp = 2, 4 and 8 each hold whole layers
+MODEL = ModelConfig(n_layers=8, d_model=32, n_heads=4, d_ff=64, seq_len=16)
+GQA = dataclasses.replace(MODEL, style="llama", n_kv_heads=2, use_bias=False,
+                          tie_embeddings=False)
+B = 64  # pp * dp * M divides it at pp = 8, M = 8
+TOKENS = np.random.default_rng(0).integers(0, 256, (B, MODEL.seq_len + 1)).astype(np.int32)
+
+
+def cfg_of(model, pp, tp=1, dp=1, microbatches=None, **kw):
+    par = {k: kw.pop(k) for k in ("impl", "sp", "fsdp") if k in kw}
+    return validate(Config(dataclasses.replace(model, **kw),
+                           TrainConfig(batch_size=B, microbatches=microbatches or 2 * pp),
+                           ParallelConfig(pp=pp, dp=dp, tp=tp, **par)))
+
+
+@functools.cache
+def one_device(model):
+    """One batch's loss and gradients on one device, unscanned, stacked
+    like the pipeline's."""
+    loss, grads = loss_and_grads(cfg_of(model, 1, microbatches=1), TOKENS)
+    return loss, _stacked(grads, model.n_layers)
+
+
+def _stacked(grads: dict, L: int) -> dict:
+    """{"['blocks'][i]...": g} -> {"['blocks']...": g stacked over i}."""
+    out, layers = {}, {}
+    for k, g in grads.items():
+        if k.startswith("['blocks'][") and k[len("['blocks']["):][:1].isdigit():
+            i, rest = k[len("['blocks']["):].split("]", 1)
+            layers.setdefault("['blocks']" + rest, {})[int(i)] = g
+        else:
+            out[k] = g
+    return out | {k: np.stack([v[i] for i in range(L)]) for k, v in layers.items()}
+
+
+@functools.cache
+def pp_step(model, pp, tp, dp=1, **kw):
+    """(cfg, its train step compiled): one program per layout, read by the
+    ledger case and run by the parity case."""
+    cfg = cfg_of(model, pp, tp, dp, **kw)
+    layout = Layout.of(cfg)
+    return cfg, compile_train_step(abstract_train_state(cfg, layout.mesh()), B, model.seq_len)
+
+
+# (model, pp, tp, dp, options)
+LAYOUTS = {
+    "gpt2-pp2xtp4": (MODEL, 2, 4, 1, {}),
+    "llama-gqa-pp2xtp4-shard_map": (GQA, 2, 4, 1, {"impl": "shard_map"}),
+    "gpt2-pp4xtp2": (MODEL, 4, 2, 1, {}),
+    "gpt2-pp8": (MODEL, 8, 1, 1, {"microbatches": 8}),
+    "llama-gqa-dp2xpp2xtp2-fsdp-sp": (GQA, 2, 2, 2, {"fsdp": True, "sp": True}),
+    "gpt2-dp2xpp2xtp2-shard_map-sp": (MODEL, 2, 2, 2, {"impl": "shard_map", "sp": True}),
+    "llama-gqa-pp2xtp4-scan-minimal": (GQA, 2, 4, 1, {"scan_layers": True,
+                                                      "remat": "minimal"}),
+    "gpt2-pp4xtp2-shard_map-full-M8": (MODEL, 4, 2, 1, {"impl": "shard_map", "remat": "full",
+                                                       "microbatches": 8}),
+}
+
+
+def _step(name):
+    model, pp, tp, dp, kw = LAYOUTS[name]
+    return pp_step(model, pp, tp, dp, **kw)
+
+
+# neighbouring cases share a worker's compiled program
+@pytest.mark.parametrize("check", ["ledger", "one-device"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_the_pipelined_step_holds_the_pp_ledger_and_one_devices_gradients(name, check):
+    """one-device: the step's loss and every gradient (read from its first
+    Adam moment) are one device's, unpipelined, at rtol 1e-5. ledger: the
+    collectives over pp alone are the pp rows exactly (kind, pass, elements,
+    group, count: the shifts once per tick, M + p - 1 ticks read from the
+    loop's trip count); every other collective runs once per step or once
+    per layer and tick, and the dp gradient sums once per step, outside
+    the pipeline's loop."""
+    cfg, step = _step(name)
+    if check == "one-device":
+        values = initial_values(cfg)  # (a scanned model's come stacked)
+        values = values if cfg.model.scan_layers else stack_layers(values)
+        assert_same(step_loss_and_grads(cfg, step, TOKENS, values), one_device(cfg.model))
+        return
+    sizes = Layout.of(cfg).sizes
+    colls = hlo.collectives(step.as_text())
+    pp = _pipeline_own(colls, sizes)
+    expected = per_step(expected_pp(cfg), schedule_of(cfg))
+    assert check_rows(pp, expected, sizes) is None
+    p, M = cfg.parallel.pp, cfg.train.microbatches
+    assert compiled_ticks(colls, sizes) == M + p - 1
+    # by hand: the forward shift, a microbatch's rows of the stream per dp
+    # rank, every tick; the entry and exit, a stage's rows once each
+    shift = [c for c in pp if c.kind == "collective-permute" and c.pass_ == "forward"]
+    dp, split = cfg.parallel.dp, cfg.parallel.tp if cfg.parallel.sp else 1
+    row = MODEL.seq_len * MODEL.d_model // split
+    assert sorted((c.elements, c.count) for c in shift) == sorted(
+        [(B // (M * dp) * row, M + p - 1)] + [(B // (p * dp) * row, 1)] * 2 * (p - 1))
+    # the blocks' collectives run per layer and tick, nothing else inside the loop
+    ticks = M + p - 1
+    layers = MODEL.n_layers // p
+    assert {c.count for c in colls} <= {1, ticks, ticks * layers}
+    if cfg.parallel.dp > 1:  # the stage weights' gradients, reduced over dp once
+        over_dp = [c for c in colls if c.axes(sizes) == ("dp",)]
+        assert over_dp and {c.count for c in over_dp} == {1}
+    # the other weights' gradients (and the loss) are summed over pp x dp, once
+    sums = [c for c in colls if c.kind == "all-reduce" and "pp" in c.axes(sizes)]
+    assert sums and {c.count for c in sums} == {1}
+
+
+def _pipeline_own(colls, sizes):
+    """The permutes over pp: the pipeline's own (the all-reduces over pp are
+    sums of the gradients of the weights outside the pipeline, and the
+    loss's: the gradient ledger's)."""
+    return [c for c in colls if c.axes(sizes) == ("pp",) and c.kind != "all-reduce"]
+
+
+test_the_pipelined_step_holds_the_pp_ledger_and_one_devices_gradients.fast_cases = {
+    f"{n}-{c}" for n in ("gpt2-pp2xtp4", "llama-gqa-dp2xpp2xtp2-fsdp-sp")
+    for c in ("ledger", "one-device")}
+
+
+def test_the_ledger_catches_a_wrong_tick_count():
+    """The ledger's rows are exact: one tick too many (a schedule's M + p,
+    not M + p - 1) or a shift of a whole batch instead of a microbatch fails."""
+    cfg, step = _step("gpt2-pp2xtp4")
+    sizes = Layout.of(cfg).sizes
+    pp = _pipeline_own(hlo.collectives(step.as_text()), sizes)
+    rows = per_step(expected_pp(cfg), schedule_of(cfg))
+    more = [dataclasses.replace(r, count=r.count + 1) if r.kind == "collective-permute" else r
+            for r in rows]
+    assert check_rows(pp, more, sizes) is not None
+    whole = [dataclasses.replace(r, elements=r.elements * cfg.train.microbatches)
+             if r.kind == "collective-permute" else r for r in rows]
+    assert check_rows(pp, whole, sizes) is not None
+
+
+def test_bubble():
+    """(p-1)/(v*M + p - 1): GPipe's p=4, M=8 idles 3 of 11 ticks; 4 repeats
+    at M=8 leave 3 of 35."""
+    assert bubble(4, 8) == pytest.approx(3 / 11)
+    assert bubble(4, 8, 4) == pytest.approx(3 / 35)
+    assert bubble(1, 8) == 0
+
+
+@pytest.mark.parametrize("over, fix", [
+    ({"pp": 3}, "valid --pp here: [2, 4, 8]"),
+    ({"pp": 2, "microbatches": 1}, "--microbatches 4"),
+    ({"pp": 2, "impl": "explicit"}, "--impl explicit"),
+    ({"pp": 2, "dropout": 0.1}, "model.dropout"),
+])
+def test_refusals_name_the_fix(over, fix):
+    kw = dict(over)
+    pp = kw.pop("pp")
+    with pytest.raises(ConfigError, match=fix.replace("[", r"\[").replace("]", r"\]")
+                       .replace(".", r"\.")):
+        cfg_of(MODEL, pp, **kw)
