@@ -32,8 +32,9 @@ import threading
 import time
 
 from jaxtp.cli import Parser, positive
-from jaxtp.config import (ATTENTIONS, COORDINATOR_TIMEOUT_S, CP_STRATEGIES, IMPLS, OVERLAPS, REMATS, Config,
-                          ConfigError, apply_overrides, load_config, preset_names, validate)
+from jaxtp.config import (ATTENTIONS, COORDINATOR_TIMEOUT_S, CP_STRATEGIES, IMPLS, OVERLAPS,
+                          PP_SCHEDULES, REMATS, Config, ConfigError, apply_overrides,
+                          load_config, preset_names, validate)
 from jaxtp.checks import check_asked
 from jaxtp.hardware import HARDWARE, TARGET_NAMES
 from jaxtp.train.rundir import RunDir
@@ -41,6 +42,7 @@ from jaxtp.train.rundir import RunDir
 EXIT_FAILED, EXIT_USAGE, EXIT_SAVE = 1, 2, 3
 # the flags that set one config key (their help says which, and the default)
 FLAG_KEYS = {"tp": "parallel.tp", "dp": "parallel.dp", "cp": "parallel.cp",
+             "pp": "parallel.pp", "pp_schedule": "parallel.pp_schedule",
              "cp_attention": "parallel.cp_attention", "impl": "parallel.impl",
              "sp": "parallel.sp", "overlap": "parallel.overlap", "fsdp": "parallel.fsdp",
              "microbatches": "train.microbatches",
@@ -64,6 +66,13 @@ def _layout_flags(ap) -> None:
                             "(default: tiny; with --resume: the run's own config)")
     group.add_argument("--tp", type=int, help="tensor-parallel degree (mesh axis 'tp')")
     group.add_argument("--dp", type=int, help="data-parallel degree (mesh axis 'dp')")
+    group.add_argument("--pp", type=int,
+                       help="pipeline-parallel degree (mesh axis 'pp', the outermost): the "
+                            "layers split evenly over pp stages, the batch run through them in "
+                            "train.microbatches microbatches (default with --pp N: 2N)")
+    group.add_argument("--pp-schedule", choices=PP_SCHEDULES,
+                       help="with --pp: how the stages run the microbatches (gpipe: all "
+                            "forwards, then all backwards, M + pp - 1 ticks each)")
     group.add_argument("--cp", type=int,
                        help="context-parallel degree (mesh axis 'cp', between dp and tp): the "
                             "sequence split over it for the whole model (with the causal load "
@@ -219,8 +228,14 @@ def resolve_config(args: argparse.Namespace, base: Config | None = None) -> Conf
     flags = {FLAG_KEYS[k]: getattr(args, k) for k in FLAG_KEYS}
     flags["model.dtype"] = "bfloat16" if args.bf16 else None
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + args.overrides
-    return check_asked(validate(apply_overrides(cfg, overrides)),
-                       {o.split("=", 1)[0] for o in overrides})
+    asked = {o.split("=", 1)[0] for o in overrides}
+    cfg = apply_overrides(cfg, overrides)
+    p, t = cfg.parallel, cfg.train
+    if p.pp > 1 and t.microbatches == 1 and "train.microbatches" not in asked:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, microbatches=2 * p.pp))
+        print(f"note: --pp {p.pp} runs the batch in train.microbatches={2 * p.pp} microbatches "
+              f"(2 per stage; --microbatches M sets it, M >= {p.pp})", file=sys.stderr)
+    return check_asked(validate(cfg), asked)
 
 
 def resolve_run(args: argparse.Namespace) -> tuple[Config, dict]:
@@ -326,9 +341,9 @@ def start_jax(args, cfg: Config) -> str | None:
     try:
         multi, n = distributed.requested(args.coordinator, args.num_processes, args.process_id)
         if multi and n and not args.local_devices and p.devices % n:
-            return (f"--num-processes {n}: the mesh's dp*cp*tp = {p.devices} devices do not "
-                    f"split evenly over {n} processes; choose --dp/--cp/--tp whose product "
-                    f"divides by {n}, or give --local-devices")
+            return (f"--num-processes {n}: the mesh's {'*'.join(p.degrees)} = {p.devices} "
+                    f"devices do not split evenly over {n} processes; choose degrees whose "
+                    f"product divides by {n}, or give --local-devices")
         if multi:
             print(distributed.initialize(
                 args.coordinator, args.num_processes, args.process_id,
@@ -336,7 +351,7 @@ def start_jax(args, cfg: Config) -> str | None:
                 timeout_s=args.coordinator_timeout))
         else:  # before JAX starts
             print(ensure_devices(args.local_devices or
-                                 p.dp * p.cp * (max(p.tp, 8) if args.plan else p.tp)))
+                                 p.devices // p.tp * (max(p.tp, 8) if args.plan else p.tp)))
         on_cpu = jax.default_backend() == "cpu" and not args.hardware
     except (ValueError, RuntimeError, AssertionError) as e:
         # jax 0.10.2 fails JAX_PLATFORMS=cuda without a GPU on a bare assert

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtp.train.checkpoint import Checkpointer, CheckpointError, fingerprints
 from jaxtp.config import Config, ModelConfig, ParallelConfig
-from jaxtp.parallel import make_mesh
+from jaxtp.parallel import Layout, make_mesh
 from jaxtp.train.state import abstract_train_state
 
 GPT2 = ModelConfig(n_layers=1, d_model=32, n_heads=8, d_ff=64, seq_len=16, vocab_size=256)
@@ -331,6 +331,48 @@ def test_uncommitted_step_is_ignored(tmp_path, gpt2_tp8):
     check_restored(p, o, target, values)
     ckpt.save(4, params, opt_state, meta_of(GPT2, 8))  # the leftover does not block step 4
     assert ckpt.steps() == [3, 4]
+    ckpt.close()
+
+
+def test_a_pp_save_restores_exactly_unpipelined_and_at_another_pp(tmp_path):
+    """Saved at pp=2 x tp=4 (the blocks one stack [L, ...] split over pp),
+    restored bit-exactly at pp=4 x tp=2, and at tp=8 without a pipeline,
+    whose blocks are a list of layers; and a tp=8 save restores at pp=2
+    (`checkpoint._layer_plan`: read in the step's form, restacked)."""
+    model = dataclasses.replace(LLAMA, n_layers=4)
+    cfg = lambda pp, tp: Config(model=model, parallel=ParallelConfig(pp=pp, tp=tp))
+    state = abstract_train_state(cfg(2, 4), Layout.of(cfg(2, 4)).mesh())
+    rng = np.random.default_rng(5)
+    stacked = {}
+
+    def fill(path, x):
+        v = rng.standard_normal(x.shape).astype(x.dtype)
+        stacked[jax.tree_util.keystr(path)] = v
+        return jax.device_put(v, x.sharding)
+
+    params, opt_state = jax.tree_util.tree_map_with_path(fill, (state.params, state.opt_state))
+    assert "pp" in str(jax.tree.leaves(params["blocks"])[0].sharding.spec)
+    # the same values as a list of layers: each stacked array's slice i
+    listed = {}
+    for name, v in stacked.items():
+        if "['blocks']" in name and v.ndim and v.shape[0] == 4:
+            for i in range(4):
+                listed[name.replace("['blocks']", f"['blocks'][{i}]", 1)] = v[i]
+        else:
+            listed[name] = v
+    ckpt = Checkpointer(tmp_path / "pp", async_save=False)
+    ckpt.save(2, params, opt_state, meta_of(model, 4))
+    for pp, tp, want in ((4, 2, stacked), (1, 8, listed)):
+        target = abstract_train_state(cfg(pp, tp), Layout.of(cfg(pp, tp)).mesh())
+        step, p, o, _ = ckpt.restore(target.params, target.opt_state, dataclasses.asdict(model))
+        assert step == 2
+        check_restored(p, o, target, want)
+    ckpt.close()
+    # and back: a list of layers (tp=8) into the stack (pp=2)
+    ckpt = Checkpointer(tmp_path / "tp8", async_save=False)
+    ckpt.save(1, p, o, meta_of(model, 8))
+    _, p2, o2, _ = ckpt.restore(state.params, state.opt_state, dataclasses.asdict(model))
+    check_restored(p2, o2, state, stacked)
     ckpt.close()
 
 
