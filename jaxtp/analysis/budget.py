@@ -32,10 +32,11 @@ import numpy as np
 
 from ..config import Config
 from ..model.vocab import loss_chunks
-from ..parallel import CP_AXIS, DATA_AXIS, TP_AXIS
+from ..parallel import CP_AXIS, DATA_AXIS, PP_AXIS, TP_AXIS
 from ..parallel import xla_overlap
 from .backends import on_backend
 from .cp import expected_cp
+from .pp import expected_pp
 from .dp import expected_fsdp
 from .grads import expected_grads
 from .overlap_rows import ring_regions, windowed_head, windowed_regions
@@ -52,6 +53,8 @@ class Budget:
     seq: int
     d_model: int
     dtype_bytes: int
+    # the loop trips each rank runs its layers in: M, or under a pipeline its
+    # ticks v*M + p - 1 (with `layers` a stage's L/p)
     microbatches: int = 1
     all_reduce_per_layer_fwd: int = 2
     all_reduce_per_layer_bwd: int = 2
@@ -87,9 +90,11 @@ class Budget:
 def budget_for(cfg: Config) -> Budget:
     m, p = cfg.model, cfg.parallel
     M = cfg.train.microbatches
-    return Budget(tp=p.tp, layers=m.n_layers, batch=cfg.train.batch_size // (p.dp * M),
-                  seq=m.seq_len // p.cp, d_model=m.d_model, dtype_bytes=np.dtype(m.dtype).itemsize,
-                  microbatches=M)
+    schedule = schedule_of(cfg)
+    return Budget(tp=p.tp, layers=schedule.layers_per_rank,
+                  batch=cfg.train.batch_size // (p.dp * M), seq=m.seq_len // p.cp,
+                  d_model=m.d_model, dtype_bytes=np.dtype(m.dtype).itemsize,
+                  microbatches=schedule.ticks)
 
 
 def expected_collectives(cfg: Config, impl: str, platform: str = "",
@@ -105,15 +110,14 @@ def expected_collectives(cfg: Config, impl: str, platform: str = "",
     platform, a GPU's compiled deviceless)."""
     forms = xla_overlap.forms(cfg, platform, deviceless=True) if forms is None else forms
     rows = per_step(_expected_tp(cfg, impl, forms) + expected_grads(cfg, impl)
-                    + expected_fsdp(cfg, impl) + expected_cp(cfg, impl), schedule_of(cfg))
+                    + expected_fsdp(cfg, impl) + expected_cp(cfg, impl) + expected_pp(cfg),
+                    schedule_of(cfg))
     return on_backend(rows, cfg, impl, platform) if platform else rows
 
 
 def _expected_tp(cfg: Config, impl: str, forms: xla_overlap.Forms) -> list[Expected]:
     m, p = cfg.model, cfg.parallel
     tp = p.tp
-    if tp == 1:
-        return []
     # each cp rank's s/cp positions: the tp rows are Megatron's within each cp group
     b, s, dt = cfg.train.batch_size // (p.dp * cfg.train.microbatches), m.seq_len // p.cp, \
         HLO_DTYPES[m.dtype]
@@ -123,28 +127,40 @@ def _expected_tp(cfg: Config, impl: str, forms: xla_overlap.Forms) -> list[Expec
         per="microbatch": Expected(name, kind, pass_, scope, n, dtype, group, count, role, axes,
                                    per=per)
     EL = functools.partial(E, per="layer")
-    # the gradient norm, once per step: over dp and tp under FSDP (the
-    # gradients are split over both)
-    over = (p.dp * tp, (DATA_AXIS, TP_AXIS)) if p.fsdp and p.dp > 1 else (tp, (TP_AXIS,))
+    # the gradient norm, once per step: over every axis that splits a
+    # gradient (tp; pp's stages; dp under FSDP)
+    split = [(a, n) for a, n in ((PP_AXIS, p.pp), (DATA_AXIS, p.dp if p.fsdp else 1),
+                                 (TP_AXIS, tp)) if n > 1]
     norm = E("gradient norm: one sum of squares", "all-reduce", "other", "", 1, 1, "f32",
-             group=over[0], axes=over[1], per="step")
+             group=int(np.prod([n for _, n in split])), axes=tuple(a for a, _ in split),
+             per="step")
+    if tp == 1:  # no tp rows; the norm where a pipeline splits the gradients
+        return [norm] if p.pp > 1 else []
+    # outside a pipeline (embedding, head, loss) each stage takes its own
+    # B/(pp*dp) rows, once per step
+    if p.pp > 1:
+        b_out = cfg.train.batch_size // (p.pp * p.dp)
+        E = functools.partial(E, per="step")
+    else:
+        b_out = b
     if p.sequence_parallel:
-        return _expected_sp(cfg, impl, E, EL, b, s, act, forms) + [norm]
-    n, c = loss_chunks(m.loss_chunk, b, s)
+        return _expected_sp(cfg, impl, E, EL, b, s, act, forms, b_out) + [norm]
+    out = b_out * s * m.d_model
+    n, c = loss_chunks(m.loss_chunk, b_out, s)
     rows = [
-        E("g: vocab-parallel embedding lookup", "all-reduce", "forward", "embed", act, 1,
+        E("g: vocab-parallel embedding lookup", "all-reduce", "forward", "embed", out, 1,
           role="embed"),
         EL("g: attention out-proj output", "all-reduce", "forward", "attention", act, 1),
         EL("g: MLP down-proj output", "all-reduce", "forward", "mlp", act, 1),
-        *_cross_entropy(E, b, n, c),
+        *_cross_entropy(E, b_out, n, c),
         EL("f: dX entering the q/kv projection", "all-reduce", "backward", "attention", act, 1),
         EL("f: dX entering the MLP up-proj", "all-reduce", "backward", "mlp", act, 1),
-        E("f: dX entering the LM head", "all-reduce", "backward", "cross_entropy", act, 1,
+        E("f: dX entering the LM head", "all-reduce", "backward", "cross_entropy", out, 1,
           role="head_dx")
         if impl == "shard_map" or n == 1 else
         E("f: dX entering the LM head, per loss chunk (GSPMD reduces each chunk's partial "
           "dX; shard_map once after the loop)", "all-reduce", "backward", "cross_entropy",
-          b * c * m.d_model, n, role="head_dx"),
+          b_out * c * m.d_model, n, role="head_dx"),
         norm,
     ]
     return rows + _kv_rows(cfg, impl, EL, b * s * 2 * m.kv_heads * m.head_dim)
@@ -179,7 +195,7 @@ def _cross_entropy(E, b: int, n: int, c: int) -> list[Expected]:
 
 
 def _expected_sp(cfg: Config, impl: str, E, EL, b: int, s: int, act: int,
-                 forms: xla_overlap.Forms):
+                 forms: xla_overlap.Forms, b_out: int):
     """Megatron-SP (Korthikanti et al. 2022, Sec. 4.2.2): each all-reduce of a
     region becomes an all-gather at its entry and a reduce-scatter at its exit
     (their mirrors in the backward pass), the same ring bytes. Elements count
@@ -195,10 +211,11 @@ def _expected_sp(cfg: Config, impl: str, E, EL, b: int, s: int, act: int,
     With fewer kv heads than tp, GSPMD and explicit sum the kv gradient as
     they do without SP (`_kv_rows`), so the kv branch's dX is whole while the
     queries' is partial: the attention's backward entry stays an all-reduce of
-    b*s*h."""
+    b*s*h. `b_out`: the rows of the embedding and head (a pipeline's stage's)."""
     m, tp = cfg.model, cfg.parallel.tp
     shard = act // tp
-    n, c = loss_chunks(m.loss_chunk, b, s)
+    out = b_out * s * m.d_model
+    n, c = loss_chunks(m.loss_chunk, b_out, s)
     # GSPMD and explicit sum the kv gradient as they do without SP
     # (`_kv_rows`); shard_map sums the replicated kv weight's gradient instead
     xla_kv = impl != "shard_map" and m.kv_heads < tp
@@ -206,18 +223,18 @@ def _expected_sp(cfg: Config, impl: str, E, EL, b: int, s: int, act: int,
     head_windowed = impl != "shard_map" and cfg.parallel.overlap != "none" and n == 1
     rows += [
         E("SP embedding: reduce-scatter of the looked-up rows", "reduce-scatter", "forward",
-          "embed", shard, 1, role="embed"),
-        E("SP embedding, backward: all-gather", "all-gather", "backward", "embed", act, 1),
+          "embed", out // tp, 1, role="embed"),
+        E("SP embedding, backward: all-gather", "all-gather", "backward", "embed", out, 1),
         *(windowed_head(E, act, shard, forms, tp * cfg.parallel.dp, tp) if head_windowed else [
-            E("SP LM head entry: all-gather", "all-gather", "forward", "cross_entropy", act, 1,
+            E("SP LM head entry: all-gather", "all-gather", "forward", "cross_entropy", out, 1,
               role="gather_in"),
             E("SP LM head, backward: reduce-scatter of dX", "reduce-scatter", "backward",
-              "cross_entropy", shard, 1, role="head_dx")
+              "cross_entropy", out // tp, 1, role="head_dx")
             if impl == "shard_map" or n == 1 else
             E("SP LM head, backward: dX per loss chunk (GSPMD reduces each chunk)",
-              "all-reduce", "backward", "cross_entropy", b * c * m.d_model, n,
+              "all-reduce", "backward", "cross_entropy", b_out * c * m.d_model, n,
               role="head_dx")]),
-        *_cross_entropy(E, b, n, c),
+        *_cross_entropy(E, b_out, n, c),
     ]
     return rows + (_kv_rows(cfg, impl, EL, b * s * 2 * m.kv_heads * m.head_dim) if xla_kv
                    else [])

@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Callable
 
 from .. import hlo
-from ..config import IMPLS, Config
-from ..parallel import make_mesh, mesh_for, xla_overlap
+from ..checks import check as check_config
+from ..config import IMPLS, Config, ConfigError
+from ..parallel import Layout, mesh_for, xla_overlap
 from ..hardware import HARDWARE
 from ..model.build import resolve_attention
-from . import roofline, windowed
+from . import pp, roofline, windowed
 from .backends import version_note
 from .budget import budget_for, expected_collectives
 from .picture import write
@@ -52,17 +53,27 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
     p = cfg.parallel
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    mesh = make_mesh(p.dp, p.tp, cp=p.cp) if mesh is None else mesh
+    mesh = Layout.of(cfg).mesh() if mesh is None else mesh
     impls, colls_by_impl, expected_by_impl = {}, {}, {}
     forms = _windowed_forms(cfg, mesh)
+    refused = {}
     for impl in IMPLS:
+        one = dataclasses.replace(cfg, parallel=dataclasses.replace(p, impl=impl))
+        try:
+            check_config(one)
+        except ConfigError as e:  # this layout is not built for this impl: say so
+            refused[impl] = str(e)
+            continue
         colls_by_impl[impl], expected_by_impl[impl], impls[impl] = _compile_and_check(
-            dataclasses.replace(cfg, parallel=dataclasses.replace(p, impl=impl)),
-            mesh_for(mesh, impl), out, log, forms, compile_step)
+            one, mesh_for(mesh, impl), out, log, forms, compile_step)
     budget, sizes = budget_for(cfg), dict(mesh.shape)
     ring = {impl: sum(e.count * e.ring_bytes for e in rows)
             for impl, rows in expected_by_impl.items()}
     report = _report(cfg, mesh, budget, ring, impls, colls_by_impl, expected_by_impl)
+    report["refused"] = refused
+    if p.pp > 1:
+        report["pipeline"] = _pipeline(cfg, colls_by_impl, dict(mesh.shape))
+        report["ok"] = report["ok"] and report["pipeline"]["agree"]
     (out / "comm_report.json").write_text(json.dumps(report, indent=2) + "\n")
     for line in format_table(colls_by_impl, expected_by_impl, sizes):
         log(line)
@@ -70,6 +81,10 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
                        p.overlap != "none" and p.sequence_parallel))
     for impl, r in impls.items():
         log(f"{impl}: {r['verdict']}")
+    for impl, why in refused.items():
+        log(f"{impl}: refused before compiling: {why}")
+    if p.pp > 1:
+        log(report["pipeline"]["line"])
     if report["compiler_note"]:
         log(report["compiler_note"])
     for impl, r in impls.items():  # full-buffer bytes, by the mesh axes each collective spans
@@ -93,7 +108,7 @@ def _report(cfg: Config, mesh, budget, ring: dict, impls: dict, colls_by_impl: d
     p = cfg.parallel
     report = {
         "platform": mesh.devices.flat[0].platform, "device_kind": mesh.devices.flat[0].device_kind,
-        **dict(tp=p.tp, dp=p.dp, cp=p.cp), "cp_attention": p.cp_attention if p.cp > 1 else None,
+        **dict(p.degrees), "cp_attention": p.cp_attention if p.cp > 1 else None,
         "layers": cfg.model.n_layers, "batch": budget.batch,
         "seq": cfg.model.seq_len, "d_model": cfg.model.d_model, "dtype_bytes": budget.dtype_bytes,
         "analytic": {
@@ -120,6 +135,23 @@ def _report(cfg: Config, mesh, budget, ring: dict, impls: dict, colls_by_impl: d
     else:
         report["roofline"] = {"skipped": why_not}
     return report
+
+
+def _pipeline(cfg: Config, colls_by_impl: dict, sizes: dict) -> dict:
+    """The pipeline's ticks and bubble read from each compiled program (the
+    trip count of the loop holding its shift) beside the analytic ones."""
+    p, M = cfg.parallel, cfg.train.microbatches
+    want = p.pp_repeats * M + p.pp - 1
+    ticks = {impl: pp.compiled_ticks(colls, sizes) for impl, colls in colls_by_impl.items()}
+    analytic = pp.bubble(p.pp, M, p.pp_repeats)
+    line = (f"pipeline ({p.pp_schedule}, pp={p.pp}, M={M}): ticks compiled " + ", ".join(
+        f"{t} ({impl})" for impl, t in ticks.items()) + f", analytic v*M + p - 1 = {want}; "
+        f"bubble (p-1)/(v*M+p-1) = {analytic:.1%} analytic, " + ", ".join(
+            f"{(t - p.pp_repeats * M) / t:.1%} ({impl})" if t else f"none ({impl})"
+            for impl, t in ticks.items()) + f" compiled; every stage computes in every "
+        f"tick, so compiled/useful block FLOPs = {want}/{p.pp_repeats * M}")
+    return {"ticks": ticks, "ticks_analytic": want, "bubble": analytic, "line": line,
+            "agree": all(t == want for t in ticks.values())}
 
 
 def _windowed_forms(cfg: Config, mesh) -> xla_overlap.Forms:

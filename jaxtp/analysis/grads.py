@@ -32,7 +32,7 @@ import numpy as np
 
 from ..config import Config
 from ..model.vocab import loss_chunks
-from ..parallel import CP_AXIS, DATA_AXIS, TP_AXIS
+from ..parallel import CP_AXIS, DATA_AXIS, PP_AXIS, TP_AXIS
 from .params import ParamShard, param_shards
 from .rows import ANY_SCOPE, HLO_DTYPES, Expected, reduces_once
 
@@ -114,6 +114,8 @@ def expected_grads(cfg: Config, impl: str) -> list[Expected]:
     m, p = cfg.model, cfg.parallel
     grads = _grads(cfg, impl)
     rows = _sequence_rows(cfg, impl, grads) + _sp_kv_rows(cfg, impl)
+    if p.pp > 1:
+        return rows + _pipelined(cfg, impl, grads)
     if data_group(cfg)[0] == 1:
         return rows
     pd = HLO_DTYPES[m.param_dtype]
@@ -127,6 +129,36 @@ def expected_grads(cfg: Config, impl: str) -> list[Expected]:
         return rows + _fsdp_rows(cfg, impl, grads)
     # the kv weight's whole sum is its own row (`_sp_kv_rows`)
     return rows + _placed(cfg, impl, [g for g in grads if not _sp_kv(cfg, impl, g.shard)])
+
+
+def _pipelined(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]:
+    """The sums around a pipeline (`jaxtp.parallel.pipeline`), once per step:
+    a stage's weights' gradients over dp (their own axis is pp), cast to
+    varying over dp on entry, so one all-reduce (FSDP's, under shard_map,
+    gathered in the pipeline and reduce-scattered; under gspmd gathered
+    before it and all-reduced); every other weight's over pp x dp (pp splits
+    their tokens as dp does), as GSPMD places them."""
+    p, pd = cfg.parallel, HLO_DTYPES[cfg.model.param_dtype]
+    outer = tuple(a for a, n in ((PP_AXIS, p.pp), (DATA_AXIS, p.dp)) if n > 1)
+    rows = [_loss_mean(p.pp * p.dp, outer, per="step")]
+    stage = [g for g in grads if g.shard.in_stack]
+    E = lambda name, kind, n, group, axes, written: Expected(
+        name, kind, "backward", ANY_SCOPE, n, pd, group, 1, "grads", axes, written, "step")
+    if p.dp > 1:
+        split = p.fsdp and impl == "shard_map"
+        scattered = sum(g.shard.elements for g in stage if split and g.shard.dp_split)
+        whole = sum(g.shard.elements for g in stage if not (split and g.shard.dp_split))
+        if scattered:
+            rows.append(E("dp: the stages' FSDP weight gradients, reduce-scattered once",
+                          "reduce-scatter", scattered // p.dp, p.dp, (DATA_AXIS,), True))
+        rows.append(E("dp: the stages' weight gradients, summed over dp once (after the "
+                      "pipeline)", "all-reduce", whole, p.dp, (DATA_AXIS,), True))
+    # (a learned positions' gradient: its own sequence rows)
+    outside = sum(g.dp_elements * g.sums for g in grads if not g.shard.in_stack)
+    rows.append(E(f"{' x '.join(outer)}: the gradients of the weights outside the pipeline "
+                  "(embedding, head, final norm)", "all-reduce", outside, p.pp * p.dp, outer,
+                  False))
+    return rows
 
 
 def _placed(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]:
@@ -205,13 +237,15 @@ def _fsdp_rows(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]:
     return rows
 
 
-def _loss_mean(group: int, axes: tuple[str, ...], pass_: str = "forward") -> Expected:
+def _loss_mean(group: int, axes: tuple[str, ...], pass_: str = "forward",
+               per: str | None = None) -> Expected:
     """The loss averaged over `axes`: in the forward pass of each microbatch,
-    or once after the slices reduced once ("other", written there)."""
+    or once after the slices reduced once ("other", written there), or
+    (`per`="step") once after a pipeline."""
     over = " x ".join(axes)
     return Expected(f"{over}: mean of the loss over {over}", "all-reduce", pass_, "", 1, "f32",
                     group, 1, "loss_mean", axes, pass_ == "other",
-                    "step" if pass_ == "other" else "microbatch")
+                    per or ("step" if pass_ == "other" else "microbatch"))
 
 
 def _sequence_rows(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]:
@@ -228,7 +262,10 @@ def _sequence_rows(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]
         if TP_AXIS not in g.seq and not (positions and impl == "explicit" and p.cp > 1):
             continue
         group = int(np.prod([dict(p.degrees)[a] for a in g.seq]))
-        layers = m.n_layers if s.in_stack and m.scan_layers else 1
+        # a stacked parameter's (scanned, or a pipeline's stage's: its L/pp
+        # layers, per tick) one layer per loop trip; outside a pipeline once
+        layers = (m.n_layers // p.pp if s.in_stack and (m.scan_layers or p.pp > 1) else 1)
+        per = "step" if p.pp > 1 and not s.in_stack else "microbatch"
         module = s.path.split("/")[-2]
         bias = module in ("out", "down")  # a row-parallel bias (its kernel is a region's)
         # explicit reshards the positions from replicated to the sequence
@@ -244,7 +281,7 @@ def _sequence_rows(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]
         rows.append(Expected(what, "all-gather" if gather else "all-reduce", "backward", scope,
                              s.elements // layers, cd if bias else pd, group, layers,
                              "positions" if positions else "seq_shard_param", g.seq, False,
-                             "microbatch"))
+                             per))
         if positions and once and impl != "explicit":
             # GSPMD partitions the positions' scatter-add in the dp-manual
             # region by gathering its indices (loop-invariant: once per step)

@@ -319,6 +319,31 @@ def test_compare_hlo_end_to_end(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_compare_hlo_of_a_pipeline(tmp_path, capsys):
+    """pp=2 x tp=4: gspmd and shard_map match the ledger (with rows on the
+    pp axis), explicit is refused in one line, the ticks and the bubble are
+    read from each program and printed beside the analytic ones."""
+    assert train.main(["--pp", "2", "--tp", "4", "--compare-hlo", "--out", str(tmp_path),
+                       "model.d_model=32", "model.d_ff=64", "model.n_heads=4",
+                       "model.seq_len=16"]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((tmp_path / "comm_report.json").read_text())
+    assert report["ok"] and set(report["impls"]) == {"gspmd", "shard_map"}
+    assert "explicit: refused before compiling: pipeline parallelism" in printed
+    assert report["pipeline"]["ticks"] == {"gspmd": 5, "shard_map": 5}  # M=4 (2N) + 2 - 1
+    assert "bubble (p-1)/(v*M+p-1) = 20.0% analytic, 20.0% (gspmd), 20.0% (shard_map)" \
+        in printed
+    for impl in ("gspmd", "shard_map"):
+        assert f"{impl}: matches budget" in printed
+        assert any(e["axes"] == ["pp"] and e["kind"] == "collective-permute"
+                   for e in report["impls"][impl]["expected"])
+    # per rank: a stage's 2 of the 4 layers over 5 ticks
+    a = report["analytic"]
+    assert (report["layers"], report["pp"]) == (4, 2)
+    assert a["ring_bytes_blocks_per_step"] == 2 * 5 * a["ring_bytes_per_layer"]
+
+
+@pytest.mark.slow
 def test_run_json_records_the_experiment(tmp_path):
     out = tmp_path / "run"
     assert train.main(["--tp", "4", "--impl", "shard_map", "--steps", "2", "--check",

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxtp import hlo
+from jaxtp.analysis.budget import expected_collectives
 from jaxtp.analysis.pp import bubble, compiled_ticks, expected_pp
 from jaxtp.analysis.rows import check as check_rows
 from jaxtp.analysis.rows import per_step, schedule_of
@@ -89,12 +90,13 @@ def _step(name):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_the_pipelined_step_holds_the_pp_ledger_and_one_devices_gradients(name, check):
     """one-device: the step's loss and every gradient (read from its first
-    Adam moment) are one device's, unpipelined, at rtol 1e-5. ledger: the
-    collectives over pp alone are the pp rows exactly (kind, pass, elements,
-    group, count: the shifts once per tick, M + p - 1 ticks read from the
-    loop's trip count); every other collective runs once per step or once
-    per layer and tick, and the dp gradient sums once per step, outside
-    the pipeline's loop."""
+    Adam moment) are one device's, unpipelined, at rtol 1e-5. ledger: every
+    collective of the step is the budget's (`expected_collectives`: tp's
+    per layer and tick, the embedding's and head's once on a stage's rows,
+    the gradients' sums, the pp rows), exactly; by hand, the permutes over
+    pp (the shifts once per tick, M + p - 1 ticks read from the loop's trip
+    count; entry and exit once), and the dp gradient sums once per step,
+    outside the pipeline's loop."""
     cfg, step = _step(name)
     if check == "one-device":
         values = initial_values(cfg)  # (a scanned model's come stacked)
@@ -103,9 +105,9 @@ def test_the_pipelined_step_holds_the_pp_ledger_and_one_devices_gradients(name, 
         return
     sizes = Layout.of(cfg).sizes
     colls = hlo.collectives(step.as_text())
+    assert check_rows(colls, expected_collectives(cfg, cfg.parallel.impl, "cpu"), sizes) is None
     pp = _pipeline_own(colls, sizes)
-    expected = per_step(expected_pp(cfg), schedule_of(cfg))
-    assert check_rows(pp, expected, sizes) is None
+    assert check_rows(pp, per_step(expected_pp(cfg), schedule_of(cfg)), sizes) is None
     p, M = cfg.parallel.pp, cfg.train.microbatches
     assert compiled_ticks(colls, sizes) == M + p - 1
     # by hand: the forward shift, a microbatch's rows of the stream per dp
