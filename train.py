@@ -395,7 +395,7 @@ def compare(args, cfg: Config) -> int:
     if args.hardware:
         from jaxtp.analysis.targets import target_mesh
 
-        mesh = target_mesh(args.hardware, p.dp, p.tp, p.cp)  # or TargetUnavailable
+        mesh = target_mesh(args.hardware, p.dp, p.tp, p.cp, p.pp)  # or TargetUnavailable
     ok = compare_hlo(cfg, default_out(args, cfg), mesh=mesh, compile_step=compiled_step)["ok"]
     return 0 if ok else EXIT_FAILED
 

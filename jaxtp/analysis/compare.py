@@ -98,6 +98,10 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
     log(f"wrote {out / 'comm_report.json'} and hlo_<impl>.txt")
 
     write(report, out, log)
+    if p.pp > 1:
+        (out / "pipeline.svg").write_text(pp.picture(p.pp, cfg.train.microbatches,
+                                                     p.pp_schedule))
+        log(f"drew {out / 'pipeline.svg'}")
     return report
 
 

@@ -193,7 +193,7 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
         where = hardware if on_target else "CPU"
         log(f"[{i + 1}/{len(cases)}] compiling the train step at {name} for {where} "
             "(abstract shapes) ...")
-        mesh = target_mesh(hardware, c.parallel.dp, tp, cp) if on_target else None
+        mesh = target_mesh(hardware, c.parallel.dp, tp, cp, c.parallel.pp) if on_target else None
         r = analyze(c, mesh, compile_step=compile_step)
         base = r["flops_per_device"] if (cp if cps else tp) == 1 else base
         _verdict(r, c, cp if cps else tp, base, target)

@@ -68,3 +68,48 @@ def compiled_ticks(colls: list[hlo.Collective], mesh: dict[str, int]) -> int | N
     counts = {c.count for c in colls if c.kind == "collective-permute"
               and c.pass_ == "forward" and c.axes(mesh) == (PP_AXIS,)}
     return max(counts) if counts else None
+
+
+def cells(stages: int, microbatches: int) -> list[list[str]]:
+    """GPipe's schedule as it runs (`jaxtp.parallel.pipeline`), per stage, per
+    tick: M + p - 1 forward ticks, then the scan's transpose, the same ticks
+    in reverse. "F3": the forward of microbatch 3; "B3": its backward; "":
+    a bubble tick (computed on dropped data)."""
+    p, M = stages, microbatches
+    T = M + p - 1
+    grid = []
+    for r in range(p):
+        forward = [f"F{t - r}" if 0 <= t - r < M else "" for t in range(T)]
+        backward = [f"B{T - 1 - t - r}" if 0 <= T - 1 - t - r < M else "" for t in range(T)]
+        grid.append(forward + backward)
+    return grid
+
+
+def picture(stages: int, microbatches: int, schedule: str = "gpipe") -> str:
+    """`pipeline.svg`: stages down, ticks across; forward, backward and
+    bubble cells."""
+    grid = cells(stages, microbatches)
+    w, h, left, top = 34, 26, 70, 44
+    ticks = len(grid[0])
+    width, height = left + ticks * w + 10, top + stages * h + 40
+    fill = {"F": "#4f81bd", "B": "#9bbb59", "": "#d9d9d9"}
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" font-family="monospace">',
+             f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
+             f'<text x="6" y="18" font-size="13" font-weight="bold">{schedule}: {stages} stages, '
+             f'{microbatches} microbatches, {ticks // 2} ticks forward + {ticks // 2} backward; '
+             f'bubble {bubble(stages, microbatches):.1%} (grey: computed, dropped)</text>']
+    for r, row in enumerate(grid):
+        y = top + r * h
+        parts.append(f'<text x="6" y="{y + 17}" font-size="11">stage {r}</text>')
+        for t, cell in enumerate(row):
+            x = left + t * w
+            parts.append(f'<rect x="{x}" y="{y}" width="{w - 2}" height="{h - 2}" '
+                         f'fill="{fill[cell[:1]]}" class="cell" data-stage="{r}" '
+                         f'data-tick="{t}" data-op="{cell or "bubble"}"/>')
+            if cell:
+                parts.append(f'<text x="{x + 5}" y="{y + 17}" font-size="11" '
+                             f'fill="#ffffff">{cell}</text>')
+    parts.append(f'<text x="{left}" y="{top + stages * h + 24}" font-size="11">ticks across: '
+                 'forward (blue), then backward (green, the scan reversed)</text>')
+    return "\n".join(parts + ["</svg>"]) + "\n"

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-from ..parallel import make_mesh
+from ..parallel import Layout
 from ..hardware import HARDWARE, Hardware
 
 # CPU temporaries / the H100 compile's for the same step (XLA's CPU backend
@@ -117,6 +117,7 @@ def _tpu_topology(eight: str, n: int) -> str:
     return f"{eight.split(':')[0]}:{TPU_SLICES[size]}"
 
 
-def target_mesh(name: str, dp: int, tp: int, cp: int = 1):
-    """A (dp, [cp,] tp) mesh of compile-only devices of target `name`."""
-    return make_mesh(dp, tp, devices=compile_only_devices(name, dp * cp * tp), cp=cp)
+def target_mesh(name: str, dp: int, tp: int, cp: int = 1, pp: int = 1):
+    """A ([pp,] dp, [cp,] tp) mesh of compile-only devices of target `name`."""
+    layout = Layout.make(pp=pp, dp=dp, cp=cp, tp=tp)
+    return layout.mesh(devices=compile_only_devices(name, layout.devices))

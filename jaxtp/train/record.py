@@ -33,18 +33,25 @@ def run_record(cfg: Config, mesh, model, hlo_text: str, check: dict | None = Non
     b = cfg.train.batch_size // (p.dp * M)
     colls = hlo.collectives(hlo_text)
     rows = hlo.summarize(colls)
-    # per layer and microbatch (a step runs every layer once per microbatch)
-    per_layer = [{**r, "count_per_layer": r["count"] / (m.n_layers * M),
+    # per layer and microbatch (a step runs every layer once per microbatch;
+    # under a pipeline each rank its stage's L/pp layers once per tick)
+    trips = m.n_layers * M if p.pp == 1 else m.n_layers // p.pp * (
+        p.pp_repeats * M + p.pp - 1)
+    per_layer = [{**r, "count_per_layer": r["count"] / trips,
                   "payload_bytes": r["bytes"]}
                  for r in rows if r["scope"] in ("attention", "mlp")]
     outside = [r for r in rows if r["scope"] not in ("attention", "mlp")]
     return {
-        **dict(tp=p.tp, dp=p.dp, cp=p.cp), "impl": p.impl,
+        **dict(tp=p.tp, dp=p.dp, cp=p.cp, pp=p.pp), "impl": p.impl,
+        # pipeline parallelism's schedule and repeats (pp > 1)
+        "pp_schedule": p.pp_schedule if p.pp > 1 else None,
+        "pp_repeats": p.pp_repeats if p.pp > 1 else None,
         # context parallelism's strategy and causal load balance (cp > 1)
         "cp_attention": p.cp_attention if p.cp > 1 else None,
         "cp_balance": p.cp_balance if p.cp > 1 else None,
         "platform": mesh.devices.flat[0].platform,
-        "mesh_device_ids": mesh.device_ids.tolist(),  # [dp][tp], or [dp][cp][tp]
+        # [dp][tp], or with the pp and cp axes where present: [pp][dp][cp][tp]
+        "mesh_device_ids": mesh.device_ids.tolist(),
         "model": {"d_model": m.d_model, "d_ff": m.d_ff, "n_heads": m.n_heads,
                   "n_kv_heads": m.kv_heads, "n_layers": m.n_layers, "vocab_size": m.vocab_size,
                   "padded_vocab": m.padded_vocab, "style": m.style, "dtype": m.dtype,

@@ -19,7 +19,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..config import Config
-from ..parallel import Schedule, batch_shape, batch_sharding, inputs_targets, make_mesh
+from ..parallel import (Layout, Schedule, batch_shape, batch_sharding, inputs_targets,
+                        make_mesh)
 from .optim import clip_by_global_norm
 from .state import TrainState, abstract_train_state, init_train_state
 
@@ -139,8 +140,11 @@ def single_device_check(cfg: Config, params0, batches, keys, loss: float, grad_n
     ||p_n - ref_n|| / ||ref_n - p0||, far more sensitive, as Adam's first
     updates are nearly lr * sign(g) and magnify round-off in small gradients.
     """
-    one = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=1, tp=1, cp=1,
-                                                                impl="gspmd"))
+    # one device, its blocks stacked as the run's are (a pipeline's, scanned)
+    stacked = Layout.of(cfg).stacked(cfg.model)
+    one = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, scan_layers=stacked),
+        parallel=dataclasses.replace(cfg.parallel, pp=1, dp=1, tp=1, cp=1, impl="gspmd"))
     mesh = make_mesh(1, 1, devices=jax.devices()[:1])
     state = init_train_state(one, mesh, params=params0)
     step = make_train_step(state, use_dropout=cfg.model.dropout > 0)

@@ -337,6 +337,7 @@ def test_compare_hlo_of_a_pipeline(tmp_path, capsys):
         assert f"{impl}: matches budget" in printed
         assert any(e["axes"] == ["pp"] and e["kind"] == "collective-permute"
                    for e in report["impls"][impl]["expected"])
+    assert (tmp_path / "pipeline.svg").read_text().count('class="cell"') == 2 * 2 * 5
     # per rank: a stage's 2 of the 4 layers over 5 ticks
     a = report["analytic"]
     assert (report["layers"], report["pp"]) == (4, 2)

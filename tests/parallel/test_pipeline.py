@@ -11,7 +11,7 @@ import pytest
 
 from jaxtp import hlo
 from jaxtp.analysis.budget import expected_collectives
-from jaxtp.analysis.pp import bubble, compiled_ticks, expected_pp
+from jaxtp.analysis.pp import bubble, cells, compiled_ticks, expected_pp, picture
 from jaxtp.analysis.rows import check as check_rows
 from jaxtp.analysis.rows import per_step, schedule_of
 from jaxtp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
@@ -38,7 +38,7 @@ def cfg_of(model, pp, tp=1, dp=1, microbatches=None, **kw):
 
 @functools.cache
 def one_device(model):
-    """One batch's loss and gradients on one device, unscanned, stacked
+    """One batch's loss and gradients on one device, unpipelined, stacked
     like the pipeline's."""
     loss, grads = loss_and_grads(cfg_of(model, 1, microbatches=1), TOKENS)
     return loss, _stacked(grads, model.n_layers)
@@ -101,7 +101,9 @@ def test_the_pipelined_step_holds_the_pp_ledger_and_one_devices_gradients(name, 
     if check == "one-device":
         values = initial_values(cfg)  # (a scanned model's come stacked)
         values = values if cfg.model.scan_layers else stack_layers(values)
-        assert_same(step_loss_and_grads(cfg, step, TOKENS, values), one_device(cfg.model))
+        # (scanning and remat change no value: one reference per model)
+        ref = one_device(dataclasses.replace(cfg.model, scan_layers=False, remat="none"))
+        assert_same(step_loss_and_grads(cfg, step, TOKENS, values), ref)
         return
     sizes = Layout.of(cfg).sizes
     colls = hlo.collectives(step.as_text())
@@ -154,6 +156,21 @@ def test_the_ledger_catches_a_wrong_tick_count():
     whole = [dataclasses.replace(r, elements=r.elements * cfg.train.microbatches)
              if r.kind == "collective-permute" else r for r in rows]
     assert check_rows(pp, whole, sizes) is not None
+
+
+def test_the_schedule_picture_has_each_microbatch_once_per_pass_and_the_bubble():
+    """GPipe at p=4, M=8 as the loop runs it: each stage runs every
+    microbatch's forward once, in order, then every backward in reverse;
+    p - 1 bubble ticks per pass; stage r's forward of m at tick m + r."""
+    p, M = 4, 8
+    grid = cells(p, M)
+    for r, row in enumerate(grid):
+        F = [c for c in row if c.startswith("F")]
+        B = [c for c in row if c.startswith("B")]
+        assert F == [f"F{m}" for m in range(M)] and B == [f"B{m}" for m in reversed(range(M))]
+        assert row.count("") == 2 * (p - 1)
+        assert row[r + 3] == "F3"
+    assert picture(p, M).count('data-op="bubble"') == 2 * p * (p - 1)
 
 
 def test_bubble():
