@@ -33,8 +33,8 @@ import time
 
 from jaxtp.cli import Parser, positive
 from jaxtp.config import (ATTENTIONS, COORDINATOR_TIMEOUT_S, CP_STRATEGIES, IMPLS, OVERLAPS,
-                          PP_SCHEDULES, REMATS, Config, ConfigError, apply_overrides,
-                          load_config, preset_names, validate)
+                          PP_SCHEDULES, PP_SCHEDULES_PLANNED, REMATS, Config, ConfigError,
+                          apply_overrides, load_config, preset_names, validate)
 from jaxtp.checks import check_asked
 from jaxtp.hardware import HARDWARE, TARGET_NAMES
 from jaxtp.train.rundir import RunDir
@@ -70,9 +70,10 @@ def _layout_flags(ap) -> None:
                        help="pipeline-parallel degree (mesh axis 'pp', the outermost): the "
                             "layers split evenly over pp stages, the batch run through them in "
                             "train.microbatches microbatches (default with --pp N: 2N)")
-    group.add_argument("--pp-schedule", choices=PP_SCHEDULES,
+    group.add_argument("--pp-schedule", choices=PP_SCHEDULES + PP_SCHEDULES_PLANNED,
                        help="with --pp: how the stages run the microbatches (gpipe: all "
-                            "forwards, then all backwards, M + pp - 1 ticks each)")
+                            "forwards, then all backwards, M + pp - 1 ticks each; circular "
+                            "and 1f1b: refused, not built yet)")
     group.add_argument("--cp", type=int,
                        help="context-parallel degree (mesh axis 'cp', between dp and tp): the "
                             "sequence split over it for the whole model (with the causal load "

@@ -28,8 +28,10 @@ ATTENTIONS = ("auto", "xla", "blockwise", "cudnn")  # jaxtp.model.kernels (auto:
 # how the attention core reaches the other cp ranks' keys and values
 # (jaxtp.parallel.context); the parallel package holds the same names
 CP_STRATEGIES = ("allgather", "ring")
-# how the pipeline stages run their microbatches (jaxtp.parallel.pipeline)
+# how the pipeline stages run their microbatches (jaxtp.parallel.pipeline);
+# and those planned, refused by name until they are built
 PP_SCHEDULES = ("gpipe",)
+PP_SCHEDULES_PLANNED = ("circular", "1f1b")
 # how long a multi-process start waits for every process (jaxtp.parallel.distributed)
 COORDINATOR_TIMEOUT_S = 300
 
@@ -107,6 +109,9 @@ def _check_ranges(cfg: Config) -> None:
 
 def _check_choices(cfg: Config) -> None:
     m = cfg.model
+    if cfg.parallel.pp_schedule in PP_SCHEDULES_PLANNED:
+        raise ConfigError(f"parallel.pp_schedule={cfg.parallel.pp_schedule!r} is not built yet; "
+                          f"the pipeline runs {PP_SCHEDULES} (GPipe)")
     for name, value, choices in (("model.dtype", m.dtype, DTYPES),
                                  ("model.param_dtype", m.param_dtype, DTYPES),
                                  ("model.remat", m.remat, REMATS),

@@ -18,8 +18,8 @@ from typing import Any
 # the choices a config may make, the error of one it may not, and the rules
 # (jaxtp.checks, which imports nothing of this module)
 from .checks import (ATTENTIONS, COORDINATOR_TIMEOUT_S, CP_STRATEGIES, DTYPES, IMPLS,
-                     INFERENCE_IMPLS, OVERLAPS, PP_SCHEDULES, REMATS, STYLES, ConfigError,
-                     check)
+                     INFERENCE_IMPLS, OVERLAPS, PP_SCHEDULES, PP_SCHEDULES_PLANNED, REMATS,
+                     STYLES, ConfigError, check)
 
 # the presets: `jaxtp/configs/` in an installed wheel (pyproject maps the
 # repository's top-level `configs/` there), the repository's own in a checkout
@@ -325,6 +325,6 @@ def validate(cfg: Config) -> Config:
 
 __all__ = ["ATTENTIONS", "CONFIG_DIR", "COORDINATOR_TIMEOUT_S", "Config", "ConfigError",
            "CP_STRATEGIES", "DTYPES", "IMPLS", "INFERENCE_IMPLS", "ModelConfig", "OVERLAPS",
-           "PP_SCHEDULES",
+           "PP_SCHEDULES", "PP_SCHEDULES_PLANNED",
            "ParallelConfig", "REMATS", "STYLES", "TrainConfig", "apply_overrides",
            "load_config", "preset_names", "validate"]

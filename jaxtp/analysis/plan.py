@@ -37,7 +37,7 @@ import numpy as np
 
 from .. import hlo
 from ..config import Config, ConfigError, validate
-from ..parallel import make_mesh, mesh_for
+from ..parallel import Layout, mesh_for
 from ..hardware import HARDWARE, model_flops_per_token
 from ..model.build import resolve_attention
 from .cp import kv_heads_per_rank
@@ -107,7 +107,7 @@ def analyze(cfg: Config, mesh=None, *, compile_step: Callable) -> dict:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     t0 = time.perf_counter()
     # fake CPU devices: planning needs no accelerator, nor as many as tp
-    mesh = make_mesh(p.dp, p.tp, devices=jax.devices("cpu"), cp=p.cp) if mesh is None else mesh
+    mesh = Layout.of(cfg).mesh(devices=jax.devices("cpu")) if mesh is None else mesh
     mesh = mesh_for(mesh, p.impl)
     # a CPU plan stands in for an accelerator: its kernel choice, not the CPU's own
     cfg = resolve_attention(cfg, mesh.devices.flat[0], cpu_tuned=False)
@@ -119,11 +119,11 @@ def analyze(cfg: Config, mesh=None, *, compile_step: Callable) -> dict:
     colls = hlo.collectives(compiled.as_text())
     params = _per_device_bytes(state.params)
     opt = _per_device_bytes(state.opt_state)
-    batch = (t.batch_size // p.dp) * (m.seq_len + 1) * 4
+    batch = (t.batch_size // (p.pp * p.dp)) * (m.seq_len + 1) * 4
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     device = mesh.devices.flat[0]
     return {
-        **dict(tp=p.tp, cp=p.cp), "sp": p.sequence_parallel, "impl": p.impl,
+        **dict(tp=p.tp, cp=p.cp, pp=p.pp), "sp": p.sequence_parallel, "impl": p.impl,
         "compile_s": time.perf_counter() - t0,
         "n_params": n_params, "attention": cfg.model.attention, "remat": m.remat,
         "dtype": m.dtype, "loss_chunk": m.loss_chunk,
@@ -278,13 +278,16 @@ def _print(cfg: Config, rows: list[dict], target, on_target: bool, log) -> None:
         gib(r["collective_bytes_per_step"]), num(r["flops_per_device"] / 1e9, "{:,.1f}"),
         num(r["redundancy"], "{:.3f}"), f"{r['f_over_tp']:,.0f}", r["bound"]] for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    m = cfg.model
+    m, p = cfg.model, cfg.parallel
     r0 = rows[0]
     log(f"plan: {m.style} {r0['n_params']:,} params, L={m.n_layers} h={m.d_model} "
         f"F={m.d_ff} heads={m.n_heads}/{m.kv_heads} kv, batch {cfg.train.batch_size} x seq "
         f"{m.seq_len}, {m.dtype}, sp={cfg.parallel.sp}, impl={cfg.parallel.impl}, "
         f"attention={r0['attention']}, remat={m.remat}"
         + (f", loss_chunk={m.loss_chunk}" if m.loss_chunk else "")
+        + (f", pp={p.pp} ({p.pp_schedule}, M={cfg.train.microbatches}, "
+           f"{m.n_layers // p.pp} layers per stage: every number per device is its stage's)"
+           if p.pp > 1 else "")
         + f"; compiled for {r0['compiled_for']}")
     for row in table:
         log("  ".join(c.rjust(w) for c, w in zip(row, widths)))

@@ -31,6 +31,8 @@ TOKENS = np.random.default_rng(0).integers(0, 256, (B, MODEL.seq_len + 1)).astyp
 
 def cfg_of(model, pp, tp=1, dp=1, microbatches=None, **kw):
     par = {k: kw.pop(k) for k in ("impl", "sp", "fsdp") if k in kw}
+    if "schedule" in kw:
+        par["pp_schedule"] = kw.pop("schedule")
     return validate(Config(dataclasses.replace(model, **kw),
                            TrainConfig(batch_size=B, microbatches=microbatches or 2 * pp),
                            ParallelConfig(pp=pp, dp=dp, tp=tp, **par)))
@@ -186,6 +188,7 @@ def test_bubble():
     ({"pp": 2, "microbatches": 1}, "--microbatches 4"),
     ({"pp": 2, "impl": "explicit"}, "--impl explicit"),
     ({"pp": 2, "dropout": 0.1}, "model.dropout"),
+    ({"pp": 2, "schedule": "1f1b"}, "'1f1b' is not built yet"),
 ])
 def test_refusals_name_the_fix(over, fix):
     kw = dict(over)
