@@ -334,6 +334,7 @@ def test_uncommitted_step_is_ignored(tmp_path, gpt2_tp8):
     ckpt.close()
 
 
+@pytest.mark.slow
 def test_a_pp_save_restores_exactly_unpipelined_and_at_another_pp(tmp_path):
     """Saved at pp=2 x tp=4 (the blocks one stack [L, ...] split over pp),
     restored bit-exactly at pp=4 x tp=2, and at tp=8 without a pipeline,
