@@ -39,10 +39,14 @@ class _QuietOrbax(logging.Filter):
         exc, tb = record.exc_info[1:] if record.exc_info else (None, None)
         frames = traceback.extract_tb(tb) if tb is not None else []
         # a tensorstore write's error reaches asyncio without orbax's frames
-        # (set on its future from C++); it names orbax's temporary directory
+        # (set on its future from C++); it names orbax's temporary directory.
+        # So does a read of a damaged step that restore abandoned once another
+        # read failed (its future's error never retrieved): it names orbax's
+        # OCDBT database, and `Checkpointer.restore` reported the step
         mentions = f"{record.getMessage()} {exc}"
         return not ("orbax" in record.pathname or any("orbax" in f.filename for f in frames)
-                    or ".orbax-checkpoint-tmp" in mentions)
+                    or ".orbax-checkpoint-tmp" in mentions
+                    or (exc is not None and "in OCDBT database at" in str(exc)))
 
 
 def quiet_orbax() -> None:
