@@ -54,18 +54,8 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     mesh = Layout.of(cfg).mesh() if mesh is None else mesh
-    impls, colls_by_impl, expected_by_impl = {}, {}, {}
-    forms = _windowed_forms(cfg, mesh)
-    refused = {}
-    for impl in IMPLS:
-        one = dataclasses.replace(cfg, parallel=dataclasses.replace(p, impl=impl))
-        try:
-            check_config(one)
-        except ConfigError as e:  # this layout is not built for this impl: say so
-            refused[impl] = str(e)
-            continue
-        colls_by_impl[impl], expected_by_impl[impl], impls[impl] = _compile_and_check(
-            one, mesh_for(mesh, impl), out, log, forms, compile_step)
+    impls, colls_by_impl, expected_by_impl, refused = _compile_each(cfg, mesh, out, log,
+                                                                     compile_step)
     budget, sizes = budget_for(cfg), dict(mesh.shape)
     ring = {impl: sum(e.count * e.ring_bytes for e in rows)
             for impl, rows in expected_by_impl.items()}
@@ -103,6 +93,24 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
                                                      p.pp_schedule))
         log(f"drew {out / 'pipeline.svg'}")
     return report
+
+
+def _compile_each(cfg: Config, mesh, out: Path, log, compile_step: Callable):
+    """(report entries, collectives, budgets, refusals), each by impl: every
+    impl's step compiled and checked, but where the layout is not built for
+    it (`jaxtp.checks`): then the reason, and nothing compiled."""
+    impls, colls_by_impl, expected_by_impl, refused = {}, {}, {}, {}
+    forms = _windowed_forms(cfg, mesh)
+    for impl in IMPLS:
+        one = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, impl=impl))
+        try:
+            check_config(one)
+        except ConfigError as e:
+            refused[impl] = str(e)
+            continue
+        colls_by_impl[impl], expected_by_impl[impl], impls[impl] = _compile_and_check(
+            one, mesh_for(mesh, impl), out, log, forms, compile_step)
+    return impls, colls_by_impl, expected_by_impl, refused
 
 
 def _report(cfg: Config, mesh, budget, ring: dict, impls: dict, colls_by_impl: dict,

@@ -72,43 +72,63 @@ def pipeline(stage: Callable, blocks, x_BTD, layout: Layout):
         leaves = [_enter(x, s, dp) for x, s in zip(
             leaves, jax.tree.leaves(param_specs, is_leaf=_is_spec))]
         params = jax.tree.unflatten(tree, leaves)
-        r = jax.lax.axis_index(PP_AXIS)
         # (pinned as the stream is: under SP split along T over tp)
         pin = lambda x: constrain(x, *(None,) * (x.ndim - 3), *layout.residual)
-        # stage 0 holds every stage's rows [p, n, T, D] -> M microbatches
-        # [M, p*n/M, T, D] (the other stages: zeros, unread)
-        xs_pnTD = jnp.stack([pin(x_nTD)] + [
-            jax.lax.ppermute(x_nTD, PP_AXIS, [(k, 0)]) for k in range(1, p)])
-        _, n, *rest = xs_pnTD.shape
-        xs_MbTD = pin(jnp.moveaxis(xs_pnTD.reshape(p, n // M, M, *rest), 2, 0).reshape(
-            M, p * n // M, *rest))
-        held_bTD = jnp.zeros_like(xs_MbTD[0])
-        out_MbTD = jnp.zeros_like(xs_MbTD)
-
-        def tick(carry, t):
-            held_bTD, out_MbTD = carry
-            x_bTD = jnp.where(r == 0, xs_MbTD[jnp.minimum(t, M - 1)], held_bTD)
-            # (the parameters' Variables remade in this trace: nnx refuses
-            # Variables from another trace level)
-            y_bTD = stage(nnx.merge(graphdef, jax.tree.map(lambda a: a, params)), x_bTD)
-            m = jnp.clip(t - (p - 1), 0, M - 1)  # the microbatch the last stage finished
-            done = (r == p - 1) & (t >= p - 1)
-            out_MbTD = jax.lax.dynamic_update_index_in_dim(
-                out_MbTD, jnp.where(done, y_bTD, out_MbTD[m]), m, 0)
-            held_bTD = jax.lax.ppermute(y_bTD, PP_AXIS, [(i, i + 1) for i in range(p - 1)])
-            return (held_bTD, out_MbTD), None
-
-        (_, out_MbTD), _ = jax.lax.scan(tick, (held_bTD, out_MbTD), jnp.arange(M + p - 1))
-        # the last stage's outputs back to their stages' rows [p, n, T, D]
-        out_pnTD = pin(jnp.moveaxis(out_MbTD.reshape(M, p, n // M, *rest), 0, 2).reshape(
-            p, n, *rest))
-        mine = jnp.where(r == p - 1, out_pnTD[p - 1], 0)
-        for k in range(p - 1):
-            mine = mine + jax.lax.ppermute(out_pnTD[k], PP_AXIS, [(p - 1, k)])
-        return mine
+        # (the parameters' Variables remade in each tick's trace: nnx refuses
+        # Variables from another trace level)
+        run = lambda x: stage(nnx.merge(graphdef, jax.tree.map(lambda a: a, params)), x)
+        out_MbTD = _gpipe(run, pin(_to_first_stage(pin(x_nTD), p, M)), p)
+        return _from_last_stage(out_MbTD, p, pin)
 
     return jax.shard_map(per_stage, in_specs=(param_specs, x_spec), out_specs=x_spec,
                          axis_names=manual, check_vma=True)(params, x_BTD)
+
+
+def _gpipe(run: Callable, xs_MbTD, p: int):
+    """GPipe's M + p - 1 ticks: at tick t stage 0 takes microbatch t, every
+    stage runs `run` on what it holds and shifts its output to the next;
+    the last stage's outputs [M, b, T, D] (the other stages': zeros)."""
+    M = xs_MbTD.shape[0]
+    r = jax.lax.axis_index(PP_AXIS)
+
+    def tick(carry, t):
+        held_bTD, out_MbTD = carry
+        y_bTD = run(jnp.where(r == 0, xs_MbTD[jnp.minimum(t, M - 1)], held_bTD))
+        m = jnp.clip(t - (p - 1), 0, M - 1)  # the microbatch the last stage finished
+        done = (r == p - 1) & (t >= p - 1)
+        out_MbTD = jax.lax.dynamic_update_index_in_dim(
+            out_MbTD, jnp.where(done, y_bTD, out_MbTD[m]), m, 0)
+        held_bTD = jax.lax.ppermute(y_bTD, PP_AXIS, [(i, i + 1) for i in range(p - 1)])
+        return (held_bTD, out_MbTD), None
+
+    zeros = (jnp.zeros_like(xs_MbTD[0]), jnp.zeros_like(xs_MbTD))
+    return jax.lax.scan(tick, zeros, jnp.arange(M + p - 1))[0][1]
+
+
+def _to_first_stage(x_nTD, p: int, M: int):
+    """Each stage's own rows [n, T, D] -> on stage 0, every stage's rows as M
+    microbatches [M, p*n/M, T, D] (microbatch m: rows m, M+m, ... of each
+    stage's), by p - 1 permutes r -> 0; on the others zeros, unread."""
+    xs_pnTD = jnp.stack([x_nTD] + [jax.lax.ppermute(x_nTD, PP_AXIS, [(k, 0)])
+                                   for k in range(1, p)])
+    _, n, *rest = xs_pnTD.shape
+    return jnp.moveaxis(xs_pnTD.reshape(p, n // M, M, *rest), 2, 0).reshape(
+        M, p * n // M, *rest)
+
+
+def _from_last_stage(out_MbTD, p: int, pin: Callable):
+    """The inverse of `_to_first_stage` from the last stage: each stage's own
+    rows of its M microbatches' outputs, by p - 1 permutes p-1 -> r (the
+    other stages' `out_MbTD`, zeros, unsent)."""
+    M, b, *rest = out_MbTD.shape
+    n = M * b // p
+    out_pnTD = pin(jnp.moveaxis(out_MbTD.reshape(M, p, n // M, *rest), 0, 2).reshape(
+        p, n, *rest))
+    r = jax.lax.axis_index(PP_AXIS)
+    mine = jnp.where(r == p - 1, out_pnTD[p - 1], 0)
+    for k in range(p - 1):
+        mine = mine + jax.lax.ppermute(out_pnTD[k], PP_AXIS, [(p - 1, k)])
+    return mine
 
 
 def _enter(x, s: P, dp: bool):

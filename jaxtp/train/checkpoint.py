@@ -14,7 +14,7 @@ dtype and fingerprint, and a sha256 of both JSON items).
   run resumes at tp=4, tp=1 or another dp. The blocks are a list of L
   layers (`['blocks'][i]`) or one stack of them [L, ...] (scanned, and
   always under pp): a step saved in one form is read in that form, checked,
-  and restacked or sliced into the other (`_layer_plan`), so a pp=2 run
+  and restacked or sliced into the other (`layer_forms.layer_plan`), so a pp=2 run
   resumes unpipelined too (its blocks whole on every device for a moment).
 - Complete steps. Orbax writes `<step>.orbax-checkpoint-tmp` and renames it
   to `<step>` once every item is committed (on GCS, where rename is not
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import re
 import json
 import os
 import shutil
@@ -58,6 +57,7 @@ from etils import epath
 
 from ..parallel.distributed import any_process
 from .fingerprint import fingerprints, nbytes
+from .layer_forms import layer_plan
 from .options import Notice
 from .orbax_errors import brief, quiet_orbax
 
@@ -65,10 +65,9 @@ FORMAT = 1
 # Model config keys that change parameter names, shapes or dtypes (a stale
 # list is caught by the per-array shape check, with a less helpful message).
 # (scan_layers is not one: a stacked step is sliced for a list model, and
-# the other way round: `_layer_plan`)
+# the other way round: `layer_forms`)
 SHAPE_KEYS = ("style", "vocab_size", "vocab_multiple", "n_layers", "d_model", "n_heads",
               "n_kv_heads", "d_ff", "seq_len", "param_dtype", "tie_embeddings", "use_bias")
-_LAYER = re.compile(r"\['blocks'\]\[(\d+)\]")
 _MISSING = "<absent>"
 
 
@@ -261,7 +260,7 @@ class Checkpointer:
         except Exception as e:
             return f"cannot read its meta/manifest: {brief(e)}", None, None
         self._check_model(step, meta.get("model"), model)
-        read, convert = _layer_plan(saved, target)
+        read, convert = layer_plan(saved, target)
         self._check_arrays(step, saved, read)
         try:
             arrays = self._mngr.restore(step, args=ocp.args.Composite(
@@ -346,48 +345,6 @@ def _quiet_abandoned_reads() -> None:
             return
         hook = getattr(hook, "hook", None)  # a filter wrapping another (orbax_errors)
     sys.unraisablehook = _QuietAbandonedReads(sys.unraisablehook)
-
-
-def _layer_plan(saved: dict, target: dict) -> tuple[dict, Callable]:
-    """(what to read, how to turn it into `target`): the target itself, or,
-    where the step holds the blocks in the other form (a list of layers
-    `['blocks'][i]` against one stack `['blocks']` [L, ...], or the other
-    way round), those arrays in the step's form, each layer whole over the
-    stack's axis, then stacked or sliced and placed as the target's."""
-    if all(name in saved for name in target):
-        return target, lambda arrays: arrays
-    layers: dict[str, list[str]] = {}  # a stacked name -> its per-layer names, in order
-    for name in saved:
-        m = _LAYER.search(name)
-        if m:
-            stacked = name[:m.start()] + "['blocks']" + name[m.end():]
-            layers.setdefault(stacked, []).append((int(m.group(1)), name))
-    layers = {k: [n for _, n in sorted(v)] for k, v in layers.items()}
-    read, built = {}, {}
-    whole = lambda x, spec: jax.sharding.NamedSharding(x.sharding.mesh, spec)
-    for name, x in target.items():
-        if name in saved:
-            read[name] = x
-        elif name in layers:  # a stacked target from a list of layers
-            rest = jax.sharding.PartitionSpec(*x.sharding.spec[1:])
-            for n in layers[name]:
-                read[n] = jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=whole(x, rest))
-            built[name] = lambda a, x=x, names=layers[name]: jax.device_put(
-                jnp.stack([a[n] for n in names]), x.sharding)
-        elif (m := _LAYER.search(name)) and (
-                stacked := name[:m.start()] + "['blocks']" + name[m.end():]) in saved:
-            # a layer of a list target from a stack
-            if stacked not in read:
-                L = saved[stacked]["shape"][0]
-                spec = jax.sharding.PartitionSpec(None, *x.sharding.spec)
-                read[stacked] = jax.ShapeDtypeStruct((L, *x.shape), x.dtype,
-                                                     sharding=whole(x, spec))
-            built[name] = lambda a, x=x, i=int(m.group(1)), n=stacked: jax.device_put(
-                a[n][i], x.sharding)
-        else:
-            read[name] = x  # not in the step: `_check_arrays` names it
-    return read, lambda arrays: {name: built[name](arrays) if name in built else arrays[name]
-                                 for name in target}
 
 
 def _checksum(manifest: dict, meta: dict) -> str:
