@@ -43,6 +43,7 @@ EXIT_FAILED, EXIT_USAGE, EXIT_SAVE = 1, 2, 3
 # the flags that set one config key (their help says which, and the default)
 FLAG_KEYS = {"tp": "parallel.tp", "dp": "parallel.dp", "cp": "parallel.cp",
              "pp": "parallel.pp", "pp_schedule": "parallel.pp_schedule",
+             "pp_repeats": "parallel.pp_repeats",
              "cp_attention": "parallel.cp_attention", "impl": "parallel.impl",
              "sp": "parallel.sp", "overlap": "parallel.overlap", "fsdp": "parallel.fsdp",
              "microbatches": "train.microbatches",
@@ -72,8 +73,13 @@ def _layout_flags(ap) -> None:
                             "train.microbatches microbatches (default with --pp N: 2N)")
     group.add_argument("--pp-schedule", choices=PP_SCHEDULES + PP_SCHEDULES_PLANNED,
                        help="with --pp: how the stages run the microbatches (gpipe: all "
-                            "forwards, then all backwards, M + pp - 1 ticks each; circular "
-                            "and 1f1b: refused, not built yet)")
+                            "forwards, then all backwards, M + pp - 1 ticks each; circular: "
+                            "each stage holds --pp-repeats v chunks of layers, v*M + pp - 1 "
+                            "ticks of 1/v the work; 1f1b: refused, not built yet)")
+    group.add_argument("--pp-repeats", type=int,
+                       help="with --pp-schedule circular: the chunks of layers per stage, v >= "
+                            "2 (the layers split over pp*v chunks; stage r holds chunks r, "
+                            "r+pp, ...)")
     group.add_argument("--cp", type=int,
                        help="context-parallel degree (mesh axis 'cp', between dp and tp): the "
                             "sequence split over it for the whole model (with the causal load "

@@ -25,7 +25,7 @@ _LAZY = {
     "ParallelConfig": "config", "TrainConfig": "config", "load_config": "config",
     "Layout": "parallel", "Schedule": "parallel", "make_mesh": "parallel",
     "constrain": "parallel", "spec": "parallel",
-    "Transformer": "model", "Block": "model", "stack_layers": "model",
+    "Transformer": "model", "Block": "model", "stack_layers": "model", "reorder_layers": "model",
     "unstack_layers": "model", "init_train_state": "train.state",
     "abstract_train_state": "train.state", "make_optimizer": "train.optim",
     "make_train_step": "train.step", "compile_train_step": "train.step",

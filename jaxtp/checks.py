@@ -30,8 +30,8 @@ ATTENTIONS = ("auto", "xla", "blockwise", "cudnn")  # jaxtp.model.kernels (auto:
 CP_STRATEGIES = ("allgather", "ring")
 # how the pipeline stages run their microbatches (jaxtp.parallel.pipeline);
 # and those planned, refused by name until they are built
-PP_SCHEDULES = ("gpipe",)
-PP_SCHEDULES_PLANNED = ("circular", "1f1b")
+PP_SCHEDULES = ("gpipe", "circular")
+PP_SCHEDULES_PLANNED = ("1f1b",)
 # how long a multi-process start waits for every process (jaxtp.parallel.distributed)
 COORDINATOR_TIMEOUT_S = 300
 
@@ -111,7 +111,7 @@ def _check_choices(cfg: Config) -> None:
     m = cfg.model
     if cfg.parallel.pp_schedule in PP_SCHEDULES_PLANNED:
         raise ConfigError(f"parallel.pp_schedule={cfg.parallel.pp_schedule!r} is not built yet; "
-                          f"the pipeline runs {PP_SCHEDULES} (GPipe)")
+                          f"the pipeline runs {PP_SCHEDULES}")
     for name, value, choices in (("model.dtype", m.dtype, DTYPES),
                                  ("model.param_dtype", m.param_dtype, DTYPES),
                                  ("model.remat", m.remat, REMATS),
@@ -192,9 +192,13 @@ def _check_pp(cfg: Config) -> None:
             f"train.microbatches={t.microbatches} is below pp={p.pp}: a pipeline keeps every "
             f"stage busy only with at least one microbatch per stage; set --microbatches "
             f"{2 * p.pp} (the default with --pp {p.pp}) or more")
-    if p.pp_repeats != 1:
-        raise ConfigError(f"parallel.pp_repeats={p.pp_repeats}: repeats belong to the circular "
-                          "schedule, which is not built yet; use parallel.pp_repeats=1")
+    circular = p.pp_schedule == "circular"
+    if circular != (p.pp_repeats > 1):
+        raise ConfigError(
+            f"parallel.pp_repeats={p.pp_repeats} with parallel.pp_schedule={p.pp_schedule!r}: "
+            "the circular schedule runs v >= 2 chunks per stage (at v = 1 it is gpipe), "
+            "gpipe one; set parallel.pp_schedule=circular parallel.pp_repeats=2, or "
+            "parallel.pp_repeats=1 with gpipe")
     unbuilt = [(p.impl == "explicit", "--impl explicit (use gspmd or shard_map)"),
                (p.cp > 1, "--cp"), (m.dropout > 0, "model.dropout > 0"),
                (p.overlap != "none", f"--overlap {p.overlap}")]

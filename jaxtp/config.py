@@ -141,7 +141,7 @@ class ParallelConfig:
     # (jaxtp.parallel.pipeline), with `pp_repeats` layer chunks per stage
     pp: int = degree()
     pp_schedule: str = resumable("gpipe")
-    pp_repeats: int = 1
+    pp_repeats: int = resumable(1)  # (checkpoints hold the layers in model order)
     dp: int = degree()
     tp: int = degree()
     # context parallelism: the sequence split over a cp axis for the whole

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtp.config import Config, ModelConfig, TrainConfig
+from jaxtp.model import reorder_layers
 from jaxtp.model.build import resolve_attention
 from jaxtp.parallel import Layout, Schedule, make_mesh
 from jaxtp.train.data import to_mesh
@@ -60,7 +61,8 @@ def loss_and_grads(cfg: Config, tokens, values=None, key=None):
 
 
 def step_loss_and_grads(cfg: Config, step, tokens, values=None):
-    """(loss, {path: full gradient}) as `loss_and_grads` gives them, read from
+    """(loss, {path: full gradient}) as `loss_and_grads` gives them (stacked
+    layers in model order), read from
     one run of the compiled train step `step` (`compile_train_step` for cfg
     on its mesh): a test that reads a step's HLO checks the same program's
     numbers, with no second compile.
@@ -87,6 +89,8 @@ def step_loss_and_grads(cfg: Config, step, tokens, values=None):
     norm = float(metrics["grad_norm"])
     clip = min(1.0, t.grad_clip / max(norm, 1e-30)) if t.grad_clip > 0 else 1.0
     mu = nnx.to_pure_dict(jax.device_get(optax.tree_utils.tree_get(opt_state, "mu")))
+    if layout.stacked(cfg.model):  # in model order (a circular pipeline's interleaves)
+        mu = reorder_layers(mu, np.argsort(layout.layer_order(cfg.model.n_layers)))
     flat = jax.tree_util.tree_flatten_with_path(mu)[0]
     return float(metrics["loss"]), {jax.tree_util.keystr(k): np.asarray(v) / (1 - t.b1) / clip
                                     for k, v in flat}

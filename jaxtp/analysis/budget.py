@@ -91,7 +91,7 @@ def budget_for(cfg: Config) -> Budget:
     m, p = cfg.model, cfg.parallel
     M = cfg.train.microbatches
     schedule = schedule_of(cfg)
-    return Budget(tp=p.tp, layers=schedule.layers_per_rank,
+    return Budget(tp=p.tp, layers=schedule.layers_per_tick,
                   batch=cfg.train.batch_size // (p.dp * M), seq=m.seq_len // p.cp,
                   d_model=m.d_model, dtype_bytes=np.dtype(m.dtype).itemsize,
                   microbatches=schedule.ticks)

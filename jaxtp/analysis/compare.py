@@ -90,7 +90,7 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
     write(report, out, log)
     if p.pp > 1:
         (out / "pipeline.svg").write_text(pp.picture(p.pp, cfg.train.microbatches,
-                                                     p.pp_schedule))
+                                                     p.pp_schedule, p.pp_repeats))
         log(f"drew {out / 'pipeline.svg'}")
     return report
 

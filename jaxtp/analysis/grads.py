@@ -100,10 +100,10 @@ def reduced_over(cfg: Config, impl: str) -> dict[str, tuple[str, ...]]:
 def _whole_over_tp(cfg: Config, impl: str, s: ParamShard) -> bool:
     """GSPMD sums the attention's row-parallel bias under SP from the output
     gradient it gathered anyway: whole over tp (but not in slices reduced
-    once, where dp is manual, nor under the overlap, where the gradient
-    reaches the bias split along T)."""
+    once, where dp is manual, nor in a pipeline's stages, where pp is, nor
+    under the overlap, where the gradient reaches the bias split along T)."""
     return (s.path.endswith("attn/out/bias") and impl == "gspmd" and not reduces_once(cfg)
-            and cfg.parallel.overlap == "none")
+            and cfg.parallel.pp == 1 and cfg.parallel.overlap == "none")
 
 
 def expected_grads(cfg: Config, impl: str) -> list[Expected]:
@@ -263,8 +263,10 @@ def _sequence_rows(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]
             continue
         group = int(np.prod([dict(p.degrees)[a] for a in g.seq]))
         # a stacked parameter's (scanned, or a pipeline's stage's: its L/pp
-        # layers, per tick) one layer per loop trip; outside a pipeline once
-        layers = (m.n_layers // p.pp if s.in_stack and (m.scan_layers or p.pp > 1) else 1)
+        # layers, a chunk of L/(pp*v) per tick) one layer per loop trip;
+        # outside a pipeline once
+        held = m.n_layers // p.pp if s.in_stack and (m.scan_layers or p.pp > 1) else 1
+        layers = held // p.pp_repeats if s.in_stack else 1
         per = "step" if p.pp > 1 and not s.in_stack else "microbatch"
         module = s.path.split("/")[-2]
         bias = module in ("out", "down")  # a row-parallel bias (its kernel is a region's)
@@ -279,7 +281,7 @@ def _sequence_rows(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]
                 if bias else "norm weights used on sequence shards: gradient sum")
         scope = ("attention" if module == "out" else "mlp") if bias else ""
         rows.append(Expected(what, "all-gather" if gather else "all-reduce", "backward", scope,
-                             s.elements // layers, cd if bias else pd, group, layers,
+                             s.elements // held, cd if bias else pd, group, layers,
                              "positions" if positions else "seq_shard_param", g.seq, False,
                              per))
         if positions and once and impl != "explicit":

@@ -9,7 +9,8 @@ the work, the bubble (p-1)/(v*M+p-1). Compiled FLOPs per useful FLOP of the
 blocks: (v*M + p - 1)/(v*M), as every stage computes in every tick.
 
 Per tick each stage sends its output, a microbatch's b = B/(M*dp) rows of
-the residual stream, to the next (one collective-permute of b*(s/cp)*D
+the residual stream, to the next (circular: the last stage to the first
+too, a ring of p pairs against GPipe's p - 1) (one collective-permute of b*(s/cp)*D
 elements, /tp under SP, where the stream is split along the sequence over
 tp: Megatron's `get_tensor_shapes`), and the backward pass sends the
 gradients the other way, the same bytes. The bubble's ticks send too, and
@@ -44,11 +45,12 @@ def expected_pp(cfg: Config) -> list[Expected]:
         name, "collective-permute", pass_, "", n, HLO_DTYPES[m.dtype], pairs * pipelines,
         count, "pp", (PP_AXIS,), per=per)
     hops = p.pp - 1
+    ring = p.pp if p.pp_repeats > 1 else hops  # circular: the last stage's to the first too
     return [
-        E("pp shift: each stage's output to the next, every tick", "forward", shift, 1, hops,
+        E("pp shift: each stage's output to the next, every tick", "forward", shift, 1, ring,
           per="microbatch"),
         E("pp shift, backward: each stage's input gradient to the one before, every tick",
-          "backward", shift, 1, hops, per="microbatch"),
+          "backward", shift, 1, ring, per="microbatch"),
         E("pp entry: each stage's rows to stage 0", "forward", mine, hops),
         E("pp exit: the last stage's outputs to their stages", "forward", mine, hops),
         E("pp exit and entry, backward: the same permutes reversed", "backward", mine,
@@ -70,46 +72,54 @@ def compiled_ticks(colls: list[hlo.Collective], mesh: dict[str, int]) -> int | N
     return max(counts) if counts else None
 
 
-def cells(stages: int, microbatches: int) -> list[list[str]]:
-    """GPipe's schedule as it runs (`jaxtp.parallel.pipeline`), per stage, per
-    tick: M + p - 1 forward ticks, then the scan's transpose, the same ticks
-    in reverse. "F3": the forward of microbatch 3; "B3": its backward; "":
-    a bubble tick (computed on dropped data)."""
-    p, M = stages, microbatches
-    T = M + p - 1
-    grid = []
-    for r in range(p):
-        forward = [f"F{t - r}" if 0 <= t - r < M else "" for t in range(T)]
-        backward = [f"B{T - 1 - t - r}" if 0 <= T - 1 - t - r < M else "" for t in range(T)]
-        grid.append(forward + backward)
-    return grid
+def cells(stages: int, microbatches: int, repeats: int = 1) -> list[list[str]]:
+    """The schedule as it runs (`jaxtp.parallel.pipeline`), per stage, per
+    tick: v*M + p - 1 forward ticks, then the scan's transpose, the same
+    ticks in reverse. "F3": the forward of microbatch 3; "B3": its
+    backward; circular (v > 1) adds the chunk, "F3:1"; "": a bubble tick
+    (computed on dropped data)."""
+    p, M, v = stages, microbatches, repeats
+    T = v * M + p - 1
+
+    def op(kind: str, k: int) -> str:
+        if not 0 <= k < v * M:
+            return ""
+        return f"{kind}{k % M}" + (f":{k // M}" if v > 1 else "")
+
+    return [[op("F", t - r) for t in range(T)] + [op("B", T - 1 - t - r) for t in range(T)]
+            for r in range(p)]
 
 
-def picture(stages: int, microbatches: int, schedule: str = "gpipe") -> str:
+def picture(stages: int, microbatches: int, schedule: str = "gpipe", repeats: int = 1) -> str:
     """`pipeline.svg`: stages down, ticks across; forward, backward and
-    bubble cells."""
-    grid = cells(stages, microbatches)
+    bubble cells (circular: a chunk's cells a shade of their own)."""
+    grid = cells(stages, microbatches, repeats)
     w, h, left, top = 34, 26, 70, 44
     ticks = len(grid[0])
     width, height = left + ticks * w + 10, top + stages * h + 40
-    fill = {"F": "#4f81bd", "B": "#9bbb59", "": "#d9d9d9"}
+    shades = {"F": ("#4f81bd", "#1f4e79"), "B": ("#9bbb59", "#5a7a1e")}
+    fill = lambda cell: (shades[cell[0]][int(cell.partition(":")[2] or 0) % 2] if cell
+                         else "#d9d9d9")
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
              f'viewBox="0 0 {width} {height}" font-family="monospace">',
              f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
              f'<text x="6" y="18" font-size="13" font-weight="bold">{schedule}: {stages} stages, '
-             f'{microbatches} microbatches, {ticks // 2} ticks forward + {ticks // 2} backward; '
-             f'bubble {bubble(stages, microbatches):.1%} (grey: computed, dropped)</text>']
+             f'{microbatches} microbatches{f", {repeats} chunks each" if repeats > 1 else ""}, '
+             f'{ticks // 2} ticks forward + {ticks // 2} backward; '
+             f'bubble {bubble(stages, microbatches, repeats):.1%} (grey: computed, '
+             'dropped)</text>']
     for r, row in enumerate(grid):
         y = top + r * h
         parts.append(f'<text x="6" y="{y + 17}" font-size="11">stage {r}</text>')
         for t, cell in enumerate(row):
             x = left + t * w
             parts.append(f'<rect x="{x}" y="{y}" width="{w - 2}" height="{h - 2}" '
-                         f'fill="{fill[cell[:1]]}" class="cell" data-stage="{r}" '
+                         f'fill="{fill(cell)}" class="cell" data-stage="{r}" '
                          f'data-tick="{t}" data-op="{cell or "bubble"}"/>')
             if cell:
                 parts.append(f'<text x="{x + 5}" y="{y + 17}" font-size="11" '
-                             f'fill="#ffffff">{cell}</text>')
+                             f'fill="#ffffff">{cell.partition(":")[0]}</text>')
     parts.append(f'<text x="{left}" y="{top + stages * h + 24}" font-size="11">ticks across: '
-                 'forward (blue), then backward (green, the scan reversed)</text>')
+                 'forward (blue), then backward (green, the scan reversed)'
+                 + ('; a darker shade: an odd chunk' if repeats > 1 else '') + '</text>')
     return "\n".join(parts + ["</svg>"]) + "\n"

@@ -77,10 +77,10 @@ PER = ("layer", "microbatch", "step")
 
 def per_step(rows: list[Expected], schedule: Schedule) -> list[Expected]:
     """The rows' counts per step: a "layer" row's times the layers a rank
-    runs and the loop trips it runs them in (`Schedule.ticks`: M without a
+    runs per loop trip and the trips it runs (`Schedule.ticks`: M without a
     pipeline), a "microbatch" row's times the trips; the one place a ledger
     multiplies by the layer count and the schedule."""
-    times = {"layer": schedule.layers_per_rank * schedule.ticks, "microbatch": schedule.ticks,
+    times = {"layer": schedule.layers_per_tick * schedule.ticks, "microbatch": schedule.ticks,
              "step": 1}
     for r in rows:
         if r.per not in times:

@@ -187,8 +187,8 @@ class Transformer(nnx.Module):
 
 def _stacked(blocks: list[Block], cfg: ModelConfig, layout: Layout) -> Block:
     """One Block whose every parameter is the `blocks`' stacked on a leading
-    layer axis [L, ...], split over the layout's stack axis (None:
-    replicated). Its structure comes from an `nnx.vmap`ped construction
+    layer axis [L, ...] (in `Layout.layer_order`), split over the layout's
+    stack axis (None: replicated). Its structure comes from an `nnx.vmap`ped construction
     whose own draws are discarded (unused under jit)."""
     @nnx.split_rngs(splits=cfg.n_layers)
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: layout.stack_axis})
@@ -197,8 +197,9 @@ def _stacked(blocks: list[Block], cfg: ModelConfig, layout: Layout) -> Block:
 
     stacked = stack(nnx.Rngs(0))
     state = nnx.state(stacked)
-    pure = stack_layers({"blocks": dict(enumerate(nnx.to_pure_dict(nnx.state(b))
-                                                  for b in blocks))})["blocks"]
+    order = layout.layer_order(cfg.n_layers)  # (circular pipelines interleave)
+    pure = stack_layers({"blocks": dict(enumerate(nnx.to_pure_dict(nnx.state(blocks[i]))
+                                                  for i in order))})["blocks"]
     nnx.replace_by_pure_dict(state, pure)
     nnx.update(stacked, state)
     return stacked
@@ -218,3 +219,14 @@ def unstack_layers(pure: dict) -> dict:
     L = jax.tree.leaves(pure["blocks"])[0].shape[0]
     return {**pure, "blocks": {i: jax.tree.map(lambda x: x[i], pure["blocks"])
                                for i in range(L)}}
+
+
+def reorder_layers(pure: dict, order) -> dict:
+    """{"blocks": tree of [L, ...]} (a pure dict) with stack position j
+    holding what position order[j] held: `Layout.layer_order` puts model
+    order into a circular pipeline's storage, its inverse (np.argsort) takes
+    it back. The same dict where the order is the identity."""
+    idx = np.asarray(order)
+    if (idx == np.arange(idx.size)).all():
+        return pure
+    return {**pure, "blocks": jax.tree.map(lambda x: x[idx], pure["blocks"])}

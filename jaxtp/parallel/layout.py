@@ -173,6 +173,22 @@ class Layout:
         (`model.scan_layers`, and always under pp: the stages' layers)."""
         return model_cfg.scan_layers or self.pp > 1
 
+    def layer_order(self, L: int) -> tuple[int, ...]:
+        """The layer each position of a stacked [L, ...] parameter holds.
+        Position j lies on stage j // (L/p); under the circular schedule
+        (v = `repeats` chunks of L/(p*v) layers per stage) stage r's i-th
+        chunk is the pipeline's chunk i*p + r (Narayanan et al. 2021, Sec.
+        2.2.2), so the stack is stored in that order: on each stage its
+        chunks in the order it runs them. The identity otherwise.
+
+        >>> Layout.make(pp=2, pipeline="circular", microbatches=2, repeats=2).layer_order(8)
+        (0, 1, 4, 5, 2, 3, 6, 7)
+        """
+        p, v = self.pp, self.repeats
+        c = L // (p * v)  # layers per chunk
+        return tuple((i * p + j // (v * c)) * c + k
+                     for j in range(L) for i, k in [divmod(j % (v * c), c)])
+
     @property
     def pp(self) -> int:
         return self.sizes.get(PP_AXIS, 1)

@@ -54,7 +54,7 @@ def pipeline(stage: Callable, blocks, x_BTD, layout: Layout):
     once per tick. FSDP's are gathered over dp on entry (by GSPMD, before
     the shard_map, under gspmd; by an all-gather in it under shard_map), so
     a stage holds its layers whole for the step."""
-    p, M = layout.pp, layout.microbatches
+    p, M, v = layout.pp, layout.microbatches, layout.repeats
     mesh = jax.sharding.get_abstract_mesh()
     big = {a for a, n in dict(mesh.shape).items() if n > 1}
     everything = layout.impl == "shard_map"
@@ -74,35 +74,61 @@ def pipeline(stage: Callable, blocks, x_BTD, layout: Layout):
         params = jax.tree.unflatten(tree, leaves)
         # (pinned as the stream is: under SP split along T over tp)
         pin = lambda x: constrain(x, *(None,) * (x.ndim - 3), *layout.residual)
-        # (the parameters' Variables remade in each tick's trace: nnx refuses
-        # Variables from another trace level)
-        run = lambda x: stage(nnx.merge(graphdef, jax.tree.map(lambda a: a, params)), x)
-        out_MbTD = _gpipe(run, pin(_to_first_stage(pin(x_nTD), p, M)), p)
+        run = lambda i, x: stage(nnx.merge(graphdef, _chunk(params, i, v)), x)
+        out_MbTD = _gpipe(run, pin(_to_first_stage(pin(x_nTD), p, M)), p, v)
         return _from_last_stage(out_MbTD, p, pin)
 
     return jax.shard_map(per_stage, in_specs=(param_specs, x_spec), out_specs=x_spec,
                          axis_names=manual, check_vma=True)(params, x_BTD)
 
 
-def _gpipe(run: Callable, xs_MbTD, p: int):
+def _gpipe(run: Callable, xs_in_MbTD, p: int, v: int = 1):
     """GPipe's M + p - 1 ticks: at tick t stage 0 takes microbatch t, every
-    stage runs `run` on what it holds and shifts its output to the next;
-    the last stage's outputs [M, b, T, D] (the other stages': zeros)."""
-    M = xs_MbTD.shape[0]
+    stage runs `run(0, x)` on what it holds and shifts its output to the
+    next; the last stage's outputs [M, b, T, D] (the other stages': zeros).
+
+    Circular (v > 1 chunks per stage): v*M + p - 1 ticks; at tick t stage r
+    runs its chunk i = (t-r) // M on microbatch (t-r) % M (`run(i, x)`),
+    and the shift is a ring: the last stage's output of chunk i < v-1 goes
+    to stage 0, which files it among its inputs and takes it up M - p + 1
+    ticks later (M >= p), for chunk i+1. MaxText's `layers/pipeline.py`
+    runs the same order."""
+    M = xs_in_MbTD.shape[0]
     r = jax.lax.axis_index(PP_AXIS)
+    pairs = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
 
     def tick(carry, t):
-        held_bTD, out_MbTD = carry
-        y_bTD = run(jnp.where(r == 0, xs_MbTD[jnp.minimum(t, M - 1)], held_bTD))
-        m = jnp.clip(t - (p - 1), 0, M - 1)  # the microbatch the last stage finished
-        done = (r == p - 1) & (t >= p - 1)
+        held_bTD, out_MbTD, *circ = carry
+        xs_MbTD = circ[0] if v > 1 else xs_in_MbTD
+        if v > 1:  # stage 0 files what came round the ring: the last stage's
+            back = t - p  # microbatch of tick t-1, for its next chunk
+            k = jnp.clip(back, 0, v * M - 1) % M
+            keep = (r == 0) & (back >= 0) & (back < (v - 1) * M)
+            xs_MbTD = jax.lax.dynamic_update_index_in_dim(
+                xs_MbTD, jnp.where(keep, held_bTD, xs_MbTD[k]), k, 0)
+        k = jnp.clip(t - r, 0, v * M - 1)  # this stage's microbatch and chunk
+        x_bTD = jnp.where(r == 0, xs_MbTD[k % M], held_bTD)
+        y_bTD = run(k // M, x_bTD) if v > 1 else run(0, x_bTD)
+        m = jnp.clip(t - (p - 1) - (v - 1) * M, 0, M - 1)  # one the last stage finished
+        done = (r == p - 1) & (t - (p - 1) >= (v - 1) * M)
         out_MbTD = jax.lax.dynamic_update_index_in_dim(
             out_MbTD, jnp.where(done, y_bTD, out_MbTD[m]), m, 0)
-        held_bTD = jax.lax.ppermute(y_bTD, PP_AXIS, [(i, i + 1) for i in range(p - 1)])
-        return (held_bTD, out_MbTD), None
+        held_bTD = jax.lax.ppermute(y_bTD, PP_AXIS, pairs)
+        return (held_bTD, out_MbTD, *([xs_MbTD] if v > 1 else [])), None
 
-    zeros = (jnp.zeros_like(xs_MbTD[0]), jnp.zeros_like(xs_MbTD))
-    return jax.lax.scan(tick, zeros, jnp.arange(M + p - 1))[0][1]
+    start = (jnp.zeros_like(xs_in_MbTD[0]), jnp.zeros_like(xs_in_MbTD),
+             *([xs_in_MbTD] if v > 1 else []))
+    return jax.lax.scan(tick, start, jnp.arange(v * M + p - 1))[0][1]
+
+
+def _chunk(params, i, v: int):
+    """A stage's chunk i of v of its stacked layers (all of them at v = 1;
+    the Variables are remade in each tick's trace: nnx refuses Variables
+    from another trace level)."""
+    if v == 1:
+        return jax.tree.map(lambda a: a, params)
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(
+        a, i * (a.shape[0] // v), a.shape[0] // v), params)
 
 
 def _to_first_stage(x_nTD, p: int, M: int):

@@ -77,7 +77,13 @@ class Schedule:
 
     @property
     def layers_per_rank(self) -> int:
+        """The layers a pipeline stage holds: L/p."""
         return self.layers // self.stages
+
+    @property
+    def layers_per_tick(self) -> int:
+        """The layers a stage runs in one tick: a chunk, L/(p*v)."""
+        return self.layers // (self.stages * self.repeats)
 
     def loss_and_grads(self, value_and_grad, params, specs, tokens, key):
         """(mean loss, gradients) of a placed batch by `value_and_grad(params,

@@ -52,12 +52,13 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
 from ..parallel.distributed import any_process
 from .fingerprint import fingerprints, nbytes
-from .layer_forms import layer_plan
+from .layer_forms import _LAYER, layer_plan
 from .options import Notice
 from .orbax_errors import brief, quiet_orbax
 
@@ -101,7 +102,10 @@ class Checkpointer:
     """Saves and restores (params, opt_state, meta) steps in `directory` (see module doc)."""
 
     def __init__(self, directory, *, keep: int = 3, async_save: bool = True,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, layer_order=None):
+        """`layer_order`: the model's `Layout.layer_order` where its stacked
+        layers are not in model order (a circular pipeline's): a step holds
+        them in model order, so that any layout reads it."""
         if keep < 1:
             raise CheckpointError(f"keep={keep}: must keep at least 1 checkpoint")
         text = os.fspath(directory)
@@ -109,6 +113,7 @@ class Checkpointer:
         self.log = log
         self._corrupt: set[int] = set()  # steps restore() found unusable
         self._saving: int | None = None  # the step of the last save started
+        self._order = None if layer_order is None else np.asarray(layer_order)
         _quiet_abandoned_reads()
         quiet_orbax()  # after ours: it looks at the hook on top only
         options = ocp.CheckpointManagerOptions(max_to_keep=keep,
@@ -146,7 +151,8 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint meta must be JSON-serialisable: {e}") from None
         pflat, _ = _flatten("params", params)
         oflat, _ = _flatten("opt_state", opt_state)
-        arrays = {**pflat, **oflat}
+        arrays = self._reorder({**pflat, **oflat}, None if self._order is None
+                               else np.argsort(self._order))
         self.check_space(nbytes(arrays.values()), f"save checkpoint step {step}")
         if (self.directory / f"{step}.orbax-checkpoint-tmp").exists():
             self.log(Notice(f"note: step {step} in {self.directory} was half-written by a save "
@@ -272,7 +278,17 @@ class Checkpointer:
             if fp != saved[name]["fingerprint"]:
                 return (f"data of {name} differs from what was saved (fingerprint "
                         f"{fp:016x}, saved {saved[name]['fingerprint']:016x})"), None, None
-        return None, convert(arrays), meta
+        return None, self._reorder(convert(arrays), self._order), meta
+
+    @staticmethod
+    def _reorder(arrays: dict, order) -> dict:
+        """The stacked layers' arrays (params and optimizer state) with stack
+        position j holding what position order[j] held (`reorder_layers`)."""
+        if order is None or (order == np.arange(order.size)).all():
+            return arrays
+        stacked = lambda n: "['blocks']" in n and not _LAYER.search(n)
+        return {n: jax.device_put(x[order], x.sharding) if stacked(n) else x
+                for n, x in arrays.items()}
 
     def _check_model(self, step: int, saved: dict | None, model: dict) -> None:
         if saved is None:

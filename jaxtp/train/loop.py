@@ -54,7 +54,7 @@ from flax import nnx
 
 from ..config import Config
 from ..model.build import abstract_model
-from ..parallel import batch_shape, batch_sharding
+from ..parallel import Layout, batch_shape, batch_sharding
 from ..parallel.distributed import any_process
 from .checkpoint import Checkpointer, SaveFailed, nbytes
 from .data import to_mesh
@@ -106,7 +106,8 @@ def train(cfg: Config, out_dir: str | Path, opts: RunOptions = RunOptions()) -> 
     changes, lock = claim(RunDir(out), o.resume, o.tensorboard, asked, o.data_path,
                           o.init_from_hf, tokenizer, o.log)
     try:
-        ckpt = Checkpointer(out / "checkpoints", keep=cfg.train.keep_checkpoints, log=o.log)
+        ckpt = Checkpointer(out / "checkpoints", keep=cfg.train.keep_checkpoints, log=o.log,
+                            layer_order=Layout.of(cfg).layer_order(cfg.model.n_layers))
     except BaseException:
         if lock is not None:
             lock.release()

@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..config import Config
+from ..model import reorder_layers
 from ..model.build import abstract_model, build_model, resolve_attention
 from ..parallel import Layout, Schedule, compiler_options, mesh_for
 from .optim import make_optimizer
@@ -108,7 +109,8 @@ def init_train_state(cfg: Config, mesh: Mesh, params=None) -> TrainState:
 
 def place_params(cfg: Config, mesh: Mesh, values, layout: Layout | None = None):
     """Put parameter values (an nnx.State from any tp, or a nested dict of
-    arrays) into this config's layout on `mesh`: (graphdef, params, shardings).
+    arrays; stacked layers in model order) into this config's layout on
+    `mesh`: (graphdef, params, shardings).
 
     The layout metadata is part of the pytree (a kv projection is sharded at
     one tp and replicated at another), so values go through a plain dict.
@@ -118,6 +120,8 @@ def place_params(cfg: Config, mesh: Mesh, values, layout: Layout | None = None):
     graphdef, abstract = abstract_model(cfg, mesh, layout)
     shardings = nnx.get_named_sharding(abstract, mesh)
     pure = values if isinstance(values, dict) else nnx.to_pure_dict(values)
+    if layout.stacked(cfg.model) and "blocks" in pure:  # model order -> the stack's
+        pure = reorder_layers(pure, layout.layer_order(cfg.model.n_layers))
     want = jax.tree.map(lambda x: (x.shape, jnp.dtype(x.dtype)), nnx.to_pure_dict(abstract))
     got = jax.tree.map(lambda x: (tuple(x.shape), jnp.dtype(x.dtype)), pure)
     if jax.tree.structure(want) != jax.tree.structure(got) or want != got:

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ..config import Config
 from ..parallel import (Layout, Schedule, batch_shape, batch_sharding, inputs_targets,
                         make_mesh)
+from ..model import reorder_layers
 from .optim import clip_by_global_norm
 from .state import TrainState, abstract_train_state, init_train_state
 
@@ -140,8 +141,12 @@ def single_device_check(cfg: Config, params0, batches, keys, loss: float, grad_n
     ||p_n - ref_n|| / ||ref_n - p0||, far more sensitive, as Adam's first
     updates are nearly lr * sign(g) and magnify round-off in small gradients.
     """
-    # one device, its blocks stacked as the run's are (a pipeline's, scanned)
-    stacked = Layout.of(cfg).stacked(cfg.model)
+    # one device, its blocks stacked as the run's are (a pipeline's, scanned),
+    # in model order (a circular pipeline's stack is interleaved)
+    layout = Layout.of(cfg)
+    stacked = layout.stacked(cfg.model)
+    back = np.argsort(layout.layer_order(cfg.model.n_layers))
+    params0, params_n = (reorder_layers(nnx.to_pure_dict(p), back) for p in (params0, params_n))
     one = dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, scan_layers=stacked),
         parallel=dataclasses.replace(cfg.parallel, pp=1, dp=1, tp=1, cp=1, impl="gspmd"))
@@ -156,7 +161,7 @@ def single_device_check(cfg: Config, params0, batches, keys, loss: float, grad_n
             params, opt_state, metrics = step(params, opt_state, tokens, key, step_controls())
     sq = lambda a, b: sum(float(np.sum(np.square(np.asarray(x) - np.asarray(y))))
                           for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-    ref = jax.device_get(params)
+    ref = nnx.to_pure_dict(jax.device_get(params))
     zero = jax.tree.map(np.zeros_like, ref)
     diff, upd, norm = sq(params_n, ref), sq(ref, params0), sq(ref, zero)
     return {"after_step": len(batches), "loss_diff": abs(loss - float(metrics["loss"])),

@@ -33,6 +33,8 @@ def cfg_of(model, pp, tp=1, dp=1, microbatches=None, **kw):
     par = {k: kw.pop(k) for k in ("impl", "sp", "fsdp") if k in kw}
     if "schedule" in kw:
         par["pp_schedule"] = kw.pop("schedule")
+    if "repeats" in kw:
+        par["pp_repeats"] = kw.pop("repeats")
     return validate(Config(dataclasses.replace(model, **kw),
                            TrainConfig(batch_size=B, microbatches=microbatches or 2 * pp),
                            ParallelConfig(pp=pp, dp=dp, tp=tp, **par)))
@@ -79,6 +81,14 @@ LAYOUTS = {
                                                       "remat": "minimal"}),
     "gpt2-pp4xtp2-shard_map-full-M8": (MODEL, 4, 2, 1, {"impl": "shard_map", "remat": "full",
                                                        "microbatches": 8}),
+    # circular: v = 2 chunks per stage; M > p (the ring's output filed, taken
+    # up later) and M = p (taken up at once)
+    "gpt2-pp2xtp4-circular": (MODEL, 2, 4, 1, {"schedule": "circular", "repeats": 2}),
+    "llama-gqa-dp2xpp2xtp2-circular-M2-shard_map": (
+        GQA, 2, 2, 2, {"schedule": "circular", "repeats": 2, "microbatches": 2,
+                       "impl": "shard_map"}),
+    "gpt2-pp4xtp2-circular-M4-sp": (MODEL, 4, 2, 1, {"schedule": "circular", "repeats": 2,
+                                                     "microbatches": 4, "sp": True}),
 }
 
 
@@ -98,7 +108,8 @@ def test_the_pipelined_step_holds_the_pp_ledger_and_one_devices_gradients(name, 
     the gradients' sums, the pp rows), exactly; by hand, the permutes over
     pp (the shifts once per tick, M + p - 1 ticks read from the loop's trip
     count; entry and exit once), and the dp gradient sums once per step,
-    outside the pipeline's loop."""
+    outside the pipeline's loop. Circular: v*M + p - 1 ticks of L/(p*v)
+    layers, the shift a ring."""
     cfg, step = _step(name)
     if check == "one-device":
         values = initial_values(cfg)  # (a scanned model's come stacked)
@@ -112,18 +123,21 @@ def test_the_pipelined_step_holds_the_pp_ledger_and_one_devices_gradients(name, 
     assert check_rows(colls, expected_collectives(cfg, cfg.parallel.impl, "cpu"), sizes) is None
     pp = _pipeline_own(colls, sizes)
     assert check_rows(pp, per_step(expected_pp(cfg), schedule_of(cfg)), sizes) is None
-    p, M = cfg.parallel.pp, cfg.train.microbatches
-    assert compiled_ticks(colls, sizes) == M + p - 1
+    p, M, v = cfg.parallel.pp, cfg.train.microbatches, cfg.parallel.pp_repeats
+    ticks = v * M + p - 1
+    assert compiled_ticks(colls, sizes) == ticks
     # by hand: the forward shift, a microbatch's rows of the stream per dp
     # rank, every tick; the entry and exit, a stage's rows once each
     shift = [c for c in pp if c.kind == "collective-permute" and c.pass_ == "forward"]
     dp, split = cfg.parallel.dp, cfg.parallel.tp if cfg.parallel.sp else 1
     row = MODEL.seq_len * MODEL.d_model // split
     assert sorted((c.elements, c.count) for c in shift) == sorted(
-        [(B // (M * dp) * row, M + p - 1)] + [(B // (p * dp) * row, 1)] * 2 * (p - 1))
+        [(B // (M * dp) * row, ticks)] + [(B // (p * dp) * row, 1)] * 2 * (p - 1))
+    # a ring under circular (p pairs in each of the devices/p pipelines)
+    pairs = p if v > 1 else p - 1
+    assert [c.group_size for c in shift if c.count == ticks] == [pairs * Layout.of(cfg).devices // p]
     # the blocks' collectives run per layer and tick, nothing else inside the loop
-    ticks = M + p - 1
-    layers = MODEL.n_layers // p
+    layers = MODEL.n_layers // (p * v)
     assert {c.count for c in colls} <= {1, ticks, ticks * layers}
     if cfg.parallel.dp > 1:  # the stage weights' gradients, reduced over dp once
         over_dp = [c for c in colls if c.axes(sizes) == ("dp",)]
@@ -175,6 +189,33 @@ def test_the_schedule_picture_has_each_microbatch_once_per_pass_and_the_bubble()
     assert picture(p, M).count('data-op="bubble"') == 2 * p * (p - 1)
 
 
+def test_the_circular_picture_runs_each_chunk_after_the_one_before():
+    """Circular at p=2, M=4, v=2: each stage runs every microbatch's chunk 0
+    then every chunk 1, forward in order and backward in reverse; chunk
+    i+1 of a microbatch starts on stage 0 after chunk i left the last stage
+    (M >= p), and stage r runs it the tick after stage r-1; p - 1 bubble
+    ticks per pass, (p-1)/(v*M+p-1) of them."""
+    p, M, v = 2, 4, 2
+    grid = cells(p, M, v)
+    order = [f"F{m}:{i}" for i in range(v) for m in range(M)]
+    at = {}
+    for r, row in enumerate(grid):
+        assert [c for c in row if c.startswith("F")] == order
+        assert [c for c in row if c.startswith("B")] == [c.replace("F", "B")
+                                                         for c in reversed(order)]
+        assert row.count("") == 2 * (p - 1)
+        at.update({(r, c): t for t, c in enumerate(row) if c.startswith("F")})
+    for m in range(M):
+        for i in range(v):
+            for r in range(1, p):
+                assert at[r, f"F{m}:{i}"] == at[r - 1, f"F{m}:{i}"] + 1
+            if i:
+                assert at[0, f"F{m}:{i}"] > at[p - 1, f"F{m}:{i - 1}"]
+    svg = picture(p, M, "circular", v)
+    assert svg.count('data-op="bubble"') == 2 * p * (p - 1) and "2 chunks each" in svg
+    assert f"bubble {bubble(p, M, v):.1%}" in svg
+
+
 def test_bubble():
     """(p-1)/(v*M + p - 1): GPipe's p=4, M=8 idles 3 of 11 ticks; 4 repeats
     at M=8 leave 3 of 35."""
@@ -189,6 +230,9 @@ def test_bubble():
     ({"pp": 2, "impl": "explicit"}, "--impl explicit"),
     ({"pp": 2, "dropout": 0.1}, "model.dropout"),
     ({"pp": 2, "schedule": "1f1b"}, "'1f1b' is not built yet"),
+    ({"pp": 2, "schedule": "circular"}, "circular schedule runs v >= 2 chunks"),
+    ({"pp": 2, "repeats": 2}, "parallel.pp_repeats=1 with gpipe"),
+    ({"pp": 4, "schedule": "circular", "repeats": 4}, "valid --pp here: [2]"),
 ])
 def test_refusals_name_the_fix(over, fix):
     kw = dict(over)

@@ -16,7 +16,7 @@ import tensorstore as ts
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtp.train.checkpoint import Checkpointer, CheckpointError, fingerprints
-from jaxtp.config import Config, ModelConfig, ParallelConfig
+from jaxtp.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from jaxtp.parallel import Layout, make_mesh
 from jaxtp.train.state import abstract_train_state
 
@@ -467,3 +467,54 @@ def test_orbax_write_errors_logged_by_asyncio_are_dropped_and_others_kept():
     assert quiet.filter(record(ValueError("a user's own coroutine failed")))
     assert quiet.filter(logging.LogRecord("asyncio", logging.WARNING, "x.py", 1,
                                           "orbax-checkpoint-tmp is slow", (), None))
+
+
+@pytest.mark.slow
+def test_a_circular_pipelines_save_holds_the_layers_in_model_order(tmp_path):
+    """A circular pipeline (pp=2, v=2) stores its stack interleaved, stage
+    r's chunks r, r+2 (`Layout.layer_order`: 0, 2, 1, 3 at one layer a
+    chunk); its step holds model order, so it restores bit-exactly as a
+    list of layers at tp=8 and as GPipe's stack at pp=4, and a tp=8 step
+    restores into the interleaved stack."""
+    model = dataclasses.replace(LLAMA, n_layers=4)
+    cfg = lambda pp, tp, **kw: Config(model=model, parallel=ParallelConfig(pp=pp, tp=tp, **kw),
+                                      train=TrainConfig(microbatches=2 * pp))
+    circular = cfg(2, 4, pp_schedule="circular", pp_repeats=2)
+    order = Layout.of(circular).layer_order(4)
+    assert order == (0, 2, 1, 3)
+    state = abstract_train_state(circular, Layout.of(circular).mesh())
+    rng = np.random.default_rng(6)
+    held, ordered = {}, {}  # as the model holds them, and in model order
+
+    def fill(path, x):
+        v = rng.standard_normal(x.shape).astype(x.dtype)
+        name = jax.tree_util.keystr(path)
+        held[name] = v
+        ordered[name] = v[np.argsort(order)] if "['blocks']" in name else v
+        return jax.device_put(v, x.sharding)
+
+    params, opt_state = jax.tree_util.tree_map_with_path(fill, (state.params, state.opt_state))
+    listed = {}
+    for name, v in ordered.items():
+        if "['blocks']" in name:
+            for i in range(4):
+                listed[name.replace("['blocks']", f"['blocks'][{i}]", 1)] = v[i]
+        else:
+            listed[name] = v
+    ckpt = Checkpointer(tmp_path / "circular", async_save=False, layer_order=order)
+    ckpt.save(2, params, opt_state, meta_of(model, 4))
+    ckpt.close()
+    ckpt = Checkpointer(tmp_path / "circular", async_save=False)
+    for c, want in ((cfg(4, 2), ordered), (cfg(1, 8), listed)):
+        target = abstract_train_state(c, Layout.of(c).mesh())
+        _, p, o, _ = ckpt.restore(target.params, target.opt_state, dataclasses.asdict(model))
+        check_restored(p, o, target, want)
+    ckpt.close()
+    # and back: the tp=8 list into the interleaved stack
+    ckpt = Checkpointer(tmp_path / "tp8", async_save=False)
+    ckpt.save(1, p, o, meta_of(model, 8))
+    ckpt.close()
+    ckpt = Checkpointer(tmp_path / "tp8", async_save=False, layer_order=order)
+    _, p2, o2, _ = ckpt.restore(state.params, state.opt_state, dataclasses.asdict(model))
+    check_restored(p2, o2, state, held)
+    ckpt.close()
