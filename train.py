@@ -70,7 +70,7 @@ def _layout_flags(ap) -> None:
     group.add_argument("--pp", type=int,
                        help="pipeline-parallel degree (mesh axis 'pp', the outermost): the "
                             "layers split evenly over pp stages, the batch run through them in "
-                            "train.microbatches microbatches (default with --pp N: 2N)")
+                            "train.microbatches microbatches (default with --pp N: 2N, or N where the batch does not split so)")
     group.add_argument("--pp-schedule", choices=PP_SCHEDULES + PP_SCHEDULES_PLANNED,
                        help="with --pp: how the stages run the microbatches (gpipe: all "
                             "forwards, then all backwards, M + pp - 1 ticks each; circular: "
@@ -239,9 +239,14 @@ def resolve_config(args: argparse.Namespace, base: Config | None = None) -> Conf
     cfg = apply_overrides(cfg, overrides)
     p, t = cfg.parallel, cfg.train
     if p.pp > 1 and t.microbatches == 1 and "train.microbatches" not in asked:
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, microbatches=2 * p.pp))
-        print(f"note: --pp {p.pp} runs the batch in train.microbatches={2 * p.pp} microbatches "
-              f"(2 per stage; --microbatches M sets it, M >= {p.pp})", file=sys.stderr)
+        # 2 per stage where the batch splits so, else 1 (a batch too small for
+        # either: validate says which batch sizes work)
+        M = next((k * p.pp for k in (2, 1) if t.batch_size % (p.pp * p.dp * k * p.pp) == 0),
+                 2 * p.pp)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, microbatches=M))
+        print(f"note: --pp {p.pp} runs the batch in train.microbatches={M} microbatches "
+              f"({M // p.pp} per stage; --microbatches M sets it, M >= {p.pp})",
+              file=sys.stderr)
     return check_asked(validate(cfg), asked)
 
 

@@ -30,8 +30,8 @@ ATTENTIONS = ("auto", "xla", "blockwise", "cudnn")  # jaxtp.model.kernels (auto:
 CP_STRATEGIES = ("allgather", "ring")
 # how the pipeline stages run their microbatches (jaxtp.parallel.pipeline);
 # and those planned, refused by name until they are built
-PP_SCHEDULES = ("gpipe", "circular")
-PP_SCHEDULES_PLANNED = ("1f1b",)
+PP_SCHEDULES = ("gpipe", "circular", "1f1b")
+PP_SCHEDULES_PLANNED = ()
 # how long a multi-process start waits for every process (jaxtp.parallel.distributed)
 COORDINATOR_TIMEOUT_S = 300
 

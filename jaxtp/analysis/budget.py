@@ -137,30 +137,34 @@ def _expected_tp(cfg: Config, impl: str, forms: xla_overlap.Forms) -> list[Expec
     if tp == 1:  # no tp rows; the norm where a pipeline splits the gradients
         return [norm] if p.pp > 1 else []
     # outside a pipeline (embedding, head, loss) each stage takes its own
-    # B/(pp*dp) rows, once per step
+    # B/(pp*dp) rows, once per step; 1F1B's head runs in the loop, on a
+    # microbatch per tick (Eh, b_head)
+    Eh, b_head = E, b
     if p.pp > 1:
         b_out = cfg.train.batch_size // (p.pp * p.dp)
         E = functools.partial(E, per="step")
+        if p.pp_schedule != "1f1b":
+            Eh, b_head = E, b_out
     else:
         b_out = b
     if p.sequence_parallel:
-        return _expected_sp(cfg, impl, E, EL, b, s, act, forms, b_out) + [norm]
-    out = b_out * s * m.d_model
-    n, c = loss_chunks(m.loss_chunk, b_out, s)
+        return _expected_sp(cfg, impl, E, EL, b, s, act, forms, b_out, Eh, b_head) + [norm]
+    out = b_head * s * m.d_model
+    n, c = loss_chunks(m.loss_chunk, b_head, s)
     rows = [
-        E("g: vocab-parallel embedding lookup", "all-reduce", "forward", "embed", out, 1,
-          role="embed"),
+        E("g: vocab-parallel embedding lookup", "all-reduce", "forward", "embed",
+          b_out * s * m.d_model, 1, role="embed"),
         EL("g: attention out-proj output", "all-reduce", "forward", "attention", act, 1),
         EL("g: MLP down-proj output", "all-reduce", "forward", "mlp", act, 1),
-        *_cross_entropy(E, b_out, n, c),
+        *_cross_entropy(Eh, b_head, n, c),
         EL("f: dX entering the q/kv projection", "all-reduce", "backward", "attention", act, 1),
         EL("f: dX entering the MLP up-proj", "all-reduce", "backward", "mlp", act, 1),
-        E("f: dX entering the LM head", "all-reduce", "backward", "cross_entropy", out, 1,
-          role="head_dx")
+        Eh("f: dX entering the LM head", "all-reduce", "backward", "cross_entropy", out, 1,
+           role="head_dx")
         if impl == "shard_map" or n == 1 else
-        E("f: dX entering the LM head, per loss chunk (GSPMD reduces each chunk's partial "
-          "dX; shard_map once after the loop)", "all-reduce", "backward", "cross_entropy",
-          b_out * c * m.d_model, n, role="head_dx"),
+        Eh("f: dX entering the LM head, per loss chunk (GSPMD reduces each chunk's partial "
+           "dX; shard_map once after the loop)", "all-reduce", "backward", "cross_entropy",
+           b_head * c * m.d_model, n, role="head_dx"),
         norm,
     ]
     return rows + _kv_rows(cfg, impl, EL, b * s * 2 * m.kv_heads * m.head_dim)
@@ -195,7 +199,7 @@ def _cross_entropy(E, b: int, n: int, c: int) -> list[Expected]:
 
 
 def _expected_sp(cfg: Config, impl: str, E, EL, b: int, s: int, act: int,
-                 forms: xla_overlap.Forms, b_out: int):
+                 forms: xla_overlap.Forms, b_out: int, Eh, b_head: int):
     """Megatron-SP (Korthikanti et al. 2022, Sec. 4.2.2): each all-reduce of a
     region becomes an all-gather at its entry and a reduce-scatter at its exit
     (their mirrors in the backward pass), the same ring bytes. Elements count
@@ -211,11 +215,13 @@ def _expected_sp(cfg: Config, impl: str, E, EL, b: int, s: int, act: int,
     With fewer kv heads than tp, GSPMD and explicit sum the kv gradient as
     they do without SP (`_kv_rows`), so the kv branch's dX is whole while the
     queries' is partial: the attention's backward entry stays an all-reduce of
-    b*s*h. `b_out`: the rows of the embedding and head (a pipeline's stage's)."""
+    b*s*h. `b_out`: the rows of the embedding (a pipeline's stage's), `b_head`
+    the head's (1F1B's: a microbatch's, counted per tick by `Eh`)."""
     m, tp = cfg.model, cfg.parallel.tp
     shard = act // tp
-    out = b_out * s * m.d_model
-    n, c = loss_chunks(m.loss_chunk, b_out, s)
+    emb = b_out * s * m.d_model
+    out = b_head * s * m.d_model
+    n, c = loss_chunks(m.loss_chunk, b_head, s)
     # GSPMD and explicit sum the kv gradient as they do without SP
     # (`_kv_rows`); shard_map sums the replicated kv weight's gradient instead
     xla_kv = impl != "shard_map" and m.kv_heads < tp
@@ -223,18 +229,18 @@ def _expected_sp(cfg: Config, impl: str, E, EL, b: int, s: int, act: int,
     head_windowed = impl != "shard_map" and cfg.parallel.overlap != "none" and n == 1
     rows += [
         E("SP embedding: reduce-scatter of the looked-up rows", "reduce-scatter", "forward",
-          "embed", out // tp, 1, role="embed"),
-        E("SP embedding, backward: all-gather", "all-gather", "backward", "embed", out, 1),
-        *(windowed_head(E, act, shard, forms, tp * cfg.parallel.dp, tp) if head_windowed else [
-            E("SP LM head entry: all-gather", "all-gather", "forward", "cross_entropy", out, 1,
-              role="gather_in"),
-            E("SP LM head, backward: reduce-scatter of dX", "reduce-scatter", "backward",
-              "cross_entropy", out // tp, 1, role="head_dx")
+          "embed", emb // tp, 1, role="embed"),
+        E("SP embedding, backward: all-gather", "all-gather", "backward", "embed", emb, 1),
+        *(windowed_head(Eh, act, shard, forms, tp * cfg.parallel.dp, tp) if head_windowed else [
+            Eh("SP LM head entry: all-gather", "all-gather", "forward", "cross_entropy", out, 1,
+               role="gather_in"),
+            Eh("SP LM head, backward: reduce-scatter of dX", "reduce-scatter", "backward",
+               "cross_entropy", out // tp, 1, role="head_dx")
             if impl == "shard_map" or n == 1 else
-            E("SP LM head, backward: dX per loss chunk (GSPMD reduces each chunk)",
-              "all-reduce", "backward", "cross_entropy", b_out * c * m.d_model, n,
-              role="head_dx")]),
-        *_cross_entropy(E, b_out, n, c),
+            Eh("SP LM head, backward: dX per loss chunk (GSPMD reduces each chunk)",
+               "all-reduce", "backward", "cross_entropy", b_head * c * m.d_model, n,
+               role="head_dx")]),
+        *_cross_entropy(Eh, b_head, n, c),
     ]
     return rows + (_kv_rows(cfg, impl, EL, b * s * 2 * m.kv_heads * m.head_dim) if xla_kv
                    else [])

@@ -27,7 +27,7 @@ from . import pp, roofline, windowed
 from .backends import version_note
 from .budget import budget_for, expected_collectives
 from .picture import write
-from .rows import check, format_table, size_text, table_rows
+from .rows import check, format_table, schedule_of, size_text, table_rows
 
 # XLA's GPU combiners concatenate small collectives into one flat buffer (the
 # CPU ones build tuples, which jaxtp.hlo splits again): the bytes stay, the
@@ -153,15 +153,23 @@ def _pipeline(cfg: Config, colls_by_impl: dict, sizes: dict) -> dict:
     """The pipeline's ticks and bubble read from each compiled program (the
     trip count of the loop holding its shift) beside the analytic ones."""
     p, M = cfg.parallel, cfg.train.microbatches
-    want = p.pp_repeats * M + p.pp - 1
+    f1b = p.pp_schedule == "1f1b"
+    want = schedule_of(cfg).ticks
+    useful = 2 * M if f1b else p.pp_repeats * M  # the ticks that run a microbatch
     ticks = {impl: pp.compiled_ticks(colls, sizes) for impl, colls in colls_by_impl.items()}
     analytic = pp.bubble(p.pp, M, p.pp_repeats)
+    cost = (f"each tick runs a forward and a backward (a forward tick's backward, a "
+            f"backward tick's recomputed forward: dropped), so compiled/useful block FLOPs = "
+            f"{want}/{M}" if f1b else
+            f"every stage computes in every tick, so compiled/useful block FLOPs = "
+            f"{want}/{useful}")
     line = (f"pipeline ({p.pp_schedule}, pp={p.pp}, M={M}): ticks compiled " + ", ".join(
-        f"{t} ({impl})" for impl, t in ticks.items()) + f", analytic v*M + p - 1 = {want}; "
-        f"bubble (p-1)/(v*M+p-1) = {analytic:.1%} analytic, " + ", ".join(
-            f"{(t - p.pp_repeats * M) / t:.1%} ({impl})" if t else f"none ({impl})"
-            for impl, t in ticks.items()) + f" compiled; every stage computes in every "
-        f"tick, so compiled/useful block FLOPs = {want}/{p.pp_repeats * M}")
+        f"{t} ({impl})" for impl, t in ticks.items())
+        + (f", analytic 2(M + p - 1) = {want}; " if f1b else
+           f", analytic v*M + p - 1 = {want}; ")
+        + f"bubble (p-1)/(v*M+p-1) = {analytic:.1%} analytic, " + ", ".join(
+            f"{(t - useful) / t:.1%} ({impl})" if t else f"none ({impl})"
+            for impl, t in ticks.items()) + f" compiled; {cost}")
     return {"ticks": ticks, "ticks_analytic": want, "bubble": analytic, "line": line,
             "agree": all(t == want for t in ticks.values())}
 

@@ -267,7 +267,10 @@ def _sequence_rows(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]
         # outside a pipeline once
         held = m.n_layers // p.pp if s.in_stack and (m.scan_layers or p.pp > 1) else 1
         layers = held // p.pp_repeats if s.in_stack else 1
-        per = "step" if p.pp > 1 and not s.in_stack else "microbatch"
+        # outside a pipeline's loop once a step, but 1F1B's head (the final
+        # norm) runs in it, once a tick
+        in_loop = s.in_stack or (p.pp_schedule == "1f1b" and s.path.startswith("ln_f/"))
+        per = "step" if p.pp > 1 and not in_loop else "microbatch"
         module = s.path.split("/")[-2]
         bias = module in ("out", "down")  # a row-parallel bias (its kernel is a region's)
         # explicit reshards the positions from replicated to the sequence

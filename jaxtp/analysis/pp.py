@@ -22,9 +22,13 @@ transposes, the same permutes reversed.
 
 from __future__ import annotations
 
+import dataclasses
+
 from .. import hlo
 from ..config import Config
 from ..parallel import PP_AXIS
+from ..parallel.pipeline_1f1b import BACKWARD, FORWARD, IDLE
+from ..parallel.pipeline_1f1b import table as f1b_table
 from .rows import HLO_DTYPES, Expected
 
 
@@ -45,6 +49,9 @@ def expected_pp(cfg: Config) -> list[Expected]:
         name, "collective-permute", pass_, "", n, HLO_DTYPES[m.dtype], pairs * pipelines,
         count, "pp", (PP_AXIS,), per=per)
     hops = p.pp - 1
+    if p.pp_schedule == "1f1b":
+        return _expected_1f1b(E, shift, mine, hops, t.batch_size // (p.pp * p.dp)
+                              * (m.seq_len // p.cp))
     ring = p.pp if p.pp_repeats > 1 else hops  # circular: the last stage's to the first too
     return [
         E("pp shift: each stage's output to the next, every tick", "forward", shift, 1, ring,
@@ -55,6 +62,25 @@ def expected_pp(cfg: Config) -> list[Expected]:
         E("pp exit: the last stage's outputs to their stages", "forward", mine, hops),
         E("pp exit and entry, backward: the same permutes reversed", "backward", mine,
           2 * hops),
+    ]
+
+
+def _expected_1f1b(E, shift: int, mine: int, hops: int, targets: int) -> list[Expected]:
+    """1F1B's rows (`jaxtp.parallel.pipeline_1f1b`): every tick each stage
+    sends its output forward (+1) and its input gradient back (-1), both in
+    the step's forward program (the schedule runs its own backward); the
+    entry brings stage 0 the stages' rows and the last stage their targets,
+    and stage 0 returns each stage its rows' input gradient, once. No
+    transposes: the step's autodiff only scales the schedule's gradients."""
+    return [
+        E("pp shift +1: each stage's output to the next, every tick", "forward", shift, 1,
+          hops, per="microbatch"),
+        E("pp shift -1: each stage's input gradient to the one before, every tick",
+          "forward", shift, 1, hops, per="microbatch"),
+        E("pp entry: each stage's rows to stage 0", "forward", mine, hops),
+        dataclasses.replace(E("pp entry: each stage's targets to the last stage", "forward",
+                              targets, hops), dtype="s32"),
+        E("pp exit: stage 0's input gradients to their stages", "forward", mine, hops),
     ]
 
 
@@ -72,13 +98,18 @@ def compiled_ticks(colls: list[hlo.Collective], mesh: dict[str, int]) -> int | N
     return max(counts) if counts else None
 
 
-def cells(stages: int, microbatches: int, repeats: int = 1) -> list[list[str]]:
+def cells(stages: int, microbatches: int, repeats: int = 1,
+          schedule: str = "gpipe") -> list[list[str]]:
     """The schedule as it runs (`jaxtp.parallel.pipeline`), per stage, per
     tick: v*M + p - 1 forward ticks, then the scan's transpose, the same
     ticks in reverse. "F3": the forward of microbatch 3; "B3": its
     backward; circular (v > 1) adds the chunk, "F3:1"; "": a bubble tick
     (computed on dropped data)."""
     p, M, v = stages, microbatches, repeats
+    if schedule == "1f1b":  # its own table: one op per tick
+        ops, mbs = f1b_table(p, M)
+        return [["" if o == IDLE else f"{'F' if o == FORWARD else 'B'}{m}"
+                 for o, m in zip(ops[:, r], mbs[:, r])] for r in range(p)]
     T = v * M + p - 1
 
     def op(kind: str, k: int) -> str:
@@ -93,7 +124,8 @@ def cells(stages: int, microbatches: int, repeats: int = 1) -> list[list[str]]:
 def picture(stages: int, microbatches: int, schedule: str = "gpipe", repeats: int = 1) -> str:
     """`pipeline.svg`: stages down, ticks across; forward, backward and
     bubble cells (circular: a chunk's cells a shade of their own)."""
-    grid = cells(stages, microbatches, repeats)
+    grid = cells(stages, microbatches, repeats, schedule)
+    f1b = schedule == "1f1b"
     w, h, left, top = 34, 26, 70, 44
     ticks = len(grid[0])
     width, height = left + ticks * w + 10, top + stages * h + 40
@@ -105,8 +137,9 @@ def picture(stages: int, microbatches: int, schedule: str = "gpipe", repeats: in
              f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
              f'<text x="6" y="18" font-size="13" font-weight="bold">{schedule}: {stages} stages, '
              f'{microbatches} microbatches{f", {repeats} chunks each" if repeats > 1 else ""}, '
-             f'{ticks // 2} ticks forward + {ticks // 2} backward; '
-             f'bubble {bubble(stages, microbatches, repeats):.1%} (grey: computed, '
+             + (f'{ticks} ticks, one forward or backward each; ' if f1b else
+                f'{ticks // 2} ticks forward + {ticks // 2} backward; ')
+             + f'bubble {bubble(stages, microbatches, repeats):.1%} (grey: computed, '
              'dropped)</text>']
     for r, row in enumerate(grid):
         y = top + r * h
@@ -120,6 +153,7 @@ def picture(stages: int, microbatches: int, schedule: str = "gpipe", repeats: in
                 parts.append(f'<text x="{x + 5}" y="{y + 17}" font-size="11" '
                              f'fill="#ffffff">{cell.partition(":")[0]}</text>')
     parts.append(f'<text x="{left}" y="{top + stages * h + 24}" font-size="11">ticks across: '
-                 'forward (blue), then backward (green, the scan reversed)'
+                 + ('forward (blue) and backward (green) as 1F1B interleaves them' if f1b else
+                    'forward (blue), then backward (green, the scan reversed)')
                  + ('; a darker shade: an odd chunk' if repeats > 1 else '') + '</text>')
     return "\n".join(parts + ["</svg>"]) + "\n"

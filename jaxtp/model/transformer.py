@@ -17,6 +17,7 @@ from ..config import REMATS, ModelConfig
 from ..parallel import Layout, constrain
 from ..parallel.context import KV_NAME as CP_KV
 from ..parallel.pipeline import pipeline
+from ..parallel.pipeline_1f1b import pipeline_1f1b
 from .attention import Attention
 from .layers import Embed, dropout, make_norm
 from .mlp import MLP
@@ -106,21 +107,10 @@ class Transformer(nnx.Module):
 
     def hidden(self, tokens_BT, *, dropout_key=None):
         """int tokens [B, T] -> final-norm hidden states [B, T, D]."""
-        T = tokens_BT.shape[1]
-        if T > self.cfg.seq_len:
-            raise ValueError(f"sequence length {T} exceeds model.seq_len={self.cfg.seq_len}")
         L = self.cfg.n_layers
         keys = (None if dropout_key is None else jax.random.split(dropout_key, L + 1))
-        x_BTD = self.wte(tokens_BT)
-        if self.wpe is not None:
-            pos_1TD = self.wpe(jnp.asarray(self.layout.positions(T)))[None]
-            if self.layout.sp:  # on the token rows' sequence shard, so GSPMD adds
-                # them after the embedding's reduce-scatter, not before it
-                pos_1TD = constrain(pos_1TD, None, *self.layout.residual[1:])
-            x_BTD = x_BTD + pos_1TD
-        x_BTD = constrain(dropout(x_BTD, self.cfg.dropout, None if keys is None else keys[0]),
-                          *self.layout.residual)
-        if self.layout.pp > 1:
+        x_BTD = self._embed(tokens_BT, None if keys is None else keys[0])
+        if self.layout.pp > 1:  # (1f1b's forward alone is gpipe's)
             x_BTD = pipeline(lambda blocks, x: self._run_stack(blocks, x, None), self.blocks,
                              x_BTD, self.layout)
         elif self.layout.stacked(self.cfg):
@@ -130,6 +120,20 @@ class Transformer(nnx.Module):
             for i, block in enumerate(self.blocks):
                 x_BTD = block_fn(block, x_BTD, None if keys is None else keys[i + 1])
         return self.ln_f(x_BTD)
+
+    def _embed(self, tokens_BT, key):
+        """int tokens [B, T] -> the residual stream entering the first block."""
+        T = tokens_BT.shape[1]
+        if T > self.cfg.seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.seq_len={self.cfg.seq_len}")
+        x_BTD = self.wte(tokens_BT)
+        if self.wpe is not None:
+            pos_1TD = self.wpe(jnp.asarray(self.layout.positions(T)))[None]
+            if self.layout.sp:  # on the token rows' sequence shard, so GSPMD adds
+                # them after the embedding's reduce-scatter, not before it
+                pos_1TD = constrain(pos_1TD, None, *self.layout.residual[1:])
+            x_BTD = x_BTD + pos_1TD
+        return constrain(dropout(x_BTD, self.cfg.dropout, key), *self.layout.residual)
 
     def _run_stack(self, blocks, x_BTD, keys_L):
         """The stacked `blocks` on x in order: a while loop over the stacked
@@ -181,6 +185,12 @@ class Transformer(nnx.Module):
 
     def loss(self, tokens_BT, targets_BT, *, dropout_key=None):
         """Mean next-token cross-entropy, from vocab-sharded logits."""
+        if self.layout.pipeline == "1f1b" and self.layout.pp > 1:  # the head in the pipeline
+            return pipeline_1f1b(
+                lambda blocks, x: self._run_stack(blocks, x, None),
+                lambda mods, y, t: mods[1].token_losses(mods[0](y), t).sum(), self.blocks,
+                nnx.List([self.ln_f, self.head]), self._embed(tokens_BT, None), targets_BT,
+                self.layout)
         x_BTD = self.hidden(tokens_BT, dropout_key=dropout_key)
         return self.head.token_losses(x_BTD, targets_BT).mean()
 

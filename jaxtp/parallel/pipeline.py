@@ -131,29 +131,32 @@ def _chunk(params, i, v: int):
         a, i * (a.shape[0] // v), a.shape[0] // v), params)
 
 
-def _to_first_stage(x_nTD, p: int, M: int):
-    """Each stage's own rows [n, T, D] -> on stage 0, every stage's rows as M
-    microbatches [M, p*n/M, T, D] (microbatch m: rows m, M+m, ... of each
-    stage's), by p - 1 permutes r -> 0; on the others zeros, unread."""
-    xs_pnTD = jnp.stack([x_nTD] + [jax.lax.ppermute(x_nTD, PP_AXIS, [(k, 0)])
-                                   for k in range(1, p)])
+def _to_first_stage(x_nTD, p: int, M: int, to: int = 0):
+    """Each stage's own rows [n, ...] -> on stage `to` (default 0), every
+    stage's rows as M microbatches [M, p*n/M, ...] (microbatch m: rows m,
+    M+m, ... of each stage's), by p - 1 permutes r -> `to`; on the others
+    zeros, unread."""
+    xs_pnTD = jnp.stack([x_nTD if k == to else jax.lax.ppermute(x_nTD, PP_AXIS, [(k, to)])
+                         for k in range(p)])
     _, n, *rest = xs_pnTD.shape
     return jnp.moveaxis(xs_pnTD.reshape(p, n // M, M, *rest), 2, 0).reshape(
         M, p * n // M, *rest)
 
 
-def _from_last_stage(out_MbTD, p: int, pin: Callable):
-    """The inverse of `_to_first_stage` from the last stage: each stage's own
-    rows of its M microbatches' outputs, by p - 1 permutes p-1 -> r (the
-    other stages' `out_MbTD`, zeros, unsent)."""
+def _from_last_stage(out_MbTD, p: int, pin: Callable, frm: int | None = None):
+    """The inverse of `_to_first_stage` from stage `frm` (default the last):
+    each stage's own rows of its M microbatches, by p - 1 permutes frm -> r
+    (the other stages' `out_MbTD`, zeros, unsent)."""
+    frm = p - 1 if frm is None else frm
     M, b, *rest = out_MbTD.shape
     n = M * b // p
     out_pnTD = pin(jnp.moveaxis(out_MbTD.reshape(M, p, n // M, *rest), 0, 2).reshape(
         p, n, *rest))
     r = jax.lax.axis_index(PP_AXIS)
-    mine = jnp.where(r == p - 1, out_pnTD[p - 1], 0)
-    for k in range(p - 1):
-        mine = mine + jax.lax.ppermute(out_pnTD[k], PP_AXIS, [(p - 1, k)])
+    mine = jnp.where(r == frm, out_pnTD[frm], 0)
+    for k in range(p):
+        if k != frm:
+            mine = mine + jax.lax.ppermute(out_pnTD[k], PP_AXIS, [(frm, k)])
     return mine
 
 

@@ -43,6 +43,7 @@ class Schedule:
     layers: int = 1
     stages: int = 1
     repeats: int = 1
+    pipeline: str = "gpipe"  # the stages' order (jaxtp.config.PP_SCHEDULES)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -59,7 +60,7 @@ class Schedule:
         M = cfg.train.microbatches
         if layout.pp > 1:
             return cls(microbatches=M, mode="pipeline", layers=cfg.model.n_layers,
-                       stages=layout.pp, repeats=layout.repeats)
+                       stages=layout.pp, repeats=layout.repeats, pipeline=layout.pipeline)
         return cls(microbatches=M, mode=_mode(layout, M, cfg.model.attention),
                    layers=cfg.model.n_layers)
 
@@ -72,7 +73,11 @@ class Schedule:
     @property
     def ticks(self) -> int:
         """Loop trips of one step: v*M + p - 1 (a pipeline's fill and drain:
-        Huang et al. 2019, GPipe); M without a pipeline."""
+        Huang et al. 2019, GPipe); 2(M + p - 1) for 1F1B, whose ticks run a
+        forward or a backward each (`jaxtp.parallel.pipeline_1f1b`); M
+        without a pipeline."""
+        if self.pipeline == "1f1b" and self.stages > 1:
+            return 2 * (self.microbatches + self.stages - 1)
         return self.repeats * self.microbatches + self.stages - 1
 
     @property

@@ -17,6 +17,7 @@ from jaxtp.analysis.rows import per_step, schedule_of
 from jaxtp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
 from jaxtp.model import stack_layers
 from jaxtp.parallel import Layout
+from jaxtp.parallel.pipeline_1f1b import in_flight, table as f1b_table
 from jaxtp.train.state import abstract_train_state
 from jaxtp.train.step import compile_train_step
 from cached import assert_same, initial_values, loss_and_grads, step_loss_and_grads
@@ -89,6 +90,13 @@ LAYOUTS = {
                        "impl": "shard_map"}),
     "gpt2-pp4xtp2-circular-M4-sp": (MODEL, 4, 2, 1, {"schedule": "circular", "repeats": 2,
                                                      "microbatches": 4, "sp": True}),
+    # 1f1b: the forward and backward of each stage split (jax.vjp), the head
+    # in the loop
+    "gpt2-pp2xtp4-1f1b": (MODEL, 2, 4, 1, {"schedule": "1f1b"}),
+    "llama-gqa-dp2xpp2xtp2-1f1b-fsdp-sp": (GQA, 2, 2, 2, {"schedule": "1f1b", "fsdp": True,
+                                                          "sp": True}),
+    "gpt2-pp4xtp2-1f1b-shard_map-M8": (MODEL, 4, 2, 1, {"schedule": "1f1b", "impl": "shard_map",
+                                                       "microbatches": 8}),
 }
 
 
@@ -124,13 +132,21 @@ def test_the_pipelined_step_holds_the_pp_ledger_and_one_devices_gradients(name, 
     pp = _pipeline_own(colls, sizes)
     assert check_rows(pp, per_step(expected_pp(cfg), schedule_of(cfg)), sizes) is None
     p, M, v = cfg.parallel.pp, cfg.train.microbatches, cfg.parallel.pp_repeats
-    ticks = v * M + p - 1
+    f1b = cfg.parallel.pp_schedule == "1f1b"
+    ticks = 2 * (M + p - 1) if f1b else v * M + p - 1
     assert compiled_ticks(colls, sizes) == ticks
     # by hand: the forward shift, a microbatch's rows of the stream per dp
     # rank, every tick; the entry and exit, a stage's rows once each
     shift = [c for c in pp if c.kind == "collective-permute" and c.pass_ == "forward"]
     dp, split = cfg.parallel.dp, cfg.parallel.tp if cfg.parallel.sp else 1
     row = MODEL.seq_len * MODEL.d_model // split
+    if f1b:  # the shifts both ways every tick, in the step's forward program; the
+        # entry, the targets' entry and the input gradients' exit once
+        assert sorted((c.dtype, c.elements, c.count) for c in shift) == sorted(
+            [("f32", B // (M * dp) * row, ticks)] * 2 + [("f32", B // (p * dp) * row, 1)]
+            * 2 * (p - 1) + [("s32", B // (p * dp) * MODEL.seq_len, 1)] * (p - 1))
+        assert not [c for c in pp if c.pass_ == "backward"]
+        return
     assert sorted((c.elements, c.count) for c in shift) == sorted(
         [(B // (M * dp) * row, ticks)] + [(B // (p * dp) * row, 1)] * 2 * (p - 1))
     # a ring under circular (p pairs in each of the devices/p pipelines)
@@ -157,6 +173,19 @@ def _pipeline_own(colls, sizes):
 test_the_pipelined_step_holds_the_pp_ledger_and_one_devices_gradients.fast_cases = {
     f"{n}-{c}" for n in ("gpt2-pp2xtp4", "llama-gqa-dp2xpp2xtp2-fsdp-sp")
     for c in ("ledger", "one-device")}
+
+
+def test_1f1b_holds_p_microbatches_where_gpipe_holds_m():
+    """1F1B's table keeps at most p microbatches' inputs on stage 0 (GPipe:
+    all M) in 2(M + p - 1) ticks; the compiled step's temporaries show it:
+    at M = 4 and 8 (B fixed), GPipe's hold every microbatch's activations,
+    1F1B's a fraction that shrinks as p/M."""
+    for p, M in ((2, 2), (2, 8), (4, 4), (4, 16), (8, 8), (3, 7)):
+        ops, _ = f1b_table(p, M)
+        assert len(ops) == 2 * (M + p - 1) and in_flight(ops) == p
+        assert in_flight(ops, p - 1) == 1
+    temp = lambda name: _step(name)[1].memory_analysis().temp_size_in_bytes
+    assert temp("gpt2-pp2xtp4-1f1b") < temp("gpt2-pp2xtp4") / 3
 
 
 def test_the_ledger_catches_a_wrong_tick_count():
@@ -216,6 +245,32 @@ def test_the_circular_picture_runs_each_chunk_after_the_one_before():
     assert f"bubble {bubble(p, M, v):.1%}" in svg
 
 
+def test_the_1f1b_picture_runs_each_op_after_what_it_needs():
+    """1F1B at p=4, M=8 (PipeDream-flush): each stage runs every forward and
+    every backward once, in microbatch order; a forward after the stage
+    before ran it, a backward after the stage after ran its own (the last
+    stage: after its forward); stage r starts backwards after p-1-r
+    forwards and then alternates; 2(M + p - 1) ticks."""
+    p, M = 4, 8
+    grid = cells(p, M, 1, "1f1b")
+    at = {}
+    for r, row in enumerate(grid):
+        assert len(row) == 2 * (M + p - 1)
+        ops = [c for c in row if c]
+        assert [c for c in ops if c[0] == "F"] == [f"F{m}" for m in range(M)]
+        assert [c for c in ops if c[0] == "B"] == [f"B{m}" for m in range(M)]
+        warm = p - 1 - r
+        assert ops[:warm + 1] == [f"F{m}" for m in range(warm + 1)] and ops[warm + 1] == "B0"
+        at.update({(r, c): t for t, c in enumerate(row) if c})
+    for m in range(M):
+        for r in range(p):
+            if r:
+                assert at[r, f"F{m}"] > at[r - 1, f"F{m}"]
+            after = at[r, f"F{m}"] if r == p - 1 else at[r + 1, f"B{m}"]
+            assert at[r, f"B{m}"] > after
+    assert "one forward or backward each" in picture(p, M, "1f1b")
+
+
 def test_bubble():
     """(p-1)/(v*M + p - 1): GPipe's p=4, M=8 idles 3 of 11 ticks; 4 repeats
     at M=8 leave 3 of 35."""
@@ -229,7 +284,6 @@ def test_bubble():
     ({"pp": 2, "microbatches": 1}, "--microbatches 4"),
     ({"pp": 2, "impl": "explicit"}, "--impl explicit"),
     ({"pp": 2, "dropout": 0.1}, "model.dropout"),
-    ({"pp": 2, "schedule": "1f1b"}, "'1f1b' is not built yet"),
     ({"pp": 2, "schedule": "circular"}, "circular schedule runs v >= 2 chunks"),
     ({"pp": 2, "repeats": 2}, "parallel.pp_repeats=1 with gpipe"),
     ({"pp": 4, "schedule": "circular", "repeats": 4}, "valid --pp here: [2]"),
