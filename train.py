@@ -187,8 +187,9 @@ def _analysis_flags(ap) -> None:
                             "1 on a deviation")
     group.add_argument("--plan", action="store_true",
                        help="no training: compile the train step at tp in {1,2,4,8} (or --tp; "
-                            "with --cp N at cp = 1, the powers of two below N, and N, at one "
-                            "tp; a cp the sequence does not split into is skipped, saying why) "
+                            "with --cp N (--pp N) at cp (pp) = 1, the powers of two below N, "
+                            "and N, at one tp; a degree the model does not split into is "
+                            "skipped, saying why; under --pp every number is a stage's) "
                             "on abstract shapes and "
                             "print per-device memory, collectives, flops, redundancy, whether tp "
                             "is compute- or communication-bound and, under cp, the cp roofline")
@@ -383,19 +384,21 @@ def plan(args, cfg: Config) -> int:
     from jaxtp.train.step import compiled_step
 
     p = cfg.parallel
-    # --cp N: a sweep over cp_sweep(N) = 1, 2, 4, ... below N, and N, at the one tp
+    # --cp N (--pp N): a sweep over cp_sweep(N) = 1, 2, 4, ... below N, and N,
+    # at the one tp
     cps = cp_sweep(p.cp) if p.cp > 1 else None
-    tps = [args.tp or p.tp] if cps else [args.tp] if args.tp else [1, 2, 4, 8]
+    pps = cp_sweep(p.pp) if p.pp > 1 else None
+    tps = [args.tp or p.tp] if cps or pps else [args.tp] if args.tp else [1, 2, 4, 8]
     if args.cluster:  # the largest mesh against the cluster, before compiling anything
         from jaxtp.analysis.cluster import load
 
-        cluster, need = load(args.cluster), p.dp * p.cp * max(tps)
+        cluster, need = load(args.cluster), p.pp * p.dp * p.cp * max(tps)
         if need > cluster.devices:
-            raise ValueError(f"--cluster {args.cluster}: dp*cp*tp = {need} devices at the "
+            raise ValueError(f"--cluster {args.cluster}: pp*dp*cp*tp = {need} devices at the "
                              f"largest tp, and {cluster.name} has {cluster.devices}")
     plan(cfg, tps,
          args.hardware or "h100", compile_for_target=args.hardware is not None,
-         out_dir=args.out, cps=cps, cluster=args.cluster, compile_step=compiled_step)
+         out_dir=args.out, cps=cps, pps=pps, cluster=args.cluster, compile_step=compiled_step)
     return 0
 
 

@@ -199,6 +199,11 @@ def _check_pp(cfg: Config) -> None:
             "the circular schedule runs v >= 2 chunks per stage (at v = 1 it is gpipe), "
             "gpipe one; set parallel.pp_schedule=circular parallel.pp_repeats=2, or "
             "parallel.pp_repeats=1 with gpipe")
+    if m.attention == "cudnn" and p.impl == "gspmd":
+        raise ConfigError("model.attention='cudnn' does not run in a pipeline under --impl "
+                          "gspmd (jax 0.10.2: cuDNN's custom partitioning fails in a shard_map "
+                          "that leaves tp to GSPMD); use model.attention=blockwise (auto picks "
+                          "it there), or --impl shard_map")
     unbuilt = [(p.impl == "explicit", "--impl explicit (use gspmd or shard_map)"),
                (p.cp > 1, "--cp"), (m.dropout > 0, "model.dropout > 0"),
                (p.overlap != "none", f"--overlap {p.overlap}")]

@@ -25,9 +25,10 @@ def test_every_preset_loads_and_validates(name):
 
 # Parameter counts published for these shapes: nanoGPT's GPT-2 124M with the
 # vocabulary padded to 50304 (124,475,904 incl. position embeddings), Meta's
-# Llama-3.2-1B (1,235,814,400, tied) and Llama-3-8B (8,030,261,248).
+# Llama-3.2-1B (1,235,814,400, tied), Llama-3-8B (8,030,261,248) and
+# Llama-3-70B (70,553,706,496).
 PUBLISHED = {"gpt2-small": 124_475_904, "llama-1b": 1_235_814_400,
-             "llama3-8b": 8_030_261_248}
+             "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -42,7 +43,8 @@ def test_large_presets_have_their_published_parameter_counts(name):
 
 
 def test_presets_hold_what_their_names_promise():
-    assert set(preset_names()) >= {"tiny", "gpt2-small", "llama-tiny", "llama-1b", "llama3-8b"}
+    assert set(preset_names()) >= {"tiny", "gpt2-small", "llama-tiny", "llama-1b", "llama3-8b",
+                                   "llama3-70b"}
     lt = load_config("llama-tiny").model
     assert (lt.style, lt.kv_heads, lt.tie_embeddings) == ("llama", 2, False)  # GQA
     validate(apply_overrides(load_config("tiny"), ["parallel.tp=8"]))  # README default

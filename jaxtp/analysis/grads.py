@@ -142,8 +142,8 @@ def _pipelined(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]:
     outer = tuple(a for a, n in ((PP_AXIS, p.pp), (DATA_AXIS, p.dp)) if n > 1)
     rows = [_loss_mean(p.pp * p.dp, outer, per="step")]
     stage = [g for g in grads if g.shard.in_stack]
-    E = lambda name, kind, n, group, axes, written: Expected(
-        name, kind, "backward", ANY_SCOPE, n, pd, group, 1, "grads", axes, written, "step")
+    E = lambda name, kind, n, group, axes, written, role="grads": Expected(
+        name, kind, "backward", ANY_SCOPE, n, pd, group, 1, role, axes, written, "step")
     if p.dp > 1:
         split = p.fsdp and impl == "shard_map"
         scattered = sum(g.shard.elements for g in stage if split and g.shard.dp_split)
@@ -157,7 +157,7 @@ def _pipelined(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]:
     outside = sum(g.dp_elements * g.sums for g in grads if not g.shard.in_stack)
     rows.append(E(f"{' x '.join(outer)}: the gradients of the weights outside the pipeline "
                   "(embedding, head, final norm)", "all-reduce", outside, p.pp * p.dp, outer,
-                  False))
+                  False, role="grads_outside"))
     return rows
 
 

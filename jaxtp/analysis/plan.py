@@ -64,15 +64,29 @@ def _per_device_bytes(tree) -> int:
 
 def activation_bytes(cfg: Config) -> float:
     """Korthikanti et al. 2022 activation memory of all layers, per device
-    (under cp for a rank's s/cp positions, whose scores span all s keys)."""
-    m, t = cfg.model, cfg.parallel.tp
-    s, b, h, a = m.seq_len, cfg.train.batch_size // cfg.parallel.dp, m.d_model, m.n_heads
-    sl = s // cfg.parallel.cp  # a cp rank's positions; its queries still see s keys
-    if cfg.parallel.sequence_parallel:
+    (under cp for a rank's s/cp positions, whose scores span all s keys),
+    for the microbatches a device holds at once: one without a pipeline
+    (slices run one after another); under pp a stage's L/p layers, for all
+    M microbatches (GPipe, circular: the backward starts after every
+    forward; Huang et al. 2019), or, under 1F1B (Narayanan et al. 2021), p
+    microbatches' stage inputs (b*s*h each) and one microbatch's layers
+    recomputed from them (`jaxtp.parallel.pipeline_1f1b`)."""
+    m, p = cfg.model, cfg.parallel
+    t, M = p.tp, cfg.train.microbatches
+    s, b, h, a = m.seq_len, cfg.train.batch_size // (p.dp * M), m.d_model, m.n_heads
+    sl = s // p.cp  # a cp rank's positions; its queries still see s keys
+    if p.sequence_parallel:
         per_layer = sl * b * h / t * (34 + 5 * a * s / h)
     else:
         per_layer = sl * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-    return m.n_layers * per_layer * np.dtype(m.dtype).itemsize / 2
+    width = np.dtype(m.dtype).itemsize / 2
+    layers = m.n_layers // p.pp
+    if p.pp == 1:
+        return layers * per_layer * width
+    if p.pp_schedule == "1f1b":
+        inputs = p.pp * sl * b * h / (t if p.sequence_parallel else 1) * 2
+        return (layers * per_layer + inputs) * width
+    return M * layers * per_layer * width
 
 
 def state_bytes(cfg: Config) -> dict[str, int]:
@@ -155,16 +169,18 @@ def analyze(cfg: Config, mesh=None, *, compile_step: Callable) -> dict:
 
 
 def cp_sweep(n: int) -> list[int]:
-    """The cps `--plan --cp N` compiles: 1, the powers of two below N, and N
-    (a cp whose chunks the sequence does not split into is skipped, saying why)."""
+    """The cps `--plan --cp N` compiles (and the pps of `--plan --pp N`): 1,
+    the powers of two below N, and N (a degree the model does not split
+    into is skipped, saying why)."""
     return sorted({2 ** i for i in range(n.bit_length()) if 2 ** i < n} | {n})
 
 
 def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = False,
          log: Callable[[str], None] = print, out_dir=None, cps=None,
-         cluster: str | None = None, *, compile_step: Callable) -> list[dict]:
+         cluster: str | None = None, *, compile_step: Callable, pps=None) -> list[dict]:
     """Analyze `cfg` at each tp (or, with `cps`, at each cp at the largest of
-    `tps`); print the table with a fits / does not fit verdict against
+    `tps`; with `pps`, at each pp: every number per device is its stage's);
+    print the table with a fits / does not fit verdict against
     `hardware`'s memory; return the rows (and, with `out_dir`, write them to
     plan.json).
 
@@ -177,14 +193,19 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
     target = HARDWARE[hardware]
     on_target = compile_for_target and _compiler_here(hardware, log)
     rows, cfgs, base = [], [], None
+    pp0 = cfg.parallel.pp
     if cps:  # a sweep over cp at one tp; cp=1 the base of the redundancy
-        cases = [(cp, max(tps)) for cp in sorted(set(cps) | {1})]
+        cases = [(cp, max(tps), pp0) for cp in sorted(set(cps) | {1})]
+    elif pps:  # over pp at one tp; pp=1 the base
+        cases = [(cfg.parallel.cp, max(tps), pp) for pp in sorted(set(pps) | {1})]
     else:  # tp=1: the base of the redundancy
-        cases = [(cfg.parallel.cp, tp) for tp in sorted(set(tps) | {1})]
-    for i, (cp, tp) in enumerate(cases):
-        par = dataclasses.replace(cfg.parallel, tp=tp, cp=cp)
+        cases = [(cfg.parallel.cp, tp, pp0) for tp in sorted(set(tps) | {1})]
+    for i, (cp, tp, pp) in enumerate(cases):
+        par = dataclasses.replace(cfg.parallel, tp=tp, cp=cp, pp=pp)
+        if pp == 1:  # (no schedule without stages)
+            par = dataclasses.replace(par, pp_schedule="gpipe", pp_repeats=1)
         c = dataclasses.replace(cfg, parallel=par if tp > 1 else par.without_sp())
-        name = f"cp={cp} tp={tp}" if cps else f"tp={tp}"
+        name = f"cp={cp} tp={tp}" if cps else f"pp={pp} tp={tp}" if pps else f"tp={tp}"
         try:
             validate(c)
         except ConfigError as e:
@@ -195,9 +216,10 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
             "(abstract shapes) ...")
         mesh = target_mesh(hardware, c.parallel.dp, tp, cp, c.parallel.pp) if on_target else None
         r = analyze(c, mesh, compile_step=compile_step)
-        base = r["flops_per_device"] if (cp if cps else tp) == 1 else base
-        _verdict(r, c, cp if cps else tp, base, target)
-        if tp in tps and (not cps or cp in cps):
+        split = cp if cps else pp if pps else tp
+        base = r["flops_per_device"] if split == 1 else base
+        _verdict(r, c, split, base, target)
+        if tp in tps and (not cps or cp in cps) and (not pps or pp in pps):
             rows.append(r)
             cfgs.append(c)
     if not rows:
@@ -267,8 +289,10 @@ def _print(cfg: Config, rows: list[dict], target, on_target: bool, log) -> None:
     gib = lambda b: f"{b / 2**30:,.2f} G" if b >= 2**30 else f"{b / 2**20:,.1f} M"
     num = lambda x, f: "-" if x != x else f.format(x)  # NaN: no cost analysis
     cp = any(r["cp"] > 1 for r in rows)
-    label = lambda r: f"cp={r['cp']} tp={r['tp']}" if cp else str(r["tp"])
-    head = ["cp, tp" if cp else "tp", "params B", "optim B", "temps B", "total B", "fits",
+    pp = any(r["pp"] > 1 for r in rows)
+    label = lambda r: (f"cp={r['cp']} tp={r['tp']}" if cp else
+                       f"pp={r['pp']} tp={r['tp']}" if pp else str(r["tp"]))
+    head = ["cp, tp" if cp else "pp, tp" if pp else "tp", "params B", "optim B", "temps B", "total B", "fits",
             "acts est. B", "collectives", "coll. B", "GFLOP/dev", "redundancy", "F/tp", "bound"]
     table = [head] + [[
         label(r), gib(r["memory"]["params"]), gib(r["memory"]["optimizer"]),
@@ -285,21 +309,21 @@ def _print(cfg: Config, rows: list[dict], target, on_target: bool, log) -> None:
         f"{m.seq_len}, {m.dtype}, sp={cfg.parallel.sp}, impl={cfg.parallel.impl}, "
         f"attention={r0['attention']}, remat={m.remat}"
         + (f", loss_chunk={m.loss_chunk}" if m.loss_chunk else "")
-        + (f", pp={p.pp} ({p.pp_schedule}, M={cfg.train.microbatches}, "
-           f"{m.n_layers // p.pp} layers per stage: every number per device is its stage's)"
-           if p.pp > 1 else "")
+        + (f", pp ({p.pp_schedule}, M={cfg.train.microbatches}, L/pp layers per stage: "
+           "every number per device is its stage's; acts est. the microbatches a stage "
+           "holds at once)" if pp else "")
         + f"; compiled for {r0['compiled_for']}")
     for row in table:
         log("  ".join(c.rjust(w) for c, w in zip(row, widths)))
     log("B: bytes per device (M = MiB, G = GiB); temps from memory_analysis, acts est. "
         "from Korthikanti et al. 2022; collectives counted per step from the HLO")
     log("coll. B by mesh axis: " + "; ".join(
-        f"{label(r) if cp else 'tp=' + str(r['tp'])}: " + (", ".join(f"{a} {gib(b)}" for a, b in
+        f"{label(r) if cp or pp else 'tp=' + str(r['tp'])}: " + (", ".join(f"{a} {gib(b)}" for a, b in
                                        r["collective_bytes_by_axis"].items()) or "none")
         for r in rows))
     log(("ZeRO-3 (Rajbhandari et al. 2020)" if cfg.parallel.fsdp else "state")
         + " per device, analytic: " + "; ".join(
-            f"{label(r) if cp else 'tp=' + str(r['tp'])}: params {gib(z['params'])}, grads "
+            f"{label(r) if cp or pp else 'tp=' + str(r['tp'])}: params {gib(z['params'])}, grads "
             f"{gib(z['grads'])}, Adam "
             f"{gib(z['adam'])} (measured params {gib(r['memory']['params'])}, optimizer "
             f"{gib(r['memory']['optimizer'])})"
@@ -309,7 +333,7 @@ def _print(cfg: Config, rows: list[dict], target, on_target: bool, log) -> None:
         log(f"cp roofline (attention flops per K/V byte received, per layer; hidden while > "
             f"C/W = {target.peak_flops / target.link:,.0f} for {target.name}): " + ", ".join(
                 f"cp={r['cp']} {r['cp_flops_per_kv_byte']:,.0f}" for r in rows if r["cp"] > 1))
-    verdicts = ", ".join(f"{label(r) if cp else 'tp=' + str(r['tp'])} "
+    verdicts = ", ".join(f"{label(r) if cp or pp else 'tp=' + str(r['tp'])} "
                          f"{r['memory']['total'] / 2**30:,.1f} GiB "
                          + ("fits" if r["fits"] else "does not fit") for r in rows)
     log(f"{target.name}: {target.memory / 2**30:,.1f} GiB per device: {verdicts}")

@@ -40,6 +40,7 @@ from . import collectives as bc
 from .cases import PAIRED, _case, _get, _paired, preset, valid_tps
 from .collectives import bench_collectives
 from .cp import bench_cp
+from .pp import bench_pp
 from .cpu_profile import bench_cpu_profile
 from .decode import bench_decode
 from .published import bench_predict
@@ -48,7 +49,8 @@ from .timing import build, paired_ratio, time_alternating
 from .versus import bench_peer, bench_torch_peer
 from .windowed import bench_windowed
 
-SECTIONS = ("impl", "scaling", "overlap", "windowed", "cp", "compile", "collectives", "profile",
+SECTIONS = ("impl", "scaling", "overlap", "windowed", "cp", "pp", "compile", "collectives",
+            "profile",
             "cpu_profile", "peer", "torch-peer", "attention", "loop", "decode", "predict")
 # quick: for CI, about a minute on 2 CPU cores; full: ~10 minutes there
 PLANS = {
@@ -288,6 +290,7 @@ def run_suite(quick: bool = False, only=None, log: Callable[[str], None] = print
             "overlap": lambda: bench_overlap(plan, cache, log),
             "windowed": lambda: bench_windowed(plan, log),
             "cp": lambda: bench_cp(plan, cache, log),
+            "pp": lambda: bench_pp(plan, log),
             "compile": lambda: bench_compile(plan, log),
             "collectives": lambda: bench_collectives(plan, log),
             "profile": lambda: bench_profile(plan, cache),

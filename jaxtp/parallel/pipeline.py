@@ -55,10 +55,7 @@ def pipeline(stage: Callable, blocks, x_BTD, layout: Layout):
     the shard_map, under gspmd; by an all-gather in it under shard_map), so
     a stage holds its layers whole for the step."""
     p, M, v = layout.pp, layout.microbatches, layout.repeats
-    mesh = jax.sharding.get_abstract_mesh()
-    big = {a for a, n in dict(mesh.shape).items() if n > 1}
-    everything = layout.impl == "shard_map"
-    manual = (big | {TP_AXIS}) if everything else big & {PP_AXIS, DATA_AXIS}
+    everything, manual = _manual(layout)
     graphdef, params = nnx.split(blocks)
     specs = nnx.get_partition_spec(params)
     # under gspmd an FSDP weight enters whole over dp (GSPMD gathers it)
@@ -80,6 +77,15 @@ def pipeline(stage: Callable, blocks, x_BTD, layout: Layout):
 
     return jax.shard_map(per_stage, in_specs=(param_specs, x_spec), out_specs=x_spec,
                          axis_names=manual, check_vma=True)(params, x_BTD)
+
+
+def _manual(layout: Layout) -> tuple[bool, set]:
+    """(whether every axis is manual, the axes the pipeline's shard_map makes
+    manual): pp and dp, and under impl shard_map every axis (so that the
+    blocks' own regions run inside it, unnested)."""
+    big = {a for a, n in dict(jax.sharding.get_abstract_mesh().shape).items() if n > 1}
+    everything = layout.impl == "shard_map"
+    return everything, (big | {TP_AXIS}) if everything else big & {PP_AXIS, DATA_AXIS}
 
 
 def _gpipe(run: Callable, xs_in_MbTD, p: int, v: int = 1):

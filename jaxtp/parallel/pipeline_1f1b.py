@@ -30,8 +30,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from .collectives import vary, varying_axes
-from .layout import DATA_AXIS, PP_AXIS, TP_AXIS, Layout, constrain, keep_axes, spec
-from .pipeline import _enter, _from_last_stage, _is_spec, _to_first_stage
+from .layout import DATA_AXIS, PP_AXIS, Layout, constrain, keep_axes, spec
+from .pipeline import _enter, _from_last_stage, _is_spec, _manual, _to_first_stage
 
 IDLE, FORWARD, BACKWARD = 0, 1, 2
 
@@ -93,10 +93,7 @@ def pipeline_1f1b(stage: Callable, head: Callable, blocks, head_modules, x_BTD, 
     `x_BTD` (the residual stream after the embedding, B split over pp and
     dp as outside a pipeline)."""
     p, M = layout.pp, layout.microbatches
-    mesh = jax.sharding.get_abstract_mesh()
-    big = {a for a, n in dict(mesh.shape).items() if n > 1}
-    everything = layout.impl == "shard_map"
-    manual = (big | {TP_AXIS}) if everything else big & {PP_AXIS, DATA_AXIS}
+    everything, manual = _manual(layout)
     graphdef, params = nnx.split(blocks)
     hgraph, hparams = nnx.split(head_modules)
     keep = lambda specs, axes: jax.tree.map(lambda s: keep_axes(s, axes), specs,

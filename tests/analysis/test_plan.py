@@ -245,3 +245,35 @@ def test_a_cp_sweep_plans_n_and_skips_a_cp_the_sequence_does_not_split_into():
         "cp=4 tp=1: skipped (context parallelism splits model.seq_len=36 into 8 chunks (rank r "
         "holds chunks r and 2cp-1-r); valid --cp here: [1, 2, 3, 6, 9, 18], or set "
         "model.seq_len to a multiple of 8)"]
+
+
+@pytest.mark.slow
+def test_a_pp_sweep_plans_each_stage_and_1f1b_holds_fewer_microbatches():
+    """--plan --pp: llama-tiny (4 layers, fp32, SP) at tp=2, pp in {1, 2},
+    M = 4, under GPipe and 1F1B. Every number is a stage's: at pp=2 the
+    parameters and Adam state are the analytic ZeRO count of a stage (its 2
+    layers, the embedding and head whole); the activation estimate by hand
+    (Korthikanti et al. 2022 with SP, per layer s*b*h/t*(34 + 5*a*s/h) at 2
+    bytes per 16-bit value): GPipe's stage holds all M microbatches of its
+    L/p layers, 1F1B's one microbatch's layers and p stage inputs; the
+    compiled temporaries agree on which is smaller."""
+    rows = {}
+    for schedule in ("gpipe", "1f1b"):
+        cfg = apply_overrides(load_config("llama-tiny"), [
+            "model.n_layers=4", "parallel.tp=2", "parallel.pp=2", "train.microbatches=4",
+            f"parallel.pp_schedule={schedule}"])
+        lines = []
+        got = planner.plan(cfg, [2], pps=[2], log=lines.append, compile_step=compiled_step)
+        assert [(r["pp"], r["tp"]) for r in got] == [(2, 2)]
+        assert any("pp=2 tp=2" in line for line in lines)
+        rows[schedule] = got[0]
+    m = load_config("llama-tiny").model
+    s, h, a, t, L, p, M = m.seq_len, m.d_model, m.n_heads, 2, 4, 2, 4
+    b = load_config("llama-tiny").train.batch_size // M
+    layer = s * b * h / t * (34 + 5 * a * s / h) * 4 / 2  # fp32: twice the 16-bit count
+    est = {k: r["analytic_memory"]["activations_korthikanti"] for k, r in rows.items()}
+    assert est["gpipe"] == pytest.approx(M * L / p * layer)
+    assert est["1f1b"] == pytest.approx(L / p * layer + p * s * b * h / t * 4)
+    r = rows["gpipe"]
+    assert r["analytic_memory"]["state"]["params"] == r["memory"]["params"]
+    assert rows["1f1b"]["memory"]["temporaries"] < r["memory"]["temporaries"]

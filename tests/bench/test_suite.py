@@ -87,6 +87,14 @@ def test_quick_suite_end_to_end(tmp_path):
         assert r["bytes"] == 16 * 128 * 128 * (4 if r["dtype"] == "float32" else 2)
         assert r["wire_dtype"]  # read from the compiled HLO
 
+    # each pipeline schedule at pp=2 x tp=4, M = 4: its ticks, and its pp
+    # bytes exactly the ledger's
+    pp_rows = by_id["pp"]["rows"]
+    assert [r["ticks"] for r in pp_rows] == [5, 9, 10]  # M+p-1, vM+p-1, 2(M+p-1)
+    for r in pp_rows:
+        assert r["pp_bytes"] == r["ledger_bytes"] > 0 and _positive(r["value"])
+        _within_rounds(r, r["pp_ms"] / r["tp8_ms"])
+
     for r in by_id["profile"]["rows"]:  # the CPU trace records XLA ops per device
         assert r["reason"] is None and 0 < r["value"] <= 100, r
 

@@ -284,6 +284,7 @@ def test_bubble():
     ({"pp": 2, "microbatches": 1}, "--microbatches 4"),
     ({"pp": 2, "impl": "explicit"}, "--impl explicit"),
     ({"pp": 2, "dropout": 0.1}, "model.dropout"),
+    ({"pp": 2, "attention": "cudnn"}, "use model.attention=blockwise"),
     ({"pp": 2, "schedule": "circular"}, "circular schedule runs v >= 2 chunks"),
     ({"pp": 2, "repeats": 2}, "parallel.pp_repeats=1 with gpipe"),
     ({"pp": 4, "schedule": "circular", "repeats": 4}, "valid --pp here: [2]"),
