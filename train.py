@@ -242,7 +242,7 @@ def resolve_config(args: argparse.Namespace, base: Config | None = None) -> Conf
     if p.pp > 1 and t.microbatches == 1 and "train.microbatches" not in asked:
         # 2 per stage where the batch splits so, else 1 (a batch too small for
         # either: validate says which batch sizes work)
-        M = next((k * p.pp for k in (2, 1) if t.batch_size % (p.pp * p.dp * k * p.pp) == 0),
+        M = next((k * p.pp for k in (2, 1) if t.batch_size % (p.dp * k * p.pp) == 0),
                  2 * p.pp)
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, microbatches=M))
         print(f"note: --pp {p.pp} runs the batch in train.microbatches={M} microbatches "

@@ -247,14 +247,15 @@ def _check_layout(cfg: Config) -> None:
                           f"model.seq_len/tp = {m.seq_len}/{p.tp} positions both ways; set "
                           f"model.seq_len to a multiple of {2 * p.tp}")
     _check_pp(cfg)
-    if t.batch_size % (p.pp * p.dp * t.microbatches):
-        pp = f"pp*" * (p.pp > 1)
-        ppv = f"{p.pp}*" * (p.pp > 1)
-        raise ConfigError(
-            f"train.batch_size={t.batch_size} is not divisible by {pp}dp*microbatches="
-            f"{ppv}{p.dp}*{t.microbatches}; set train.batch_size to a multiple of "
-            f"{p.pp * p.dp * t.microbatches}"
-        )
+    # a pipeline: each stage's B/(pp*dp) rows outside it, M microbatches of the
+    # dp rank's B/dp rows in it (`jaxtp.parallel.pipeline`)
+    need = math.lcm(p.pp * p.dp, p.dp * t.microbatches)
+    if t.batch_size % need:
+        what = (f"pp*dp={p.pp}*{p.dp} (each stage's rows) and by dp*microbatches="
+                f"{p.dp}*{t.microbatches}" if p.pp > 1 else
+                f"dp*microbatches={p.dp}*{t.microbatches}")
+        raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by {what}; set "
+                          f"train.batch_size to a multiple of {need}")
     _check_cp(cfg)
     if p.fsdp and m.d_model % p.dp:
         raise ConfigError(f"parallel.fsdp splits model.d_model={m.d_model} over dp={p.dp}; "

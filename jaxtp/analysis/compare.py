@@ -156,13 +156,13 @@ def _pipeline(cfg: Config, colls_by_impl: dict, sizes: dict) -> dict:
     f1b = p.pp_schedule == "1f1b"
     want = schedule_of(cfg).ticks
     useful = 2 * M if f1b else p.pp_repeats * M  # the ticks that run a microbatch
+    work = "{}/{}".format(*pp.compute_factor(cfg))
     ticks = {impl: pp.compiled_ticks(colls, sizes) for impl, colls in colls_by_impl.items()}
     analytic = pp.bubble(p.pp, M, p.pp_repeats)
     cost = (f"each tick runs a forward and a backward (a forward tick's backward, a "
             f"backward tick's recomputed forward: dropped), so compiled/useful block FLOPs = "
-            f"{want}/{M}" if f1b else
-            f"every stage computes in every tick, so compiled/useful block FLOPs = "
-            f"{want}/{useful}")
+            f"{work}" if f1b else
+            f"every stage computes in every tick, so compiled/useful block FLOPs = {work}")
     line = (f"pipeline ({p.pp_schedule}, pp={p.pp}, M={M}): ticks compiled " + ", ".join(
         f"{t} ({impl})" for impl, t in ticks.items())
         + (f", analytic 2(M + p - 1) = {want}; " if f1b else

@@ -84,6 +84,19 @@ def _expected_1f1b(E, shift: int, mine: int, hops: int, targets: int) -> list[Ex
     ]
 
 
+def compute_factor(cfg: Config) -> tuple[int, int]:
+    """(ticks, useful ticks) of a stage's loop: compiled block FLOPs over the
+    useful ones, as every stage computes in every tick (GPipe (M+p-1)/M,
+    circular (v*M+p-1)/(v*M); 1F1B 2(M+p-1)/M, its ticks each a forward and
+    a backward); (1, 1) without a pipeline."""
+    p, M = cfg.parallel, cfg.train.microbatches
+    if p.pp == 1:
+        return 1, 1
+    if p.pp_schedule == "1f1b":
+        return 2 * (M + p.pp - 1), M
+    return p.pp_repeats * M + p.pp - 1, p.pp_repeats * M
+
+
 def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
     """The analytic bubble: (p-1)/(v*M + p - 1) of the step's ticks."""
     return (stages - 1) / (repeats * microbatches + stages - 1)

@@ -42,6 +42,7 @@ from ..hardware import model_flops_per_token
 from .budget import expected_collectives
 from .cluster import Cluster, Link, axis_links, describe, load
 from .decode import decode_budget
+from .pp import bubble, compute_factor
 
 # a rank's bytes on the wire per byte of the full buffer, and its ring steps
 _RING = {"all-reduce": (lambda n: 2 * (n - 1) / n, lambda n: 2 * (n - 1)),
@@ -151,11 +152,16 @@ def plan_lines(row: dict, cfg: Config, cluster: str | Cluster) -> list[str]:
     mesh, m, p = row["mesh"], cfg.model, cfg.parallel
     tokens, devices = cfg.train.batch_size * m.seq_len, math.prod(row["mesh"].values())
     notes, flops, hbm = [], row["flops_per_device"], row.get("hbm_bytes")
-    if m.scan_layers or not math.isfinite(flops):
-        flops = step_flops(cfg) * tokens / devices
+    if m.scan_layers or p.pp > 1 or not math.isfinite(flops):
+        ticks, useful = compute_factor(cfg)
+        idle = bubble(p.pp, cfg.train.microbatches, p.pp_repeats)
+        flops = step_flops(cfg) * tokens / devices * ticks / useful
         notes.append("flops: model flops x remat's recomputation over the devices ("
-                     + ("XLA's cost analysis counts a scanned stack's body once)"
-                        if m.scan_layers else "this compile has no cost analysis)"))
+                     + ("XLA's cost analysis counts a scanned stack's body once"
+                        if m.scan_layers or p.pp > 1 else "this compile has no cost analysis")
+                     + (f"; x {ticks}/{useful}: the {p.pp_schedule} pipeline's compiled over "
+                        f"useful ticks, its bubble {idle:.1%} of the ticks computed on dropped "
+                        "data" if p.pp > 1 else "") + ")")
     if m.scan_layers or row["compiled_for"].startswith("cpu") or not (hbm and math.isfinite(hbm)):
         hbm = None
         notes.append("HBM time left out: it needs the accelerator's own compile (--hardware) "

@@ -139,14 +139,13 @@ def _chunk(params, i, v: int):
 
 def _to_first_stage(x_nTD, p: int, M: int, to: int = 0):
     """Each stage's own rows [n, ...] -> on stage `to` (default 0), every
-    stage's rows as M microbatches [M, p*n/M, ...] (microbatch m: rows m,
-    M+m, ... of each stage's), by p - 1 permutes r -> `to`; on the others
-    zeros, unread."""
+    stage's rows, in stage order, as M microbatches [M, p*n/M, ...]
+    (microbatch m: rows m*b to (m+1)*b - 1, so down to one row each), by
+    p - 1 permutes r -> `to`; on the others zeros, unread."""
     xs_pnTD = jnp.stack([x_nTD if k == to else jax.lax.ppermute(x_nTD, PP_AXIS, [(k, to)])
                          for k in range(p)])
     _, n, *rest = xs_pnTD.shape
-    return jnp.moveaxis(xs_pnTD.reshape(p, n // M, M, *rest), 2, 0).reshape(
-        M, p * n // M, *rest)
+    return xs_pnTD.reshape(M, p * n // M, *rest)
 
 
 def _from_last_stage(out_MbTD, p: int, pin: Callable, frm: int | None = None):
@@ -155,9 +154,7 @@ def _from_last_stage(out_MbTD, p: int, pin: Callable, frm: int | None = None):
     (the other stages' `out_MbTD`, zeros, unsent)."""
     frm = p - 1 if frm is None else frm
     M, b, *rest = out_MbTD.shape
-    n = M * b // p
-    out_pnTD = pin(jnp.moveaxis(out_MbTD.reshape(M, p, n // M, *rest), 0, 2).reshape(
-        p, n, *rest))
+    out_pnTD = pin(out_MbTD.reshape(p, M * b // p, *rest))
     r = jax.lax.axis_index(PP_AXIS)
     mine = jnp.where(r == frm, out_pnTD[frm], 0)
     for k in range(p):

@@ -76,6 +76,8 @@ LAYOUTS = {
     "llama-gqa-pp2xtp4-shard_map": (GQA, 2, 4, 1, {"impl": "shard_map"}),
     "gpt2-pp4xtp2": (MODEL, 4, 2, 1, {}),
     "gpt2-pp8": (MODEL, 8, 1, 1, {"microbatches": 8}),
+    # one row per microbatch: M = B/dp
+    "gpt2-dp2xpp2xtp2-M32": (MODEL, 2, 2, 2, {"microbatches": 32}),
     "llama-gqa-dp2xpp2xtp2-fsdp-sp": (GQA, 2, 2, 2, {"fsdp": True, "sp": True}),
     "gpt2-dp2xpp2xtp2-shard_map-sp": (MODEL, 2, 2, 2, {"impl": "shard_map", "sp": True}),
     "llama-gqa-pp2xtp4-scan-minimal": (GQA, 2, 4, 1, {"scan_layers": True,
@@ -285,6 +287,8 @@ def test_bubble():
     ({"pp": 2, "impl": "explicit"}, "--impl explicit"),
     ({"pp": 2, "dropout": 0.1}, "model.dropout"),
     ({"pp": 2, "attention": "cudnn"}, "use model.attention=blockwise"),
+    ({"pp": 2, "microbatches": 3}, "and by dp.microbatches=1.3; set train.batch_size to a "
+                                   "multiple of 6"),
     ({"pp": 2, "schedule": "circular"}, "circular schedule runs v >= 2 chunks"),
     ({"pp": 2, "repeats": 2}, "parallel.pp_repeats=1 with gpipe"),
     ({"pp": 4, "schedule": "circular", "repeats": 4}, "valid --pp here: [2]"),
