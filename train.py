@@ -200,7 +200,7 @@ def _analysis_flags(ap) -> None:
                             "use it (default: h100, planned on CPU)")
     group.add_argument("--cluster", metavar="NAME|FILE",
                        help="--plan: also predict the step on this cluster (a preset: "
-                            "h100x8, h100x8x8nodes, h200x8, a100x8, v5p-32; or a JSON file, "
+                            "h100x8, h100x8x8nodes, h100x8x64nodes, h200x8, a100x8, v5p-32; or a JSON file, "
                             "jaxtp.analysis.cluster): matmul, HBM and per-axis communication "
                             "time, the step with communication exposed and hidden, tokens/s "
                             "and MFU")

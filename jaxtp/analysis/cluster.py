@@ -103,6 +103,7 @@ DCN = Link("DCN", 6.25e9, 25e-6, source="Austin et al. 2025; latency as IB_NDR's
 PRESETS = {
     "h100x8": Cluster("h100x8", H100, 8, 1, NVLINK4, IB_NDR),
     "h100x8x8nodes": Cluster("h100x8x8nodes", H100, 8, 8, NVLINK4, IB_NDR),
+    "h100x8x64nodes": Cluster("h100x8x64nodes", H100, 8, 64, NVLINK4, IB_NDR),
     "h200x8": Cluster("h200x8", H200, 8, 1, NVLINK4, IB_NDR),
     "a100x8": Cluster("a100x8", A100, 8, 1, NVLINK3, IB_NDR),
     # v5p-32: 32 TensorCores, 16 chips (a 2x2x4 slice), one ICI domain

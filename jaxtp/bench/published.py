@@ -17,6 +17,7 @@ from __future__ import annotations
 from ..analysis import predict as P
 from ..analysis.budget import expected_collectives
 from ..analysis.cluster import PRESETS
+from ..analysis.pp import compute_factor
 from ..config import apply_overrides, load_config, validate
 from ..parallel import Layout
 from ..hardware import model_flops_per_token
@@ -50,6 +51,31 @@ TRAINING = [
      "Float8 matmuls there (up to 2x bf16's peak) against bf16 here; causal attention's "
      "half-empty blocks counted as full in 12*L*h*s; full AC's recompute counted as 8/6"),
 ]
+# Llama-3.1-405B (meta-llama/Llama-3.1-405B config.json): 126 x 16384, 128 heads, 8 kv,
+# F 53248; as 128 layers here (jaxtp splits layers evenly over pp x v chunks)
+LLAMA31_405B = ("model.n_layers=128", "model.d_model=16384", "model.n_heads=128",
+                "model.n_kv_heads=8", "model.d_ff=53248")
+# torchtitan's Table 5: 512 H100, FSDP 8 x TP 8 x PP 8, local batch 32 (global 256) of 8192,
+# full AC, Float8 and async TP; one row per microbatch (M = 32)
+PP405 = (*LLAMA31_405B, "parallel.dp=8", "parallel.fsdp=true", "parallel.tp=8",
+         "parallel.sp=true", "parallel.pp=8", "train.batch_size=256", "train.microbatches=32",
+         "model.remat=full")
+PP405_MISSES = ("Float8 matmuls there (up to 2x bf16's peak) against bf16 here; 126 layers as "
+                "128; ")
+TRAINING += [
+    (TITAN + "llama3_h100_202412_torchtitan.md (Table 5, 1F1B)",
+     "Llama-3.1-405B, 512 H100, FSDP 8 x TP 8 x PP 8, M = 32, full AC, 1F1B", "llama3-70b",
+     (*PP405, "parallel.pp_schedule=1f1b"), "h100x8x64nodes", 100.0,
+     PP405_MISSES + "jaxtp's 1F1B is one SPMD program computing a forward and a backward "
+     "every tick (2(M+p-1)/M of the blocks' flops), torchtitan's idles its bubble "
+     "((M+p-1)/M); async TP"),
+    (TITAN + "llama3_h100_202412_torchtitan.md (Table 5, interleaved 1F1B)",
+     "Llama-3.1-405B, 512 H100, FSDP 8 x TP 8 x PP 8, M = 32, full AC, interleaved (v = 2)",
+     "llama3-70b", (*PP405, "parallel.pp_schedule=circular", "parallel.pp_repeats=2"),
+     "h100x8x64nodes", 128.0,
+     PP405_MISSES + "jaxtp's circular schedule (GPipe order, v = 2) for torchtitan's "
+     "interleaved 1F1B: the same bubble (p-1)/(vM+p-1), torchtitan's v unstated; async TP"),
+]
 # gpt-fast README (pytorch-labs/gpt-fast): Llama-2-7B, 8 x A100-80GB power-limited
 # to 330 W, hybrid cube-mesh NVLink, bf16, batch 1, a 5-token prompt
 DECODE = [("gpt-fast README (Llama-2-7B, base bf16)", 1, 104.9),
@@ -62,9 +88,11 @@ def training_row(source, what, preset, overrides, cluster, published, misses) ->
     p = cfg.parallel
     mesh = Layout.make(**p.degrees).sizes
     tokens = cfg.train.batch_size * cfg.model.seq_len
-    devices = p.dp * p.cp * p.tp
+    devices = p.pp * p.dp * p.cp * p.tp
     traffic = P.from_budget(expected_collectives(cfg, p.impl, "gpu"))
-    pred = P.predict_step(PRESETS[cluster], mesh, P.step_flops(cfg) * tokens / devices, traffic,
+    ticks, useful = compute_factor(cfg)  # a pipeline's compiled over useful block flops
+    pred = P.predict_step(PRESETS[cluster], mesh,
+                          P.step_flops(cfg) * tokens / devices * ticks / useful, traffic,
                           tokens, model_flops_per_token(cfg, P.param_count(cfg)))
     lo = pred["exposed"]["tokens_per_s_per_device"]
     hi = pred["hidden"]["tokens_per_s_per_device"]
@@ -112,7 +140,8 @@ def bench_predict() -> dict:
         "jaxtp.analysis.cluster (matmuls at the MAMF fraction of the bf16 peak; NVLink 4 450 "
         "GB/s (the A100s' NVLink 3: 300) and 20 us, InfiniBand 48 GB/s and 25 us per "
         "collective); nothing fitted to these rows",
-        "training: model flops 6N + 12*L*h*s per token (x 8/6 under full remat) and the "
+        "training: model flops 6N + 12*L*h*s per token (x 8/6 under full remat; x a "
+        "pipeline's compiled over useful ticks) and the "
         "configuration's ledger (expected_collectives, gspmd on GPU); HBM-bound time not "
         "counted (no compiled program); decode: weights and KV cache over HBM bandwidth plus "
         "the decode collectives' latency and bytes",
