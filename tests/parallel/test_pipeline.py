@@ -177,6 +177,7 @@ test_the_pipelined_step_holds_the_pp_ledger_and_one_devices_gradients.fast_cases
     for c in ("ledger", "one-device")}
 
 
+@pytest.mark.slow
 def test_1f1b_holds_p_microbatches_where_gpipe_holds_m():
     """1F1B's table keeps at most p microbatches' inputs on stage 0 (GPipe:
     all M) in 2(M + p - 1) ticks; the compiled step's temporaries show it:
