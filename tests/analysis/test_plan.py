@@ -260,7 +260,8 @@ def test_a_pp_sweep_plans_each_stage_and_1f1b_holds_fewer_microbatches():
     rows = {}
     for schedule in ("gpipe", "1f1b"):
         cfg = apply_overrides(load_config("llama-tiny"), [
-            "model.n_layers=4", "parallel.tp=2", "parallel.pp=2", "train.microbatches=4",
+            "model.n_layers=4", "parallel.tp=2", "parallel.sp=true", "parallel.pp=2",
+            "train.microbatches=4",
             f"parallel.pp_schedule={schedule}"])
         lines = []
         got = planner.plan(cfg, [2], pps=[2], log=lines.append, compile_step=compiled_step)
