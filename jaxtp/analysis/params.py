@@ -38,7 +38,13 @@ def param_shards(cfg: Config) -> list[ParamShard]:
     """Every parameter of `cfg`'s model as a `ParamShard`, from abstract shapes."""
     # Auto axes whatever the impl: shapes only, no contraction is typed
     layout = dataclasses.replace(Layout.of(cfg), impl="gspmd")
-    model = dataclasses.replace(cfg.model, attention="xla")  # shapes only
+    # a stack is built with the fewest layers it splits into and its
+    # elements scaled: building every layer of a 405B model takes minutes
+    # (flax reads each initial value's sharding, and under eval_shape JAX
+    # builds an error message from the whole trace for each)
+    L = cfg.model.n_layers
+    L0 = layout.pp * layout.repeats if layout.stacked(cfg.model) else L
+    model = dataclasses.replace(cfg.model, attention="xla", n_layers=L0)  # shapes only
     with jax.sharding.use_abstract_mesh(layout.abstract_mesh()):
         params = nnx.state(nnx.eval_shape(
             lambda: Transformer(model, layout, rngs=nnx.Rngs(0))), nnx.Param)
@@ -55,8 +61,9 @@ def param_shards(cfg: Config) -> list[ParamShard]:
                   "column" if module in ("q", "kv", "up") else
                   "row" if leaf == "kernel" and module in ("out", "down") else "")
         split = {a for e in spec for a in spec_axes(e)} - {DATA_AXIS}
+        layers = L // L0 if names[0] == "blocks" else 1
         out.append(ParamShard(
-            "/".join(names), int(np.prod(v.shape)) // int(np.prod(
+            "/".join(names), int(np.prod(v.shape)) * layers // int(np.prod(
                 [layout.sizes.get(a, 1) for a in split])),
             any(DATA_AXIS in spec_axes(e) for e in spec), names[0] == "blocks", region,
             module == "down" and leaf == "bias"))
