@@ -75,7 +75,9 @@ def _layout_flags(ap) -> None:
                        help="with --pp: how the stages run the microbatches (gpipe: all "
                             "forwards, then all backwards, M + pp - 1 ticks each; circular: "
                             "each stage holds --pp-repeats v chunks of layers, v*M + pp - 1 "
-                            "ticks of 1/v the work; 1f1b: refused, not built yet)")
+                            "ticks of 1/v the work; 1f1b: each backward as soon as its "
+                            "gradient arrives, pp microbatches in flight, 2(M + pp - 1) "
+                            "ticks of a forward and a backward each)")
     group.add_argument("--pp-repeats", type=int,
                        help="with --pp-schedule circular: the chunks of layers per stage, v >= "
                             "2 (the layers split over pp*v chunks; stage r holds chunks r, "
