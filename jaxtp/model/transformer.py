@@ -183,9 +183,11 @@ class Transformer(nnx.Module):
         """
         return self.head.logits(self.hidden(tokens_BT, dropout_key=dropout_key))
 
-    def loss(self, tokens_BT, targets_BT, *, dropout_key=None):
-        """Mean next-token cross-entropy, from vocab-sharded logits."""
-        if self.layout.pipeline == "1f1b" and self.layout.pp > 1:  # the head in the pipeline
+    def loss(self, tokens_BT, targets_BT, *, dropout_key=None, forward_only: bool = False):
+        """Mean next-token cross-entropy, from vocab-sharded logits.
+        `forward_only` (evaluation): a 1F1B pipeline's loss by GPipe's
+        forward, not by the schedule that computes the gradients too."""
+        if self.layout.pipeline == "1f1b" and self.layout.pp > 1 and not forward_only:
             return pipeline_1f1b(
                 lambda blocks, x: self._run_stack(blocks, x, None),
                 lambda mods, y, t: mods[1].token_losses(mods[0](y), t).sum(), self.blocks,

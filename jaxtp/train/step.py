@@ -26,17 +26,19 @@ from .optim import clip_by_global_norm
 from .state import TrainState, abstract_train_state, init_train_state
 
 
-def loss_fn(graphdef, params, tokens_BT1, dropout_key=None):
+def loss_fn(graphdef, params, tokens_BT1, dropout_key=None, forward_only: bool = False):
     """Next-token cross-entropy of tokens [B, T+1] (under cp, a placed
-    [B, 2, T]: `jaxtp.parallel.batch_shape`)."""
+    [B, 2, T]: `jaxtp.parallel.batch_shape`); `forward_only`: no gradient
+    will be taken (evaluation)."""
     model = nnx.merge(graphdef, params)
-    return model.loss(*inputs_targets(tokens_BT1), dropout_key=dropout_key)
+    return model.loss(*inputs_targets(tokens_BT1), dropout_key=dropout_key,
+                      forward_only=forward_only)
 
 
 def cross_entropy_of(model, tokens_BT1):
     """Mean next-token loss of a merged model on tokens [B, T+1] (jitted)."""
     graphdef, params = nnx.split(model)
-    return jax.jit(lambda p, t: loss_fn(graphdef, p, t))(params, tokens_BT1)
+    return jax.jit(lambda p, t: loss_fn(graphdef, p, t, forward_only=True))(params, tokens_BT1)
 
 
 def grads_of(graphdef, params, tokens_BT1, key, schedule: Schedule = Schedule()):
@@ -96,7 +98,7 @@ def step_controls(max_loss: float = float("inf"), grad_scale: float = 1.0) -> np
 
 def make_eval_step(state: TrainState) -> Callable:
     graphdef = state.graphdef
-    return jax.jit(lambda params, tokens: loss_fn(graphdef, params, tokens),
+    return jax.jit(lambda params, tokens: loss_fn(graphdef, params, tokens, forward_only=True),
                    in_shardings=(state.param_shardings, batch_sharding(state.mesh)),
                    compiler_options=state.compiler_options)
 

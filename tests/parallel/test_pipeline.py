@@ -8,6 +8,7 @@ import functools
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxtp import hlo
 from jaxtp.analysis.budget import expected_collectives
@@ -18,8 +19,9 @@ from jaxtp.config import Config, ConfigError, ModelConfig, ParallelConfig, Train
 from jaxtp.model import stack_layers
 from jaxtp.parallel import Layout
 from jaxtp.parallel.pipeline_1f1b import in_flight, table as f1b_table
-from jaxtp.train.state import abstract_train_state
-from jaxtp.train.step import compile_train_step
+from jaxtp.train.data import to_mesh
+from jaxtp.train.state import abstract_train_state, place_params
+from jaxtp.train.step import compile_train_step, cross_entropy_of
 from cached import assert_same, initial_values, loss_and_grads, step_loss_and_grads
 
 # 8 layers, so that pp = 2, 4 and 8 each hold whole layers
@@ -127,6 +129,12 @@ def test_the_pipelined_step_holds_the_pp_ledger_and_one_devices_gradients(name, 
         # (scanning and remat change no value: one reference per model)
         ref = one_device(dataclasses.replace(cfg.model, scan_layers=False, remat="none"))
         assert_same(step_loss_and_grads(cfg, step, TOKENS, values), ref)
+        if cfg.parallel.pp_schedule == "1f1b":  # evaluation: GPipe's forward, the same loss
+            mesh = Layout.of(cfg).mesh()
+            graphdef, params, _ = place_params(cfg, mesh, values)
+            with jax.set_mesh(mesh):
+                loss = cross_entropy_of(nnx.merge(graphdef, params), to_mesh(TOKENS, mesh))
+            np.testing.assert_allclose(float(loss), ref[0], rtol=1e-5)
         return
     sizes = Layout.of(cfg).sizes
     colls = hlo.collectives(step.as_text())
