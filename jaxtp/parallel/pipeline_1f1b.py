@@ -134,20 +134,26 @@ def pipeline_1f1b(stage: Callable, head: Callable, blocks, head_modules, x_BTD, 
                             out_specs=(P(), param_specs, head_specs, x_spec),
                             axis_names=manual, check_vma=True)
 
-    @jax.custom_vjp
-    def loss_of(params, hparams, x_BTD, targets_BT):
-        return run_all(params, hparams, x_BTD, targets_BT)[0]
+    return _kept_grads(run_all)(params, hparams, x_BTD, targets_BT)
 
-    def forward(params, hparams, x_BTD, targets_BT):
-        loss, dw, dh, dx = run_all(params, hparams, x_BTD, targets_BT)
-        return loss, (dw, dh, dx)
+
+def _kept_grads(run_all: Callable) -> Callable:
+    """The loss of `run_all(*args, targets) -> (loss, *grads)` as a function
+    whose forward runs it and keeps the gradients, and whose backward scales
+    them by the loss's cotangent (none for the targets)."""
+    @jax.custom_vjp
+    def loss_of(*args):
+        return run_all(*args)[0]
+
+    def forward(*args):
+        loss, *grads = run_all(*args)
+        return loss, tuple(grads)
 
     def backward(grads, g):
-        scale = lambda a: (g * a).astype(a.dtype)
-        return (*jax.tree.map(scale, grads), None)
+        return (*jax.tree.map(lambda a: (g * a).astype(a.dtype), grads), None)
 
     loss_of.defvjp(forward, backward)
-    return loss_of(params, hparams, x_BTD, targets_BT)
+    return loss_of
 
 
 def _ticks(run, head_loss, w, h, xs_MbTD, ts_MbT, ops, mbs, p, vary_all):
