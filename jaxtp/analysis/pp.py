@@ -29,7 +29,7 @@ from ..config import Config
 from ..parallel import PP_AXIS
 from ..parallel.pipeline_1f1b import BACKWARD, FORWARD, IDLE
 from ..parallel.pipeline_1f1b import table as f1b_table
-from .rows import HLO_DTYPES, Expected
+from .rows import HLO_DTYPES, Expected, schedule_of
 
 
 def expected_pp(cfg: Config) -> list[Expected]:
@@ -92,9 +92,8 @@ def compute_factor(cfg: Config) -> tuple[int, int]:
     p, M = cfg.parallel, cfg.train.microbatches
     if p.pp == 1:
         return 1, 1
-    if p.pp_schedule == "1f1b":
-        return 2 * (M + p.pp - 1), M
-    return p.pp_repeats * M + p.pp - 1, p.pp_repeats * M
+    # (the ticks are the Schedule's; 1F1B's each run a whole forward and backward)
+    return schedule_of(cfg).ticks, M if p.pp_schedule == "1f1b" else p.pp_repeats * M
 
 
 def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
