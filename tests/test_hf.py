@@ -183,6 +183,7 @@ HF_LLAMA31 = {k: v for k, v in HF.items() if k != "rope_theta"} | {"rope_paramet
     "high_freq_factor": 4.0, "original_max_position_embeddings": 200}}
 
 
+@pytest.mark.slow
 def test_llama31_rope_scaling_and_transformers5_config(tmp_path, checkpoint):
     _, tensors, tokens, _ = checkpoint
     write_hf(tmp_path / "m", HF_LLAMA31, tensors)

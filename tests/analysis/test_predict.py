@@ -200,6 +200,7 @@ def test_the_published_rows_are_present_sourced_and_their_ratios_as_computed():
     assert rows[5]["predicted_exposed"] == pytest.approx(2.039e12 / read)
 
 
+@pytest.mark.slow
 def test_plan_cluster_prices_the_compiled_step_as_the_ledger_does(capsys):
     """--plan --cluster end to end (tiny at tp=2 on CPU), and the compiled
     step's collectives priced the same as the ledger's."""

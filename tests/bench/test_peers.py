@@ -33,6 +33,7 @@ def _as_peer(alt: dict) -> dict:
             "ln_f": ln(alt["lnf_g"], alt["lnf_b"])}
 
 
+@pytest.mark.slow
 def test_the_two_plain_peers_and_the_tuned_one_agree():
     tokens = _tokens()
     alt = jax.tree.map(lambda a: a + 0.01 * np.cos(np.arange(a.size)).reshape(a.shape),

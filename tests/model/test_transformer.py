@@ -118,7 +118,7 @@ def test_init_is_the_same_in_every_layout(variant):
                                                         f"{jax.tree_util.keystr(path)}")
 
 
-test_init_is_the_same_in_every_layout.fast_cases = {"llama-gqa"}
+test_init_is_the_same_in_every_layout.fast_cases = set()
 
 
 # GPT-2 and GQA (kv heads sharded at tp 2, replicated at 8) at tp 1, 2 and 8;
@@ -284,7 +284,7 @@ def test_blockwise_attention_in_the_model_matches_the_reference(tp, sp, impl):
     assert_trees_close(grads, ref_grads)
 
 
-test_blockwise_attention_in_the_model_matches_the_reference.fast_cases = {'8-True-shard_map'}
+test_blockwise_attention_in_the_model_matches_the_reference.fast_cases = set()  # test_blockwise
 
 
 @pytest.mark.parametrize("tp, impl", [(1, "gspmd"), (8, "gspmd"), (8, "shard_map"),

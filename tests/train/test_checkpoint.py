@@ -99,7 +99,7 @@ def test_tp8_restores_exactly_into_other_layouts(tmp_path, gpt2_tp8, model, layo
 
 
 
-
+@pytest.mark.slow
 def test_a_cp_save_restores_exactly_at_another_cp(tmp_path):
     """Saved on a (dp, cp, tp) = (1, 2, 2) mesh, restored bit-exactly at cp=1
     (tp=4) and cp=4 (tp=2): cp splits no parameter, so the state is the same."""

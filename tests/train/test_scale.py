@@ -47,6 +47,7 @@ def one_device(model):
     return loss_and_grads(cfg_of(model))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
 def test_dropout_in_microbatches_over_dp_equals_one_device(impl):
     """Dropout masks are drawn per global row (jaxtp.model.layers.dropout), so
@@ -58,7 +59,6 @@ def test_dropout_in_microbatches_over_dp_equals_one_device(impl):
                                values, key=key), ref)
 
 
-test_dropout_in_microbatches_over_dp_equals_one_device.fast_cases = {'shard_map'}
 
 
 @pytest.mark.slow
@@ -332,6 +332,10 @@ def test_fsdp_in_bf16_gathers_the_tied_table_once(impl):
     assert sum(c.count for c in colls if c.kind == "all-gather" and c.elements == table) == 1
 
 
+test_fsdp_in_bf16_gathers_the_tied_table_once.fast_cases = {"gspmd"}
+
+
+@pytest.mark.slow
 def test_the_dp_gradient_is_reduced_once_per_step_whatever_the_microbatches():
     """Slices over dp are summed on each rank and reduced once (jaxtp.train.
     step): the dp bytes at M=4 are those of one batch (Llama, untied), and
