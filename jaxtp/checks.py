@@ -204,8 +204,13 @@ def _check_pp(cfg: Config) -> None:
                           "gspmd (jax 0.10.2: cuDNN's custom partitioning fails in a shard_map "
                           "that leaves tp to GSPMD); use model.attention=blockwise (auto picks "
                           "it there), or --impl shard_map")
+    if p.cp > 1 and p.impl == "gspmd" and p.cp_attention == "allgather":
+        raise ConfigError("pipeline parallelism with --cp under --impl gspmd takes "
+                          "parallel.cp_attention=ring: a stage is manual over cp, and GSPMD "
+                          "gathers the K/V heads over tp before an all-gather over cp (twice "
+                          "the bytes, measured on jax 0.10.2); or use --impl shard_map")
     unbuilt = [(p.impl == "explicit", "--impl explicit (use gspmd or shard_map)"),
-               (p.cp > 1, "--cp"), (m.dropout > 0, "model.dropout > 0"),
+               (m.dropout > 0, "model.dropout > 0"),
                (p.overlap != "none", f"--overlap {p.overlap}")]
     for cond, what in unbuilt:
         if cond:

@@ -65,7 +65,9 @@ def _grads(cfg: Config, impl: str) -> list[_Grad]:
                          m.seq_len // p.cp)[0] if p.cp > 1 and not p.fsdp else 1
     out = []
     for s in param_shards(cfg):
-        seq = (CP_AXIS,) * (p.cp > 1)
+        # (a pipeline's stage is manual over cp: its weights' cp part is summed
+        # once a step, with the stage's, `_pipelined`)
+        seq = (CP_AXIS,) * (p.cp > 1 and not _in_pipeline(cfg, s.path, s.in_stack))
         if sp and not s.region and not _whole_over_tp(cfg, impl, s):
             seq += (TP_AXIS,)  # used on the sequence shard: partial over tp
         sums = 1
@@ -81,6 +83,18 @@ def _grads(cfg: Config, impl: str) -> list[_Grad]:
         out.append(_Grad(s, sums, seq, impl == "shard_map" and bool(s.region), dp_elements,
                          keyed))
     return out
+
+
+def _in_pipeline(cfg: Config, path: str, in_stack: bool) -> bool:
+    """Whether a parameter is used inside the pipeline's shard_map: a stage's,
+    and under 1F1B the head's (final norm, LM head, a tied table's head part)."""
+    if cfg.parallel.pp == 1:
+        return False
+    return in_stack or cfg.parallel.pp_schedule == "1f1b" and path in _HEAD_PATHS(cfg)
+
+
+def _HEAD_PATHS(cfg: Config) -> tuple[str, ...]:
+    return ("ln_f/scale", "ln_f/bias", "lm_head/embedding")
 
 
 def reduced_over(cfg: Config, impl: str) -> dict[str, tuple[str, ...]]:
@@ -132,32 +146,76 @@ def expected_grads(cfg: Config, impl: str) -> list[Expected]:
 
 
 def _pipelined(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]:
-    """The sums around a pipeline (`jaxtp.parallel.pipeline`), once per step:
-    a stage's weights' gradients over dp (their own axis is pp), cast to
-    varying over dp on entry, so one all-reduce (FSDP's, under shard_map,
-    gathered in the pipeline and reduce-scattered; under gspmd gathered
-    before it and all-reduced); every other weight's over pp x dp (pp splits
-    their tokens as dp does), as GSPMD places them."""
+    """The sums around a pipeline (`jaxtp.parallel.pipeline`), once per step.
+
+    A stage's weights (own axis pp) are cast to varying over the batch axes
+    the stage is manual over (dp, cp) on entry: one all-reduce over dp x cp
+    (FSDP's, under shard_map, gathered in the pipeline and reduce-scattered;
+    under gspmd gathered before it and all-reduced). So are 1F1B's head
+    weights, which run in the loop, over pp x dp x cp (pp splits their
+    tokens as dp does). The weights outside the pipeline (embedding; under
+    GPipe the final norm and head) are summed where their tokens are split:
+    written in a shard_map region, one psum over pp x dp x cp; placed by
+    GSPMD, over cp (its sequence split) and then over pp x dp."""
     p, pd = cfg.parallel, HLO_DTYPES[cfg.model.param_dtype]
+    f1b = p.pp_schedule == "1f1b"
     outer = tuple(a for a, n in ((PP_AXIS, p.pp), (DATA_AXIS, p.dp)) if n > 1)
-    rows = [_loss_mean(p.pp * p.dp, outer, per="step")]
+    cp = (CP_AXIS,) * (p.cp > 1)
+    joint = outer + cp
+    rows = ([_loss_mean(p.pp * p.dp * p.cp, joint, per="step")] if f1b else
+            [_loss_mean(p.pp * p.dp, outer, per="step")]
+            + ([_loss_mean(p.cp, cp, per="step")] if cp else []))
     stage = [g for g in grads if g.shard.in_stack]
     E = lambda name, kind, n, group, axes, written, role="grads": Expected(
         name, kind, "backward", ANY_SCOPE, n, pd, group, 1, role, axes, written, "step")
-    if p.dp > 1:
-        split = p.fsdp and impl == "shard_map"
+    inner = tuple(a for a, n in ((DATA_AXIS, p.dp), (CP_AXIS, p.cp)) if n > 1)
+    if inner:
+        split = p.fsdp and impl == "shard_map" and p.dp > 1
         scattered = sum(g.shard.elements for g in stage if split and g.shard.dp_split)
         whole = sum(g.shard.elements for g in stage if not (split and g.shard.dp_split))
+        if scattered and cp:
+            rows.append(E("cp: the stages' FSDP weight gradients, summed over cp once",
+                          "all-reduce", scattered, p.cp, cp, True))
         if scattered:
             rows.append(E("dp: the stages' FSDP weight gradients, reduce-scattered once",
                           "reduce-scatter", scattered // p.dp, p.dp, (DATA_AXIS,), True))
-        rows.append(E("dp: the stages' weight gradients, summed over dp once (after the "
-                      "pipeline)", "all-reduce", whole, p.dp, (DATA_AXIS,), True))
-    # (a learned positions' gradient: its own sequence rows)
-    outside = sum(g.dp_elements * g.sums for g in grads if not g.shard.in_stack)
-    rows.append(E(f"{' x '.join(outer)}: the gradients of the weights outside the pipeline "
-                  "(embedding, head, final norm)", "all-reduce", outside, p.pp * p.dp, outer,
-                  False, role="grads_outside"))
+        over = " x ".join(inner)
+        rows.append(E(f"{over}: the stages' weight gradients, summed over {over} once (after "
+                      "the pipeline)", "all-reduce", whole, p.dp * p.cp, inner, True))
+    # the weights outside the stages, each part (a tied table's lookup and
+    # head) summed at once over pp x dp x cp, or over cp and then pp x dp
+    at_once = apart_cp = apart = scattered = 0
+    fsdp = lambda g: p.fsdp and p.dp > 1 and g.shard.dp_split and impl == "shard_map"
+    for g in grads:
+        if g.shard.in_stack:
+            continue
+        tied_head = g.shard.path == "wte/embedding" and g.sums > 1
+        for count, in_loop in ([(1, False), (g.sums - 1, f1b)] if tied_head else
+                               [(g.sums, _in_pipeline(cfg, g.shard.path, False))]):
+            if fsdp(g) and g.written:  # FSDP's region: reduce-scattered over dp
+                scattered += g.shard.elements * count
+            elif in_loop or (impl == "shard_map" and g.written):
+                at_once += g.shard.elements * count
+            else:  # (a learned positions' gradient: its own sequence rows over pp x dp)
+                apart_cp += 0 if g.keyed else g.shard.elements * count
+                apart += g.dp_elements * count
+    if at_once:
+        rows.append(E(f"{' x '.join(joint)}: the gradients of the weights outside the stages "
+                      "(embedding, head, final norm), summed at once", "all-reduce", at_once,
+                      p.pp * p.dp * p.cp, joint, impl == "shard_map", role="grads_outside"))
+    if scattered:  # (pp x cp at once in the region, then FSDP's reduce-scatter over dp)
+        rest = tuple(a for a in joint if a != DATA_AXIS)
+        rows += [E(f"{' x '.join(rest)}: the FSDP vocab tables' gradients outside the stages",
+                   "all-reduce", scattered, p.pp * p.cp, rest, True),
+                 E("dp: the FSDP vocab tables' gradients outside the stages, reduce-scattered",
+                   "reduce-scatter", scattered // p.dp, p.dp, (DATA_AXIS,), True)]
+    if apart_cp and cp:
+        rows.append(E("cp: the gradients of the weights outside the pipeline, placed by "
+                      "GSPMD, summed over cp", "all-reduce", apart_cp, p.cp, cp, False))
+    if apart:
+        rows.append(E(f"{' x '.join(outer)}: the gradients of the weights outside the pipeline "
+                      "(embedding, head, final norm)", "all-reduce", apart, p.pp * p.dp,
+                      outer, False, role="grads_outside" if impl != "shard_map" else "grads"))
     return rows
 
 

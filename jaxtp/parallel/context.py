@@ -64,6 +64,8 @@ def over_cp(core, q_BTKGH, k_BTKH, v_BTKH, layout: Layout):
     (Manual over cp alone, GSPMD gathered the kv heads over tp before the
     all-gather over cp.)"""
     mesh = jax.sharding.get_abstract_mesh()
+    if CP_AXIS in mesh.manual_axes:  # a pipeline's stage: already per cp shard (tp automatic)
+        return attend(core, q_BTKGH, k_BTKH, v_BTKH, layout)
     s = spec("batch", "seq", "heads")  # dim 2: the (kv) heads
     return jax.shard_map(lambda q, k, v: attend(core, q, k, v, layout), in_specs=(s, s, s),
                          out_specs=s, axis_names=set(mesh.axis_names) - set(mesh.manual_axes),

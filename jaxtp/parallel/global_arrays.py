@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from . import context
 from .overlap import reread
-from .layout import DATA_AXIS, Layout, cache_spec, constrain, explicit_mesh, manual_axes, spec
+from .layout import CP_AXIS, DATA_AXIS, Layout, cache_spec, constrain, explicit_mesh, manual_axes, spec
 
 
 class GlobalArrays:
@@ -55,7 +55,10 @@ class GlobalArrays:
         return core(q, k, v)
 
     def positions(self, T: int):
-        """The original positions of the array's T tokens (`Layout.positions`)."""
+        """The original positions of the array's T tokens (`Layout.positions`;
+        a cp rank's, in a pipeline's stage, manual over cp)."""
+        if CP_AXIS in jax.sharding.get_abstract_mesh().manual_axes:
+            return context.local_positions(T, self.layout)
         return jnp.asarray(self.layout.positions(T))
 
     def kv_for_heads(self, kv_BTCKH, n_heads: int):

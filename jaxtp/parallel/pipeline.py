@@ -35,10 +35,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from .collectives import vary
-from .layout import (DATA_AXIS, PP_AXIS, TP_AXIS, Layout, constrain, keep_axes, spec,
+from .layout import (CP_AXIS, DATA_AXIS, PP_AXIS, TP_AXIS, Layout, constrain, keep_axes, spec,
                      spec_axes)
 
 _is_spec = lambda x: isinstance(x, P)
+BATCH_SPLIT = {DATA_AXIS, CP_AXIS}  # the axes that split a stage's tokens (not pp's)
 
 
 def pipeline(stage: Callable, blocks, x_BTD, layout: Layout):
@@ -62,11 +63,11 @@ def pipeline(stage: Callable, blocks, x_BTD, layout: Layout):
     param_specs = jax.tree.map(lambda s: keep_axes(s, manual if everything else {PP_AXIS}),
                                specs, is_leaf=_is_spec)
     x_spec = keep_axes(spec(*layout.residual), manual)
-    dp = DATA_AXIS in manual
+    over = manual & BATCH_SPLIT
 
     def per_stage(params, x_nTD):
         leaves, tree = jax.tree.flatten(params)
-        leaves = [_enter(x, s, dp) for x, s in zip(
+        leaves = [_enter(x, s, over) for x, s in zip(
             leaves, jax.tree.leaves(param_specs, is_leaf=_is_spec))]
         params = jax.tree.unflatten(tree, leaves)
         # (pinned as the stream is: under SP split along T over tp)
@@ -85,7 +86,7 @@ def _manual(layout: Layout) -> tuple[bool, set]:
     blocks' own regions run inside it, unnested)."""
     big = {a for a, n in dict(jax.sharding.get_abstract_mesh().shape).items() if n > 1}
     everything = layout.impl == "shard_map"
-    return everything, (big | {TP_AXIS}) if everything else big & {PP_AXIS, DATA_AXIS}
+    return everything, (big | {TP_AXIS}) if everything else big & {PP_AXIS, DATA_AXIS, CP_AXIS}
 
 
 def _gpipe(run: Callable, xs_in_MbTD, p: int, v: int = 1):
@@ -163,14 +164,14 @@ def _from_last_stage(out_MbTD, p: int, pin: Callable, frm: int | None = None):
     return mine
 
 
-def _enter(x, s: P, dp: bool):
+def _enter(x, s: P, over: set):
     """A stage's parameter as its layers use it: whole over dp (FSDP's
     all-gather, where it is split over dp here, whose transpose
-    reduce-scatters the gradient) and varying over dp (the transpose of the
-    cast: one all-reduce of the gradient)."""
-    if not dp:
-        return x
-    for dim, axes in enumerate(s):
-        if DATA_AXIS in spec_axes(axes):
-            x = jax.lax.all_gather(x, DATA_AXIS, axis=dim, tiled=True)
-    return vary(x, {DATA_AXIS})
+    reduce-scatters the gradient) and varying over the manual batch-splitting
+    axes `over` (dp, cp: the transpose of the cast is one all-reduce of the
+    gradient per step, not one per use)."""
+    if DATA_AXIS in over:
+        for dim, axes in enumerate(s):
+            if DATA_AXIS in spec_axes(axes):
+                x = jax.lax.all_gather(x, DATA_AXIS, axis=dim, tiled=True)
+    return vary(x, over)

@@ -30,8 +30,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from .collectives import vary, varying_axes
-from .layout import DATA_AXIS, PP_AXIS, Layout, constrain, keep_axes, spec
-from .pipeline import _enter, _from_last_stage, _is_spec, _manual, _to_first_stage
+from .layout import PP_AXIS, Layout, constrain, keep_axes, spec
+from .pipeline import BATCH_SPLIT, _enter, _from_last_stage, _is_spec, _manual, _to_first_stage
 
 IDLE, FORWARD, BACKWARD = 0, 1, 2
 
@@ -106,19 +106,19 @@ def pipeline_1f1b(stage: Callable, head: Callable, blocks, head_modules, x_BTD, 
     ops, mbs = table(p, M)
 
     def per_stage(params, hparams, x_nTD, t_nT):
-        dp = DATA_AXIS in manual
+        over = manual & BATCH_SPLIT
         leaves = jax.tree.leaves(param_specs, is_leaf=_is_spec)
         # each parameter as the ticks use it, and the way back for its gradient
         # (FSDP's reduce-scatter, dp's sum; the head's over pp and dp): once
         w, w_back = jax.vjp(lambda ps: jax.tree.map(
-            lambda x, s: _enter(x, s, dp), ps, jax.tree.unflatten(
+            lambda x, s: _enter(x, s, over), ps, jax.tree.unflatten(
                 jax.tree.structure(ps), leaves)), params)
         h, h_back = jax.vjp(lambda hs: jax.tree.map(
-            lambda x: vary(x, manual & {PP_AXIS, DATA_AXIS}), hs), hparams)
+            lambda x: vary(x, manual & (BATCH_SPLIT | {PP_AXIS})), hs), hparams)
         pin = lambda x: constrain(x, *(None,) * (x.ndim - 3), *layout.residual)
         xs_MbTD = pin(_to_first_stage(pin(x_nTD), p, M))
         ts_MbT = _to_first_stage(t_nT, p, M, to=p - 1)
-        vary_all = lambda a: vary(a, manual & {PP_AXIS, DATA_AXIS})
+        vary_all = lambda a: vary(a, manual & (BATCH_SPLIT | {PP_AXIS}))
         run = lambda w, x: stage(nnx.merge(graphdef, w), x)
 
         def head_loss(h, y, t):
@@ -126,7 +126,7 @@ def pipeline_1f1b(stage: Callable, head: Callable, blocks, head_modules, x_BTD, 
 
         grads = _ticks(run, head_loss, w, h, xs_MbTD, ts_MbT, ops, mbs, p, vary_all)
         loss, dw, dh, dxs_MbTD = grads
-        axes = tuple(sorted(manual & {PP_AXIS, DATA_AXIS}))
+        axes = tuple(sorted(manual & (BATCH_SPLIT | {PP_AXIS})))
         return (jax.lax.psum(loss, axes), w_back(dw)[0], h_back(dh)[0],
                 _from_last_stage(dxs_MbTD, p, pin, frm=0))
 

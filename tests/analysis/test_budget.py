@@ -538,18 +538,22 @@ def test_compare_hlo_writes_the_report_of_cp_with_fsdp(layout, tmp_path, capsys)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", [["gpipe"], ["circular", "--pp-repeats", "2"], ["1f1b"]],
-                         ids=["gpipe", "circular", "1f1b"])
+@pytest.mark.parametrize("schedule", [
+    ["gpipe"], ["circular", "--pp-repeats", "2"], ["1f1b"],
+    ["1f1b", "--cp", "2", "--cp-attention", "ring"]],
+    ids=["gpipe", "circular", "1f1b", "1f1b-cp2"])
 def test_pp_budgets_hold_compiled_for_an_h100(schedule, tmp_path):
-    """pp=2 x tp=4 compiled for 8 H100s under each schedule: gspmd and
-    shard_map hold the ledger as XLA's GPU pipeline carries it out (it adds
-    the tied table's two gradients before their one sum over pp under
-    shard_map), and each program's loop runs the schedule's ticks."""
+    """pp=2 x tp=4 (with cp: pp2 x cp2 x tp2) compiled for 8 H100s under each
+    schedule: gspmd and shard_map hold the ledger as XLA's GPU pipeline
+    carries it out (it adds the tied table's two gradients before their one
+    sum over pp under shard_map), and each program's loop runs the
+    schedule's ticks."""
     import importlib.util
 
     if importlib.util.find_spec(TARGETS["h100"]) is None:
         pytest.skip("jax_cuda12_plugin is not installed: cannot compile for h100 here")
-    assert train.main(["--pp", "2", "--tp", "4", "--pp-schedule", *schedule, "--compare-hlo",
+    tp = "2" if "--cp" in schedule else "4"
+    assert train.main(["--pp", "2", "--tp", tp, "--pp-schedule", *schedule, "--compare-hlo",
                        "--hardware", "h100", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "comm_report.json").read_text())
     assert report["platform"] == "gpu" and report["pipeline"]["agree"]

@@ -33,7 +33,7 @@ TOKENS = np.random.default_rng(0).integers(0, 256, (B, MODEL.seq_len + 1)).astyp
 
 
 def cfg_of(model, pp, tp=1, dp=1, microbatches=None, **kw):
-    par = {k: kw.pop(k) for k in ("impl", "sp", "fsdp") if k in kw}
+    par = {k: kw.pop(k) for k in ("impl", "sp", "fsdp", "cp", "cp_attention") if k in kw}
     if "schedule" in kw:
         par["pp_schedule"] = kw.pop("schedule")
     if "repeats" in kw:
@@ -101,6 +101,21 @@ LAYOUTS = {
                                                           "sp": True}),
     "gpt2-pp4xtp2-1f1b-shard_map-M8": (MODEL, 4, 2, 1, {"schedule": "1f1b", "impl": "shard_map",
                                                        "microbatches": 8}),
+    # cp: each stage's tokens split along T, the pipeline manual over cp too
+    # (under gspmd with the ring: `jaxtp.checks`)
+    "gpt2-dp2xcp2xpp2-shard_map-fsdp": (MODEL, 2, 1, 2, {"cp": 2, "impl": "shard_map",
+                                                         "fsdp": True}),
+    "llama-gqa-dp2xcp2xpp2-fsdp-ring": (GQA, 2, 1, 2, {"cp": 2, "fsdp": True,
+                                                       "cp_attention": "ring"}),
+    "llama-gqa-cp2xpp2xtp2-shard_map-ring-sp": (GQA, 2, 2, 1, {"cp": 2, "impl": "shard_map",
+                                                               "cp_attention": "ring",
+                                                               "sp": True}),
+    "gpt2-cp2xpp2xtp2-circular-ring": (MODEL, 2, 2, 1, {"cp": 2, "cp_attention": "ring",
+                                                        "schedule": "circular", "repeats": 2}),
+    "llama-gqa-cp2xpp2xtp2-1f1b-sp": (GQA, 2, 2, 1, {"cp": 2, "schedule": "1f1b", "sp": True,
+                                                      "cp_attention": "ring"}),
+    "gpt2-cp2xpp2xtp2-1f1b-shard_map": (MODEL, 2, 2, 1, {"cp": 2, "schedule": "1f1b",
+                                                        "impl": "shard_map"}),
 }
 
 
@@ -149,12 +164,13 @@ def test_the_pipelined_step_holds_the_pp_ledger_and_one_devices_gradients(name, 
     # rank, every tick; the entry and exit, a stage's rows once each
     shift = [c for c in pp if c.kind == "collective-permute" and c.pass_ == "forward"]
     dp, split = cfg.parallel.dp, cfg.parallel.tp if cfg.parallel.sp else 1
-    row = MODEL.seq_len * MODEL.d_model // split
+    s = MODEL.seq_len // cfg.parallel.cp  # a cp rank's positions
+    row = s * MODEL.d_model // split
     if f1b:  # the shifts both ways every tick, in the step's forward program; the
         # entry, the targets' entry and the input gradients' exit once
         assert sorted((c.dtype, c.elements, c.count) for c in shift) == sorted(
             [("f32", B // (M * dp) * row, ticks)] * 2 + [("f32", B // (p * dp) * row, 1)]
-            * 2 * (p - 1) + [("s32", B // (p * dp) * MODEL.seq_len, 1)] * (p - 1))
+            * 2 * (p - 1) + [("s32", B // (p * dp) * s, 1)] * (p - 1))
         assert not [c for c in pp if c.pass_ == "backward"]
         return
     assert sorted((c.elements, c.count) for c in shift) == sorted(
@@ -165,8 +181,8 @@ def test_the_pipelined_step_holds_the_pp_ledger_and_one_devices_gradients(name, 
     # the blocks' collectives run per layer and tick, nothing else inside the loop
     layers = MODEL.n_layers // (p * v)
     assert {c.count for c in colls} <= {1, ticks, ticks * layers}
-    if cfg.parallel.dp > 1:  # the stage weights' gradients, reduced over dp once
-        over_dp = [c for c in colls if c.axes(sizes) == ("dp",)]
+    if cfg.parallel.dp > 1:  # the stage weights' gradients, reduced over dp (x cp) once
+        over_dp = [c for c in colls if c.axes(sizes) in (("dp",), ("dp", "cp"))]
         assert over_dp and {c.count for c in over_dp} == {1}
     # the other weights' gradients (and the loss) are summed over pp x dp, once
     sums = [c for c in colls if c.kind == "all-reduce" and "pp" in c.axes(sizes)]
@@ -294,6 +310,7 @@ def test_bubble():
     ({"pp": 2, "microbatches": 1}, "--microbatches 4"),
     ({"pp": 2, "impl": "explicit"}, "--impl explicit"),
     ({"pp": 2, "dropout": 0.1}, "model.dropout"),
+    ({"pp": 2, "cp": 2}, "parallel.cp_attention=ring"),
     ({"pp": 2, "attention": "cudnn"}, "use model.attention=blockwise"),
     ({"pp": 2, "microbatches": 3}, "set train.batch_size to a multiple of 6"),
     ({"pp": 2, "schedule": "circular"}, "circular schedule runs v >= 2 chunks"),
