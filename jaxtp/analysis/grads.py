@@ -211,11 +211,12 @@ def _pipelined(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]:
                    "reduce-scatter", scattered // p.dp, p.dp, (DATA_AXIS,), True)]
     if apart_cp and cp:
         rows.append(E("cp: the gradients of the weights outside the pipeline, placed by "
-                      "GSPMD, summed over cp", "all-reduce", apart_cp, p.cp, cp, False))
+                      "GSPMD, summed over cp", "all-reduce", apart_cp, p.cp, cp, False,
+                      role="grads_apart_cp"))
     if apart:
         rows.append(E(f"{' x '.join(outer)}: the gradients of the weights outside the pipeline "
                       "(embedding, head, final norm)", "all-reduce", apart, p.pp * p.dp,
-                      outer, False, role="grads_outside" if impl != "shard_map" else "grads"))
+                      outer, False, role="grads_apart"))
     return rows
 
 
