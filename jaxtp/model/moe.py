@@ -1,0 +1,125 @@
+"""Mixture of experts: a router picks each token's top-k of E expert MLPs.
+
+Routing (per group of tokens: one sequence, so that the groups do not
+depend on how the batch is split):
+
+- the router is one replicated [D, E] matmul in fp32; softmax over the E
+  experts, then the top k, their weights renormalised to sum to 1 where
+  `model.moe_norm_topk` (Mixtral; Qwen3-MoE's `norm_topk_prob`);
+- capacity (GShard, Lepikhin et al. 2020, Sec. 2.2): each expert takes at
+  most C = ceil(cf * T * k / E) of a group's T tokens; assignments queue in
+  router order, every token's first choice before any second choice (so a
+  second choice is dropped before a first), and within a choice in token
+  order; an assignment past C is dropped (the token keeps its other
+  experts' outputs and the residual). cf = 0 is dropless: C = T, as no
+  token picks an expert twice;
+- dispatch and combine as dense one-hot tensors [G, T, E, C]: the experts'
+  inputs are `einsum("GTEC,GTD->GECD")`, their outputs combined by the kept
+  routing weights (GShard's form, which GSPMD partitions by the expert dim).
+
+The two router losses, per microbatch over all its tokens:
+
+- load balancing (Switch, Fedus et al. 2021, Eq. 4-6, generalised to top-k
+  as Megatron-Core's `switch_load_balancing_loss_func`): E/k * sum_e f_e P_e,
+  f_e the share of the tokens assigned to expert e (before capacity: the
+  router's decision), P_e the mean router probability of e; 1 when the
+  load is uniform;
+- router z-loss (Zoph et al. 2022, ST-MoE, Eq. 5): the mean over tokens of
+  logsumexp(logits)^2, which keeps the router's logits small.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+# the router statistics a MoE layer returns (summed over the layers)
+STATS = ("moe_balance", "moe_z", "moe_dropped")
+
+
+def capacity(T: int, k: int, E: int, factor: float) -> int:
+    """Slots per expert per group of T tokens: ceil(factor * T * k / E), at
+    most T (no token takes an expert twice); factor 0: T (dropless)."""
+    if factor <= 0:
+        return T
+    return max(1, min(T, math.ceil(factor * T * k / E)))
+
+
+def route(logits_GTE, k: int, norm_topk: bool = True):
+    """(weights [G, T, k], experts [G, T, k] int32, probs [G, T, E]): the top
+    k of the softmax over experts, in descending probability (ties: the
+    lower expert id first, as `lax.top_k`)."""
+    probs_GTE = jax.nn.softmax(logits_GTE.astype(jnp.float32), axis=-1)
+    weights_GTk, experts_GTk = jax.lax.top_k(probs_GTE, k)
+    if norm_topk:
+        weights_GTk = weights_GTk / weights_GTk.sum(-1, keepdims=True)
+    return weights_GTk, experts_GTk, probs_GTE
+
+
+def dispatch(experts_GTk, E: int, C: int):
+    """(dispatch [G, T, E, C] 0/1, kept [G, T, k] bool): assignment (t, j)
+    takes slot p of expert experts[t, j], p the number of assignments to that
+    expert before it in router order (choice j = 0 of every token, then
+    j = 1, ...); kept where p < C."""
+    G, T, k = experts_GTk.shape
+    onehot_GkTE = jax.nn.one_hot(experts_GTk.transpose(0, 2, 1), E, dtype=jnp.int32)
+    flat = onehot_GkTE.reshape(G, k * T, E)
+    slot = (jnp.cumsum(flat, axis=1) - flat).reshape(G, k, T, E)  # earlier assignments
+    slot_GTk = jnp.sum(slot * onehot_GkTE, -1).transpose(0, 2, 1)
+    kept_GTk = slot_GTk < C
+    # one-hot over (expert, slot) of each kept assignment, summed over choices
+    # (a token's k experts differ, so no two of its assignments share a cell)
+    cell = jax.nn.one_hot(experts_GTk, E, dtype=jnp.float32)[..., None] * \
+        jax.nn.one_hot(jnp.where(kept_GTk, slot_GTk, C), C, dtype=jnp.float32)[..., None, :]
+    return cell.sum(2), kept_GTk
+
+
+def combine(experts_GTk, weights_GTk, kept_GTk, E: int, C: int, dispatch_GTEC):
+    """The combine tensor [G, T, E, C]: each kept assignment's cell holds its
+    routing weight."""
+    w_GTE = jnp.sum(jax.nn.one_hot(experts_GTk, E, dtype=jnp.float32)
+                    * jnp.where(kept_GTk, weights_GTk, 0.0)[..., None], 2)
+    return dispatch_GTEC * w_GTE[..., None]
+
+
+def balance_loss(probs_GTE, experts_GTk) -> jax.Array:
+    """Switch's load-balancing loss for top-k: E/k * sum_e f_e P_e over all
+    G*T tokens (1 when uniform)."""
+    E, k = probs_GTE.shape[-1], experts_GTk.shape[-1]
+    tokens = probs_GTE.shape[0] * probs_GTE.shape[1]
+    f_E = jnp.sum(jax.nn.one_hot(experts_GTk, E, dtype=jnp.float32), (0, 1, 2)) / tokens
+    P_E = jnp.sum(probs_GTE, (0, 1)) / tokens
+    return E / k * jnp.sum(f_E * P_E)
+
+
+def z_loss(logits_GTE) -> jax.Array:
+    """ST-MoE's router z-loss: mean over tokens of logsumexp(logits)^2."""
+    return jnp.mean(jax.nn.logsumexp(logits_GTE.astype(jnp.float32), axis=-1) ** 2)
+
+
+def moe(x_GTD, logits_GTE, experts: Callable, *, k: int, factor: float,
+        norm_topk: bool = True):
+    """(y [G, T, D], stats [3]: balance loss, z-loss, dropped share): each
+    token through its kept top-k experts, weighted; `experts(x_ECD)` maps
+    every expert's slots [E, G*C, D] to its outputs (the expert MLPs batched
+    over E)."""
+    G, T, D = x_GTD.shape
+    E = logits_GTE.shape[-1]
+    C = capacity(T, k, E, factor)
+    weights_GTk, experts_GTk, probs_GTE = route(logits_GTE, k, norm_topk)
+    d_GTEC, kept_GTk = dispatch(experts_GTk, E, C)
+    c_GTEC = combine(experts_GTk, weights_GTk, kept_GTk, E, C, d_GTEC)
+    x_EGCD = jnp.einsum("GTEC,GTD->EGCD", d_GTEC.astype(x_GTD.dtype), x_GTD)
+    y_EGCD = experts(x_EGCD.reshape(E, G * C, D)).reshape(E, G, C, D)
+    y_GTD = jnp.einsum("GTEC,EGCD->GTD", c_GTEC.astype(y_EGCD.dtype), y_EGCD)
+    dropped = 1.0 - jnp.mean(kept_GTk.astype(jnp.float32))
+    stats = jnp.stack([balance_loss(probs_GTE, experts_GTk), z_loss(logits_GTE), dropped])
+    return y_GTD.astype(x_GTD.dtype), stats
+
+
+def load(experts_GTk, E: int) -> jax.Array:
+    """The share of the assignments each expert gets [E] (before capacity)."""
+    return jnp.mean(jax.nn.one_hot(experts_GTk, E, dtype=jnp.float32), (0, 1, 2))

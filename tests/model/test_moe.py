@@ -1,0 +1,140 @@
+"""The MoE routing and block (jaxtp.model.moe) against references written
+here token by token: softmax, top-k, renormalised weights, a capacity queue
+in router order, each kept assignment through its expert's MLP."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtp.model import moe
+
+G, T, D, E, K, F = 2, 8, 8, 4, 2, 16
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(G, T, D)).astype(np.float32)
+W_ROUTER = RNG.normal(size=(D, E)).astype(np.float32)
+W_UP = (RNG.normal(size=(E, D, F)) / np.sqrt(D)).astype(np.float32)
+W_DOWN = (RNG.normal(size=(E, F, D)) / np.sqrt(F)).astype(np.float32)
+
+
+def experts(w_up, w_down):
+    return lambda x_ECD: jnp.einsum("ECF,EFD->ECD", jax.nn.gelu(
+        jnp.einsum("ECD,EDF->ECF", x_ECD, w_up), approximate=False), w_down)
+
+
+def queue(logits, k, C, norm=True):
+    """Per group: (experts [T, k], weights [T, k], kept [T, k]) by a plain
+    loop: first choices of every token in token order, then second ..."""
+    out = []
+    for g in range(logits.shape[0]):
+        p = np.exp(logits[g] - logits[g].max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        ex = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+        w = np.take_along_axis(p, ex, -1)
+        w = w / w.sum(-1, keepdims=True) if norm else w
+        taken, kept = np.zeros(logits.shape[-1], int), np.zeros((logits.shape[1], k), bool)
+        for j in range(k):
+            for t in range(logits.shape[1]):
+                if taken[ex[t, j]] < C:
+                    kept[t, j] = True
+                    taken[ex[t, j]] += 1
+        out.append((ex, w, kept))
+    return out
+
+
+def reference(x, w_router, w_up, w_down, k, C, norm=True):
+    """Each token through its kept experts, one at a time; the routing
+    decisions from `queue` (piecewise constant), the weights differentiable."""
+    logits = np.asarray(x @ w_router) if isinstance(x, np.ndarray) else None
+    decided = queue(np.asarray(jax.lax.stop_gradient(x) @ jax.lax.stop_gradient(w_router))
+                    if logits is None else logits, k, C, norm)
+    rows = []
+    for g in range(x.shape[0]):
+        ex, _, kept = decided[g]
+        probs = jax.nn.softmax(x[g] @ w_router, axis=-1)
+        for t in range(x.shape[1]):
+            sel = probs[t, ex[t]]
+            w = sel / sel.sum() if norm else sel
+            y = jnp.zeros(x.shape[-1])
+            for j in range(k):
+                if kept[t, j]:
+                    e = ex[t, j]
+                    h = jax.nn.gelu(x[g, t] @ w_up[e], approximate=False)
+                    y = y + w[j] * (h @ w_down[e])
+            rows.append(y)
+    return jnp.stack(rows).reshape(x.shape)
+
+
+def run(x, w_router, w_up, w_down, k=K, factor=0.0, norm=True):
+    return moe.moe(x, x @ w_router, experts(w_up, w_down), k=k, factor=factor,
+                   norm_topk=norm)
+
+
+@pytest.mark.parametrize("factor", [0.0, 1.0, 0.5], ids=["dropless", "cf1", "cf0.5"])
+def test_moe_equals_the_per_token_reference_in_value_and_every_gradient(factor):
+    C = moe.capacity(T, K, E, factor)
+    args = tuple(map(jnp.asarray, (X, W_ROUTER, W_UP, W_DOWN)))
+    y, _ = run(*args, factor=factor)
+    np.testing.assert_allclose(y, reference(*args, K, C), rtol=1e-5, atol=1e-6)
+    ct = jnp.asarray(RNG.normal(size=y.shape).astype(np.float32))
+    got = jax.grad(lambda *a: jnp.sum(run(*a, factor=factor)[0] * ct), argnums=(0, 1, 2, 3))(*args)
+    want = jax.grad(lambda *a: jnp.sum(reference(*a, K, C) * ct), argnums=(0, 1, 2, 3))(*args)
+    for g, w, name in zip(got, want, ("x", "router", "up", "down")):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_the_dropped_assignments_are_exactly_those_past_capacity():
+    """cf 0.5: C = 2 slots per expert for 8 tokens x 2 choices over 4
+    experts; the kept mask is the queue's, and some are dropped."""
+    C = moe.capacity(T, K, E, 0.5)
+    assert C == 2
+    logits = X @ W_ROUTER
+    _, experts_GTk, _ = moe.route(jnp.asarray(logits), K)
+    d, kept = moe.dispatch(experts_GTk, E, C)
+    want = np.stack([q[2] for q in queue(logits, K, C)])
+    np.testing.assert_array_equal(np.asarray(kept), want)
+    assert 0 < want.sum() < want.size
+    # every slot holds at most one token, and an expert's slots fill from 0
+    assert np.asarray(d).sum(1).max() == 1
+    filled = np.asarray(d).sum(1)  # [G, E, C]
+    assert (np.diff(filled, axis=-1) <= 0).all()
+
+
+def test_dispatch_then_identity_experts_then_combine_is_x_times_the_kept_weights():
+    """Megatron-Core's dispatcher check: identity experts return each token
+    times the sum of its kept routing weights."""
+    for factor in (0.0, 0.5):
+        y, _ = moe.moe(jnp.asarray(X), jnp.asarray(X @ W_ROUTER), lambda x: x, k=K,
+                       factor=factor)
+        C = moe.capacity(T, K, E, factor)
+        kept_w = np.stack([(q[1] * q[2]).sum(-1) for q in queue(X @ W_ROUTER, K, C)])
+        np.testing.assert_allclose(y, X * kept_w[..., None], rtol=1e-6, atol=1e-6)
+
+
+def test_router_losses_by_hand():
+    """Balance: E/k * sum_e f_e P_e over the 16 tokens; z: the mean of the
+    squared logsumexp; dropped: the share of assignments past capacity."""
+    logits = X @ W_ROUTER
+    _, stats = run(*map(jnp.asarray, (X, W_ROUTER, W_UP, W_DOWN)), factor=0.5)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    tokens = G * T
+    f = np.zeros(E)
+    for q in queue(logits, K, T):
+        for e in q[0].ravel():
+            f[e] += 1 / tokens
+    balance = E / K * sum(f[e] * p[..., e].sum() / tokens for e in range(E))
+    lse = np.log(np.exp(logits).sum(-1))
+    dropped = 1 - np.mean([q[2] for q in queue(logits, K, 2)])
+    np.testing.assert_allclose(stats, [balance, np.mean(lse ** 2), dropped], rtol=1e-5)
+    # uniform routing balances exactly: loss 1
+    flat = jnp.zeros((1, E, E))
+    assert float(moe.balance_loss(jax.nn.softmax(flat), jnp.arange(E)[None, :, None])) == \
+        pytest.approx(1.0)
+
+
+def test_capacity():
+    assert moe.capacity(8, 2, 4, 0) == 8  # dropless: every token could pick one expert
+    assert moe.capacity(8, 2, 4, 1.0) == 4
+    assert moe.capacity(8, 2, 4, 1.25) == 5
+    assert moe.capacity(8, 2, 4, 100.0) == 8
