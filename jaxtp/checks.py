@@ -48,6 +48,29 @@ def check(cfg: Config) -> None:
     _check_choices(cfg)
     _check_shapes(cfg.model)
     _check_layout(cfg)
+    _check_moe(cfg)
+
+
+def _check_moe(cfg: Config) -> None:
+    """What the mixture of experts (`jaxtp.model.moe`) needs, and what it is
+    not built with yet."""
+    m, p = cfg.model, cfg.parallel
+    if not m.n_experts:
+        return
+    if not 1 <= m.moe_top_k <= m.n_experts:
+        raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be between 1 and "
+                          f"model.n_experts={m.n_experts}")
+    if m.capacity_factor < 0:
+        raise ConfigError(f"model.capacity_factor={m.capacity_factor} must be >= 0 "
+                          "(0: dropless)")
+    _divisible("model.moe_d_ff (0: model.d_ff)", m.expert_d_ff, p.tp)
+    unbuilt = [(p.impl == "explicit", "--impl explicit (use gspmd or shard_map)"),
+               (p.pp > 1, "--pp"), (p.cp > 1, "--cp"), (p.sp, "--sp"),
+               (p.overlap != "none", f"--overlap {p.overlap}")]
+    for cond, what in unbuilt:
+        if cond:
+            raise ConfigError(f"the mixture of experts (model.n_experts > 0) is not built "
+                              f"for {what} yet")
 
 
 def check_asked(cfg: Config, asked) -> Config:

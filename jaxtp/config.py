@@ -83,6 +83,18 @@ class ModelConfig:
     # above it more (8192: +5.7 GiB, 16384: +18.5 GiB). Batches of at most
     # this many tokens per rank are not chunked.
     loss_chunk: int = resumable(4096)
+    # mixture of experts (jaxtp.model.moe): each block's MLP is n_experts expert
+    # MLPs of moe_d_ff (0: d_ff) hidden units, a router sending each token to
+    # its top moe_top_k; 0 experts: dense MLPs
+    n_experts: int = 0
+    moe_top_k: int = 2
+    moe_d_ff: int = 0
+    moe_norm_topk: bool = True  # renormalise the top-k weights to sum to 1 (Mixtral)
+    # slots per expert: ceil(capacity_factor * tokens * k / E) per sequence,
+    # later assignments dropped; 0: dropless
+    capacity_factor: float = 0.0
+    moe_balance_coef: float = 0.01  # Switch's load-balancing loss, added to the loss
+    moe_z_coef: float = 0.001  # ST-MoE's router z-loss, added to the loss
 
     @property
     def head_dim(self) -> int:
@@ -91,6 +103,10 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+    @property
+    def expert_d_ff(self) -> int:
+        return self.moe_d_ff or self.d_ff
 
     @property
     def padded_vocab(self) -> int:

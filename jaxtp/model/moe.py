@@ -35,6 +35,13 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from ..config import ModelConfig
+from ..parallel import Layout, constrain, run_sharded, spec
+from ..parallel.collectives import f, g
+from .layers import gelu, init_std_out, param, weight
 
 # the router statistics a MoE layer returns (summed over the layers)
 STATS = ("moe_balance", "moe_z", "moe_dropped")
@@ -123,3 +130,67 @@ def moe(x_GTD, logits_GTE, experts: Callable, *, k: int, factor: float,
 def load(experts_GTk, E: int) -> jax.Array:
     """The share of the assignments each expert gets [E] (before capacity)."""
     return jnp.mean(jax.nn.one_hot(experts_GTk, E, dtype=jnp.float32), (0, 1, 2))
+
+
+class Experts(nnx.Module):
+    """E expert MLPs batched over E (GELU, or SwiGLU for llama style), without
+    biases (Mixtral, Qwen3-MoE, Switch). Inside an expert tp splits the
+    hidden units as Megatron's MLP does: up [E, D, (2,) F] column-parallel,
+    down [E, F, D] row-parallel; one all-reduce of the slots forward (g)
+    and one backward (f)."""
+
+    def __init__(self, cfg: ModelConfig, layout: Layout, *, rngs: nnx.Rngs):
+        E, D, F = cfg.n_experts, cfg.d_model, cfg.expert_d_ff
+        self.swiglu = cfg.style == "llama"
+        up = ((E, D, 2, F), ("expert", "embed", None, "mlp")) if self.swiglu else \
+            ((E, D, F), ("expert", "embed", "mlp"))
+        self.up = param(rngs, nnx.initializers.normal(cfg.init_std), *up, cfg.param_dtype,
+                        layout)
+        self.down = param(rngs, nnx.initializers.normal(init_std_out(cfg.init_std, cfg.n_layers)),
+                          (E, F, D), ("expert", "mlp", "embed"), cfg.param_dtype, layout)
+        self.dtype, self.layout = cfg.dtype, layout
+
+    def __call__(self, x_ESD):
+        """Every expert's slots [E, S, D] (S: the groups' slots, split over dp)
+        -> its outputs, summed over tp."""
+        if self.layout.impl == "shard_map":
+            s = spec("expert", "batch", "embed")
+            return run_sharded(self, lambda m, x: g(m.local(f(x))), x_ESD, arg_specs=(s,),
+                               out_specs=s)
+        if self.layout.impl != "gspmd":
+            raise ValueError(f"MoE is not built for impl {self.layout.impl!r} yet")
+        return constrain(self.local(x_ESD), "expert", "batch", "embed")
+
+    def local(self, x_ESD):
+        """The experts' math on whatever part of F this rank holds."""
+        w_up, w_down = weight(self.up, self.dtype), weight(self.down, self.dtype)
+        x_ESD = x_ESD.astype(self.dtype)
+        if self.swiglu:
+            h_ESCF = jnp.einsum("ESD,EDCF->ESCF", x_ESD, w_up)
+            h_ESF = jax.nn.silu(h_ESCF[:, :, 0]) * h_ESCF[:, :, 1]
+        else:
+            h_ESF = gelu(jnp.einsum("ESD,EDF->ESF", x_ESD, w_up))
+        return jnp.einsum("ESF,EFD->ESD", checkpoint_name(h_ESF, "mlp_up"), w_down)
+
+
+class MoE(nnx.Module):
+    """The router (replicated, fp32 logits) and the experts; `__call__`
+    returns the output [B, T, D] and the layer's router statistics
+    (`STATS`). Each sequence is a routing group."""
+
+    def __init__(self, cfg: ModelConfig, layout: Layout, *, rngs: nnx.Rngs):
+        self.router = param(rngs, nnx.initializers.normal(cfg.init_std),
+                            (cfg.d_model, cfg.n_experts), ("embed", None), cfg.param_dtype,
+                            layout)
+        self.experts = Experts(cfg, layout, rngs=rngs)
+        self.k, self.factor, self.norm = cfg.moe_top_k, cfg.capacity_factor, cfg.moe_norm_topk
+        self.layout = layout
+        self.tag = "mlp_out"
+
+    def __call__(self, x_BTD):
+        with jax.named_scope("moe"):
+            logits_BTE = jnp.einsum("BTD,DE->BTE", x_BTD.astype(jnp.float32),
+                                    weight(self.router, jnp.float32))
+            y_BTD, stats = moe(x_BTD, logits_BTE, self.experts, k=self.k, factor=self.factor,
+                               norm_topk=self.norm)
+            return checkpoint_name(constrain(y_BTD, *self.layout.residual), self.tag), stats

@@ -21,34 +21,44 @@ from ..parallel.pipeline_1f1b import pipeline_1f1b
 from .attention import Attention
 from .layers import Embed, dropout, make_norm
 from .mlp import MLP
+from .moe import STATS, MoE
 from .vocab import VocabEmbed
 
 
 class Block(nnx.Module):
     """x + attn(norm1(x)), then + mlp(norm2(x)); the residual stream is
-    replicated over tp, or split along the sequence under SP."""
+    replicated over tp, or split along the sequence under SP. With
+    `model.n_experts` the MLP is a mixture of experts (`jaxtp.model.moe`),
+    and a call returns (x, the layer's router statistics)."""
 
     def __init__(self, cfg: ModelConfig, layout: Layout, *, rngs: nnx.Rngs):
         self.ln1 = make_norm(cfg, layout)
         self.attn = Attention(cfg, layout, rngs=rngs)
         self.ln2 = make_norm(cfg, layout)
-        self.mlp = MLP(cfg, layout, rngs=rngs)
+        self.moe = cfg.n_experts > 0
+        self.mlp = MoE(cfg, layout, rngs=rngs) if self.moe else MLP(cfg, layout, rngs=rngs)
         self.rate = cfg.dropout
         self.layout = layout
+
+    def _ffn(self, x_BTD):
+        """(the MLP's output, router statistics or None)."""
+        out = self.mlp(self.ln2(x_BTD))
+        return out if self.moe else (out, None)
 
     def extend(self, x_BTD, k_BSKH, v_BSKH, pos_BT, prefill: bool):
         """The block over new positions, reading and extending its KV cache."""
         a_BTD, k_BSKH, v_BSKH = self.attn.extend(self.ln1(x_BTD), k_BSKH, v_BSKH, pos_BT,
                                                  prefill)
         x_BTD = x_BTD + a_BTD
-        return constrain(x_BTD + self.mlp(self.ln2(x_BTD)), *self.layout.residual), \
+        return constrain(x_BTD + self._ffn(x_BTD)[0], *self.layout.residual), \
             k_BSKH, v_BSKH
 
     def __call__(self, x_BTD, key=None):
         k1, k2 = jax.random.split(key) if key is not None else (None, None)
         x_BTD = x_BTD + dropout(self.attn(self.ln1(x_BTD)), self.rate, k1)
-        x_BTD = x_BTD + dropout(self.mlp(self.ln2(x_BTD)), self.rate, k2)
-        return constrain(x_BTD, *self.layout.residual)
+        y_BTD, stats = self._ffn(x_BTD)
+        x_BTD = constrain(x_BTD + dropout(y_BTD, self.rate, k2), *self.layout.residual)
+        return (x_BTD, stats) if self.moe else x_BTD
 
 
 _names = jax.checkpoint_policies.save_only_these_names
@@ -107,19 +117,29 @@ class Transformer(nnx.Module):
 
     def hidden(self, tokens_BT, *, dropout_key=None):
         """int tokens [B, T] -> final-norm hidden states [B, T, D]."""
+        return self.hidden_and_stats(tokens_BT, dropout_key=dropout_key)[0]
+
+    def hidden_and_stats(self, tokens_BT, *, dropout_key=None):
+        """(final-norm hidden states [B, T, D], the MoE layers' router
+        statistics summed over the layers [len(STATS)]: zeros without experts)."""
         L = self.cfg.n_layers
         keys = (None if dropout_key is None else jax.random.split(dropout_key, L + 1))
         x_BTD = self._embed(tokens_BT, None if keys is None else keys[0])
+        stats = jnp.zeros(len(STATS), jnp.float32)
         if self.layout.pp > 1:  # (1f1b's forward alone is gpipe's)
             x_BTD = pipeline(lambda blocks, x: self._run_stack(blocks, x, None), self.blocks,
                              x_BTD, self.layout)
         elif self.layout.stacked(self.cfg):
-            x_BTD = self._run_stack(self.blocks, x_BTD, None if keys is None else keys[1:])
+            x_BTD, stats = self._run_stack(self.blocks, x_BTD, None if keys is None else keys[1:],
+                                           stats)
         else:
             block_fn = _block_fn(self.cfg.remat)
             for i, block in enumerate(self.blocks):
                 x_BTD = block_fn(block, x_BTD, None if keys is None else keys[i + 1])
-        return self.ln_f(x_BTD)
+                if block.moe:
+                    x_BTD, layer_stats = x_BTD
+                    stats = stats + layer_stats
+        return self.ln_f(x_BTD), stats
 
     def _embed(self, tokens_BT, key):
         """int tokens [B, T] -> the residual stream entering the first block."""
@@ -135,20 +155,27 @@ class Transformer(nnx.Module):
             x_BTD = x_BTD + pos_1TD
         return constrain(dropout(x_BTD, self.cfg.dropout, key), *self.layout.residual)
 
-    def _run_stack(self, blocks, x_BTD, keys_L):
+    def _run_stack(self, blocks, x_BTD, keys_L, stats=None):
         """The stacked `blocks` on x in order: a while loop over the stacked
         parameters, so that compile time and HLO size do not grow with depth
         (jaxtp.hlo multiplies by the trip count). `keys_L`: per-layer dropout
-        keys, or None."""
+        keys, or None. With `stats` (MoE blocks): (x, stats plus the layers')."""
         block_fn = _block_fn(self.cfg.remat)
         xs = () if keys_L is None else (keys_L,)
 
         @nnx.scan(in_axes=(nnx.Carry, 0) + (0,) * len(xs), out_axes=nnx.Carry,
                   transform_metadata={nnx.PARTITION_NAME: self.layout.stack_axis})
-        def body(x_BTD, block, *key):
-            return block_fn(block, x_BTD, key[0] if key else None)
+        def body(carry, block, *key):
+            if not block.moe:
+                return block_fn(block, carry, key[0] if key else None)
+            x_BTD, stats = carry
+            x_BTD, layer_stats = block_fn(block, x_BTD, key[0] if key else None)
+            return x_BTD, stats + layer_stats
 
-        return body(x_BTD, blocks, *xs)
+        if stats is None or not self.cfg.n_experts:
+            out = body(x_BTD, blocks, *xs)
+            return out if stats is None else (out, stats)
+        return body((x_BTD, stats), blocks, *xs)
 
     def extend(self, tokens_BT, pos_BT, k_LBSKH, v_LBSKH, prefill: bool):
         """Inference over new positions with per-layer KV caches [L, B, S, Kc, H]
@@ -193,8 +220,12 @@ class Transformer(nnx.Module):
                 lambda mods, y, t: mods[1].token_losses(mods[0](y), t).sum(), self.blocks,
                 nnx.List([self.ln_f, self.head]), self._embed(tokens_BT, None), targets_BT,
                 self.layout)
-        x_BTD = self.hidden(tokens_BT, dropout_key=dropout_key)
-        return self.head.token_losses(x_BTD, targets_BT).mean()
+        x_BTD, stats = self.hidden_and_stats(tokens_BT, dropout_key=dropout_key)
+        loss = self.head.token_losses(x_BTD, targets_BT).mean()
+        if not self.cfg.n_experts:
+            return loss
+        # the router losses, summed over the MoE layers (`jaxtp.model.moe`)
+        return loss + self.cfg.moe_balance_coef * stats[0] + self.cfg.moe_z_coef * stats[1]
 
 
 def _stacked(blocks: list[Block], cfg: ModelConfig, layout: Layout) -> Block:

@@ -46,6 +46,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "heads": (TP_AXIS,),
     "kv_heads": (TP_AXIS,),  # when tp divides them; else the kv projection is replicated
     "head_dim": (),
+    "expert": (),  # a MoE layer's experts (`jaxtp.model.moe`): replicated until ep exists
 }
 # FSDP-style: parameters (and so the optimizer state, which mirrors them) are
 # also split over dp along their model dim. Only parameters: an activation's

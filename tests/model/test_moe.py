@@ -138,3 +138,77 @@ def test_capacity():
     assert moe.capacity(8, 2, 4, 1.0) == 4
     assert moe.capacity(8, 2, 4, 1.25) == 5
     assert moe.capacity(8, 2, 4, 100.0) == 8
+
+
+# ---- the MoE block in the model: every layout computes one device's loss and gradients
+
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+
+from jaxtp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
+from jaxtp.config import validate  # noqa: E402
+from cached import assert_same, loss_and_grads  # noqa: E402
+
+MOE = ModelConfig(n_layers=2, d_model=32, n_heads=8, d_ff=64, seq_len=16, n_experts=4,
+                  moe_top_k=2)
+MOE_LLAMA = dataclasses.replace(MOE, style="llama", n_kv_heads=2, use_bias=False,
+                                tie_embeddings=False, moe_d_ff=32)
+TOKENS = np.random.default_rng(1).integers(0, 256, (8, MOE.seq_len + 1)).astype(np.int32)
+
+
+def moe_cfg(model, dp=1, tp=1, **kw):
+    par = {k: kw.pop(k) for k in ("impl", "sp", "fsdp") if k in kw}
+    return validate(Config(dataclasses.replace(model, **kw), TrainConfig(batch_size=8),
+                           ParallelConfig(dp=dp, tp=tp, **par)))
+
+
+@functools.cache
+def moe_one_device(model):
+    return loss_and_grads(moe_cfg(model), TOKENS)
+
+
+@pytest.mark.parametrize("name, model, dp, tp, kw", [
+    ("gpt2-tp8-gspmd", MOE, 1, 8, {}),
+    ("gpt2-dp2xtp4-shard_map", MOE, 2, 4, {"impl": "shard_map"}),
+    ("gpt2-dp2xtp4-cf1-fsdp", dataclasses.replace(MOE, capacity_factor=1.0), 2, 4,
+     {"fsdp": True}),
+    ("llama-dp4xtp2-scan-minimal", MOE_LLAMA, 4, 2, {"scan_layers": True, "remat": "minimal"}),
+    ("llama-tp2-shard_map-cf1.25", dataclasses.replace(MOE_LLAMA, capacity_factor=1.25), 1, 2,
+     {"impl": "shard_map"}),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_the_moe_model_in_every_layout_equals_one_device(name, model, dp, tp, kw):
+    """Loss (cross-entropy plus the router losses) and every gradient at rtol
+    1e-5: routing is per sequence, so the groups, and with a capacity the
+    drops, are one device's."""
+    cfg = moe_cfg(model, dp, tp, **kw)
+    ref_model = dataclasses.replace(model, scan_layers=False, remat="none")
+    got, want = loss_and_grads(cfg, TOKENS), moe_one_device(ref_model)
+    if model.scan_layers or kw.get("scan_layers"):
+        from jaxtp.model import stack_layers  # a scanned model's gradients come stacked
+        want = (want[0], _stacked(want[1]))
+    assert_same(got, want)
+
+
+def _stacked(grads: dict) -> dict:
+    out, layers = {}, {}
+    for k, g in grads.items():
+        if k.startswith("['blocks'][") and k[len("['blocks']["):][:1].isdigit():
+            i, rest = k[len("['blocks']["):].split("]", 1)
+            layers.setdefault("['blocks']" + rest, {})[int(i)] = g
+        else:
+            out[k] = g
+    return out | {k: np.stack([v[i] for i in range(len(v))]) for k, v in layers.items()}
+
+
+@pytest.mark.parametrize("over, fix", [
+    ({"moe_top_k": 5}, "between 1 and model.n_experts=4"),
+    ({"moe_d_ff": 60, "tp": 8}, "model.moe_d_ff"),
+    ({"impl": "explicit"}, "not built for --impl explicit"),
+    ({"sp": True, "tp": 2}, "not built for --sp"),
+    ({"capacity_factor": -1.0}, "must be >= 0"),
+])
+def test_moe_refusals_name_the_fix(over, fix):
+    kw = dict(over)
+    tp = kw.pop("tp", 1)
+    with pytest.raises(ConfigError, match=fix):
+        moe_cfg(MOE, 1, tp, **kw)
