@@ -43,7 +43,8 @@ from ..parallel import Layout, constrain, run_sharded, spec
 from ..parallel.collectives import f, g
 from .layers import gelu, init_std_out, param, weight
 
-# the router statistics a MoE layer returns (summed over the layers)
+# the router statistics a MoE layer returns, then the share of its
+# assignments each expert gets ([E], `load`); summed over the layers
 STATS = ("moe_balance", "moe_z", "moe_dropped")
 
 
@@ -109,7 +110,8 @@ def z_loss(logits_GTE) -> jax.Array:
 
 def moe(x_GTD, logits_GTE, experts: Callable, *, k: int, factor: float,
         norm_topk: bool = True):
-    """(y [G, T, D], stats [3]: balance loss, z-loss, dropped share): each
+    """(y [G, T, D], stats [3 + E]: balance loss, z-loss, dropped share, the
+    experts' loads): each
     token through its kept top-k experts, weighted; `experts(x_ECD)` maps
     every expert's slots [E, G*C, D] to its outputs (the expert MLPs batched
     over E)."""
@@ -123,7 +125,8 @@ def moe(x_GTD, logits_GTE, experts: Callable, *, k: int, factor: float,
     y_EGCD = experts(x_EGCD.reshape(E, G * C, D)).reshape(E, G, C, D)
     y_GTD = jnp.einsum("GTEC,EGCD->GTD", c_GTEC.astype(y_EGCD.dtype), y_EGCD)
     dropped = 1.0 - jnp.mean(kept_GTk.astype(jnp.float32))
-    stats = jnp.stack([balance_loss(probs_GTE, experts_GTk), z_loss(logits_GTE), dropped])
+    stats = jnp.concatenate([jnp.stack([balance_loss(probs_GTE, experts_GTk),
+                                        z_loss(logits_GTE), dropped]), load(experts_GTk, E)])
     return y_GTD.astype(x_GTD.dtype), stats
 
 

@@ -121,11 +121,12 @@ class Transformer(nnx.Module):
 
     def hidden_and_stats(self, tokens_BT, *, dropout_key=None):
         """(final-norm hidden states [B, T, D], the MoE layers' router
-        statistics summed over the layers [len(STATS)]: zeros without experts)."""
+        statistics summed over the layers [len(STATS) + E]: `jaxtp.model.moe.moe`;
+        empty without experts)."""
         L = self.cfg.n_layers
         keys = (None if dropout_key is None else jax.random.split(dropout_key, L + 1))
         x_BTD = self._embed(tokens_BT, None if keys is None else keys[0])
-        stats = jnp.zeros(len(STATS), jnp.float32)
+        stats = jnp.zeros(len(STATS) + self.cfg.n_experts, jnp.float32)
         if self.layout.pp > 1:  # (1f1b's forward alone is gpipe's)
             x_BTD = pipeline(lambda blocks, x: self._run_stack(blocks, x, None), self.blocks,
                              x_BTD, self.layout)

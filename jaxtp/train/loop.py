@@ -70,11 +70,26 @@ from .sampler import LoopSampler
 from .start import (Signals, check_options, claim, config_warnings, count_params, describe,
                     idle_summary, load_data, process0, restore_or_init)
 from .state import decide
-from .step import ReplayCheck, make_eval_step
+from .step import ReplayCheck, make_eval_step, make_router_stats
 
 
 class TrainingStopped(RuntimeError):
     """The run cannot go on (too many skipped steps in a row)."""
+
+
+def router_row(stats_fn, params, batches, mesh, cp_balance: bool, layers: int) -> dict:
+    """A MoE model's router statistics on the evaluation batches, for a
+    metrics row: the balance and z losses summed over the MoE layers (as the
+    training loss adds them), the dropped share and each expert's share of
+    the assignments averaged over the layers."""
+    from ..model.moe import STATS
+
+    s = np.mean(jax.device_get([stats_fn(params, to_mesh(b, mesh, cp_balance))
+                                for b in batches]), 0)
+    n = len(STATS)
+    return {"moe_balance": float(s[0]), "moe_z": float(s[1]),
+            "moe_dropped": float(s[2]) / layers,
+            "moe_load": [round(float(x) / layers, 6) for x in s[n:]]}
 
 
 def evaluate(eval_step, params, batches, mesh, cp_balance: bool = True) -> float:
@@ -161,6 +176,7 @@ class _Loop:
         self.loop = LoopState.start(t.seed, mesh, run.loop)
         self.step_fn, self.record = self._compile(state, o.inject_nan_at)
         self.eval_step = make_eval_step(state)
+        self.router_stats = make_router_stats(state) if m.n_experts else None
         self.eval_set = data.eval_batches(t.batch_size, t.eval_batches)
         self.batches = data.train_batches(t.batch_size, t.seed, skip=run.step)
         peak = o.peak_tflops * 1e12 if o.peak_tflops else peak_flops(mesh.devices.flat[0])
@@ -262,6 +278,10 @@ class _Loop:
             self.eval_loss = row["eval_loss"] = evaluate(self.eval_step, self.params,
                                                          self.eval_set, self.mesh,
                                                          self.cfg.parallel.cp_balance)
+            if self.router_stats is not None:  # (on the evaluation batches)
+                row.update(router_row(self.router_stats, self.params, self.eval_set,
+                                      self.mesh, self.cfg.parallel.cp_balance,
+                                      self.cfg.model.n_layers))
         if self.metrics_log is not None:
             self.metrics_log.write(row)
         self.history.append(row)

@@ -103,6 +103,18 @@ def make_eval_step(state: TrainState) -> Callable:
                    compiler_options=state.compiler_options)
 
 
+def make_router_stats(state: TrainState) -> Callable:
+    """jitted (params, tokens) -> a MoE model's router statistics on a batch,
+    forward only, summed over its MoE layers (`Transformer.hidden_and_stats`)."""
+    graphdef = state.graphdef
+
+    def stats(params, tokens_BT1):
+        return nnx.merge(graphdef, params).hidden_and_stats(inputs_targets(tokens_BT1)[0])[1]
+
+    return jax.jit(stats, in_shardings=(state.param_shardings, batch_sharding(state.mesh)),
+                   compiler_options=state.compiler_options)
+
+
 def compile_train_step(state: TrainState, batch_size: int, seq_len: int,
                        use_dropout: bool = False, compiler_options: dict | None = None):
     """Ahead-of-time compiled train step for [batch, seq+1] tokens.

@@ -126,7 +126,11 @@ def test_router_losses_by_hand():
     balance = E / K * sum(f[e] * p[..., e].sum() / tokens for e in range(E))
     lse = np.log(np.exp(logits).sum(-1))
     dropped = 1 - np.mean([q[2] for q in queue(logits, K, 2)])
-    np.testing.assert_allclose(stats, [balance, np.mean(lse ** 2), dropped], rtol=1e-5)
+    load = np.zeros(E)
+    for q in queue(logits, K, T):
+        for e in q[0].ravel():
+            load[e] += 1 / (tokens * K)
+    np.testing.assert_allclose(stats, [balance, np.mean(lse ** 2), dropped, *load], rtol=1e-5)
     # uniform routing balances exactly: loss 1
     flat = jnp.zeros((1, E, E))
     assert float(moe.balance_loss(jax.nn.softmax(flat), jnp.arange(E)[None, :, None])) == \
@@ -212,3 +216,22 @@ def test_moe_refusals_name_the_fix(over, fix):
     tp = kw.pop("tp", 1)
     with pytest.raises(ConfigError, match=fix):
         moe_cfg(MOE, 1, tp, **kw)
+
+
+@pytest.mark.slow
+def test_a_moe_run_logs_its_router_statistics(tmp_path):
+    """moe-tiny for 2 steps: the evaluation row carries the router losses
+    (summed over the 4 layers), the
+    dropped share and each expert's share of the assignments (summing to 1)."""
+    import json
+
+    import train
+
+    assert train.main(["--config", "moe-tiny", "--dp", "4", "--tp", "2", "--steps", "2",
+                       "train.eval_every=2", "train.eval_batches=1", "train.warmup_steps=1",
+                       "--out", str(tmp_path)]) == 0
+    row = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+           if '"eval_loss"' in line][-1]
+    assert row["moe_balance"] > 0 and row["moe_z"] > 0
+    assert 0 <= row["moe_dropped"] < 1
+    assert len(row["moe_load"]) == 8 and sum(row["moe_load"]) == pytest.approx(1, abs=1e-4)
