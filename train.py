@@ -41,7 +41,7 @@ from jaxtp.train.rundir import RunDir
 
 EXIT_FAILED, EXIT_USAGE, EXIT_SAVE = 1, 2, 3
 # the flags that set one config key (their help says which, and the default)
-FLAG_KEYS = {"tp": "parallel.tp", "dp": "parallel.dp", "cp": "parallel.cp",
+FLAG_KEYS = {"tp": "parallel.tp", "dp": "parallel.dp", "cp": "parallel.cp", "ep": "parallel.ep",
              "pp": "parallel.pp", "pp_schedule": "parallel.pp_schedule",
              "pp_repeats": "parallel.pp_repeats",
              "cp_attention": "parallel.cp_attention", "impl": "parallel.impl",
@@ -67,6 +67,10 @@ def _layout_flags(ap) -> None:
                             "(default: tiny; with --resume: the run's own config)")
     group.add_argument("--tp", type=int, help="tensor-parallel degree (mesh axis 'tp')")
     group.add_argument("--dp", type=int, help="data-parallel degree (mesh axis 'dp')")
+    group.add_argument("--ep", type=int,
+                       help="expert-parallel degree (mesh axis 'ep', between dp and cp), with "
+                            "model.n_experts: each rank holds n_experts/ep experts; the batch "
+                            "is split over dp x ep (tokens reach their experts by all-to-alls)")
     group.add_argument("--pp", type=int,
                        help="pipeline-parallel degree (mesh axis 'pp', the outermost): the "
                             "layers split evenly over pp stages, the batch run through them in "

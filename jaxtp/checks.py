@@ -56,7 +56,19 @@ def _check_moe(cfg: Config) -> None:
     not built with yet."""
     m, p = cfg.model, cfg.parallel
     if not m.n_experts:
+        if p.ep > 1:
+            raise ConfigError(f"--ep {p.ep} splits a mixture of experts, and model.n_experts=0 "
+                              "has none: set model.n_experts (e.g. --config moe-tiny), or "
+                              "use --dp for data parallelism")
         return
+    if m.n_experts % p.ep:
+        ok = [e for e in range(1, m.n_experts + 1) if m.n_experts % e == 0]
+        raise ConfigError(f"model.n_experts={m.n_experts} is not divisible by ep={p.ep}: each "
+                          f"ep rank holds n_experts/ep experts; valid --ep: {ok}")
+    if cfg.train.batch_size % (p.pp * p.dp * p.ep):
+        raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not divisible by "
+                          f"dp*ep={p.dp}*{p.ep}: ep's ranks split the batch as dp's do; set "
+                          f"train.batch_size to a multiple of {p.pp * p.dp * p.ep}")
     if not 1 <= m.moe_top_k <= m.n_experts:
         raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be between 1 and "
                           f"model.n_experts={m.n_experts}")
@@ -66,6 +78,7 @@ def _check_moe(cfg: Config) -> None:
     _divisible("model.moe_d_ff (0: model.d_ff)", m.expert_d_ff, p.tp)
     unbuilt = [(p.impl == "explicit", "--impl explicit (use gspmd or shard_map)"),
                (p.pp > 1, "--pp"), (p.cp > 1, "--cp"), (p.sp, "--sp"),
+               (p.ep > 1 and cfg.train.microbatches > 1, "--ep with --microbatches"),
                (p.overlap != "none", f"--overlap {p.overlap}")]
     for cond, what in unbuilt:
         if cond:

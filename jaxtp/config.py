@@ -159,6 +159,9 @@ class ParallelConfig:
     pp_schedule: str = resumable("gpipe")
     pp_repeats: int = resumable(1)  # (checkpoints hold the layers in model order)
     dp: int = degree()
+    # expert parallelism: a MoE layer's experts split over an ep axis, whose
+    # ranks split the batch as dp's do everywhere else (jaxtp.model.moe)
+    ep: int = degree()
     tp: int = degree()
     # context parallelism: the sequence split over a cp axis for the whole
     # model (mesh (dp, cp, tp)); the attention core reaches the other ranks'

@@ -109,12 +109,13 @@ def z_loss(logits_GTE) -> jax.Array:
 
 
 def moe(x_GTD, logits_GTE, experts: Callable, *, k: int, factor: float,
-        norm_topk: bool = True):
+        norm_topk: bool = True, place: Callable = lambda x, to_experts: x):
     """(y [G, T, D], stats [3 + E]: balance loss, z-loss, dropped share, the
     experts' loads): each
-    token through its kept top-k experts, weighted; `experts(x_ECD)` maps
-    every expert's slots [E, G*C, D] to its outputs (the expert MLPs batched
-    over E)."""
+    token through its kept top-k experts, weighted; `experts(x_EGCD)` maps
+    every expert's slots [E, G, C, D] to its outputs (the expert MLPs batched
+    over E); `place(x_EGCD, to_experts)` lays the slots out for the experts
+    (True) and back for the combine (False): ep's all-to-alls."""
     G, T, D = x_GTD.shape
     E = logits_GTE.shape[-1]
     C = capacity(T, k, E, factor)
@@ -122,7 +123,7 @@ def moe(x_GTD, logits_GTE, experts: Callable, *, k: int, factor: float,
     d_GTEC, kept_GTk = dispatch(experts_GTk, E, C)
     c_GTEC = combine(experts_GTk, weights_GTk, kept_GTk, E, C, d_GTEC)
     x_EGCD = jnp.einsum("GTEC,GTD->EGCD", d_GTEC.astype(x_GTD.dtype), x_GTD)
-    y_EGCD = experts(x_EGCD.reshape(E, G * C, D)).reshape(E, G, C, D)
+    y_EGCD = place(experts(place(x_EGCD, True)), False)
     y_GTD = jnp.einsum("GTEC,EGCD->GTD", c_GTEC.astype(y_EGCD.dtype), y_EGCD)
     dropped = 1.0 - jnp.mean(kept_GTk.astype(jnp.float32))
     stats = jnp.concatenate([jnp.stack([balance_loss(probs_GTE, experts_GTk),
@@ -153,27 +154,38 @@ class Experts(nnx.Module):
                           (E, F, D), ("expert", "mlp", "embed"), cfg.param_dtype, layout)
         self.dtype, self.layout = cfg.dtype, layout
 
-    def __call__(self, x_ESD):
-        """Every expert's slots [E, S, D] (S: the groups' slots, split over dp)
-        -> its outputs, summed over tp."""
+    def __call__(self, x_EGCD):
+        """Every expert's slots [E, G, C, D] (G: the groups, split over dp; E
+        over ep) -> its outputs, summed over tp."""
+        s = ("expert", "expert_batch", None, "embed")
         if self.layout.impl == "shard_map":
-            s = spec("expert", "batch", "embed")
-            return run_sharded(self, lambda m, x: g(m.local(f(x))), x_ESD, arg_specs=(s,),
-                               out_specs=s)
+            return run_sharded(self, lambda m, x: g(m.local(f(x))), x_EGCD,
+                               arg_specs=(spec(*s),), out_specs=spec(*s))
         if self.layout.impl != "gspmd":
             raise ValueError(f"MoE is not built for impl {self.layout.impl!r} yet")
-        return constrain(self.local(x_ESD), "expert", "batch", "embed")
+        return constrain(self.local(x_EGCD), *s)
 
-    def local(self, x_ESD):
+    def local(self, x_EGCD):
         """The experts' math on whatever part of F this rank holds."""
         w_up, w_down = weight(self.up, self.dtype), weight(self.down, self.dtype)
-        x_ESD = x_ESD.astype(self.dtype)
+        x_EGCD = x_EGCD.astype(self.dtype)
         if self.swiglu:
-            h_ESCF = jnp.einsum("ESD,EDCF->ESCF", x_ESD, w_up)
-            h_ESF = jax.nn.silu(h_ESCF[:, :, 0]) * h_ESCF[:, :, 1]
+            h_EGCXF = jnp.einsum("EGCD,EDXF->EGCXF", x_EGCD, w_up)
+            h_EGCF = jax.nn.silu(h_EGCXF[..., 0, :]) * h_EGCXF[..., 1, :]
         else:
-            h_ESF = gelu(jnp.einsum("ESD,EDF->ESF", x_ESD, w_up))
-        return jnp.einsum("ESF,EFD->ESD", checkpoint_name(h_ESF, "mlp_up"), w_down)
+            h_EGCF = gelu(jnp.einsum("EGCD,EDF->EGCF", x_EGCD, w_up))
+        return jnp.einsum("EGCF,EFD->EGCD", checkpoint_name(h_EGCF, "mlp_up"), w_down)
+
+
+def _slots_place(x_EGCD, to_experts: bool):
+    """The slots as the dispatch makes them (the groups split over dp x ep,
+    every expert on every rank) -> as the experts take them (E split over
+    ep, the groups over dp), or back: the same array resharded, an
+    all-to-all over ep each way (GShard's, placed by GSPMD)."""
+    tokens = (None, "batch", None, "embed")
+    experts = ("expert", "expert_batch", None, "embed")
+    x_EGCD = constrain(x_EGCD, *(tokens if to_experts else experts))
+    return constrain(x_EGCD, *(experts if to_experts else tokens))
 
 
 class MoE(nnx.Module):
@@ -189,11 +201,12 @@ class MoE(nnx.Module):
         self.k, self.factor, self.norm = cfg.moe_top_k, cfg.capacity_factor, cfg.moe_norm_topk
         self.layout = layout
         self.tag = "mlp_out"
+        self._place = _slots_place
 
     def __call__(self, x_BTD):
         with jax.named_scope("moe"):
             logits_BTE = jnp.einsum("BTD,DE->BTE", x_BTD.astype(jnp.float32),
                                     weight(self.router, jnp.float32))
             y_BTD, stats = moe(x_BTD, logits_BTE, self.experts, k=self.k, factor=self.factor,
-                               norm_topk=self.norm)
+                               norm_topk=self.norm, place=self._place)
             return checkpoint_name(constrain(y_BTD, *self.layout.residual), self.tag), stats

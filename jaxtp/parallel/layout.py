@@ -21,12 +21,13 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 PP_AXIS = "pp"  # the axis pipeline parallelism splits the layers over
 DATA_AXIS = "dp"  # the axis data parallelism splits the batch over
+EP_AXIS = "ep"  # the axis a MoE layer's experts are split over (the batch too, as dp)
 CP_AXIS = "cp"  # the axis context parallelism splits the sequence over
 TP_AXIS = "tp"  # the axis tensor parallelism splits
 # every mesh axis, outermost first (tp innermost, on the fastest links); those
 # in OPTIONAL are on a run's mesh only where their degree is above 1
-AXES = (PP_AXIS, DATA_AXIS, CP_AXIS, TP_AXIS)
-OPTIONAL = frozenset({PP_AXIS, CP_AXIS})
+AXES = (PP_AXIS, DATA_AXIS, EP_AXIS, CP_AXIS, TP_AXIS)
+OPTIONAL = frozenset({PP_AXIS, EP_AXIS, CP_AXIS})
 
 # Megatron layout: the hidden dims of the MLP, the attention heads and the
 # vocabulary are split over tp; the model dim stays whole on every tp rank;
@@ -35,7 +36,7 @@ OPTIONAL = frozenset({PP_AXIS, CP_AXIS})
 # (embedding, LM head, loss) pp splits the batch as dp does: every stage
 # runs them on its own rows (`jaxtp.parallel.pipeline`).
 RULES: dict[str, tuple[str, ...]] = {
-    "batch": (PP_AXIS, DATA_AXIS),
+    "batch": (PP_AXIS, DATA_AXIS, EP_AXIS),
     "seq": (CP_AXIS,),
     # the residual stream's sequence under sequence parallelism: each cp
     # rank's part split again over tp (Korthikanti et al. 2022)
@@ -46,7 +47,12 @@ RULES: dict[str, tuple[str, ...]] = {
     "heads": (TP_AXIS,),
     "kv_heads": (TP_AXIS,),  # when tp divides them; else the kv projection is replicated
     "head_dim": (),
-    "expert": (),  # a MoE layer's experts (`jaxtp.model.moe`): replicated until ep exists
+    # a MoE layer's experts (`jaxtp.model.moe`): ep's ranks hold E/ep each, and
+    # take the batch as dp does everywhere else (Megatron-Core's EP folded out
+    # of DP; torchtitan's EP borrowed from the data ranks)
+    "expert": (EP_AXIS,),
+    # the experts' slots of a group: the batch without ep, which holds experts there
+    "expert_batch": (PP_AXIS, DATA_AXIS),
 }
 # FSDP-style: parameters (and so the optimizer state, which mirrors them) are
 # also split over dp along their model dim. Only parameters: an activation's
@@ -201,6 +207,10 @@ class Layout:
     @property
     def tp(self) -> int:
         return self.sizes.get(TP_AXIS, 1)
+
+    @property
+    def ep(self) -> int:
+        return self.sizes.get(EP_AXIS, 1)
 
     @property
     def cp(self) -> int:

@@ -18,8 +18,8 @@ W_DOWN = (RNG.normal(size=(E, F, D)) / np.sqrt(F)).astype(np.float32)
 
 
 def experts(w_up, w_down):
-    return lambda x_ECD: jnp.einsum("ECF,EFD->ECD", jax.nn.gelu(
-        jnp.einsum("ECD,EDF->ECF", x_ECD, w_up), approximate=False), w_down)
+    return lambda x_EGCD: jnp.einsum("EGCF,EFD->EGCD", jax.nn.gelu(
+        jnp.einsum("EGCD,EDF->EGCF", x_EGCD, w_up), approximate=False), w_down)
 
 
 def queue(logits, k, C, norm=True):
@@ -161,7 +161,7 @@ TOKENS = np.random.default_rng(1).integers(0, 256, (8, MOE.seq_len + 1)).astype(
 
 
 def moe_cfg(model, dp=1, tp=1, **kw):
-    par = {k: kw.pop(k) for k in ("impl", "sp", "fsdp") if k in kw}
+    par = {k: kw.pop(k) for k in ("impl", "sp", "fsdp", "ep") if k in kw}
     return validate(Config(dataclasses.replace(model, **kw), TrainConfig(batch_size=8),
                            ParallelConfig(dp=dp, tp=tp, **par)))
 
@@ -179,6 +179,14 @@ def moe_one_device(model):
     ("llama-dp4xtp2-scan-minimal", MOE_LLAMA, 4, 2, {"scan_layers": True, "remat": "minimal"}),
     ("llama-tp2-shard_map-cf1.25", dataclasses.replace(MOE_LLAMA, capacity_factor=1.25), 1, 2,
      {"impl": "shard_map"}),
+    # ep: the experts split over ep, the batch over dp x ep
+    ("llama-ep4xtp2", MOE_LLAMA, 1, 2, {"ep": 4}),
+    ("gpt2-dp2xep2xtp2-cf1-fsdp", dataclasses.replace(MOE, capacity_factor=1.0), 2, 2,
+     {"ep": 2, "fsdp": True}),
+    ("gpt2-ep4xtp2-shard_map-scan", MOE, 1, 2, {"ep": 4, "impl": "shard_map",
+                                               "scan_layers": True, "remat": "minimal"}),
+    ("llama-ep8-cf1.25", dataclasses.replace(MOE_LLAMA, n_experts=8, capacity_factor=1.25), 1, 1,
+     {"ep": 8}),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_the_moe_model_in_every_layout_equals_one_device(name, model, dp, tp, kw):
     """Loss (cross-entropy plus the router losses) and every gradient at rtol
@@ -210,12 +218,15 @@ def _stacked(grads: dict) -> dict:
     ({"impl": "explicit"}, "not built for --impl explicit"),
     ({"sp": True, "tp": 2}, "not built for --sp"),
     ({"capacity_factor": -1.0}, "must be >= 0"),
+    ({"ep": 3}, "valid --ep: \\[1, 2, 4\\]"),
+    ({"ep": 2, "n_experts": 0}, "model.n_experts=0 has none"),
 ])
 def test_moe_refusals_name_the_fix(over, fix):
     kw = dict(over)
     tp = kw.pop("tp", 1)
     with pytest.raises(ConfigError, match=fix):
-        moe_cfg(MOE, 1, tp, **kw)
+        moe_cfg(MOE if "n_experts" not in kw else dataclasses.replace(MOE, moe_top_k=0), 1,
+                tp, **kw)
 
 
 @pytest.mark.slow
@@ -235,3 +246,6 @@ def test_a_moe_run_logs_its_router_statistics(tmp_path):
     assert row["moe_balance"] > 0 and row["moe_z"] > 0
     assert 0 <= row["moe_dropped"] < 1
     assert len(row["moe_load"]) == 8 and sum(row["moe_load"]) == pytest.approx(1, abs=1e-4)
+
+
+test_the_moe_model_in_every_layout_equals_one_device.fast_cases = {"llama-ep4xtp2"}
