@@ -59,9 +59,17 @@ def capacity(T: int, k: int, E: int, factor: float) -> int:
 def route(logits_GTE, k: int, norm_topk: bool = True):
     """(weights [G, T, k], experts [G, T, k] int32, probs [G, T, E]): the top
     k of the softmax over experts, in descending probability (ties: the
-    lower expert id first, as `lax.top_k`)."""
+    lower expert id first, as `lax.top_k`). By k argmaxes, not `lax.top_k`,
+    which GSPMD partitions by gathering its operand whole (measured on jax
+    0.10.2: the router's [B, T, E] all-gathered over ep in every layer)."""
     probs_GTE = jax.nn.softmax(logits_GTE.astype(jnp.float32), axis=-1)
-    weights_GTk, experts_GTk = jax.lax.top_k(probs_GTE, k)
+    picked, left = [], probs_GTE
+    for _ in range(k):
+        e_GT = jnp.argmax(left, -1).astype(jnp.int32)
+        picked.append(e_GT)
+        left = jnp.where(jax.nn.one_hot(e_GT, left.shape[-1], dtype=bool), -1.0, left)
+    experts_GTk = jnp.stack(picked, -1)
+    weights_GTk = jnp.take_along_axis(probs_GTE, experts_GTk, -1)
     if norm_topk:
         weights_GTk = weights_GTk / weights_GTk.sum(-1, keepdims=True)
     return weights_GTk, experts_GTk, probs_GTE
@@ -109,19 +117,23 @@ def z_loss(logits_GTE) -> jax.Array:
 
 
 def moe(x_GTD, logits_GTE, experts: Callable, *, k: int, factor: float,
-        norm_topk: bool = True, place: Callable = lambda x, to_experts: x):
+        norm_topk: bool = True, place: Callable = lambda x, to_experts: x,
+        pin: Callable = lambda x: x):
     """(y [G, T, D], stats [3 + E]: balance loss, z-loss, dropped share, the
     experts' loads): each
     token through its kept top-k experts, weighted; `experts(x_EGCD)` maps
     every expert's slots [E, G, C, D] to its outputs (the expert MLPs batched
     over E); `place(x_EGCD, to_experts)` lays the slots out for the experts
-    (True) and back for the combine (False): ep's all-to-alls."""
+    (True) and back for the combine (False): ep's all-to-alls; `pin(a)`
+    keeps a group-leading routing array [G, ...] split as the tokens are
+    (else the partitioner may gather the routing over ep to meet the
+    experts' split)."""
     G, T, D = x_GTD.shape
     E = logits_GTE.shape[-1]
     C = capacity(T, k, E, factor)
-    weights_GTk, experts_GTk, probs_GTE = route(logits_GTE, k, norm_topk)
-    d_GTEC, kept_GTk = dispatch(experts_GTk, E, C)
-    c_GTEC = combine(experts_GTk, weights_GTk, kept_GTk, E, C, d_GTEC)
+    weights_GTk, experts_GTk, probs_GTE = map(pin, route(pin(logits_GTE), k, norm_topk))
+    d_GTEC, kept_GTk = map(pin, dispatch(experts_GTk, E, C))
+    c_GTEC = pin(combine(experts_GTk, weights_GTk, kept_GTk, E, C, d_GTEC))
     x_EGCD = jnp.einsum("GTEC,GTD->EGCD", d_GTEC.astype(x_GTD.dtype), x_GTD)
     y_EGCD = place(experts(place(x_EGCD, True)), False)
     y_GTD = jnp.einsum("GTEC,EGCD->GTD", c_GTEC.astype(y_EGCD.dtype), y_EGCD)
@@ -188,6 +200,11 @@ def _slots_place(x_EGCD, to_experts: bool):
     return constrain(x_EGCD, *(experts if to_experts else tokens))
 
 
+def _pin_groups(a):
+    """A routing array [G, ...] split over the groups as the tokens are."""
+    return constrain(a, "batch", *(None,) * (a.ndim - 1))
+
+
 class MoE(nnx.Module):
     """The router (replicated, fp32 logits) and the experts; `__call__`
     returns the output [B, T, D] and the layer's router statistics
@@ -208,5 +225,5 @@ class MoE(nnx.Module):
             logits_BTE = jnp.einsum("BTD,DE->BTE", x_BTD.astype(jnp.float32),
                                     weight(self.router, jnp.float32))
             y_BTD, stats = moe(x_BTD, logits_BTE, self.experts, k=self.k, factor=self.factor,
-                               norm_topk=self.norm, place=self._place)
+                               norm_topk=self.norm, place=self._place, pin=_pin_groups)
             return checkpoint_name(constrain(y_BTD, *self.layout.residual), self.tag), stats

@@ -171,7 +171,7 @@ def moe_one_device(model):
     return loss_and_grads(moe_cfg(model), TOKENS)
 
 
-@pytest.mark.parametrize("name, model, dp, tp, kw", [
+@pytest.mark.parametrize("name, model, dp, tp, kw", [pytest.param(*case, id=case[0]) for case in [
     ("gpt2-tp8-gspmd", MOE, 1, 8, {}),
     ("gpt2-dp2xtp4-shard_map", MOE, 2, 4, {"impl": "shard_map"}),
     ("gpt2-dp2xtp4-cf1-fsdp", dataclasses.replace(MOE, capacity_factor=1.0), 2, 4,
@@ -187,7 +187,7 @@ def moe_one_device(model):
                                                "scan_layers": True, "remat": "minimal"}),
     ("llama-ep8-cf1.25", dataclasses.replace(MOE_LLAMA, n_experts=8, capacity_factor=1.25), 1, 1,
      {"ep": 8}),
-], ids=lambda v: v if isinstance(v, str) else "")
+]])
 def test_the_moe_model_in_every_layout_equals_one_device(name, model, dp, tp, kw):
     """Loss (cross-entropy plus the router losses) and every gradient at rtol
     1e-5: routing is per sequence, so the groups, and with a capacity the

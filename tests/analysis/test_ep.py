@@ -1,0 +1,65 @@
+"""The ep all-to-alls of a compiled MoE train step against the analytic
+ledger (jaxtp.analysis.ep), by hand: per MoE layer 2 forward and 2
+backward, each E * G_r * C * D elements per rank, scaling with the capacity
+factor; nothing else over ep in the MoE layers but the small router sums."""
+
+import dataclasses
+import functools
+
+import pytest
+
+from jaxtp import hlo
+from jaxtp.analysis.ep import expected_ep, slots
+from jaxtp.analysis.rows import check, per_step, schedule_of
+from jaxtp.config import Config, ModelConfig, ParallelConfig, TrainConfig, validate
+from jaxtp.model.moe import capacity
+from jaxtp.parallel import Layout
+from jaxtp.train.state import abstract_train_state
+from jaxtp.train.step import compile_train_step
+
+MOE = ModelConfig(style="llama", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64,
+                  seq_len=32, use_bias=False, tie_embeddings=False, n_experts=8, moe_top_k=2,
+                  moe_d_ff=32)
+B = 16
+
+
+@functools.cache
+def compiled(impl: str, factor: float, ep: int = 4, tp: int = 2):
+    cfg = validate(Config(dataclasses.replace(MOE, capacity_factor=factor),
+                          TrainConfig(batch_size=B), ParallelConfig(ep=ep, tp=tp, impl=impl)))
+    layout = Layout.of(cfg)
+    step = compile_train_step(abstract_train_state(cfg, layout.mesh()), B, MOE.seq_len)
+    return cfg, layout.sizes, hlo.collectives(step.as_text())
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("factor", [1.0, 2.0, 0.0], ids=["cf1", "cf2", "dropless"])
+def test_the_all_to_alls_are_the_ep_ledgers(impl, factor):
+    cfg, sizes, colls = compiled(impl, factor)
+    a2a = [c for c in colls if c.kind == "all-to-all"]
+    assert check(a2a, per_step(expected_ep(cfg), schedule_of(cfg)), sizes) is None
+    # by hand: each rank's 16/4 = 4 groups of 32 tokens, C slots per expert
+    C = {1.0: 8, 2.0: 16, 0.0: 32}[factor]
+    assert capacity(32, 2, 8, factor) == C
+    per_layer = 8 * 4 * C * 32  # E * G_r * C * D
+    for pass_ in ("forward", "backward"):
+        ops = [c for c in a2a if c.pass_ == pass_]
+        assert sum(c.elements * c.count for c in ops) == 2 * MOE.n_layers * per_layer
+        assert {c.group_size for c in ops} == {4} and {c.axes(sizes) for c in ops} == {("ep",)}
+    # in the MoE layers, over ep otherwise only the router's small sums (its
+    # statistics, its gradient: no gather of the routing over ep)
+    others = [c for c in colls if "ep" in c.axes(sizes) and c.kind != "all-to-all"
+              and c.scope == "moe"]
+    assert others and max(c.elements for c in others) <= MOE.d_model * MOE.n_experts
+    assert all(c.kind == "all-reduce" for c in others)
+
+
+test_the_all_to_alls_are_the_ep_ledgers.fast_cases = {"cf1-gspmd"}
+
+
+def test_the_all_to_all_bytes_follow_the_capacity_factor():
+    """cf 2 moves twice cf 1's bytes over ep; dropless (C = s) E/k = 4 times."""
+    moved = {f: sum(c.bytes * c.count for c in compiled("gspmd", f)[2]
+                    if c.kind == "all-to-all") for f in (1.0, 2.0, 0.0)}
+    assert moved[2.0] == 2 * moved[1.0] and moved[0.0] == 4 * moved[1.0]
+    assert slots(compiled("gspmd", 1.0)[0]) * 4 * MOE.n_layers * 4 == moved[1.0]
