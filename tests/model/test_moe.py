@@ -151,7 +151,7 @@ import functools  # noqa: E402
 
 from jaxtp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from jaxtp.config import validate  # noqa: E402
-from cached import assert_same, loss_and_grads  # noqa: E402
+from cached import assert_same, loss_and_grads, stacked_grads  # noqa: E402
 
 MOE = ModelConfig(n_layers=2, d_model=32, n_heads=8, d_ff=64, seq_len=16, n_experts=4,
                   moe_top_k=2)
@@ -195,21 +195,9 @@ def test_the_moe_model_in_every_layout_equals_one_device(name, model, dp, tp, kw
     cfg = moe_cfg(model, dp, tp, **kw)
     ref_model = dataclasses.replace(model, scan_layers=False, remat="none")
     got, want = loss_and_grads(cfg, TOKENS), moe_one_device(ref_model)
-    if model.scan_layers or kw.get("scan_layers"):
-        from jaxtp.model import stack_layers  # a scanned model's gradients come stacked
-        want = (want[0], _stacked(want[1]))
+    if kw.get("scan_layers"):  # a scanned model's gradients come stacked
+        want = (want[0], stacked_grads(want[1]))
     assert_same(got, want)
-
-
-def _stacked(grads: dict) -> dict:
-    out, layers = {}, {}
-    for k, g in grads.items():
-        if k.startswith("['blocks'][") and k[len("['blocks']["):][:1].isdigit():
-            i, rest = k[len("['blocks']["):].split("]", 1)
-            layers.setdefault("['blocks']" + rest, {})[int(i)] = g
-        else:
-            out[k] = g
-    return out | {k: np.stack([v[i] for i in range(len(v))]) for k, v in layers.items()}
 
 
 @pytest.mark.parametrize("over, fix", [

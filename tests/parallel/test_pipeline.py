@@ -22,7 +22,8 @@ from jaxtp.parallel.pipeline_1f1b import in_flight, table as f1b_table
 from jaxtp.train.data import to_mesh
 from jaxtp.train.state import abstract_train_state, place_params
 from jaxtp.train.step import compile_train_step, cross_entropy_of
-from cached import assert_same, initial_values, loss_and_grads, step_loss_and_grads
+from cached import (assert_same, initial_values, loss_and_grads, stacked_grads,
+                    step_loss_and_grads)
 
 # 8 layers, so that pp = 2, 4 and 8 each hold whole layers
 MODEL = ModelConfig(n_layers=8, d_model=32, n_heads=4, d_ff=64, seq_len=16)
@@ -48,19 +49,7 @@ def one_device(model):
     """One batch's loss and gradients on one device, unpipelined, stacked
     like the pipeline's."""
     loss, grads = loss_and_grads(cfg_of(model, 1, microbatches=1), TOKENS)
-    return loss, _stacked(grads, model.n_layers)
-
-
-def _stacked(grads: dict, L: int) -> dict:
-    """{"['blocks'][i]...": g} -> {"['blocks']...": g stacked over i}."""
-    out, layers = {}, {}
-    for k, g in grads.items():
-        if k.startswith("['blocks'][") and k[len("['blocks']["):][:1].isdigit():
-            i, rest = k[len("['blocks']["):].split("]", 1)
-            layers.setdefault("['blocks']" + rest, {})[int(i)] = g
-        else:
-            out[k] = g
-    return out | {k: np.stack([v[i] for i in range(L)]) for k, v in layers.items()}
+    return loss, stacked_grads(grads)
 
 
 @functools.cache
