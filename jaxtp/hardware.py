@@ -71,10 +71,17 @@ def model_flops_per_token(cfg, n_params: int) -> float:
     """6N + 12*L*h*s: matmul flops of forward and backward per token
     (Chowdhery et al. 2022, App. B), recomputation not counted. N counts the
     parameters that multiply: not the input lookup table (when untied from the
-    LM head) nor learned positions."""
+    LM head) nor learned positions; of a mixture of experts only the k
+    experts a token takes (its active parameters, as MaxText's and
+    Megatron-Core's MFU count them; slots past a token's k, capacity's
+    padding, are not useful work)."""
     m = cfg.model
     lookup = (0 if m.tie_embeddings else m.padded_vocab * m.d_model) + \
         (0 if m.style == "llama" else m.seq_len * m.d_model)
-    return 6 * (n_params - lookup) + 12 * m.n_layers * m.d_model * m.seq_len
+    idle = 0
+    if m.n_experts:  # each expert's up (gate and up for SwiGLU) and down matmuls
+        per_expert = (3 if m.style == "llama" else 2) * m.d_model * m.expert_d_ff
+        idle = m.n_layers * (m.n_experts - m.moe_top_k) * per_expert
+    return 6 * (n_params - lookup - idle) + 12 * m.n_layers * m.d_model * m.seq_len
 
 

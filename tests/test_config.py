@@ -26,9 +26,10 @@ def test_every_preset_loads_and_validates(name):
 # Parameter counts published for these shapes: nanoGPT's GPT-2 124M with the
 # vocabulary padded to 50304 (124,475,904 incl. position embeddings), Meta's
 # Llama-3.2-1B (1,235,814,400, tied), Llama-3-8B (8,030,261,248) and
-# Llama-3-70B (70,553,706,496).
+# Llama-3-70B (70,553,706,496), Mixtral-8x7B (46,702,792,704: "46.7B").
 PUBLISHED = {"gpt2-small": 124_475_904, "llama-1b": 1_235_814_400,
-             "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496}
+             "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496,
+             "mixtral-8x7b": 46_702_792_704}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -43,7 +44,22 @@ def test_large_presets_have_their_published_parameter_counts(name):
 
 
 test_large_presets_have_their_published_parameter_counts.fast_cases = set(PUBLISHED) - {
-    "llama3-70b"}  # 80 layers traced: 6 s
+    "llama3-70b", "mixtral-8x7b"}  # 80 layers, 8 experts: seconds each
+
+
+def test_a_mixture_of_experts_counts_its_active_parameters_in_mfu():
+    """Mixtral 8x7B: 12.9B of its 46.7B parameters act on a token (Mistral AI's
+    announcement: "46.7B total parameters but only uses 12.9B parameters per
+    token"): 6 x those, less the input table's lookup, plus attention."""
+    from jaxtp.hardware import model_flops_per_token
+
+    cfg = load_config("mixtral-8x7b")
+    m = cfg.model
+    active = 46_702_792_704 - m.n_layers * (8 - 2) * 3 * m.d_model * m.d_ff
+    assert round(active / 1e9, 1) == 12.9
+    lookup = m.vocab_size * m.d_model
+    assert model_flops_per_token(cfg, 46_702_792_704) == \
+        6 * (active - lookup) + 12 * m.n_layers * m.d_model * m.seq_len
 
 
 def test_presets_hold_what_their_names_promise():
