@@ -38,6 +38,7 @@ from .backends import on_backend
 from .cp import expected_cp
 from .pp import expected_pp
 from .dp import expected_fsdp
+from .ep import expected_moe
 from .grads import expected_grads
 from .overlap_rows import ring_regions, windowed_head, windowed_regions
 from .rows import HLO_DTYPES, Expected, per_step, reduces_once, schedule_of
@@ -108,6 +109,9 @@ def expected_collectives(cfg: Config, impl: str, platform: str = "",
     out (`backends.on_backend`). `forms`: which of XLA's windowed-einsum
     loops form under GSPMD's overlap (default: `xla_overlap.forms` for the
     platform, a GPU's compiled deviceless)."""
+    if cfg.model.n_experts:  # the dense budget at dp x ep, and the MoE layers' rows
+        return expected_moe(cfg, impl, platform, functools.partial(
+            expected_collectives, forms=forms))
     forms = xla_overlap.forms(cfg, platform, deviceless=True) if forms is None else forms
     rows = per_step(_expected_tp(cfg, impl, forms) + expected_grads(cfg, impl)
                     + expected_fsdp(cfg, impl) + expected_cp(cfg, impl) + expected_pp(cfg),

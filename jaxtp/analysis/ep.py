@@ -19,10 +19,15 @@ counts ep operands of 1/ep of the buffer each.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import Callable
+
 from ..config import Config
 from ..model.moe import capacity
-from ..parallel import EP_AXIS
-from .rows import HLO_DTYPES, Expected
+from ..parallel import DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS
+from .params import param_shards
+from .rows import ANY_SCOPE, HLO_DTYPES, Expected, per_step, schedule_of
 
 
 def slots(cfg: Config) -> int:
@@ -41,9 +46,10 @@ def expected_ep(cfg: Config) -> list[Expected]:
     if p.ep == 1 or not m.n_experts:
         return []
     part = slots(cfg) // p.ep
+    # (placed by GSPMD under both impls: at the edge of shard_map's region)
     E = lambda name, pass_: Expected(f"ep: {name}", "all-to-all", pass_, "moe", part,
                                      HLO_DTYPES[m.dtype], p.ep, 2 * p.ep, "ep", (EP_AXIS,),
-                                     per="layer")
+                                     written=False, per="layer")
     return [E("dispatch and combine (the slots to their experts' ranks and back)", "forward"),
             E("their transposes (the slots' gradients back and forth)", "backward")]
 
@@ -59,3 +65,77 @@ def _bytes(cfg: Config) -> int:
     import numpy as np
 
     return np.dtype(cfg.model.dtype).itemsize
+
+
+def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list[Expected]:
+    """Every collective of a MoE model's train step, per step. ep splits the
+    batch as dp does for everything but the experts, so the budget is the
+    dense model's with dp x ep as its data axis (`dense`:
+    `jaxtp.analysis.budget.expected_collectives`), less its MLP's rows, plus
+    the MoE layers' own (per layer and microbatch):
+
+    - tp inside the experts (Megatron's MLP rule over the slots): g, an
+      all-reduce of the rank's slots forward, its E/ep experts' for its dp
+      rank's groups, (E/ep) * (B/(dp*M)) * C * D elements (as many as the
+      dispatch's buffer: `slots`), and f, one of the same backward;
+    - ep's all-to-alls (`expected_ep`);
+    - the router's statistics over dp x ep, forward: the z-loss's mean and
+      the balance loss's f and P ([E] each), 1 + 2E elements, in whatever
+      all-reduces XLA combines them (with the loss's mean) into;
+    - the gradients: the router's with the dense weights' over dp x ep; the
+      experts' over dp only (an ep rank owns its experts: Megatron-Core's
+      expert-data-parallel group); the gradient norm over ep too.
+    """
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    as_dp = dataclasses.replace(cfg, model=dataclasses.replace(m, n_experts=0),
+                                parallel=dataclasses.replace(p, dp=p.dp * p.ep, ep=1))
+    data = tuple(a for a, n in ((DATA_AXIS, p.dp), (EP_AXIS, p.ep)) if n > 1)
+    rename = lambda axes: tuple(b for a in axes for b in (data if a == DATA_AXIS else (a,)))
+    shards = param_shards(cfg)
+    mlp = sum(s.elements for s in param_shards(as_dp) if "/mlp/" in s.path)
+    router = sum(s.elements for s in shards if s.path.endswith("/mlp/router"))
+    experts = sum(s.elements for s in shards if "/mlp/experts/" in s.path)
+    rows = []
+    for r in dense(as_dp, impl, platform):
+        if r.scope == "mlp":  # the dense MLP's f and g
+            continue
+        # the MLP's weights out of the totals, the router's in (shard_map: with
+        # the gradients GSPMD sums outside the regions)
+        if r.role == "grads" and DATA_AXIS in r.axes:
+            r = dataclasses.replace(r, elements=r.elements - mlp * r.count)
+        if r.role == ("grads_placed" if impl == "shard_map" else "grads") and \
+                DATA_AXIS in r.axes:
+            r = dataclasses.replace(r, elements=r.elements + router * r.count)
+        if r.name.startswith("gradient norm"):  # (below: over ep too)
+            continue
+        if r.role == "loss_mean":  # XLA combines it with the router's means: one total
+            r = dataclasses.replace(r, scope=ANY_SCOPE)
+        rows.append(dataclasses.replace(r, axes=rename(r.axes)))
+    # the gradient norm over every axis that splits a gradient: ep's experts too
+    split = [(a, n) for a, n in ((PP_AXIS, p.pp), (EP_AXIS, p.ep), (TP_AXIS, p.tp)) if n > 1]
+    if split:
+        rows.append(Expected("gradient norm: one sum of squares", "all-reduce", "other", "", 1,
+                             "f32", math.prod(n for _, n in split), 1,
+                             axes=tuple(a for a, _ in split)))
+    dt = HLO_DTYPES[m.dtype]
+    E = lambda name, kind, pass_, n, count, group, axes, dtype=dt, per="layer", scope="moe", \
+        written=True: Expected("moe: " + name, kind, pass_, scope, n, dtype, group, count,
+                               "moe", axes, written, per)
+    own = [] if p.tp == 1 else [
+        E("g: the experts' down-proj output (the rank's slots)", "all-reduce", "forward",
+          slots(cfg), 1, p.tp, (TP_AXIS,)),
+        E("f: dX entering the experts' up-proj", "all-reduce", "backward", slots(cfg), 1,
+          p.tp, (TP_AXIS,))]
+    if data:
+        n = p.dp * p.ep
+        # (in any scope: XLA combines these small sums, and the layers' sum
+        # of the statistics runs outside the MoE scope)
+        own += [E("router statistics: the z-loss's mean, the balance loss's f and P",
+                  "all-reduce", "forward", 1 + 2 * m.n_experts, 1, n, data, "f32",
+                  written=False, scope=ANY_SCOPE)]
+    if p.dp > 1:
+        own.append(E("dp: the experts' weight gradients (ep owns its experts)", "all-reduce",
+                     "backward", experts, 1, p.dp, (DATA_AXIS,), HLO_DTYPES[m.param_dtype],
+                     per="microbatch", scope=ANY_SCOPE))
+    return rows + per_step(own + expected_ep(cfg), schedule_of(cfg))
+

@@ -43,9 +43,16 @@ from ..parallel import Layout, constrain, run_sharded, spec
 from ..parallel.collectives import f, g
 from .layers import gelu, init_std_out, param, weight
 
-# the router statistics a MoE layer returns, then the share of its
+# the router statistics a MoE layer returns: the two losses; monitored
+# (`moe(monitor=True)`), the dropped share too, then the share of its
 # assignments each expert gets ([E], `load`); summed over the layers
-STATS = ("moe_balance", "moe_z", "moe_dropped")
+LOSSES = ("moe_balance", "moe_z")
+STATS = (*LOSSES, "moe_dropped")
+
+
+def n_stats(E: int, monitor: bool) -> int:
+    """The length of a MoE layer's statistics vector."""
+    return len(STATS) + E if monitor else len(LOSSES)
 
 
 def capacity(T: int, k: int, E: int, factor: float) -> int:
@@ -118,9 +125,9 @@ def z_loss(logits_GTE) -> jax.Array:
 
 def moe(x_GTD, logits_GTE, experts: Callable, *, k: int, factor: float,
         norm_topk: bool = True, place: Callable = lambda x, to_experts: x,
-        pin: Callable = lambda x: x):
-    """(y [G, T, D], stats [3 + E]: balance loss, z-loss, dropped share, the
-    experts' loads): each
+        pin: Callable = lambda x: x, monitor: bool = False):
+    """(y [G, T, D], stats: balance loss, z-loss, and where `monitor` the
+    dropped share and the experts' loads [E] (`n_stats`)): each
     token through its kept top-k experts, weighted; `experts(x_EGCD)` maps
     every expert's slots [E, G, C, D] to its outputs (the expert MLPs batched
     over E); `place(x_EGCD, to_experts)` lays the slots out for the experts
@@ -137,10 +144,12 @@ def moe(x_GTD, logits_GTE, experts: Callable, *, k: int, factor: float,
     x_EGCD = jnp.einsum("GTEC,GTD->EGCD", d_GTEC.astype(x_GTD.dtype), x_GTD)
     y_EGCD = place(experts(place(x_EGCD, True)), False)
     y_GTD = jnp.einsum("GTEC,EGCD->GTD", c_GTEC.astype(y_EGCD.dtype), y_EGCD)
+    losses = jnp.stack([balance_loss(probs_GTE, experts_GTk), z_loss(logits_GTE)])
+    if not monitor:  # (training: only what the loss reads, so the step computes no more)
+        return y_GTD.astype(x_GTD.dtype), losses
     dropped = 1.0 - jnp.mean(kept_GTk.astype(jnp.float32))
-    stats = jnp.concatenate([jnp.stack([balance_loss(probs_GTE, experts_GTk),
-                                        z_loss(logits_GTE), dropped]), load(experts_GTk, E)])
-    return y_GTD.astype(x_GTD.dtype), stats
+    return y_GTD.astype(x_GTD.dtype), jnp.concatenate([losses, dropped[None],
+                                                       load(experts_GTk, E)])
 
 
 def load(experts_GTk, E: int) -> jax.Array:
@@ -219,11 +228,13 @@ class MoE(nnx.Module):
         self.layout = layout
         self.tag = "mlp_out"
         self._place = _slots_place
+        self.monitor = False  # also the dropped share and the loads (`moe`)
 
     def __call__(self, x_BTD):
         with jax.named_scope("moe"):
             logits_BTE = jnp.einsum("BTD,DE->BTE", x_BTD.astype(jnp.float32),
                                     weight(self.router, jnp.float32))
             y_BTD, stats = moe(x_BTD, logits_BTE, self.experts, k=self.k, factor=self.factor,
-                               norm_topk=self.norm, place=self._place, pin=_pin_groups)
+                               norm_topk=self.norm, place=self._place, pin=_pin_groups,
+                               monitor=self.monitor)
             return checkpoint_name(constrain(y_BTD, *self.layout.residual), self.tag), stats

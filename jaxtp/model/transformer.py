@@ -21,7 +21,7 @@ from ..parallel.pipeline_1f1b import pipeline_1f1b
 from .attention import Attention
 from .layers import Embed, dropout, make_norm
 from .mlp import MLP
-from .moe import STATS, MoE
+from .moe import MoE, n_stats
 from .vocab import VocabEmbed
 
 
@@ -113,6 +113,7 @@ class Transformer(nnx.Module):
         self.ln_f = make_norm(cfg, layout)
         self.lm_head = None if cfg.tie_embeddings else VocabEmbed(cfg, layout, rngs=rngs)
         self.cfg, self.layout = cfg, layout
+        self.monitor = False  # the MoE layers' statistics for monitoring (`hidden_and_stats`)
         self.mesh = None  # the mesh the parameters live on, where a loader knows it
 
     def hidden(self, tokens_BT, *, dropout_key=None):
@@ -121,12 +122,13 @@ class Transformer(nnx.Module):
 
     def hidden_and_stats(self, tokens_BT, *, dropout_key=None):
         """(final-norm hidden states [B, T, D], the MoE layers' router
-        statistics summed over the layers [len(STATS) + E]: `jaxtp.model.moe.moe`;
-        empty without experts)."""
+        statistics summed over the layers (`jaxtp.model.moe.moe`; with
+        `monitor` set on the model, `model.set_attributes(monitor=True)`, the
+        dropped share and loads too); zeros without experts)."""
         L = self.cfg.n_layers
         keys = (None if dropout_key is None else jax.random.split(dropout_key, L + 1))
         x_BTD = self._embed(tokens_BT, None if keys is None else keys[0])
-        stats = jnp.zeros(len(STATS) + self.cfg.n_experts, jnp.float32)
+        stats = jnp.zeros(n_stats(self.cfg.n_experts, self.monitor), jnp.float32)
         if self.layout.pp > 1:  # (1f1b's forward alone is gpipe's)
             x_BTD = pipeline(lambda blocks, x: self._run_stack(blocks, x, None), self.blocks,
                              x_BTD, self.layout)

@@ -109,7 +109,9 @@ def make_router_stats(state: TrainState) -> Callable:
     graphdef = state.graphdef
 
     def stats(params, tokens_BT1):
-        return nnx.merge(graphdef, params).hidden_and_stats(inputs_targets(tokens_BT1)[0])[1]
+        model = nnx.merge(graphdef, params)
+        model.set_attributes(monitor=True)
+        return model.hidden_and_stats(inputs_targets(tokens_BT1)[0])[1]
 
     return jax.jit(stats, in_shardings=(state.param_shardings, batch_sharding(state.mesh)),
                    compiler_options=state.compiler_options)

@@ -9,6 +9,7 @@ import functools
 import pytest
 
 from jaxtp import hlo
+from jaxtp.analysis.budget import expected_collectives
 from jaxtp.analysis.ep import expected_ep, slots
 from jaxtp.analysis.rows import check, per_step, schedule_of
 from jaxtp.config import Config, ModelConfig, ParallelConfig, TrainConfig, validate
@@ -24,9 +25,10 @@ B = 16
 
 
 @functools.cache
-def compiled(impl: str, factor: float, ep: int = 4, tp: int = 2):
+def compiled(impl: str, factor: float, ep: int = 4, tp: int = 2, dp: int = 1):
     cfg = validate(Config(dataclasses.replace(MOE, capacity_factor=factor),
-                          TrainConfig(batch_size=B), ParallelConfig(ep=ep, tp=tp, impl=impl)))
+                          TrainConfig(batch_size=B), ParallelConfig(dp=dp, ep=ep, tp=tp,
+                                                                    impl=impl)))
     layout = Layout.of(cfg)
     step = compile_train_step(abstract_train_state(cfg, layout.mesh()), B, MOE.seq_len)
     return cfg, layout.sizes, hlo.collectives(step.as_text())
@@ -38,6 +40,8 @@ def test_the_all_to_alls_are_the_ep_ledgers(impl, factor):
     cfg, sizes, colls = compiled(impl, factor)
     a2a = [c for c in colls if c.kind == "all-to-all"]
     assert check(a2a, per_step(expected_ep(cfg), schedule_of(cfg)), sizes) is None
+    # and the whole step: the dense budget at dp x ep, the experts' tp and router rows
+    assert check(colls, expected_collectives(cfg, impl, "cpu"), sizes) is None
     # by hand: each rank's 16/4 = 4 groups of 32 tokens, C slots per expert
     C = {1.0: 8, 2.0: 16, 0.0: 32}[factor]
     assert capacity(32, 2, 8, factor) == C
@@ -63,3 +67,40 @@ def test_the_all_to_all_bytes_follow_the_capacity_factor():
                     if c.kind == "all-to-all") for f in (1.0, 2.0, 0.0)}
     assert moved[2.0] == 2 * moved[1.0] and moved[0.0] == 4 * moved[1.0]
     assert slots(compiled("gspmd", 1.0)[0]) * 4 * MOE.n_layers * 4 == moved[1.0]
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("dp, ep, tp", [(2, 2, 2), (1, 8, 1), (4, 1, 2)],
+                         ids=["dp2xep2xtp2", "ep8", "dp4xtp2"])
+def test_the_moe_step_holds_its_ledger(impl, dp, ep, tp):
+    """Every collective of the step, by `expected_collectives`: the experts'
+    gradients summed over dp alone (an ep rank owns its experts), every
+    other weight's over dp x ep; the gradient norm over ep too; without ep
+    (dp4 x tp2) the experts' and the dense weights' sums share dp."""
+    cfg, sizes, colls = compiled(impl, 1.0, ep, tp, dp)
+    assert check(colls, expected_collectives(cfg, impl, "cpu"), sizes) is None
+    experts = [c for c in colls if c.scope == "moe" and c.kind == "all-reduce"
+               and c.pass_ == "backward" and "tp" not in c.axes(sizes)
+               and "ep" not in c.axes(sizes)]
+    assert bool(experts) == (dp > 1) and all(c.axes(sizes) == ("dp",) for c in experts)
+
+
+test_the_moe_step_holds_its_ledger.fast_cases = set()
+
+
+@pytest.mark.slow
+def test_compare_hlo_of_moe_tiny_at_ep4_tp2(tmp_path, capsys):
+    """The command line: gspmd and shard_map match, explicit is refused with
+    its reason, and the all-to-alls are on the ep axis."""
+    import json
+
+    import train
+
+    assert train.main(["--config", "moe-tiny", "--ep", "4", "--tp", "2", "--compare-hlo",
+                       "--out", str(tmp_path), "model.n_layers=1"]) == 0
+    printed = capsys.readouterr().out
+    assert "gspmd: matches budget" in printed and "shard_map: matches budget" in printed
+    assert "explicit: refused before compiling" in printed
+    report = json.loads((tmp_path / "comm_report.json").read_text())
+    assert report["ok"]
+    assert any(line.startswith("ep ") and "all-to-all" in line for line in printed.splitlines())

@@ -67,7 +67,7 @@ def reference(x, w_router, w_up, w_down, k, C, norm=True):
 
 def run(x, w_router, w_up, w_down, k=K, factor=0.0, norm=True):
     return moe.moe(x, x @ w_router, experts(w_up, w_down), k=k, factor=factor,
-                   norm_topk=norm)
+                   norm_topk=norm, monitor=True)
 
 
 @pytest.mark.parametrize("factor", [0.0, 1.0, 0.5], ids=["dropless", "cf1", "cf0.5"])
