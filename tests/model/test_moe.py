@@ -83,6 +83,9 @@ def test_moe_equals_the_per_token_reference_in_value_and_every_gradient(factor):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+test_moe_equals_the_per_token_reference_in_value_and_every_gradient.fast_cases = {"cf0.5"}
+
+
 def test_the_dropped_assignments_are_exactly_those_past_capacity():
     """cf 0.5: C = 2 slots per expert for 8 tokens x 2 choices over 4
     experts; the kept mask is the queue's, and some are dropped."""
