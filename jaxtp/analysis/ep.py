@@ -54,19 +54,6 @@ def expected_ep(cfg: Config) -> list[Expected]:
             E("their transposes (the slots' gradients back and forth)", "backward")]
 
 
-def ring_bytes_per_layer(cfg: Config) -> float:
-    """What one rank sends over ep per MoE layer and microbatch, forward and
-    backward: 4 all-to-alls of (ep-1)/ep of its slot buffer."""
-    p = cfg.parallel
-    return 4 * slots(cfg) * (p.ep - 1) / p.ep * _bytes(cfg)
-
-
-def _bytes(cfg: Config) -> int:
-    import numpy as np
-
-    return np.dtype(cfg.model.dtype).itemsize
-
-
 def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list[Expected]:
     """Every collective of a MoE model's train step, per step. ep splits the
     batch as dp does for everything but the experts, so the budget is the

@@ -54,6 +54,7 @@ from flax import nnx
 
 from ..config import Config
 from ..model.build import abstract_model
+from ..model.moe import STATS
 from ..parallel import Layout, batch_shape, batch_sharding
 from ..parallel.distributed import any_process
 from .checkpoint import Checkpointer, SaveFailed, nbytes
@@ -82,8 +83,6 @@ def router_row(stats_fn, params, batches, mesh, cp_balance: bool, layers: int) -
     metrics row: the balance and z losses summed over the MoE layers (as the
     training loss adds them), the dropped share and each expert's share of
     the assignments averaged over the layers."""
-    from ..model.moe import STATS
-
     s = np.mean(jax.device_get([stats_fn(params, to_mesh(b, mesh, cp_balance))
                                 for b in batches]), 0)
     n = len(STATS)

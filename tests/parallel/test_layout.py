@@ -9,8 +9,8 @@ def test_logical_axes_map_through_the_rules():
     assert spec("embed", "mlp") == P(None, "tp")
     assert spec("mlp", "embed") == P("tp", None)
     # the sequence is split over cp, an axis only a context-parallel mesh
-    # has, the batch over pp (outside the pipeline) and dp
-    assert spec("batch", "seq", "embed") == P(("pp", "dp"), "cp", None)
+    # has, the batch over pp (outside the pipeline), dp and ep (outside the experts)
+    assert spec("batch", "seq", "embed") == P(("pp", "dp", "ep"), "cp", None)
     with jax.sharding.use_abstract_mesh(Layout.make(dp=2, tp=4).abstract_mesh()):
         assert spec("batch", "seq", "embed") == P("dp", None, None)
         assert spec("batch", "sp_seq", "embed") == P("dp", "tp", None)
