@@ -317,8 +317,8 @@ def _main(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if not args.out and not (args.plan or args.compare_hlo):
         args.out = default_out(args, cfg)
-    if cfg.model.n_experts and (args.plan or (args.compare_hlo and cfg.parallel.fsdp)):
-        print(f"error: --{'plan' if args.plan else 'compare-hlo --fsdp'} is not built for a "
+    if cfg.model.n_experts and (args.compare_hlo and cfg.parallel.fsdp):
+        print("error: --compare-hlo --fsdp is not built for a "
               "mixture of experts yet (FSDP splits the experts over dp alone: its rows are not "
               "written)", file=sys.stderr)
         return EXIT_USAGE
@@ -399,17 +399,20 @@ def plan(args, cfg: Config) -> int:
     # at the one tp
     cps = cp_sweep(p.cp) if p.cp > 1 else None
     pps = cp_sweep(p.pp) if p.pp > 1 else None
-    tps = [args.tp or p.tp] if cps or pps else [args.tp] if args.tp else [1, 2, 4, 8]
+    # --ep N: ep over cp_sweep(N) on the N x tp devices, tp taking what ep leaves
+    eps = cp_sweep(p.ep) if p.ep > 1 and not (cps or pps) else None
+    tps = [args.tp or p.tp] if cps or pps or eps else [args.tp] if args.tp else [1, 2, 4, 8]
     if args.cluster:  # the largest mesh against the cluster, before compiling anything
         from jaxtp.analysis.cluster import load
 
-        cluster, need = load(args.cluster), p.pp * p.dp * p.cp * max(tps)
+        cluster, need = load(args.cluster), p.pp * p.dp * p.ep * p.cp * max(tps)
         if need > cluster.devices:
-            raise ValueError(f"--cluster {args.cluster}: pp*dp*cp*tp = {need} devices at the "
-                             f"largest tp, and {cluster.name} has {cluster.devices}")
+            raise ValueError(f"--cluster {args.cluster}: pp*dp*ep*cp*tp = {need} devices at "
+                             f"the largest tp, and {cluster.name} has {cluster.devices}")
     plan(cfg, tps,
          args.hardware or "h100", compile_for_target=args.hardware is not None,
-         out_dir=args.out, cps=cps, pps=pps, cluster=args.cluster, compile_step=compiled_step)
+         out_dir=args.out, cps=cps, pps=pps, eps=eps, cluster=args.cluster,
+         compile_step=compiled_step)
     return 0
 
 
@@ -421,7 +424,7 @@ def compare(args, cfg: Config) -> int:
     if args.hardware:
         from jaxtp.analysis.targets import target_mesh
 
-        mesh = target_mesh(args.hardware, p.dp, p.tp, p.cp, p.pp)  # or TargetUnavailable
+        mesh = target_mesh(args.hardware, p.dp, p.tp, p.cp, p.pp, p.ep)  # or TargetUnavailable
     ok = compare_hlo(cfg, default_out(args, cfg), mesh=mesh, compile_step=compiled_step)["ok"]
     return 0 if ok else EXIT_FAILED
 

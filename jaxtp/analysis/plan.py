@@ -40,9 +40,12 @@ from ..config import Config, ConfigError, validate
 from ..parallel import Layout, mesh_for
 from ..hardware import HARDWARE, model_flops_per_token
 from ..model.build import resolve_attention
+from ..model.moe import capacity
 from .cp import kv_heads_per_rank
+from .ep import expected_ep, slots
 from .params import param_shards
 from .predict import decode_lines, from_hlo, plan_lines
+from .rows import per_step, schedule_of
 from .targets import CPU_OVERSTATES, TargetUnavailable, target_mesh
 
 # Planning on CPU: XLA's CPU scheduler orders work for speed, and keeps more
@@ -73,13 +76,16 @@ def activation_bytes(cfg: Config) -> float:
     recomputed from them (`jaxtp.parallel.pipeline_1f1b`)."""
     m, p = cfg.model, cfg.parallel
     t, M = p.tp, cfg.train.microbatches
-    s, b, h, a = m.seq_len, cfg.train.batch_size // (p.dp * M), m.d_model, m.n_heads
+    # (ep splits the batch as dp does)
+    s, b, h, a = m.seq_len, cfg.train.batch_size // (p.dp * p.ep * M), m.d_model, m.n_heads
     sl = s // p.cp  # a cp rank's positions; its queries still see s keys
     if p.sequence_parallel:
         per_layer = sl * b * h / t * (34 + 5 * a * s / h)
     else:
         per_layer = sl * b * h * (10 + 24 / t + 5 * a * s / (h * t))
     width = np.dtype(m.dtype).itemsize / 2
+    if m.n_experts:  # the MLP's 19sbh (2 + 1 replicated, 16/t split) for the MoE's own
+        per_layer += -sl * b * h * (3 + 16 / t) + moe_activation_bytes(cfg) / width
     layers = m.n_layers // p.pp
     if p.pp == 1:
         return layers * per_layer * width
@@ -87,6 +93,24 @@ def activation_bytes(cfg: Config) -> float:
         inputs = p.pp * sl * b * h / (t if p.sequence_parallel else 1) * 2
         return (layers * per_layer + inputs) * width
     return M * layers * per_layer * width
+
+
+def moe_activation_bytes(cfg: Config) -> float:
+    """What one MoE layer keeps for the backward pass per device and
+    microbatch, in place of Korthikanti's MLP terms: the layer's input
+    (b*s*D, replicated over tp), the router's fp32 logits and probabilities
+    (2 x b*s*E), the dispatch and combine tensors ([G_r, s, E, C] each), and
+    over the slots (E * G_r * C of them: `jaxtp.analysis.ep.slots`, the
+    experts' buffer after the all-to-all as before it) the experts' input
+    and output (D each) and their hidden units (F/tp: gate, up and SwiGLU's
+    product, or GELU's input and output). b = G_r: the rank's sequences."""
+    m, p = cfg.model, cfg.parallel
+    G = cfg.train.batch_size // (p.dp * p.ep * cfg.train.microbatches)
+    s, D, E, w = m.seq_len, m.d_model, m.n_experts, np.dtype(m.dtype).itemsize
+    C = capacity(s, m.moe_top_k, E, m.capacity_factor)
+    hidden = (3 if m.style == "llama" else 2) * m.expert_d_ff / p.tp
+    return (G * s * D * w + 2 * G * s * E * 4 + 2 * G * s * E * C * w
+            + E * G * C * (2 * D + hidden) * w)
 
 
 def state_bytes(cfg: Config) -> dict[str, int]:
@@ -133,11 +157,12 @@ def analyze(cfg: Config, mesh=None, *, compile_step: Callable) -> dict:
     colls = hlo.collectives(compiled.as_text())
     params = _per_device_bytes(state.params)
     opt = _per_device_bytes(state.opt_state)
-    batch = (t.batch_size // (p.pp * p.dp)) * (m.seq_len + 1) * 4
+    batch = (t.batch_size // (p.pp * p.dp * p.ep)) * (m.seq_len + 1) * 4
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     device = mesh.devices.flat[0]
     return {
-        **dict(tp=p.tp, cp=p.cp, pp=p.pp), "sp": p.sequence_parallel, "impl": p.impl,
+        **dict(tp=p.tp, cp=p.cp, pp=p.pp, ep=p.ep, dp=p.dp, fsdp=p.fsdp),
+        "sp": p.sequence_parallel, "impl": p.impl,
         "compile_s": time.perf_counter() - t0,
         "n_params": n_params, "attention": cfg.model.attention, "remat": m.remat,
         "dtype": m.dtype, "loss_chunk": m.loss_chunk,
@@ -165,24 +190,66 @@ def analyze(cfg: Config, mesh=None, *, compile_step: Callable) -> dict:
                                      hlo.by_axis(colls, dict(mesh.shape)).items()},
         "flops_per_device": float(cost.get("flops", float("nan"))),
         "model_flops_per_token": model_flops_per_token(cfg, n_params),
+        **({"moe": moe_facts(cfg, colls, dict(mesh.shape))} if m.n_experts else {}),
     }
 
 
+def moe_facts(cfg: Config, colls, mesh: dict[str, int]) -> dict:
+    """A MoE step's own numbers per device: its experts (E/ep), the slots
+    buffer per layer (E * G_r * C * D elements, `jaxtp.analysis.ep.slots`),
+    what a MoE layer keeps (`moe_activation_bytes`), and the all-to-alls'
+    bytes per step, compiled (over ep) and by the ep ledger."""
+    m = cfg.model
+    ledger = per_step(expected_ep(cfg), schedule_of(cfg))
+    return {"experts_per_device": m.n_experts // cfg.parallel.ep,
+            "capacity": capacity(m.seq_len, m.moe_top_k, m.n_experts, m.capacity_factor),
+            "slots_bytes_per_layer": slots(cfg) * np.dtype(m.dtype).itemsize,
+            "activations_per_layer": moe_activation_bytes(cfg),
+            "all_to_all_bytes": sum(c.count * c.bytes for c in colls if c.kind == "all-to-all"),
+            "all_to_all_ledger_bytes": sum(r.bytes * r.count for r in ledger)}
+
+
 def cp_sweep(n: int) -> list[int]:
-    """The cps `--plan --cp N` compiles (and the pps of `--plan --pp N`): 1,
-    the powers of two below N, and N (a degree the model does not split
-    into is skipped, saying why)."""
+    """The cps `--plan --cp N` compiles (and the pps of `--plan --pp N`, the
+    eps of `--plan --ep N`): 1, the powers of two below N, and N (a degree
+    the model does not split into is skipped, saying why)."""
     return sorted({2 ** i for i in range(n.bit_length()) if 2 ** i < n} | {n})
+
+
+# the axis a sweep varies, each row's name, and what its base row multiplies
+SWEPT = ("cp", "pp", "ep")
+
+
+def sweep_cases(cfg: Config, tps, cps=None, pps=None, eps=None) -> list[dict]:
+    """The degrees each row of a plan compiles: over tp (tp=1 the base), or
+    over cp or pp at the largest of `tps` (cp=1, pp=1 the base), or over ep
+    at a fixed device count ep x tp = max(eps) x max(tps), tp taking what ep
+    leaves (ep=1 the base: every expert on every rank, tp over the device
+    count)."""
+    p, tp = cfg.parallel, max(tps)
+    if cps:
+        return [dict(cp=cp, tp=tp) for cp in sorted(set(cps) | {1})]
+    if pps:
+        return [dict(pp=pp, tp=tp) for pp in sorted(set(pps) | {1})]
+    if eps:
+        n = max(eps) * tp
+        return [dict(ep=ep, tp=n // ep) for ep in sorted(set(eps) | {1}) if n % ep == 0]
+    return [dict(tp=t) for t in sorted(set(tps) | {1})]
+
+
+def _name(degrees: dict, swept: str | None) -> str:
+    return f"{swept}={degrees[swept]} tp={degrees['tp']}" if swept else f"tp={degrees['tp']}"
 
 
 def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = False,
          log: Callable[[str], None] = print, out_dir=None, cps=None,
-         cluster: str | None = None, *, compile_step: Callable, pps=None) -> list[dict]:
+         cluster: str | None = None, *, compile_step: Callable, pps=None,
+         eps=None) -> list[dict]:
     """Analyze `cfg` at each tp (or, with `cps`, at each cp at the largest of
-    `tps`; with `pps`, at each pp: every number per device is its stage's);
-    print the table with a fits / does not fit verdict against
-    `hardware`'s memory; return the rows (and, with `out_dir`, write them to
-    plan.json).
+    `tps`; with `pps`, at each pp: every number per device is its stage's;
+    with `eps`, at each ep x tp of one device count: `sweep_cases`); print
+    the table with a fits / does not fit verdict against `hardware`'s
+    memory; return the rows (and, with `out_dir`, write them to plan.json).
 
     `compile_for_target`: compile for `hardware` itself (`jaxtp.analysis.targets`)
     where its compiler is installed; otherwise, or when it is not, compile for
@@ -193,19 +260,15 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
     target = HARDWARE[hardware]
     on_target = compile_for_target and _compiler_here(hardware, log)
     rows, cfgs, base = [], [], None
-    pp0 = cfg.parallel.pp
-    if cps:  # a sweep over cp at one tp; cp=1 the base of the redundancy
-        cases = [(cp, max(tps), pp0) for cp in sorted(set(cps) | {1})]
-    elif pps:  # over pp at one tp; pp=1 the base
-        cases = [(cfg.parallel.cp, max(tps), pp) for pp in sorted(set(pps) | {1})]
-    else:  # tp=1: the base of the redundancy
-        cases = [(cfg.parallel.cp, tp, pp0) for tp in sorted(set(tps) | {1})]
-    for i, (cp, tp, pp) in enumerate(cases):
-        par = dataclasses.replace(cfg.parallel, tp=tp, cp=cp, pp=pp)
-        if pp == 1:  # (no schedule without stages)
+    swept = "cp" if cps else "pp" if pps else "ep" if eps else None
+    cases = sweep_cases(cfg, tps, cps, pps, eps)
+    for i, degrees in enumerate(cases):
+        par = dataclasses.replace(cfg.parallel, **degrees)
+        if par.pp == 1:  # (no schedule without stages)
             par = dataclasses.replace(par, pp_schedule="gpipe", pp_repeats=1)
+        tp = par.tp
         c = dataclasses.replace(cfg, parallel=par if tp > 1 else par.without_sp())
-        name = f"cp={cp} tp={tp}" if cps else f"pp={pp} tp={tp}" if pps else f"tp={tp}"
+        name = _name(degrees, swept)
         try:
             validate(c)
         except ConfigError as e:
@@ -214,12 +277,14 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
         where = hardware if on_target else "CPU"
         log(f"[{i + 1}/{len(cases)}] compiling the train step at {name} for {where} "
             "(abstract shapes) ...")
-        mesh = target_mesh(hardware, c.parallel.dp, tp, cp, c.parallel.pp) if on_target else None
+        p = c.parallel
+        mesh = target_mesh(hardware, p.dp, tp, p.cp, p.pp, p.ep) if on_target else None
         r = analyze(c, mesh, compile_step=compile_step)
-        split = cp if cps else pp if pps else tp
+        # the base: the swept axis at 1 (an ep sweep keeps the device count: x 1)
+        split = degrees[swept or "tp"]
         base = r["flops_per_device"] if split == 1 else base
-        _verdict(r, c, split, base, target)
-        if tp in tps and (not cps or cp in cps) and (not pps or pp in pps):
+        _verdict(r, c, 1 if swept == "ep" else split, base, target)
+        if degrees[swept] in {"cp": cps, "pp": pps, "ep": eps}[swept] if swept else tp in tps:
             rows.append(r)
             cfgs.append(c)
     if not rows:
@@ -257,11 +322,12 @@ def _verdict(r: dict, cfg: Config, split: int, base: float | None, target) -> No
     """Add to an `analyze` row: redundancy against the base row (`split`
     times its devices: tp=1, or in a cp sweep cp=1), the F/tp against C/W
     bound, the cp roofline, and whether it fits the target's memory."""
-    tp = cfg.parallel.tp
+    tp, m = cfg.parallel.tp, cfg.model
+    F = m.expert_d_ff if m.n_experts else m.d_ff  # (a MoE's MLPs are its experts)
     r["redundancy"] = split * r["flops_per_device"] / base if base else float("nan")
-    r["f_over_tp"] = cfg.model.d_ff / tp
+    r["f_over_tp"] = F / tp
     r["bound"] = ("-" if tp == 1 else "compute"
-                  if cfg.model.d_ff / tp > target.peak_flops / target.link else "communication")
+                  if F / tp > target.peak_flops / target.link else "communication")
     r["cp_flops_per_kv_byte"] = cp_intensity(cfg)
     r["target"] = target.name
     r["target_memory"] = target.memory
@@ -288,11 +354,10 @@ def cp_intensity(cfg: Config) -> float:
 def _print(cfg: Config, rows: list[dict], target, on_target: bool, log) -> None:
     gib = lambda b: f"{b / 2**30:,.2f} G" if b >= 2**30 else f"{b / 2**20:,.1f} M"
     num = lambda x, f: "-" if x != x else f.format(x)  # NaN: no cost analysis
-    cp = any(r["cp"] > 1 for r in rows)
-    pp = any(r["pp"] > 1 for r in rows)
-    label = lambda r: (f"cp={r['cp']} tp={r['tp']}" if cp else
-                       f"pp={r['pp']} tp={r['tp']}" if pp else str(r["tp"]))
-    head = ["cp, tp" if cp else "pp, tp" if pp else "tp", "params B", "optim B", "temps B", "total B", "fits",
+    swept = next((a for a in SWEPT if any(r[a] > 1 for r in rows)), None)
+    cp, pp = swept == "cp", swept == "pp"
+    label = lambda r: f"{swept}={r[swept]} tp={r['tp']}" if swept else str(r["tp"])
+    head = [f"{swept}, tp" if swept else "tp", "params B", "optim B", "temps B", "total B", "fits",
             "acts est. B", "collectives", "coll. B", "GFLOP/dev", "redundancy", "F/tp", "bound"]
     table = [head] + [[
         label(r), gib(r["memory"]["params"]), gib(r["memory"]["optimizer"]),
@@ -307,7 +372,8 @@ def _print(cfg: Config, rows: list[dict], target, on_target: bool, log) -> None:
     log(f"plan: {m.style} {r0['n_params']:,} params, L={m.n_layers} h={m.d_model} "
         f"F={m.d_ff} heads={m.n_heads}/{m.kv_heads} kv, batch {cfg.train.batch_size} x seq "
         f"{m.seq_len}, {m.dtype}, sp={cfg.parallel.sp}, impl={cfg.parallel.impl}, "
-        f"attention={r0['attention']}, remat={m.remat}"
+        + (f"dp={p.dp}, " if p.dp > 1 else "") + ("fsdp, " if p.fsdp else "")
+        + f"attention={r0['attention']}, remat={m.remat}"
         + (f", loss_chunk={m.loss_chunk}" if m.loss_chunk else "")
         + (f", pp ({p.pp_schedule}, M={cfg.train.microbatches}, L/pp layers per stage: "
            "every number per device is its stage's; acts est. the microbatches a stage "
@@ -318,22 +384,33 @@ def _print(cfg: Config, rows: list[dict], target, on_target: bool, log) -> None:
     log("B: bytes per device (M = MiB, G = GiB); temps from memory_analysis, acts est. "
         "from Korthikanti et al. 2022; collectives counted per step from the HLO")
     log("coll. B by mesh axis: " + "; ".join(
-        f"{label(r) if cp or pp else 'tp=' + str(r['tp'])}: " + (", ".join(f"{a} {gib(b)}" for a, b in
+        f"{label(r) if swept else 'tp=' + str(r['tp'])}: " + (", ".join(f"{a} {gib(b)}" for a, b in
                                        r["collective_bytes_by_axis"].items()) or "none")
         for r in rows))
     log(("ZeRO-3 (Rajbhandari et al. 2020)" if cfg.parallel.fsdp else "state")
         + " per device, analytic: " + "; ".join(
-            f"{label(r) if cp or pp else 'tp=' + str(r['tp'])}: params {gib(z['params'])}, grads "
+            f"{label(r) if swept else 'tp=' + str(r['tp'])}: params {gib(z['params'])}, grads "
             f"{gib(z['grads'])}, Adam "
             f"{gib(z['adam'])} (measured params {gib(r['memory']['params'])}, optimizer "
             f"{gib(r['memory']['optimizer'])})"
             for r in rows for z in [r["analytic_memory"]["state"]]))
     log(korthikanti_terms(cfg))
+    if m.n_experts:
+        log(f"MoE ({m.n_experts} experts, top {m.moe_top_k}, capacity factor "
+            f"{m.capacity_factor:g}{' (dropless)' if m.capacity_factor <= 0 else ''}) per "
+            "device: " + "; ".join(
+                f"{label(r) if swept else 'tp=' + str(r['tp'])}: {f['experts_per_device']} "
+                f"experts, C = {f['capacity']} slots per expert and sequence, slots buffer "
+                f"E*G_r*C*D {gib(f['slots_bytes_per_layer'])} per layer, a MoE layer keeps "
+                f"{gib(f['activations_per_layer'])} (est.), all-to-alls "
+                f"{gib(f['all_to_all_bytes'])} per step compiled, "
+                f"{gib(f['all_to_all_ledger_bytes'])} by the ep ledger"
+                for r in rows for f in [r["moe"]]))
     if cp:
         log(f"cp roofline (attention flops per K/V byte received, per layer; hidden while > "
             f"C/W = {target.peak_flops / target.link:,.0f} for {target.name}): " + ", ".join(
                 f"cp={r['cp']} {r['cp_flops_per_kv_byte']:,.0f}" for r in rows if r["cp"] > 1))
-    verdicts = ", ".join(f"{label(r) if cp or pp else 'tp=' + str(r['tp'])} "
+    verdicts = ", ".join(f"{label(r) if swept else 'tp=' + str(r['tp'])} "
                          f"{r['memory']['total'] / 2**30:,.1f} GiB "
                          + ("fits" if r["fits"] else "does not fit") for r in rows)
     log(f"{target.name}: {target.memory / 2**30:,.1f} GiB per device: {verdicts}")

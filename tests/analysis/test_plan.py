@@ -278,3 +278,64 @@ def test_a_pp_sweep_plans_each_stage_and_1f1b_holds_fewer_microbatches():
     r = rows["gpipe"]
     assert r["analytic_memory"]["state"]["params"] == r["memory"]["params"]
     assert rows["1f1b"]["memory"]["temporaries"] < r["memory"]["temporaries"]
+
+
+# Mixtral 8x7B by hand (mistralai/Mixtral-8x7B-v0.1 config.json): 32 layers of D 4096,
+# 32 heads of 128, 8 kv heads, 8 SwiGLU experts of F 14336, vocabulary 32000 untied
+MIX_L, MIX_D, MIX_N, MIX_K, MIX_H, MIX_F, MIX_E, MIX_V = 32, 4096, 32, 8, 128, 14336, 8, 32000
+MIX_EXPERTS = MIX_L * MIX_E * 3 * MIX_D * MIX_F  # gate, up [D, F] and down [F, D] each
+MIX_TP = MIX_L * (2 * MIX_D * MIX_N * MIX_H + 2 * MIX_D * MIX_K * MIX_H) + 2 * MIX_V * MIX_D
+MIX_WHOLE = MIX_L * (MIX_D * MIX_E + 2 * MIX_D) + MIX_D  # routers, norms: replicated
+
+
+def mixtral_state(dp, ep, tp, fsdp):
+    """Parameter elements per device by hand: experts over ep x tp (their F),
+    attention and vocabulary tables over tp (heads, vocab), routers and norms
+    whole; FSDP splits every one of them over dp too (each has a model dim,
+    FSDP_PARAM_RULES' "embed")."""
+    d = dp if fsdp else 1
+    return MIX_EXPERTS // (ep * tp * d) + MIX_TP // (tp * d) + MIX_WHOLE // d
+
+
+@pytest.mark.parametrize("dp, ep, tp, fsdp", [(1, 8, 1, False), (1, 4, 2, False),
+                                              (1, 1, 8, False), (2, 4, 1, True)])
+def test_mixtral_state_per_device_splits_the_experts_over_ep(dp, ep, tp, fsdp):
+    """The analytic state (no compile): the published 46,702,792,704
+    parameters, the experts' share split over ep (and dp under FSDP)."""
+    assert MIX_EXPERTS + MIX_TP + MIX_WHOLE == 46_702_792_704
+    cfg = apply_overrides(load_config("mixtral-8x7b"), [
+        f"parallel.dp={dp}", f"parallel.ep={ep}", f"parallel.tp={tp}",
+        f"parallel.fsdp={str(fsdp).lower()}"])
+    z = planner.state_bytes(cfg)
+    n = mixtral_state(dp, ep, tp, fsdp)
+    assert z == {"params": 4 * n, "grads": 4 * n, "adam": 8 * n}  # fp32 weights, mu and nu
+
+
+def _moe_tiny(*overrides):
+    return apply_overrides(load_config("moe-tiny"), ["model.n_layers=1", *overrides])
+
+
+def test_a_moe_plan_sweeps_ep_against_tp_on_one_device_count():
+    """--plan --ep 4 --tp 2 of moe-tiny (1 layer) on CPU: ep in {1, 2, 4} at
+    ep x tp = 8, the rows asked for kept (ep 4); its state and all-to-alls
+    by hand. Per device: the 8 experts (3 x 128 x 96 each) over ep x tp,
+    attention (q, o 128 x 128; k, v 128 x 32) and the two tables (256 x 128)
+    over tp, router (128 x 8) and norms whole. All-to-alls: 4 per layer of
+    E * G_r * C * D = 8 * (16/4) * 40 * 128 fp32 (C = ceil(1.25 * 128 * 2 / 8))."""
+    lines = []
+    rows = planner.plan(_moe_tiny(), [2], eps=[1, 2, 4], log=lines.append,
+                        compile_step=compiled_step)
+    assert [(r["ep"], r["tp"]) for r in rows] == [(1, 8), (2, 4), (4, 2)]
+    assert any(line.startswith("   ep, tp") or "ep, tp" in line for line in lines)
+    r = rows[2]
+    n = 8 * 3 * 128 * 96 // 8 + (2 * 128 * 128 + 2 * 128 * 32 + 2 * 256 * 128) // 2 \
+        + 128 * 8 + 2 * 128 + 128
+    assert r["memory"]["params"] == r["analytic_memory"]["state"]["params"] == 4 * n
+    assert r["moe"]["experts_per_device"] == 2 and r["moe"]["capacity"] == 40
+    buffer = 8 * 4 * 40 * 128 * 4
+    assert r["moe"]["slots_bytes_per_layer"] == buffer
+    assert r["moe"]["all_to_all_bytes"] == r["moe"]["all_to_all_ledger_bytes"] == 4 * buffer
+    assert rows[0]["moe"]["all_to_all_bytes"] == 0  # ep=1: every expert on every rank
+    assert r["collective_bytes_by_axis"]["ep"] >= 4 * buffer
+    assert all(r["fits"] for r in rows)
+    assert any(line.startswith("MoE (8 experts, top 2, capacity factor 1.25)") for line in lines)
