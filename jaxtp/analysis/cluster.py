@@ -108,6 +108,8 @@ PRESETS = {
     "a100x8": Cluster("a100x8", A100, 8, 1, NVLINK3, IB_NDR),
     # v5p-32: 32 TensorCores, 16 chips (a 2x2x4 slice), one ICI domain
     "v5p-32": Cluster("v5p-32", V5P, 16, 1, ICI_V5P, DCN),
+    # v5p-128: 64 chips (a 4x4x4 slice), one ICI domain
+    "v5p-128": Cluster("v5p-128", V5P, 64, 1, ICI_V5P, DCN),
 }
 
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..config import Config
 from ..hlo import DTYPE_BYTES
-from ..parallel import TP_AXIS
+from ..parallel import TP_AXIS, Layout
 from ..hardware import model_flops_per_token
 from .budget import expected_collectives
 from .cluster import Cluster, Link, axis_links, describe, load
@@ -65,15 +65,36 @@ class Traffic:
 
 
 def from_hlo(colls, mesh: dict[str, int]) -> list[Traffic]:
-    """Traffic of the compiled step's collectives (`jaxtp.hlo.collectives`)."""
-    return [Traffic(c.kind, c.bytes, c.group_size or 1, c.axes(mesh), c.count) for c in colls]
+    """Traffic of the compiled step's collectives (`jaxtp.hlo.collectives`).
+    XLA:CPU's all-to-all is one instruction with an operand per peer, which
+    `jaxtp.hlo` lists element by element ("name#i"): priced as one
+    all-to-all of their sum, as XLA:GPU compiles it (one array)."""
+    out, whole = [], {}
+    for c in colls:
+        if c.kind == "all-to-all" and "#" in c.name:
+            key = (c.name.split("#")[0], c.count)
+            t = whole.get(key)
+            whole[key] = Traffic(c.kind, c.bytes + (t.bytes if t else 0), c.group_size or 1,
+                                 c.axes(mesh), c.count)
+        else:
+            out.append(Traffic(c.kind, c.bytes, c.group_size or 1, c.axes(mesh), c.count))
+    return out + list(whole.values())
 
 
 def from_budget(rows) -> list[Traffic]:
-    """Traffic of ledger rows (`jaxtp.analysis.rows.Expected`)."""
-    return [Traffic(r.kind, r.elements * DTYPE_BYTES[r.dtype] * (
-        r.group if r.kind == "reduce-scatter" else 1), r.group, tuple(r.axes), r.count)
-        for r in rows]
+    """Traffic of ledger rows (`jaxtp.analysis.rows.Expected`). The ep
+    ledger's all-to-alls are XLA:CPU's operands, one per peer, on every
+    platform (`jaxtp.analysis.ep`): each group of `group` of them is priced
+    as one all-to-all of the whole buffer."""
+    out = []
+    for r in rows:
+        n = DTYPE_BYTES[r.dtype] * r.elements
+        if r.kind == "all-to-all" and r.count % r.group == 0:
+            out.append(Traffic(r.kind, n * r.group, r.group, tuple(r.axes), r.count // r.group))
+        else:
+            out.append(Traffic(r.kind, n * (r.group if r.kind == "reduce-scatter" else 1),
+                               r.group, tuple(r.axes), r.count))
+    return out
 
 
 def link_of(axes, links: dict[str, Link]) -> Link:
@@ -107,10 +128,12 @@ def predict_step(cluster: Cluster, mesh: dict[str, int], flops: float, traffic: 
         link = link_of(t.axes, links)
         s, wire = collective_time(t, link)
         row = axes.setdefault("+".join(t.axes) or "?", {"link": link.name, "bytes": 0.0,
-                                                        "seconds": 0.0, "collectives": 0})
+                                                        "seconds": 0.0, "collectives": 0,
+                                                        "kinds": {}})
         row["bytes"] += wire
         row["seconds"] += s
         row["collectives"] += t.count
+        row["kinds"][t.kind] = row["kinds"].get(t.kind, 0.0) + s  # seconds by kind
     comm = sum(r["seconds"] for r in axes.values())
     bounds = {"exposed": busy + comm, "hidden": max(busy, comm)}
     out = {"cluster": cluster.name, "devices": devices, "compute_s": compute, "memory_s": memory,
@@ -138,9 +161,11 @@ def lines(p: dict) -> list[str]:
         out.append(f"  {what}: step {ms(b['step_s'])}, {b['tokens_per_s']:,.0f} tokens/s "
                    f"({b['tokens_per_s_per_device']:,.0f} per device), MFU {b['mfu']:.1%}")
     for axis, r in sorted(p["axes"].items()):
+        a2a = r["kinds"].get("all-to-all")
         out.append(f"  {axis}: {r['collectives']} collectives, {r['bytes'] / 2**20:,.1f} MiB "
-                   f"sent per device on {r['link']}, {ms(r['seconds'])}, {r['share']:.1%} "
-                   "of the exposed step")
+                   f"sent per device on {r['link']}, {ms(r['seconds'])}"
+                   + (f" (all-to-alls {ms(a2a)})" if a2a else "")
+                   + f", {r['share']:.1%} of the exposed step")
     if p["overlap"]:
         out.append(f"  overlap: {p['overlap']}")
     return out
@@ -152,7 +177,13 @@ def plan_lines(row: dict, cfg: Config, cluster: str | Cluster) -> list[str]:
     mesh, m, p = row["mesh"], cfg.model, cfg.parallel
     tokens, devices = cfg.train.batch_size * m.seq_len, math.prod(row["mesh"].values())
     notes, flops, hbm = [], row["flops_per_device"], row.get("hbm_bytes")
-    if m.scan_layers or p.pp > 1 or not math.isfinite(flops):
+    if m.n_experts:  # MFU's count, active parameters (jaxtp.hardware.model_flops_per_token)
+        flops = step_flops(cfg) * tokens / devices
+        notes.append(f"flops: the {m.moe_top_k} of {m.n_experts} experts a token takes (6 x "
+                     "active parameters + attention, x remat's recomputation); the compiled "
+                     "step's dense dispatch and combine and its capacity's padded slots not "
+                     "counted")
+    elif m.scan_layers or p.pp > 1 or not math.isfinite(flops):
         ticks, useful = compute_factor(cfg)
         idle = bubble(p.pp, cfg.train.microbatches, p.pp_repeats)
         flops = step_flops(cfg) * tokens / devices * ticks / useful
@@ -169,7 +200,7 @@ def plan_lines(row: dict, cfg: Config, cluster: str | Cluster) -> list[str]:
     if row["compiled_for"].startswith("cpu"):
         # XLA's CPU compile carries collectives in f32 and all-reduces where a GPU
         # reduce-scatters: price the ledger the tests hold the accelerator's compile to
-        platform = "tpu" if cluster.accelerator.name.startswith("tpu") else "gpu"
+        platform = platform_of(cluster)
         traffic = from_budget(expected_collectives(cfg, p.impl, platform))
         notes.append(f"collectives: the {platform.upper()} ledger (expected_collectives), not "
                      "the CPU compile's")
@@ -186,6 +217,26 @@ def plan_lines(row: dict, cfg: Config, cluster: str | Cluster) -> list[str]:
     return [f"{name} on {describe(mesh, cluster)}"] + lines(pred) + [f"  {n}" for n in notes]
 
 
+def platform_of(cluster: Cluster) -> str:
+    """The compiler whose ledger prices a step on `cluster` ("tpu" or "gpu")."""
+    return "tpu" if cluster.accelerator.name.startswith("tpu") else "gpu"
+
+
+def predict_config(cfg: Config, cluster: str | Cluster) -> dict:
+    """`cfg`'s train step on `cluster` without compiling it: its ledger
+    (`expected_collectives` for the cluster's compiler) and its model flops
+    per token (x remat's recomputation, x a pipeline's compiled over useful
+    ticks) over the devices."""
+    cluster = load(cluster) if isinstance(cluster, str) else cluster
+    p = cfg.parallel
+    mesh = Layout.make(**p.degrees).sizes
+    tokens = cfg.train.batch_size * cfg.model.seq_len
+    traffic = from_budget(expected_collectives(cfg, p.impl, platform_of(cluster)))
+    ticks, useful = compute_factor(cfg)
+    return predict_step(cluster, mesh, step_flops(cfg) * tokens / p.devices * ticks / useful,
+                        traffic, tokens, model_flops_per_token(cfg, param_count(cfg)))
+
+
 def param_count(cfg: Config) -> int:
     """Parameters of `cfg`'s model, from its sizes (the model's own count is
     checked against this in the tests)."""
@@ -195,6 +246,8 @@ def param_count(cfg: Config) -> int:
     llama, bias = m.style == "llama", m.use_bias
     attn = D * N * H + 2 * D * K * H + N * H * D + (N * H + 2 * K * H + D if bias else 0)
     mlp = (3 * D * F if llama else 2 * D * F) + ((2 * F if llama else F) + D if bias else 0)
+    if m.n_experts:  # the router [D, E] and E expert MLPs without biases (jaxtp.model.moe)
+        mlp = D * m.n_experts + m.n_experts * (3 if llama else 2) * D * m.expert_d_ff
     norms = 2 * D * (1 if llama else 2)  # RMSNorm: a scale; LayerNorm: scale and bias
     table = V * D * (1 if m.tie_embeddings else 2)
     return L * (attn + mlp + norms) + table + (1 if llama else 2) * D + \

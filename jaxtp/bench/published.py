@@ -15,11 +15,8 @@ compile; decode rows use `predict_decode`.
 from __future__ import annotations
 
 from ..analysis import predict as P
-from ..analysis.budget import expected_collectives
 from ..analysis.cluster import PRESETS
-from ..analysis.pp import compute_factor
 from ..config import apply_overrides, load_config, validate
-from ..parallel import Layout
 from ..hardware import model_flops_per_token
 from .report import section
 
@@ -76,6 +73,28 @@ TRAINING += [
      PP405_MISSES + "jaxtp's circular schedule (GPipe order, v = 2) for torchtitan's "
      "interleaved 1F1B: the same bubble (p-1)/(vM+p-1), torchtitan's v unstated; async TP"),
 ]
+# MaxText (AI-Hypercomputer/maxtext) end_to_end/tpu/mixtral/Run_Mixtral.md: Mixtral 8x7B on
+# v5p-128, 251.94 TFLOP/s per chip, 54.89% MFU (added in 7534e5e21, 2024-07-04). The row
+# names no configuration; the one assumed is that commit's end_to_end/tpu/mixtral/8x7b/
+# 2_test_mixtral.sh pre-training run: ici_fsdp_parallelism=64 (v5p-128 = 64 chips),
+# per_device_batch_size=8, max_target_length=1024, bf16 weights (weight_dtype=bfloat16),
+# flash attention, megablox (dropless) and base.yml's remat_policy=full and scan_layers.
+# MaxText's TFLOP count then (maxtext_utils.calculate_tflops_training_per_device): the k
+# experts' FFN flops and the gate's, attention not causal: jaxtp's 6 x active + 12*L*h*s.
+MAXTEXT = "MaxText end_to_end/tpu/mixtral/"
+TRAINING += [
+    (MAXTEXT + "Run_Mixtral.md (v5p-128)",
+     "Mixtral 8x7B, 64 v5p chips, FSDP 64, local batch 8 x 1024, bf16 weights, full remat, "
+     "dropless (config from 8x7b/2_test_mixtral.sh at 7534e5e21)", "mixtral-8x7b",
+     ("parallel.dp=64", "parallel.fsdp=true", "train.batch_size=512", "model.seq_len=1024",
+      "model.param_dtype=bfloat16", "model.remat=full", "model.capacity_factor=0"),
+     "v5p-128", 251.94,
+     "megablox's grouped GEMM over the routed tokens' rows there, against jaxtp's dense "
+     "one-hot dispatch and combine (dropless: C = s slots per expert, E/k = 4x the experts' "
+     "active flops, which the prediction does not count); the run's configuration assumed "
+     "(the README names none); the 4x4x4 torus priced as one ring per axis; v5p's matmul "
+     "fraction 1.0 (none published)", "TFLOP/s per chip"),
+]
 # gpt-fast README (pytorch-labs/gpt-fast): Llama-2-7B, 8 x A100-80GB power-limited
 # to 330 W, hybrid cube-mesh NVLink, bf16, batch 1, a 5-token prompt
 DECODE = [("gpt-fast README (Llama-2-7B, base bf16)", 1, 104.9),
@@ -83,20 +102,18 @@ DECODE = [("gpt-fast README (Llama-2-7B, base bf16)", 1, 104.9),
 DECODE_CONTEXT = 205  # the prompt and the 200 tokens its benchmark generates: the last token
 
 
-def training_row(source, what, preset, overrides, cluster, published, misses) -> dict:
+def training_row(source, what, preset, overrides, cluster, published, misses,
+                 unit="tokens/s per GPU") -> dict:
+    """One published training run against its prediction (`predict_config`), in
+    `unit`: tokens/s per device, or model TFLOP/s per chip (MaxText's: model
+    flops per token x tokens/s per device)."""
     cfg = validate(apply_overrides(load_config(preset), ["model.dtype=bfloat16", *overrides]))
-    p = cfg.parallel
-    mesh = Layout.make(**p.degrees).sizes
-    tokens = cfg.train.batch_size * cfg.model.seq_len
-    devices = p.pp * p.dp * p.cp * p.tp
-    traffic = P.from_budget(expected_collectives(cfg, p.impl, "gpu"))
-    ticks, useful = compute_factor(cfg)  # a pipeline's compiled over useful block flops
-    pred = P.predict_step(PRESETS[cluster], mesh,
-                          P.step_flops(cfg) * tokens / devices * ticks / useful, traffic,
-                          tokens, model_flops_per_token(cfg, P.param_count(cfg)))
-    lo = pred["exposed"]["tokens_per_s_per_device"]
-    hi = pred["hidden"]["tokens_per_s_per_device"]
-    return {"source": source, "config": what, "cluster": cluster, "measured": "tokens/s per GPU",
+    pred = P.predict_config(cfg, PRESETS[cluster])
+    scale = 1.0 if unit.startswith("tokens") else \
+        model_flops_per_token(cfg, P.param_count(cfg)) / 1e12
+    lo = pred["exposed"]["tokens_per_s_per_device"] * scale
+    hi = pred["hidden"]["tokens_per_s_per_device"] * scale
+    return {"source": source, "config": what, "cluster": cluster, "measured": unit,
             "published": published, "predicted_exposed": lo, "predicted_hidden": hi,
             "ratio_exposed": lo / published, "ratio_hidden": hi / published,
             "comm_share": pred["comm_s"] / pred["exposed"]["step_s"], "misses": misses}

@@ -339,3 +339,13 @@ def test_a_moe_plan_sweeps_ep_against_tp_on_one_device_count():
     assert r["collective_bytes_by_axis"]["ep"] >= 4 * buffer
     assert all(r["fits"] for r in rows)
     assert any(line.startswith("MoE (8 experts, top 2, capacity factor 1.25)") for line in lines)
+    # --cluster h100x8: ep's 4 ranks (stride 2) inside the node, on NVLink 4 (450 GB/s,
+    # 20 us a collective); each all-to-all sends 3/4 of the rank's buffer
+    from jaxtp.analysis.predict import plan_lines
+
+    cfg = apply_overrides(_moe_tiny(), ["parallel.ep=4", "parallel.tp=2"])
+    text = "\n".join(plan_lines(r, cfg, "h100x8"))
+    ep = r["prediction"]["axes"]["ep"]
+    assert ep["link"] == "NVLink 4" and "all-to-alls" in text
+    assert ep["kinds"]["all-to-all"] == pytest.approx(4 * (20e-6 + buffer * 3 / 4 / 450e9))
+    assert "active parameters" in text

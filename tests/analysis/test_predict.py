@@ -155,7 +155,7 @@ def test_decode_is_latency_bound_at_batch_1_and_bandwidth_bound_at_large_batch()
 @pytest.mark.parametrize("preset, overrides", [
     ("tiny", ()), ("tiny", ("model.use_bias=false", "model.tie_embeddings=false")),
     ("llama-tiny", ()), ("llama-tiny", ("model.use_bias=true",)), ("gpt2-small", ()),
-    ("llama3-8b", ())])
+    ("llama3-8b", ()), ("moe-tiny", ()), ("moe-tiny", ("model.style=gpt2",))])
 def test_param_count_is_the_models(preset, overrides):
     import jax
 
@@ -173,7 +173,7 @@ def test_the_published_rows_are_present_sourced_and_their_ratios_as_computed():
 
     s = bench_predict()
     rows = s["rows"]
-    assert len(rows) == 7
+    assert len(rows) == 8
     for r in rows:
         assert r["source"] and r["misses"] and r["published"] > 0
         assert r["ratio_exposed"] == pytest.approx(r["predicted_exposed"] / r["published"])
@@ -181,10 +181,10 @@ def test_the_published_rows_are_present_sourced_and_their_ratios_as_computed():
     sources = " ".join(r["source"] for r in rows)
     for needle in ("llama3_h100_202412_torchtitan.md", "asyncTP_llama3_h100_2025-06",
                    "Table 2, FSDP 2 x CP 4", "Table 5, 1F1B", "Table 5, interleaved",
-                   "gpt-fast"):
+                   "gpt-fast", "Run_Mixtral.md (v5p-128)"):
         assert needle in sources
-    assert [r["published"] for r in rows] == [5762.0, 4378.0, 1071.0, 100.0, 128.0, 104.9,
-                                              328.4]
+    assert [r["published"] for r in rows] == [5762.0, 4378.0, 1071.0, 100.0, 128.0, 251.94,
+                                              104.9, 328.4]
     # 405B on 512 H100s: the circular schedule's 71/64 compiled block flops against
     # jaxtp's SPMD 1F1B's 78/32 leave the interleaved row the faster, as published
     assert rows[4]["predicted_exposed"] > rows[3]["predicted_exposed"]
@@ -197,7 +197,15 @@ def test_the_published_rows_are_present_sourced_and_their_ratios_as_computed():
     # Llama-2-7B at batch 1: 6,738,415,616 bf16 weights less the untied lookup table
     # (32,000 x 4,096, B rows read), and 205 tokens of K and V, over 2.039 TB/s
     read = (6_738_415_616 - 32_000 * 4_096) * 2 + 2 * 32 * 205 * 32 * 128 * 2
-    assert rows[5]["predicted_exposed"] == pytest.approx(2.039e12 / read)
+    assert rows[6]["predicted_exposed"] == pytest.approx(2.039e12 / read)
+    # MaxText's Mixtral (TFLOP/s per chip, their count: the k experts' flops, attention
+    # not causal, as jaxtp's model flops): compute-bound when the FSDP traffic hides, at
+    # v5p's 459 TFLOP/s x 6/8 (full remat recomputes the forward)
+    mix = rows[5]
+    assert mix["measured"] == "TFLOP/s per chip" and mix["cluster"] == "v5p-128"
+    assert mix["predicted_hidden"] == pytest.approx(459 * 6 / 8)
+    assert "megablox" in mix["misses"] and "dropless" in mix["misses"]
+    assert 251.94 / 459 == pytest.approx(0.5489, abs=1e-4)  # the published MFU, 54.89%
 
 
 @pytest.mark.slow
@@ -233,7 +241,7 @@ def test_plan_cluster_prices_the_compiled_step_as_the_ledger_does(capsys):
     (["--plan", "--cluster", "nowhere"], "neither a preset"),
     (["--plan", "--cluster", ""], "--cluster '' is empty"),
     (["--cluster", ""], "--cluster applies to --plan"),
-    (["--plan", "--tp", "8", "--cluster", "FOUR"], "dp*cp*tp = 8 devices at the largest tp, "
+    (["--plan", "--tp", "8", "--cluster", "FOUR"], "dp*ep*cp*tp = 8 devices at the largest tp, "
      "and hand has 4"),
 ])
 def test_cluster_flag_refusals(argv, match, capsys, tmp_path):
@@ -281,3 +289,36 @@ def test_a_node_size_the_groups_do_not_tile_puts_them_across_nodes():
     assert C.one_device("TPU v5").accelerator is C.V5P
     assert C.one_device("TPU v5 lite") is None
     assert C.one_device("NVIDIA H100 80GB HBM3").accelerator is C.H100
+
+
+def test_mixtral_param_count_and_active_flops_by_hand():
+    """46,702,792,704 parameters (the published count; 32 layers of attention
+    2 x 4096^2 + 2 x 4096 x 1024, router 4096 x 8, 8 experts of 3 x 4096 x
+    14336, two norms; two 32000 x 4096 tables and the final norm); model
+    flops per token count the 2 experts a token takes: 6 x (N - the lookup
+    table - 6 idle experts a layer) + 12 L h s."""
+    cfg = _cfg(preset="mixtral-8x7b")
+    layer = 2 * 4096**2 + 2 * 4096 * 1024 + 4096 * 8 + 8 * 3 * 4096 * 14336 + 2 * 4096
+    n = 32 * layer + 2 * 32000 * 4096 + 4096
+    assert P.param_count(cfg) == n == 46_702_792_704
+    idle = 32 * 6 * 3 * 4096 * 14336
+    assert P.step_flops(cfg) == 6 * (n - 32000 * 4096 - idle) + 12 * 32 * 4096 * 4096
+
+
+@pytest.mark.parametrize("cluster, tp, link", [("h100x8", 1, (450e9, 20e-6)),
+                                               ("h100x8x8nodes", 8, (48e9, 25e-6))],
+                         ids=["nvlink", "infiniband"])
+def test_the_ep_all_to_alls_are_priced_on_the_link_ep_crosses(cluster, tp, link):
+    """Mixtral at ep 8: inside a node (tp 1: ep's 8 ranks on NVLink) and
+    across nodes (tp 8 innermost: ep's stride 8 leaves the node, InfiniBand).
+    By hand: 4 all-to-alls per layer (dispatch, combine, their transposes)
+    of a rank's slots, E x G_r x C x D = 8 x (64/8) x 1280 x 4096 bf16
+    (C = ceil(1.25 x 4096 x 2 / 8)), each sending 7/8 of it: 32 x 4 x
+    (latency + bytes x 7/8 / bandwidth)."""
+    bandwidth, latency = link
+    cfg = _cfg("parallel.ep=8", f"parallel.tp={tp}", preset="mixtral-8x7b")
+    pred = P.predict_config(cfg, cluster)
+    buffer = 8 * 8 * 1280 * 4096 * 2
+    want = 32 * 4 * (latency + buffer * 7 / 8 / bandwidth)
+    assert pred["axes"]["ep"]["kinds"]["all-to-all"] == pytest.approx(want, rel=1e-12)
+    assert pred["axes"]["ep"]["link"] == ("NVLink 4" if tp == 1 else "InfiniBand NDR")
