@@ -195,8 +195,9 @@ def _analysis_flags(ap) -> None:
                        help="no training: compile the train step at tp in {1,2,4,8} (or --tp; "
                             "with --cp N (--pp N) at cp (pp) = 1, the powers of two below N, "
                             "and N, at one tp; a degree the model does not split into is "
-                            "skipped, saying why; under --pp every number is a stage's) "
-                            "on abstract shapes and "
+                            "skipped, saying why; under --pp every number is a stage's; with "
+                            "--ep N at ep over the same degrees on N x tp devices, tp taking "
+                            "what ep leaves) on abstract shapes and "
                             "print per-device memory, collectives, flops, redundancy, whether tp "
                             "is compute- or communication-bound and, under cp, the cp roofline")
     group.add_argument("--hardware", choices=TARGET_NAMES,

@@ -12,7 +12,9 @@ over the tp axis (`collectives`); the share of step time in collectives,
 read from a profiler trace; the step's time by kind of work (`cpu_profile`);
 jaxtp against two independent plain JAX steps of the same model and a tuned
 one (`peer`), and PyTorch eager where torch imports (`torch-peer`);
-blockwise against xla attention as the sequence grows; the
+blockwise against xla attention as the sequence grows; the expert-parallel
+all-to-alls' bytes against the capacity factor, compiled and by the ep
+ledger (`moe`); the
 training loop's host time per step; the step predictor against published
 runs (`predict`). Each section is printed; the report goes
 to DIR/bench.json and DIR/bench.md (`report`).
@@ -41,6 +43,7 @@ from .cases import PAIRED, _case, _get, _paired, preset, valid_tps
 from .collectives import bench_collectives
 from .cp import bench_cp
 from .pp import bench_pp
+from .moe import bench_moe
 from .cpu_profile import bench_cpu_profile
 from .decode import bench_decode
 from .published import bench_predict
@@ -49,7 +52,8 @@ from .timing import build, paired_ratio, time_alternating
 from .versus import bench_peer, bench_torch_peer
 from .windowed import bench_windowed
 
-SECTIONS = ("impl", "scaling", "overlap", "windowed", "cp", "pp", "compile", "collectives",
+SECTIONS = ("impl", "scaling", "overlap", "windowed", "cp", "pp", "moe", "compile",
+            "collectives",
             "profile",
             "cpu_profile", "peer", "torch-peer", "attention", "loop", "decode", "predict")
 # quick: for CI, about a minute on 2 CPU cores; full: ~10 minutes there
@@ -291,6 +295,7 @@ def run_suite(quick: bool = False, only=None, log: Callable[[str], None] = print
             "windowed": lambda: bench_windowed(plan, log),
             "cp": lambda: bench_cp(plan, cache, log),
             "pp": lambda: bench_pp(plan, log),
+            "moe": lambda: bench_moe(plan, log),
             "compile": lambda: bench_compile(plan, log),
             "collectives": lambda: bench_collectives(plan, log),
             "profile": lambda: bench_profile(plan, cache),
