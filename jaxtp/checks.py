@@ -164,9 +164,12 @@ def _check_choices(cfg: Config) -> None:
 
 
 def _check_shapes(m: ModelConfig) -> None:
-    if m.d_model % m.n_heads:
+    if m.d_head < 0:
+        raise ConfigError(f"model.d_head={m.d_head} must be >= 0 (0: d_model // n_heads)")
+    if not m.d_head and m.d_model % m.n_heads:
         raise ConfigError(
-            f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}"
+            f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}: set "
+            "model.d_head to the head dim, or d_model to a multiple of n_heads"
         )
     if m.n_kv_heads < 0 or m.n_heads % m.kv_heads:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads="
@@ -177,8 +180,8 @@ def _check_shapes(m: ModelConfig) -> None:
                           "rope_low_freq_factor < rope_high_freq_factor and "
                           "rope_original_max_len > 0 (rope_scaling_factor=0 turns it off)")
     if m.style == "llama" and m.head_dim % 2:
-        raise ConfigError(f"rotary embeddings need an even head dim, got "
-                          f"d_model/n_heads = {m.head_dim}")
+        raise ConfigError(f"rotary embeddings need an even head dim, got {m.head_dim} "
+                          "(model.d_head, 0: d_model/n_heads)")
 
 
 def _check_cp(cfg: Config) -> None:

@@ -50,6 +50,12 @@ class ModelConfig:
     d_model: int = 128
     n_heads: int = 8
     n_kv_heads: int = 0  # 0: same as n_heads (MHA); 1: MQA; else GQA
+    # each head's dim H (0: d_model // n_heads); q is [D, N, H] and the output
+    # projection [N, H, D] whatever N * H is (Qwen3-30B-A3B: D 2048, N 32, H 128)
+    d_head: int = 0
+    # RMSNorm over each query and key head's H dims after the projections and
+    # before RoPE, eps ln_eps, its two [H] scales replicated (Qwen3)
+    qk_norm: bool = False
     d_ff: int = 512
     seq_len: int = 128
     dropout: float = 0.0  # residual and embedding dropout
@@ -98,7 +104,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.d_head or self.d_model // self.n_heads
 
     @property
     def kv_heads(self) -> int:

@@ -69,7 +69,8 @@ def peak_flops(device) -> float | None:
 
 def model_flops_per_token(cfg, n_params: int) -> float:
     """6N + 12*L*h*s: matmul flops of forward and backward per token
-    (Chowdhery et al. 2022, App. B), recomputation not counted. N counts the
+    (Chowdhery et al. 2022, App. B: h = heads x head dim, which is d_model
+    unless `model.d_head` sets it apart), recomputation not counted. N counts the
     parameters that multiply: not the input lookup table (when untied from the
     LM head) nor learned positions; of a mixture of experts only the k
     experts a token takes (its active parameters, as MaxText's and
@@ -82,6 +83,6 @@ def model_flops_per_token(cfg, n_params: int) -> float:
     if m.n_experts:  # each expert's up (gate and up for SwiGLU) and down matmuls
         per_expert = (3 if m.style == "llama" else 2) * m.d_model * m.expert_d_ff
         idle = m.n_layers * (m.n_experts - m.moe_top_k) * per_expert
-    return 6 * (n_params - lookup - idle) + 12 * m.n_layers * m.d_model * m.seq_len
+    return 6 * (n_params - lookup - idle) + 12 * m.n_layers * m.n_heads * m.head_dim * m.seq_len
 
 

@@ -22,6 +22,10 @@ CFGS = {
     # SwiGLU, RoPE and 2 kv heads (sharded at tp=2, replicated at 8), with biases
     "llama": ModelConfig(style="llama", vocab_size=64, n_layers=2, d_model=64, n_heads=8,
                          n_kv_heads=2, d_ff=64, seq_len=16),
+    # Qwen3's attention: a head dim of 16, not D/N = 8, and q/k RMSNorm per head
+    "qwen3": ModelConfig(style="llama", vocab_size=64, n_layers=2, d_model=64, n_heads=8,
+                         n_kv_heads=2, d_head=16, qk_norm=True, d_ff=64, seq_len=16,
+                         use_bias=False),
 }
 MODULES = {"mlp": (MLP, reference.mlp), "attention": (Attention, reference.attention)}
 
@@ -29,7 +33,7 @@ MODULES = {"mlp": (MLP, reference.mlp), "attention": (Attention, reference.atten
 def module_value_and_grads(cls, tp, impl, CFG):
     """Output, d(x), d(params) of a module at tp, with the loss mean(y * c)
     (mean-reduced like a training loss, so gradients have a training scale)."""
-    mesh = make_mesh(1, tp)
+    mesh = make_mesh(1, tp, impl=impl)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(4, CFG.seq_len, CFG.d_model)).astype(np.float32)
     c = rng.normal(size=x.shape).astype(np.float32)
@@ -71,20 +75,24 @@ def reference_of(name, style):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
 
-CASES = [("gpt2", 1)] + [(s, tp) for s in sorted(CFGS) for tp in (2, 8)]
+CASES = [("gpt2", 1)] + [(s, tp) for s in ("gpt2", "llama") for tp in (2, 8)]
 
 
-def check_module(name, tp, style):
-    """shard_map and gspmd: the module's output, dX and every parameter
-    gradient equal one device's reference (tests/reference.py) and each other."""
+def check_module(name, tp, style, impls=("shard_map", "gspmd")):
+    """Under each of `impls` the module's output, dX and every parameter
+    gradient equal one device's reference (tests/reference.py), and the
+    outputs each other."""
     cls, ref_fn = MODULES[name]
     CFG = CFGS[style]
-    x, c, params, y_sm, dx_sm, dp_sm = module_value_and_grads(cls, tp, "shard_map", CFG)
-    _, _, params_g, y_g, dx_g, dp_g = module_value_and_grads(cls, tp, "gspmd", CFG)
-    (_, y_ref), ref_grads = reference_of(name, style)(params, x, c)
-    for y, dx, dp in ((y_sm, dx_sm, dp_sm), (y_g, dx_g, dp_g)):
+    runs = [module_value_and_grads(cls, tp, impl, CFG) for impl in impls]
+    for x, c, params, y, dx, dp in runs:
+        (_, y_ref), ref_grads = reference_of(name, style)(params, x, c)
         np.testing.assert_allclose(y, y_ref, rtol=RTOL, atol=ATOL)
         np.testing.assert_allclose(dx, ref_grads[1], rtol=RTOL, atol=ATOL)
-        for got, want in zip(jax.tree.leaves(dp), jax.tree.leaves(ref_grads[0])):
-            np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
-    np.testing.assert_allclose(y_sm, y_g, rtol=RTOL, atol=ATOL)
+        paths = jax.tree_util.tree_flatten_with_path(ref_grads[0])[0]
+        assert len(paths) == len(jax.tree.leaves(dp))
+        for (path, want), got in zip(paths, jax.tree.leaves(dp)):
+            np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL,
+                                       err_msg=jax.tree_util.keystr(path))
+    for run in runs[1:]:
+        np.testing.assert_allclose(run[3], runs[0][3], rtol=RTOL, atol=ATOL)

@@ -38,9 +38,11 @@ def _rotary(x, theta):
 
 
 def attention(a: dict, h, cfg):
-    """Causal attention of h [B, T, D]; q [D, N, H], kv [D, 2, K, H], out [N, H, D]."""
+    """Causal attention of h [B, T, D]; q [D, N, H], kv [D, 2, K, H], out [N, H, D]
+    (H: d_head, else D / N); with qk_norm, Qwen3's RMSNorm of each q and k
+    head before the rotation (HF Qwen3MoeAttention: q_norm, k_norm)."""
     B, T, D = h.shape
-    N, K, Hd = cfg.n_heads, cfg.kv_heads, D // cfg.n_heads
+    N, K, Hd = cfg.n_heads, cfg.kv_heads, cfg.d_head or D // cfg.n_heads
     h2 = h.reshape(B * T, D)
     q = h2 @ a["q"]["kernel"].reshape(D, N * Hd)
     k = h2 @ a["kv"]["kernel"][:, 0].reshape(D, K * Hd)
@@ -52,6 +54,9 @@ def attention(a: dict, h, cfg):
     q = q.reshape(B, T, N, Hd).transpose(0, 2, 1, 3)
     k = k.reshape(B, T, K, Hd).transpose(0, 2, 1, 3)
     v = v.reshape(B, T, K, Hd).transpose(0, 2, 1, 3)
+    if cfg.qk_norm:
+        rms = lambda x, w: x / jnp.sqrt((x ** 2).mean(-1, keepdims=True) + cfg.ln_eps) * w
+        q, k = rms(q, a["q_norm"]["scale"]), rms(k, a["k_norm"]["scale"])
     if cfg.style == "llama":
         q, k = _rotary(q, cfg.rope_theta), _rotary(k, cfg.rope_theta)
     k, v = jnp.repeat(k, N // K, axis=1), jnp.repeat(v, N // K, axis=1)  # repeat_kv

@@ -25,8 +25,9 @@ class ParamShard:
     elements: int  # a stacked parameter's: all its layers'
     dp_split: bool
     in_stack: bool  # a block's (under a scanned stack: one layer per loop trip)
-    # "column" (kernel or bias) / "row" kernel or "vocab" table: used inside a
-    # region (shard_map gathers it there); "": on global arrays (norms,
+    # "column" (kernel or bias, and the per-head q/k norms' scales, applied to
+    # the column-parallel q and k) / "row" kernel or "vocab" table: used inside
+    # a region (shard_map gathers it there); "": on global arrays (norms,
     # row-parallel biases, positions)
     region: str
     # the MLP's down-projection bias: added last, its value feeds only the
@@ -58,7 +59,7 @@ def param_shards(cfg: Config) -> list[ParamShard]:
         # a column-parallel bias is added inside the region; a row-parallel
         # one after g, outside it
         region = ("vocab" if leaf == "embedding" and module in ("wte", "lm_head") else
-                  "column" if module in ("q", "kv", "up") else
+                  "column" if module in ("q", "kv", "up", "q_norm", "k_norm") else
                   "row" if leaf == "kernel" and module in ("out", "down") else "")
         split = {a for e in spec for a in spec_axes(e)} - {DATA_AXIS}
         layers = L // L0 if names[0] == "blocks" else 1

@@ -1,5 +1,6 @@
 """Causal self-attention with heads split over tp: multi-head, grouped-query
-(GQA) and multi-query (MQA), optional RoPE, any kernel of `kernels`."""
+(GQA) and multi-query (MQA), optional RoPE and per-head q/k RMSNorm, any
+kernel of `kernels`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from .. import parallel
 from ..config import ModelConfig
 from ..parallel import Layout
 from . import kernels
-from .layers import ColumnParallelLinear, RowParallelLinear, init_std_out, rope, rope_inv_freq
+from .layers import (ColumnParallelLinear, RMSNorm, RowParallelLinear, init_std_out, rope,
+                     rope_inv_freq)
 
 
 class Attention(nnx.Module):
@@ -23,6 +25,8 @@ class Attention(nnx.Module):
     row-parallel. One all-reduce forward (g, after W_out) and one backward (f,
     the gradient of x entering the projections). The layout says which of two
     kv layouts a run has (`_grouped` when tp divides K, else `_shared`).
+    With `model.qk_norm`, q and k are RMS-normalised per head over H before
+    RoPE (Qwen3), by two replicated [H] scales.
     """
 
     def __init__(self, cfg: ModelConfig, layout: Layout, *, rngs: nnx.Rngs):
@@ -36,6 +40,11 @@ class Attention(nnx.Module):
                                        layout, std=cfg.init_std, **kw)
         self.out = RowParallelLinear((N, H), ("heads", "head_dim"), "NH", D, layout,
                                      std=init_std_out(cfg.init_std, cfg.n_layers), **kw)
+        # Qwen3's q_norm / k_norm (HF Qwen3MoeAttention): over each head's H
+        # dims, so any split of the heads over tp leaves them local
+        norm = lambda: RMSNorm(H, layout, eps=cfg.ln_eps, dtype=cfg.dtype,
+                               param_dtype=cfg.param_dtype, axis="head_dim")
+        self.q_norm, self.k_norm = (norm(), norm()) if cfg.qk_norm else (None, None)
         self.rope_theta = cfg.rope_theta if cfg.style == "llama" else None
         self.cfg, self.layout = cfg, layout
         self.kernel, self.block = cfg.attention, cfg.attention_block
@@ -57,6 +66,7 @@ class Attention(nnx.Module):
         """Local math from x to the output summed over tp (`local.exit`)."""
         qkv = self._grouped if self.layout.kv_sharded else self._shared
         q_BTKGH, k_BTKH, v_BTKH = qkv(x_BTD, local)
+        q_BTKGH, k_BTKH = self._qk_norm(q_BTKGH, k_BTKH)
         B, T, K, G, H = q_BTKGH.shape
         if self.rope_theta is not None:
             pos_T, inv_freq = local.positions(T), rope_inv_freq(H, self.cfg)
@@ -92,6 +102,7 @@ class Attention(nnx.Module):
             K = kv_BTCKH.shape[3]
             q_BTKGH, k_BTKH, v_BTKH = (q_BTNH.reshape(B, T, K, N // K, H), kv_BTCKH[:, :, 0],
                                        kv_BTCKH[:, :, 1])
+        q_BTKGH, k_BTKH = self._qk_norm(q_BTKGH, k_BTKH)
         if self.rope_theta is not None:
             inv_freq = rope_inv_freq(q_BTKGH.shape[-1], self.cfg)
             q_BTKGH = rope(q_BTKGH, pos_BT, self.rope_theta, inv_freq)
@@ -108,6 +119,12 @@ class Attention(nnx.Module):
             o_BTKGH = kernels.cached_attention(q_BTKGH, k_BSKH, v_BSKH, pos_BT)
         B, T, K, G, H = o_BTKGH.shape
         return self.out.partial(o_BTKGH.reshape(B, T, K * G, H)), k_BSKH, v_BSKH
+
+    def _qk_norm(self, q_BTKGH, k_BTKH):
+        """q and k normalised per head (`model.qk_norm`), else as they are."""
+        if self.q_norm is None:
+            return q_BTKGH, k_BTKH
+        return self.q_norm(q_BTKGH), self.k_norm(k_BTKH)
 
     def _grouped(self, x_BTD, local):
         """tp divides K: each rank holds K/tp kv heads and the N/tp query heads

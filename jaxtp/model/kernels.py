@@ -52,7 +52,7 @@ def cudnn_problem(dtype, head_dim: int, platform: str, device_kind: str = "") ->
                 f"model.dtype={jnp.dtype(dtype).name}: add --bf16 or use 'blockwise'")
     if head_dim % 8 or head_dim > 256:
         return (f"model.attention='cudnn' needs a head dim that is a multiple of 8 and at "
-                f"most 256, got d_model/n_heads={head_dim}")
+                f"most 256, got {head_dim} (model.d_head, 0: d_model/n_heads)")
     return None
 
 

@@ -140,10 +140,13 @@ class LayerNorm(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * scale over the model dim, in fp32 (Zhang & Sennrich 2019); replicated."""
+    """x / rms(x) * scale over the last dim, in fp32 (Zhang & Sennrich 2019);
+    replicated. `axis`: the scale's logical axis ("embed", the model dim;
+    "head_dim" for a per-head norm, which no rule splits)."""
 
-    def __init__(self, d: int, layout: Layout, *, eps: float, dtype, param_dtype):
-        self.scale = param(None, jnp.ones, (d,), ("embed",), param_dtype, layout)
+    def __init__(self, d: int, layout: Layout, *, eps: float, dtype, param_dtype,
+                 axis: str = "embed"):
+        self.scale = param(None, jnp.ones, (d,), (axis,), param_dtype, layout)
         self.eps = eps
         self.dtype = dtype
 

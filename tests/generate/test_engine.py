@@ -17,8 +17,11 @@ from cached import OPTIMISED, initial_params
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11]]  # three lengths in one batch
 NEW = 8
-# (style, n_kv_heads): MHA, GQA with K < tp at tp=8 (and K = tp at 2), MQA
-MODELS = {"gpt2": ("gpt2", 0), "llama-gqa": ("llama", 2), "llama-mqa": ("llama", 1)}
+# (style, n_kv_heads): MHA, GQA with K < tp at tp=8 (and K = tp at 2), MQA;
+# Qwen3's attention: GQA with a head dim of 16 (not D/N = 8) and q/k norms
+MODELS = {"gpt2": ("gpt2", 0), "llama-gqa": ("llama", 2), "llama-mqa": ("llama", 1),
+          "qwen3-attn": ("llama", 2)}
+EXTRA = {"qwen3-attn": dict(d_head=16, qk_norm=True)}
 
 
 def config(name: str, tp: int, impl: str = "gspmd", scan: bool = False, dp: int = 1,
@@ -28,7 +31,8 @@ def config(name: str, tp: int, impl: str = "gspmd", scan: bool = False, dp: int 
     # cache's other summation order could flip
     m = ModelConfig(style=style, n_layers=2, d_model=64, n_heads=8, n_kv_heads=K, d_ff=128,
                     seq_len=32, init_std=0.3, attention="xla", scan_layers=scan,
-                    use_bias=style == "gpt2", tie_embeddings=style == "gpt2", vocab_size=vocab)
+                    use_bias=style == "gpt2", tie_embeddings=style == "gpt2", vocab_size=vocab,
+                    **EXTRA.get(name, {}))
     return validate(Config(m, TrainConfig(batch_size=4), ParallelConfig(dp=dp, tp=tp,
                                                                         impl=impl)))
 
@@ -61,12 +65,12 @@ def reference_greedy(name: str, scan: bool = False) -> list[list[int]]:
     return out
 
 
-# every model at tp=8 under both impls, and GQA also at tp 2 (K = tp: kv
+# every model at tp=8 under both impls, and GQA (and Qwen3's) also at tp 2 (K = tp: kv
 # sharded; at 8 replicated), each against one device's forward; the cache at
 # tp=1 for every model
 GREEDY = [(name, 1, "gspmd") for name in MODELS] + [
     (name, tp, impl) for name in MODELS for tp in (2, 8) for impl in ("gspmd", "shard_map")
-    if tp == 8 or name == "llama-gqa"]
+    if tp == 8 or name in ("llama-gqa", "qwen3-attn")]
 
 
 @pytest.mark.parametrize("name, tp, impl", GREEDY)
@@ -75,7 +79,8 @@ def test_greedy_with_the_cache_equals_the_full_forward(name, tp, impl):
     assert gen.generate(PROMPTS, NEW) == reference_greedy(name)
 
 
-test_greedy_with_the_cache_equals_the_full_forward.fast_cases = {"llama-gqa-8-shard_map"}
+test_greedy_with_the_cache_equals_the_full_forward.fast_cases = {"llama-gqa-8-shard_map",
+                                                                  "qwen3-attn-2-gspmd"}
 
 
 @pytest.mark.slow
