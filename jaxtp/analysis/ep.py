@@ -39,17 +39,17 @@ def slots(cfg: Config) -> int:
     return m.n_experts * groups * C * m.d_model
 
 
-def expected_ep(cfg: Config) -> list[Expected]:
+def expected_ep(cfg: Config, impl: str = "gspmd") -> list[Expected]:
     """The all-to-alls over ep, per MoE layer and microbatch (see the
-    module docstring), as XLA:CPU's operands."""
+    module docstring), as XLA:CPU's operands: written out by
+    `jaxtp.parallel.ep` under shard_map, placed by GSPMD under gspmd."""
     m, p = cfg.model, cfg.parallel
     if p.ep == 1 or not m.n_experts:
         return []
     part = slots(cfg) // p.ep
-    # (placed by GSPMD under both impls: at the edge of shard_map's region)
     E = lambda name, pass_: Expected(f"ep: {name}", "all-to-all", pass_, "moe", part,
                                      HLO_DTYPES[m.dtype], p.ep, 2 * p.ep, "ep", (EP_AXIS,),
-                                     written=False, per="layer")
+                                     written=impl == "shard_map", per="layer")
     return [E("dispatch and combine (the slots to their experts' ranks and back)", "forward"),
             E("their transposes (the slots' gradients back and forth)", "backward")]
 
@@ -124,5 +124,5 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
         own.append(E("dp: the experts' weight gradients (ep owns its experts)", "all-reduce",
                      "backward", experts, 1, p.dp, (DATA_AXIS,), HLO_DTYPES[m.param_dtype],
                      per="microbatch", scope=ANY_SCOPE))
-    return rows + per_step(own + expected_ep(cfg), schedule_of(cfg))
+    return rows + per_step(own + expected_ep(cfg, impl), schedule_of(cfg))
 

@@ -22,6 +22,11 @@ What it cannot see, or prices by another model, is named, each with its bytes
   rank sends it once (the ledger's, and what the roofline's own all-gather
   at cp = 2 books for the same exchange); on a ring of 3 or more ranks
   every pair has a link of its own, 1x;
+- an all-to-all (ep's dispatch and combine, `jaxtp.parallel.ep`): the
+  roofline's model is a bisection one (`_all_to_all_roofline`: half of the
+  group's n buffers cross a bisection of 2 links, 1 where n = 2), so n/4 of
+  a rank's buffer (n/2 at n = 2) where the ledger books the (n-1)/n each
+  rank sends;
 - under FSDP a tied table is gathered in the lookup's region and in the
   head's, twice in the jaxpr; XLA merges the equal gathers (the ledger's one).
 Every remaining byte must agree. A loop's body is read once (no trip count),
@@ -90,6 +95,9 @@ def _roofline_price(e: Expected, sizes: dict[str, int]) -> dict[str, float]:
         return {"tp": e.count * (2 / 3 * e.ring_bytes + 4 * (n - 1) / 3)}
     if e.kind == "collective-permute" and sizes[e.axes[0]] == 2:  # both pairs on one link
         return {e.axes[0]: e.count * 2 * e.ring_bytes}
+    if e.kind == "all-to-all":  # a row's operands: 1/n of a rank's buffer each
+        n = sizes[e.axes[0]]
+        return {e.axes[0]: e.count * e.bytes * n / (2 * (2 if n > 2 else 1))}
     if len(e.axes) > 1:  # two phases, half the buffer each, booked to every axis
         shard, booked = e.bytes / math.prod(sizes[a] for a in e.axes) / len(e.axes), 0.0
         for a in sorted(e.axes, key=lambda a: sizes[a], reverse=True):

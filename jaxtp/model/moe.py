@@ -41,6 +41,7 @@ from jax.ad_checkpoint import checkpoint_name
 from ..config import ModelConfig
 from ..parallel import Layout, constrain, run_sharded, spec
 from ..parallel.collectives import f, g
+from ..parallel.ep import over_ep
 from .layers import gelu, init_std_out, param, weight
 
 # the router statistics a MoE layer returns: the two losses; monitored
@@ -48,6 +49,11 @@ from .layers import gelu, init_std_out, param, weight
 # assignments each expert gets ([E], `load`); summed over the layers
 LOSSES = ("moe_balance", "moe_z")
 STATS = (*LOSSES, "moe_dropped")
+# the slots [E, G, C, D] as the dispatch makes them (the groups split as the
+# tokens are, over dp x ep; every expert on every rank), and as the experts
+# take them (E over ep, the groups over dp)
+TOKENS_SLOTS = (None, "batch", None, "embed")
+EXPERTS_SLOTS = ("expert", "expert_batch", None, "embed")
 
 
 def n_stats(E: int, monitor: bool) -> int:
@@ -176,15 +182,18 @@ class Experts(nnx.Module):
         self.dtype, self.layout = cfg.dtype, layout
 
     def __call__(self, x_EGCD):
-        """Every expert's slots [E, G, C, D] (G: the groups, split over dp; E
-        over ep) -> its outputs, summed over tp."""
-        s = ("expert", "expert_batch", None, "embed")
+        """Every expert's slots [E, G, C, D] -> its outputs, summed over tp.
+        gspmd: the slots as the experts take them (E over ep, the groups over
+        dp: `_slots_place`); shard_map: as the dispatch made them (the groups
+        over dp x ep), sent to the experts' ranks and back in the region
+        (`jaxtp.parallel.ep.over_ep`)."""
         if self.layout.impl == "shard_map":
-            return run_sharded(self, lambda m, x: g(m.local(f(x))), x_EGCD,
-                               arg_specs=(spec(*s),), out_specs=spec(*s))
+            s = spec(*TOKENS_SLOTS)
+            return run_sharded(self, lambda m, x: over_ep(lambda x: g(m.local(f(x))), x),
+                               x_EGCD, arg_specs=(s,), out_specs=s)
         if self.layout.impl != "gspmd":
             raise ValueError(f"MoE is not built for impl {self.layout.impl!r} yet")
-        return constrain(self.local(x_EGCD), *s)
+        return constrain(self.local(x_EGCD), *EXPERTS_SLOTS)
 
     def local(self, x_EGCD):
         """The experts' math on whatever part of F this rank holds."""
@@ -199,14 +208,17 @@ class Experts(nnx.Module):
 
 
 def _slots_place(x_EGCD, to_experts: bool):
-    """The slots as the dispatch makes them (the groups split over dp x ep,
-    every expert on every rank) -> as the experts take them (E split over
-    ep, the groups over dp), or back: the same array resharded, an
-    all-to-all over ep each way (GShard's, placed by GSPMD)."""
-    tokens = (None, "batch", None, "embed")
-    experts = ("expert", "expert_batch", None, "embed")
-    x_EGCD = constrain(x_EGCD, *(tokens if to_experts else experts))
-    return constrain(x_EGCD, *(experts if to_experts else tokens))
+    """gspmd: the slots as the dispatch makes them (`TOKENS_SLOTS`) -> as the
+    experts take them (`EXPERTS_SLOTS`), or back: the same array resharded,
+    an all-to-all over ep each way (GShard's, placed by GSPMD)."""
+    x_EGCD = constrain(x_EGCD, *(TOKENS_SLOTS if to_experts else EXPERTS_SLOTS))
+    return constrain(x_EGCD, *(EXPERTS_SLOTS if to_experts else TOKENS_SLOTS))
+
+
+def _slots_kept(x_EGCD, to_experts: bool):
+    """shard_map: the slots stay split as the tokens are; the expert region
+    moves them itself (`jaxtp.parallel.ep`)."""
+    return constrain(x_EGCD, *TOKENS_SLOTS)
 
 
 def _pin_groups(a):
@@ -227,7 +239,7 @@ class MoE(nnx.Module):
         self.k, self.factor, self.norm = cfg.moe_top_k, cfg.capacity_factor, cfg.moe_norm_topk
         self.layout = layout
         self.tag = "mlp_out"
-        self._place = _slots_place
+        self._place = _slots_kept if layout.impl == "shard_map" else _slots_place
         self.monitor = False  # also the dropped share and the loads (`moe`)
 
     def __call__(self, x_BTD):

@@ -39,7 +39,7 @@ def compiled(impl: str, factor: float, ep: int = 4, tp: int = 2, dp: int = 1):
 def test_the_all_to_alls_are_the_ep_ledgers(impl, factor):
     cfg, sizes, colls = compiled(impl, factor)
     a2a = [c for c in colls if c.kind == "all-to-all"]
-    assert check(a2a, per_step(expected_ep(cfg), schedule_of(cfg)), sizes) is None
+    assert check(a2a, per_step(expected_ep(cfg, impl), schedule_of(cfg)), sizes) is None
     # and the whole step: the dense budget at dp x ep, the experts' tp and router rows
     assert check(colls, expected_collectives(cfg, impl, "cpu"), sizes) is None
     # by hand: each rank's 16/4 = 4 groups of 32 tokens, C slots per expert
