@@ -26,11 +26,15 @@ def linear_layouts(model) -> dict[str, str]:
     return out
 
 
+# the scopes of a block's collectives (the rest run outside the blocks)
+BLOCK_SCOPES = ("attention", "mlp", "moe")
+
+
 def run_record(cfg: Config, mesh, model, hlo_text: str, check: dict | None = None) -> dict:
     """What an engineer records for a TP experiment (written as run.json)."""
     m, p = cfg.model, cfg.parallel
     M = cfg.train.microbatches
-    b = cfg.train.batch_size // (p.dp * M)
+    b = cfg.train.batch_size // (p.dp * p.ep * M)  # (ep's ranks split the batch as dp's)
     colls = hlo.collectives(hlo_text)
     rows = hlo.summarize(colls)
     # per layer and microbatch (a step runs every layer once per microbatch;
@@ -39,10 +43,10 @@ def run_record(cfg: Config, mesh, model, hlo_text: str, check: dict | None = Non
         p.pp_repeats * M + p.pp - 1)
     per_layer = [{**r, "count_per_layer": r["count"] / trips,
                   "payload_bytes": r["bytes"]}
-                 for r in rows if r["scope"] in ("attention", "mlp")]
-    outside = [r for r in rows if r["scope"] not in ("attention", "mlp")]
+                 for r in rows if r["scope"] in BLOCK_SCOPES]
+    outside = [r for r in rows if r["scope"] not in BLOCK_SCOPES]
     return {
-        **dict(tp=p.tp, dp=p.dp, cp=p.cp, pp=p.pp), "impl": p.impl,
+        **dict(tp=p.tp, dp=p.dp, cp=p.cp, pp=p.pp, ep=p.ep), "impl": p.impl,
         # pipeline parallelism's schedule and repeats (pp > 1)
         "pp_schedule": p.pp_schedule if p.pp > 1 else None,
         "pp_repeats": p.pp_repeats if p.pp > 1 else None,
@@ -50,13 +54,17 @@ def run_record(cfg: Config, mesh, model, hlo_text: str, check: dict | None = Non
         "cp_attention": p.cp_attention if p.cp > 1 else None,
         "cp_balance": p.cp_balance if p.cp > 1 else None,
         "platform": mesh.devices.flat[0].platform,
-        # [dp][tp], or with the pp and cp axes where present: [pp][dp][cp][tp]
+        # [dp][tp], or with the pp, ep and cp axes where present: [pp][dp][ep][cp][tp]
         "mesh_device_ids": mesh.device_ids.tolist(),
         "model": {"d_model": m.d_model, "d_ff": m.d_ff, "n_heads": m.n_heads,
                   "n_kv_heads": m.kv_heads, "n_layers": m.n_layers, "vocab_size": m.vocab_size,
                   "padded_vocab": m.padded_vocab, "style": m.style, "dtype": m.dtype,
                   "attention": m.attention, "attention_block": m.attention_block,
-                  "remat": m.remat, "loss_chunk": m.loss_chunk},
+                  "remat": m.remat, "loss_chunk": m.loss_chunk,
+                  # a mixture of experts (n_experts > 0): E, top-k, hidden units, capacity
+                  **({"n_experts": m.n_experts, "moe_top_k": m.moe_top_k,
+                      "moe_d_ff": m.expert_d_ff, "capacity_factor": m.capacity_factor}
+                     if m.n_experts else {})},
         # s: the sequence; each cp rank holds s/cp of its positions
         "microbatch": {"b": b, "s": m.seq_len, "tokens": b * m.seq_len, "microbatches": M},
         "linear_layouts": linear_layouts(model),
