@@ -10,7 +10,9 @@ over dp x ep) to the experts' (E over ep): one all-to-all over ep, which
 keeps 1/ep of it and sends (ep-1)/ep; the combine brings the experts'
 outputs back by the same all-to-all reversed. Forward: 2 all-to-alls
 (dispatch, combine); backward: their transposes, 2 more (Fedus et al. 2021,
-Switch, Sec. 2.2, counts the same two per layer).
+Switch, Sec. 2.2, counts the same two per layer). Under remat "full" the
+backward runs the forward's two again; every other policy keeps what they
+delivered (the remat name "ep_slots").
 
 On XLA:CPU (jax 0.10.2) an all-to-all is one instruction with one operand
 per peer (`jaxtp.hlo` reads each as a collective of its own): a row here
@@ -50,8 +52,11 @@ def expected_ep(cfg: Config, impl: str = "gspmd") -> list[Expected]:
     E = lambda name, pass_: Expected(f"ep: {name}", "all-to-all", pass_, "moe", part,
                                      HLO_DTYPES[m.dtype], p.ep, 2 * p.ep, "ep", (EP_AXIS,),
                                      written=impl == "shard_map", per="layer")
-    return [E("dispatch and combine (the slots to their experts' ranks and back)", "forward"),
+    rows = [E("dispatch and combine (the slots to their experts' ranks and back)", "forward"),
             E("their transposes (the slots' gradients back and forth)", "backward")]
+    if m.remat == "full":  # the only policy that does not keep "ep_slots"
+        rows.append(E("remat 'full': dispatch and combine again for the backward", "backward"))
+    return rows
 
 
 def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list[Expected]:
@@ -64,11 +69,14 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
     - tp inside the experts (Megatron's MLP rule over the slots): g, an
       all-reduce of the rank's slots forward, its E/ep experts' for its dp
       rank's groups, (E/ep) * (B/(dp*M)) * C * D elements (as many as the
-      dispatch's buffer: `slots`), and f, one of the same backward;
+      dispatch's buffer: `slots`), and f, one of the same backward; under
+      remat "full" g again (the block keeps its output, not the experts');
     - ep's all-to-alls (`expected_ep`);
     - the router's statistics over dp x ep, forward: the z-loss's mean and
       the balance loss's f and P ([E] each), 1 + 2E elements, in whatever
-      all-reduces XLA combines them (with the loss's mean) into;
+      all-reduces XLA combines them (with the loss's mean) into; under any
+      remat policy f's E again in the backward (its rematerialised block
+      recomputes it for the balance loss's gradient);
     - the gradients: the router's with the dense weights' over dp x ep; the
       experts' over dp only (an ep rank owns its experts: Megatron-Core's
       expert-data-parallel group); the gradient norm over ep too.
@@ -113,6 +121,9 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
           slots(cfg), 1, p.tp, (TP_AXIS,)),
         E("f: dX entering the experts' up-proj", "all-reduce", "backward", slots(cfg), 1,
           p.tp, (TP_AXIS,))]
+    if own and m.remat == "full":  # the block's output is kept, the experts' is not
+        own.append(E("remat 'full': g again for the backward", "all-reduce", "backward",
+                     slots(cfg), 1, p.tp, (TP_AXIS,)))
     if data:
         n = p.dp * p.ep
         # (in any scope: XLA combines these small sums, and the layers' sum
@@ -120,6 +131,10 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
         own += [E("router statistics: the z-loss's mean, the balance loss's f and P",
                   "all-reduce", "forward", 1 + 2 * m.n_experts, 1, n, data, "f32",
                   written=False, scope=ANY_SCOPE)]
+        if m.remat != "none":  # the balance loss's gradient reads f, summed again
+            own.append(E("remat: the balance loss's f summed again for its gradient",
+                         "all-reduce", "backward", m.n_experts, 1, n, data, "f32",
+                         written=False, scope=ANY_SCOPE))
     if p.dp > 1:
         own.append(E("dp: the experts' weight gradients (ep owns its experts)", "all-reduce",
                      "backward", experts, 1, p.dp, (DATA_AXIS,), HLO_DTYPES[m.param_dtype],

@@ -41,7 +41,7 @@ from jax.ad_checkpoint import checkpoint_name
 from ..config import ModelConfig
 from ..parallel import Layout, constrain, run_sharded, spec
 from ..parallel.collectives import f, g
-from ..parallel.ep import over_ep
+from ..parallel.ep import SLOTS_NAME, over_ep
 from .layers import gelu, init_std_out, param, weight
 
 # the router statistics a MoE layer returns: the two losses; monitored
@@ -212,7 +212,8 @@ def _slots_place(x_EGCD, to_experts: bool):
     experts take them (`EXPERTS_SLOTS`), or back: the same array resharded,
     an all-to-all over ep each way (GShard's, placed by GSPMD)."""
     x_EGCD = constrain(x_EGCD, *(TOKENS_SLOTS if to_experts else EXPERTS_SLOTS))
-    return constrain(x_EGCD, *(EXPERTS_SLOTS if to_experts else TOKENS_SLOTS))
+    return checkpoint_name(constrain(x_EGCD, *(EXPERTS_SLOTS if to_experts else TOKENS_SLOTS)),
+                           SLOTS_NAME)
 
 
 def _slots_kept(x_EGCD, to_experts: bool):

@@ -16,6 +16,7 @@ from flax import nnx
 from ..config import REMATS, ModelConfig
 from ..parallel import Layout, constrain
 from ..parallel.context import KV_NAME as CP_KV
+from ..parallel.ep import SLOTS_NAME as EP_SLOTS
 from ..parallel.pipeline import pipeline
 from ..parallel.pipeline_1f1b import pipeline_1f1b
 from .attention import Attention
@@ -69,7 +70,8 @@ _names = jax.checkpoint_policies.save_only_these_names
 # (the second norm's input).
 REGION_OUTPUTS = ("attn_out", "mlp_out")
 # CP_KV: the K/V a context-parallel rank received from the others (all-gathered,
-# or each ring hop's chunk): kept by every policy but "full", so that the
+# or each ring hop's chunk), and EP_SLOTS: the slots ep's all-to-alls delivered
+# (to the experts and back): kept by every policy but "full", so that the
 # backward pass does not repeat the forward's collectives
 REMAT_POLICIES = {
     "none": None,  # keep every activation the backward pass needs
@@ -79,11 +81,11 @@ REMAT_POLICIES = {
     # the rest: norms, activations, the attention core
     "dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        _names(*REGION_OUTPUTS, CP_KV)),
+        _names(*REGION_OUTPUTS, CP_KV, EP_SLOTS)),
     # the tagged projection outputs only (q/k/v, MLP up, the region outputs:
     # under SP, their sequence shards); recompute norms, activations and the
     # attention core (and under cp the K/V received)
-    "minimal": _names("qkv", "mlp_up", *REGION_OUTPUTS, CP_KV),
+    "minimal": _names("qkv", "mlp_up", *REGION_OUTPUTS, CP_KV, EP_SLOTS),
 }
 assert tuple(REMAT_POLICIES) == REMATS  # the config's list of names is the one source
 

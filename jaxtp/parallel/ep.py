@@ -25,8 +25,13 @@ from __future__ import annotations
 from typing import Callable
 
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from .layout import EP_AXIS, manual_axes
+
+# remat name of the slots an all-to-all delivered (to the experts, and back):
+# every policy but "full" keeps them, so the backward sends nothing again
+SLOTS_NAME = "ep_slots"
 
 
 def over_ep(experts: Callable, x_EGCD):
@@ -38,5 +43,6 @@ def over_ep(experts: Callable, x_EGCD):
     # the axis as a tuple: jax 0.10.2's roofline rule for all_to_all iterates
     # over the name it is given ("ep" read as the axes "e" and "p")
     x_EGCD = lax.all_to_all(x_EGCD, (EP_AXIS,), split_axis=0, concat_axis=1, tiled=True)
-    y_EGCD = experts(x_EGCD)
-    return lax.all_to_all(y_EGCD, (EP_AXIS,), split_axis=1, concat_axis=0, tiled=True)
+    y_EGCD = experts(checkpoint_name(x_EGCD, SLOTS_NAME))
+    y_EGCD = lax.all_to_all(y_EGCD, (EP_AXIS,), split_axis=1, concat_axis=0, tiled=True)
+    return checkpoint_name(y_EGCD, SLOTS_NAME)

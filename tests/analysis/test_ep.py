@@ -25,8 +25,9 @@ B = 16
 
 
 @functools.cache
-def compiled(impl: str, factor: float, ep: int = 4, tp: int = 2, dp: int = 1):
-    cfg = validate(Config(dataclasses.replace(MOE, capacity_factor=factor),
+def compiled(impl: str, factor: float, ep: int = 4, tp: int = 2, dp: int = 1,
+             remat: str = "none"):
+    cfg = validate(Config(dataclasses.replace(MOE, capacity_factor=factor, remat=remat),
                           TrainConfig(batch_size=B), ParallelConfig(dp=dp, ep=ep, tp=tp,
                                                                     impl=impl)))
     layout = Layout.of(cfg)
@@ -67,6 +68,25 @@ def test_the_all_to_all_bytes_follow_the_capacity_factor():
                     if c.kind == "all-to-all") for f in (1.0, 2.0, 0.0)}
     assert moved[2.0] == 2 * moved[1.0] and moved[0.0] == 4 * moved[1.0]
     assert slots(compiled("gspmd", 1.0)[0]) * 4 * MOE.n_layers * 4 == moved[1.0]
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+def test_remat_full_sends_the_slots_again_and_the_others_keep_them(impl):
+    """Under remat "full" the backward repeats the forward's dispatch and
+    combine (6 all-to-alls per layer); "minimal" and "dots" keep what they
+    delivered ("ep_slots"): 4, as without remat."""
+    moved = {}
+    for remat in ("minimal", "dots", "full"):
+        cfg, sizes, colls = compiled(impl, 1.0, remat=remat)
+        assert check(colls, expected_collectives(cfg, impl, "cpu"), sizes) is None
+        moved[remat] = sum(c.bytes * c.count for c in colls if c.kind == "all-to-all")
+    cfg, _, _ = compiled(impl, 1.0)
+    per_layer = slots(cfg) * 4  # f32 bytes of one rank's buffer, per all-to-all
+    assert moved == {"minimal": 4 * 2 * per_layer, "dots": 4 * 2 * per_layer,
+                     "full": 6 * 2 * per_layer}
+
+
+test_remat_full_sends_the_slots_again_and_the_others_keep_them.fast_cases = {"gspmd"}
 
 
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
