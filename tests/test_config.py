@@ -26,10 +26,12 @@ def test_every_preset_loads_and_validates(name):
 # Parameter counts published for these shapes: nanoGPT's GPT-2 124M with the
 # vocabulary padded to 50304 (124,475,904 incl. position embeddings), Meta's
 # Llama-3.2-1B (1,235,814,400, tied), Llama-3-8B (8,030,261,248) and
-# Llama-3-70B (70,553,706,496), Mixtral-8x7B (46,702,792,704: "46.7B").
+# Llama-3-70B (70,553,706,496), Mixtral-8x7B (46,702,792,704: "46.7B"),
+# Qwen3-30B-A3B (30,532,122,624, which Qwen's model card rounds to "30.5B"
+# total; its q/k norms, 2 x 128 per layer, included).
 PUBLISHED = {"gpt2-small": 124_475_904, "llama-1b": 1_235_814_400,
              "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496,
-             "mixtral-8x7b": 46_702_792_704}
+             "mixtral-8x7b": 46_702_792_704, "qwen3-30b-a3b": 30_532_122_624}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -44,7 +46,7 @@ def test_large_presets_have_their_published_parameter_counts(name):
 
 
 test_large_presets_have_their_published_parameter_counts.fast_cases = set(PUBLISHED) - {
-    "llama3-70b", "mixtral-8x7b"}  # 80 layers, 8 experts: seconds each
+    "llama3-70b", "mixtral-8x7b", "qwen3-30b-a3b"}  # 80 layers, 8 or 128 experts: seconds each
 
 
 def test_a_mixture_of_experts_counts_its_active_parameters_in_mfu():
@@ -60,6 +62,23 @@ def test_a_mixture_of_experts_counts_its_active_parameters_in_mfu():
     lookup = m.vocab_size * m.d_model
     assert model_flops_per_token(cfg, 46_702_792_704) == \
         6 * (active - lookup) + 12 * m.n_layers * m.d_model * m.seq_len
+
+
+def test_qwen3_moe_counts_its_active_parameters_and_its_wider_attention():
+    """Qwen3-30B-A3B: 8 of 128 experts act, 3,353,032,704 parameters, which the
+    model card gives as "3.3B activated" (3.35B, cut at one decimal); its
+    attention is 32 heads x 128 = 4096 wide at d_model 2048, so 12*L*h*s
+    takes h = 4096."""
+    from jaxtp.hardware import model_flops_per_token
+
+    cfg = load_config("qwen3-30b-a3b")
+    m = cfg.model
+    assert (m.head_dim, m.n_heads * m.head_dim, m.d_model) == (128, 4096, 2048)
+    active = PUBLISHED["qwen3-30b-a3b"] - m.n_layers * (128 - 8) * 3 * m.d_model * m.moe_d_ff
+    assert active == 3_353_032_704
+    lookup = m.vocab_size * m.d_model
+    assert model_flops_per_token(cfg, PUBLISHED["qwen3-30b-a3b"]) == \
+        6 * (active - lookup) + 12 * m.n_layers * 4096 * m.seq_len
 
 
 def test_presets_hold_what_their_names_promise():
