@@ -27,8 +27,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--run", metavar="DIR", help="a train.py run directory (any tp/dp)")
-    src.add_argument("--hf", metavar="DIR", help="a Hugging Face Llama directory "
-                                                 "(save_pretrained, with tokenizer.json)")
+    src.add_argument("--hf", metavar="DIR", help="a Hugging Face Llama, Mixtral or Qwen3-MoE "
+                                                 "directory (save_pretrained, with "
+                                                 "tokenizer.json)")
     ap.add_argument("--step", type=int, help="--run: this checkpoint step (default: latest)")
     ap.add_argument("--prompt", action="append", default=[],
                     help="a prompt (repeat for a batch)")

@@ -7,7 +7,8 @@
     analysis/   the communication budget, --compare-hlo, the planner, compile-only targets
     hlo.py      collectives read from compiled HLO text
     hardware.py the one hardware table, model FLOPs per token
-    hf.py       Hugging Face Llama checkpoints in and out
+    hf.py       Hugging Face Llama, Mixtral, Qwen3-MoE checkpoints in and out
+                (hf_config.py: config.json keys; hf_tensors.py: tensor names)
     bench/      the benchmark suite (python -m jaxtp.bench)
 
 Importing jaxtp (or jaxtp.config) loads nothing else; the names below load

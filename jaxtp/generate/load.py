@@ -58,8 +58,9 @@ def from_run(run_dir: str | Path, tp: int | None = None, impl: str | None = None
 
 def from_hf(path: str | Path, tp: int = 1, impl: str = "gspmd", attention: str | None = None,
             tokenizer: str | Path | None = None):
-    """(model, mesh, tokenizer) of a Hugging Face Llama directory, at `tp`;
-    the tokenizer is the directory's, or `tokenizer` (a tokenizer.json)."""
+    """(model, mesh, tokenizer) of a Hugging Face directory (Llama, Mixtral,
+    Qwen3-MoE), at `tp`; the tokenizer is the directory's, or `tokenizer` (a
+    tokenizer.json)."""
 
     # before loading: a missing or unreadable one is refused at once
     tok = HFTokenizer(tokenizer, eos=hf_eos(path)) if tokenizer else HFTokenizer(path)
