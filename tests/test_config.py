@@ -81,6 +81,15 @@ def test_qwen3_moe_counts_its_active_parameters_and_its_wider_attention():
         6 * (active - lookup) + 12 * m.n_layers * 4096 * m.seq_len
 
 
+def test_a_head_dim_of_its_own_frees_d_model_from_n_heads():
+    """With model.d_head set, d_model need not divide by n_heads (the q and
+    output projections are [D, N, H] and [N, H, D] whatever N * H is)."""
+    cfg = validate(apply_overrides(Config(), ["model.d_model=100", "model.n_heads=8",
+                                              "model.d_head=16"]))
+    assert cfg.model.head_dim == 16
+    assert apply_overrides(Config(), ["model.d_model=96", "model.n_heads=8"]).model.head_dim == 12
+
+
 def test_presets_hold_what_their_names_promise():
     assert set(preset_names()) >= {"tiny", "gpt2-small", "llama-tiny", "llama-1b", "llama3-8b",
                                    "llama3-70b"}
@@ -124,6 +133,8 @@ def test_overrides_are_typed():
     (["train.lr=nan"], r"train.lr=nan must be positive"),
     (["model.style=bert"], r"model.style='bert'; choose one of"),
     (["model.n_kv_heads=3"], r"model.n_kv_heads=3 must divide model.n_heads=8"),
+    (["model.d_head=-1"], r"model.d_head=-1 must be >= 0 \(0: d_model // n_heads\)"),
+    (["model.style=llama", "model.d_head=7"], r"rotary embeddings need an even head dim, got 7"),
     (["model.n_kv_heads=2", "model.n_heads=6", "model.d_model=96", "model.d_ff=96",
       "parallel.tp=3"],
      r"n_kv_heads=2 and tp=3: .*valid --tp: \[1, 2, 6\]"),
