@@ -37,6 +37,8 @@ VARIANTS = {
     # 4 kv heads: sharded at tp=2, replicated (2 ranks per kv head) at tp=8
     "llama-gqa": ModelConfig(**LLAMA, n_kv_heads=4),
     "llama-mqa": ModelConfig(**LLAMA, n_kv_heads=1),
+    # Qwen3's attention: a head dim of 16 (not 64 / 8) and q/k RMSNorm per head
+    "llama-qk": ModelConfig(**LLAMA, n_kv_heads=4, d_head=16, qk_norm=True),
 }
 
 
@@ -122,9 +124,10 @@ test_init_is_the_same_in_every_layout.fast_cases = set()
 
 
 # GPT-2 and GQA (kv heads sharded at tp 2, replicated at 8) at tp 1, 2 and 8;
-# MHA (kv sharded) and MQA (one kv head, replicated) at tp 8
+# MHA (kv sharded), MQA (one kv head, replicated) and Qwen3's attention (d_head 16,
+# q/k norms; 4 kv heads, replicated) at tp 8
 CASES = [(v, tp) for v in ("gpt2", "llama-gqa") for tp in (1, 2, 8)] + \
-    [(v, 8) for v in ("llama-mha", "llama-mqa")]
+    [(v, 8) for v in ("llama-mha", "llama-mqa", "llama-qk")]
 
 
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
@@ -142,7 +145,7 @@ test_matches_single_device_reference.fast_cases = {'llama-gqa-8-shard_map', 'gpt
 
 @pytest.mark.slow  # fast tier: the budget's explicit cases
 @pytest.mark.parametrize("variant, tp", [("gpt2", 1)] + [
-    (v, tp) for v in ("gpt2", "llama-gqa") for tp in (2, 8)] + [("llama-mqa", 8)])
+    (v, tp) for v in ("gpt2", "llama-gqa") for tp in (2, 8)] + [("llama-mqa", 8), ("llama-qk", 8)])
 def test_explicit_matches_single_device_reference(variant, tp):
     """impl explicit, on a mesh of Explicit axes (of size 1 too): the same
     parameters, logits, loss and gradients as one device, the kv heads sharded
@@ -159,7 +162,7 @@ def test_explicit_matches_single_device_reference(variant, tp):
 
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
 @pytest.mark.parametrize("tp", [2, 8])
-@pytest.mark.parametrize("variant", ["gpt2", "llama-gqa"])
+@pytest.mark.parametrize("variant", ["gpt2", "llama-gqa", "llama-qk"])
 def test_sequence_parallel_matches_single_device_reference(variant, tp, impl):
     """Sequence parallelism changes where activations live, not what is
     computed: loss and every gradient, norm weights included, as on one device
