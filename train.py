@@ -361,6 +361,7 @@ def start_jax(args, cfg: Config) -> str | None:
     import jax
 
     from jaxtp.parallel import BF16_CPU_SHARD_MAP, distributed, ensure_devices
+    from jaxtp.parallel.ep import RAGGED_CPU
 
     # flags, JAX's environment variables or a launcher (srun, mpirun) make a multi-process run
     try:
@@ -388,6 +389,8 @@ def start_jax(args, cfg: Config) -> str | None:
     uses_shard_map = p.impl == "shard_map" or args.compare_hlo
     if uses_shard_map and cfg.model.dtype == "bfloat16" and on_cpu:
         return BF16_CPU_SHARD_MAP
+    if cfg.model.moe_dispatch == "ragged" and p.ep > 1 and on_cpu:
+        return RAGGED_CPU
     return None
 
 

@@ -28,6 +28,8 @@ ATTENTIONS = ("auto", "xla", "blockwise", "cudnn")  # jaxtp.model.kernels (auto:
 # how the attention core reaches the other cp ranks' keys and values
 # (jaxtp.parallel.context); the parallel package holds the same names
 CP_STRATEGIES = ("allgather", "ring")
+# how a MoE layer's tokens reach their experts (jaxtp.model.moe, jaxtp.parallel.ep)
+MOE_DISPATCHES = ("dense", "ragged")
 # how the pipeline stages run their microbatches (jaxtp.parallel.pipeline);
 # and those planned, refused by name until they are built
 PP_SCHEDULES = ("gpipe", "circular", "1f1b")
@@ -75,6 +77,10 @@ def _check_moe(cfg: Config) -> None:
     if m.capacity_factor < 0:
         raise ConfigError(f"model.capacity_factor={m.capacity_factor} must be >= 0 "
                           "(0: dropless)")
+    if m.moe_dispatch == "ragged" and m.capacity_factor:
+        raise ConfigError(f"model.moe_dispatch='ragged' is dropless, and "
+                          f"model.capacity_factor={m.capacity_factor} drops: set "
+                          "model.capacity_factor=0, or model.moe_dispatch=dense")
     _divisible("model.moe_d_ff (0: model.d_ff)", m.expert_d_ff, p.tp)
     unbuilt = [(p.impl == "explicit", "--impl explicit (use gspmd or shard_map)"),
                (p.pp > 1, "--pp"), (p.cp > 1, "--cp"), (p.sp, "--sp"),
@@ -153,6 +159,7 @@ def _check_choices(cfg: Config) -> None:
                                  ("model.remat", m.remat, REMATS),
                                  ("model.attention", m.attention, ATTENTIONS),
                                  ("model.style", m.style, STYLES),
+                                 ("model.moe_dispatch", m.moe_dispatch, MOE_DISPATCHES),
                                  ("parallel.impl", cfg.parallel.impl, IMPLS),
                                  ("parallel.overlap", cfg.parallel.overlap, OVERLAPS),
                                  ("parallel.cp_attention", cfg.parallel.cp_attention,

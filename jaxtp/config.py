@@ -99,6 +99,12 @@ class ModelConfig:
     # slots per expert: ceil(capacity_factor * tokens * k / E) per sequence,
     # later assignments dropped; 0: dropless
     capacity_factor: float = 0.0
+    # how tokens reach their experts: "dense" one-hot dispatch into
+    # capacity-sized slots (every impl, every backend), or "ragged": dropless,
+    # rows sorted by expert, jax.lax.ragged_all_to_all over ep and
+    # jax.lax.ragged_dot (capacity_factor 0; at ep > 1 GPUs and TPUs only:
+    # XLA:CPU does not compile ragged-all-to-all, jax-ml/jax#34755)
+    moe_dispatch: str = "dense"
     moe_balance_coef: float = 0.01  # Switch's load-balancing loss, added to the loss
     moe_z_coef: float = 0.001  # ST-MoE's router z-loss, added to the loss
 

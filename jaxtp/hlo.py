@@ -1,7 +1,8 @@
 """Read collectives out of compiled (post-SPMD-partitioning) HLO text.
 
 `collectives(text)` lists every all-reduce, all-gather, reduce-scatter,
-all-to-all and collective-permute that will run, with its dtype, shape, bytes,
+all-to-all, ragged-all-to-all (its result: the receive buffer, sized for the worst
+case) and collective-permute that will run, with its dtype, shape, bytes,
 replica groups (and so the mesh axes it spans, `Collective.axes`), pass and
 named scope:
 
@@ -26,7 +27,8 @@ from collections import Counter, defaultdict
 
 from .groups import axes_of, replica_groups
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+         "ragged-all-to-all")
 
 DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1,

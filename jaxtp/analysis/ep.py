@@ -41,6 +41,51 @@ def slots(cfg: Config) -> int:
     return m.n_experts * groups * C * m.d_model
 
 
+def tokens(cfg: Config) -> int:
+    """The tokens N a rank routes per MoE layer and microbatch: B/(M*pp*dp*ep) * s."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    return t.batch_size // (t.microbatches * p.pp * p.dp * p.ep) * m.seq_len
+
+
+def _ragged_ep(cfg: Config) -> list[Expected]:
+    """The ragged path's exchanges over ep, per MoE layer and microbatch
+    (`jaxtp.parallel.ep.ragged`), in XLA:GPU's form (XLA:CPU compiles no
+    ragged-all-to-all). A rank sends its A = N*k rows sorted by expert
+    into a receive buffer of R = ep*N*min(k, E/ep) rows (the worst case:
+    every rank's tokens on this rank's experts), and the outputs come back
+    into A rows: forward one ragged all-to-all of R*D and one of A*D
+    elements (the results), backward their transposes (A*D, R*D). A row's
+    ring bytes are (ep-1)/ep of its buffer: for the dispatch an upper bound
+    (balanced routing sends (ep-1)/ep of A*D; the buffer is ep*min(k, E/ep)/k
+    times that). The sizes and offsets travel as int32: forward the send
+    sizes all-gathered [ep, ep], the per-expert counts all-to-all'd
+    [ep, E/ep] and the reverse exchange's offsets [ep]; backward each
+    transpose exchanges its two offset vectors [ep] (jax's transpose rule),
+    one of which is the forward's own (XLA computes it once): 3. Under remat
+    "full" the forward's exchanges run again."""
+    m, p = cfg.model, cfg.parallel
+    El, N, k, D = m.n_experts // p.ep, tokens(cfg), m.moe_top_k, m.d_model
+    R, A, dt = p.ep * N * min(k, El), N * k, HLO_DTYPES[m.dtype]
+    E = lambda name, kind, pass_, n, dtype=dt, count=1: Expected(
+        f"ep: {name}", kind, pass_, "moe", n, dtype, p.ep, count, "ep", (EP_AXIS,),
+        per="layer")
+    forward = [E("the rows to their experts' ranks (ragged, worst-case buffer)",
+                 "ragged-all-to-all", "forward", R * D),
+               E("the outputs home (ragged)", "ragged-all-to-all", "forward", A * D)]
+    rows = forward + [
+        E("their transposes", "ragged-all-to-all", "backward", R * D),
+        E("their transposes", "ragged-all-to-all", "backward", A * D),
+        E("sizes: the send sizes of every rank", "all-gather", "forward", p.ep * p.ep, "s32"),
+        E("sizes: the rows per expert from every rank", "all-to-all", "forward", p.ep * El,
+          "s32"),
+        E("sizes: where each rank's rows came from", "all-to-all", "forward", p.ep, "s32"),
+        E("sizes: the transposes' offsets", "all-to-all", "backward", p.ep, "s32", 3)]
+    if m.remat == "full":
+        rows += [dataclasses.replace(r, name=f"remat 'full': {r.name}", pass_="backward")
+                 for r in forward]
+    return rows
+
+
 def expected_ep(cfg: Config, impl: str = "gspmd") -> list[Expected]:
     """The all-to-alls over ep, per MoE layer and microbatch (see the
     module docstring), as XLA:CPU's operands: written out by
@@ -48,6 +93,8 @@ def expected_ep(cfg: Config, impl: str = "gspmd") -> list[Expected]:
     m, p = cfg.model, cfg.parallel
     if p.ep == 1 or not m.n_experts:
         return []
+    if m.moe_dispatch == "ragged":
+        return _ragged_ep(cfg)
     part = slots(cfg) // p.ep
     E = lambda name, pass_: Expected(f"ep: {name}", "all-to-all", pass_, "moe", part,
                                      HLO_DTYPES[m.dtype], p.ep, 2 * p.ep, "ep", (EP_AXIS,),
@@ -116,14 +163,21 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
     E = lambda name, kind, pass_, n, count, group, axes, dtype=dt, per="layer", scope="moe", \
         written=True: Expected("moe: " + name, kind, pass_, scope, n, dtype, group, count,
                                "moe", axes, written, per)
+    ragged = m.moe_dispatch == "ragged"
+    tp_n = tokens(cfg) * m.d_model if ragged else slots(cfg)  # what g and f sum
     own = [] if p.tp == 1 else [
-        E("g: the experts' down-proj output (the rank's slots)", "all-reduce", "forward",
-          slots(cfg), 1, p.tp, (TP_AXIS,)),
-        E("f: dX entering the experts' up-proj", "all-reduce", "backward", slots(cfg), 1,
+        E("g: the experts' output " + ("(the layer's, weighted)" if ragged else
+                                        "(the rank's slots)"), "all-reduce", "forward",
+          tp_n, 1, p.tp, (TP_AXIS,)),
+        E("f: dX entering the experts' up-proj", "all-reduce", "backward", tp_n, 1,
           p.tp, (TP_AXIS,))]
+    if own and ragged:  # the weighted sum's operand is partial over tp
+        own.append(E("the routing weights' gradient (the outputs they weigh are partial "
+                     "over tp)", "all-reduce", "backward", tokens(cfg) * m.moe_top_k, 1,
+                     p.tp, (TP_AXIS,)))
     if own and m.remat == "full":  # the block's output is kept, the experts' is not
         own.append(E("remat 'full': g again for the backward", "all-reduce", "backward",
-                     slots(cfg), 1, p.tp, (TP_AXIS,)))
+                     tp_n, 1, p.tp, (TP_AXIS,)))
     if data:
         n = p.dp * p.ep
         # (in any scope: XLA combines these small sums, and the layers' sum

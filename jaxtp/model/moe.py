@@ -42,6 +42,7 @@ from ..config import ModelConfig
 from ..parallel import Layout, constrain, run_sharded, spec
 from ..parallel.collectives import f, g
 from ..parallel.ep import SLOTS_NAME, over_ep
+from ..parallel.ep import ragged as ragged_rows
 from .layers import gelu, init_std_out, param, weight
 
 # the router statistics a MoE layer returns: the two losses; monitored
@@ -131,7 +132,7 @@ def z_loss(logits_GTE) -> jax.Array:
 
 def moe(x_GTD, logits_GTE, experts: Callable, *, k: int, factor: float,
         norm_topk: bool = True, place: Callable = lambda x, to_experts: x,
-        pin: Callable = lambda x: x, monitor: bool = False):
+        pin: Callable = lambda x: x, monitor: bool = False, ragged: Callable | None = None):
     """(y [G, T, D], stats: balance loss, z-loss, and where `monitor` the
     dropped share and the experts' loads [E] (`n_stats`)): each
     token through its kept top-k experts, weighted; `experts(x_EGCD)` maps
@@ -140,20 +141,28 @@ def moe(x_GTD, logits_GTE, experts: Callable, *, k: int, factor: float,
     (True) and back for the combine (False): ep's all-to-alls; `pin(a)`
     keeps a group-leading routing array [G, ...] split as the tokens are
     (else the partitioner may gather the routing over ep to meet the
-    experts' split)."""
+    experts' split). `ragged(x_GTD, experts_GTk, weights_GTk)`, where given,
+    is the dropless ragged path instead (`jaxtp.parallel.ep.ragged`): no
+    slots, `factor` must be 0."""
     G, T, D = x_GTD.shape
     E = logits_GTE.shape[-1]
     C = capacity(T, k, E, factor)
     weights_GTk, experts_GTk, probs_GTE = map(pin, route(pin(logits_GTE), k, norm_topk))
-    d_GTEC, kept_GTk = map(pin, dispatch(experts_GTk, E, C))
-    c_GTEC = pin(combine(experts_GTk, weights_GTk, kept_GTk, E, C, d_GTEC))
-    x_EGCD = jnp.einsum("GTEC,GTD->EGCD", d_GTEC.astype(x_GTD.dtype), x_GTD)
-    y_EGCD = place(experts(place(x_EGCD, True)), False)
-    y_GTD = jnp.einsum("GTEC,EGCD->GTD", c_GTEC.astype(y_EGCD.dtype), y_EGCD)
+    if ragged is not None:
+        if factor:
+            raise ValueError(f"the ragged dispatch is dropless: capacity_factor={factor}, "
+                             "not 0")
+        y_GTD, kept_GTk = ragged(x_GTD, experts_GTk, weights_GTk), True
+    else:
+        d_GTEC, kept_GTk = map(pin, dispatch(experts_GTk, E, C))
+        c_GTEC = pin(combine(experts_GTk, weights_GTk, kept_GTk, E, C, d_GTEC))
+        x_EGCD = jnp.einsum("GTEC,GTD->EGCD", d_GTEC.astype(x_GTD.dtype), x_GTD)
+        y_EGCD = place(experts(place(x_EGCD, True)), False)
+        y_GTD = jnp.einsum("GTEC,EGCD->GTD", c_GTEC.astype(y_EGCD.dtype), y_EGCD)
     losses = jnp.stack([balance_loss(probs_GTE, experts_GTk), z_loss(logits_GTE)])
     if not monitor:  # (training: only what the loss reads, so the step computes no more)
         return y_GTD.astype(x_GTD.dtype), losses
-    dropped = 1.0 - jnp.mean(kept_GTk.astype(jnp.float32))
+    dropped = 1.0 - jnp.mean(jnp.asarray(kept_GTk, jnp.float32))
     return y_GTD.astype(x_GTD.dtype), jnp.concatenate([losses, dropped[None],
                                                        load(experts_GTk, E)])
 
@@ -206,6 +215,41 @@ class Experts(nnx.Module):
             h_EGCF = gelu(jnp.einsum("EGCD,EDF->EGCF", x_EGCD, w_up))
         return jnp.einsum("EGCF,EFD->EGCD", checkpoint_name(h_EGCF, "mlp_up"), w_down)
 
+    def ragged_local(self, x_RD, sizes_E):
+        """The same math on rows grouped by expert (`sizes_E` rows each, the
+        rest of the R rows zero out): two or three `jax.lax.ragged_dot`s."""
+        w_up, w_down = weight(self.up, self.dtype), weight(self.down, self.dtype)
+        E, D = w_up.shape[:2]
+        h_RF = jax.lax.ragged_dot(x_RD.astype(self.dtype), w_up.reshape(E, D, -1), sizes_E)
+        if self.swiglu:
+            h_RXF = h_RF.reshape(h_RF.shape[0], 2, -1)
+            h_RF = jax.nn.silu(h_RXF[:, 0]) * h_RXF[:, 1]
+        else:
+            h_RF = gelu(h_RF)
+        return jax.lax.ragged_dot(checkpoint_name(h_RF, "mlp_up"), w_down, sizes_E)
+
+    def ragged(self, x_GTD, experts_GTk, weights_GTk):
+        """The dropless ragged path (`jaxtp.parallel.ep.ragged`) in a shard_map
+        manual over every axis, under both impls: each rank routes its own
+        tokens; tp splits F inside the experts and sums the layer's output
+        over tp once (g), after the weighted sum, on [G, T, D] rather than
+        on the rows."""
+        if self.layout.impl == "explicit":
+            raise ValueError("MoE is not built for impl 'explicit' yet")
+        G, T, k = experts_GTk.shape
+        n = self.up.shape[0]
+
+        def local(m, x_GTD, e_GTk, w_GTk):
+            flat = lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+            # f on the tokens, before they travel: its backward sums [N, D] over
+            # tp, not the rows (k times as many, ep*min(k, E/ep) over ep)
+            y_ND = ragged_rows(m.ragged_local, flat(f(x_GTD)), flat(e_GTk), flat(w_GTk), n)
+            return g(y_ND.reshape(x_GTD.shape))
+
+        tokens, routing = spec("batch", None, "embed"), spec("batch", None, None)
+        return run_sharded(self, local, x_GTD, experts_GTk, weights_GTk,
+                           arg_specs=(tokens, routing, routing), out_specs=tokens)
+
 
 def _slots_place(x_EGCD, to_experts: bool):
     """gspmd: the slots as the dispatch makes them (`TOKENS_SLOTS`) -> as the
@@ -238,6 +282,7 @@ class MoE(nnx.Module):
                             layout)
         self.experts = Experts(cfg, layout, rngs=rngs)
         self.k, self.factor, self.norm = cfg.moe_top_k, cfg.capacity_factor, cfg.moe_norm_topk
+        self.ragged = cfg.moe_dispatch == "ragged"
         self.layout = layout
         self.tag = "mlp_out"
         self._place = _slots_kept if layout.impl == "shard_map" else _slots_place
@@ -249,5 +294,6 @@ class MoE(nnx.Module):
                                     weight(self.router, jnp.float32))
             y_BTD, stats = moe(x_BTD, logits_BTE, self.experts, k=self.k, factor=self.factor,
                                norm_topk=self.norm, place=self._place, pin=_pin_groups,
-                               monitor=self.monitor)
+                               monitor=self.monitor,
+                               ragged=self.experts.ragged if self.ragged else None)
             return checkpoint_name(constrain(y_BTD, *self.layout.residual), self.tag), stats

@@ -24,10 +24,18 @@ from __future__ import annotations
 
 from typing import Callable
 
+import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from .collectives import vary, varying_axes
 from .layout import EP_AXIS, manual_axes
+
+# what a CPU run of the ragged path at ep > 1 is told (train.py refuses it)
+RAGGED_CPU = ("model.moe_dispatch='ragged' at ep > 1 needs a GPU or TPU: XLA:CPU does not "
+              "compile ragged-all-to-all (jax-ml/jax#34755); on CPU use "
+              "model.moe_dispatch=dense (with model.capacity_factor=0 it is dropless too), or "
+              "compile for a GPU: --compare-hlo --hardware h100")
 
 # remat name of the slots an all-to-all delivered (to the experts, and back):
 # every policy but "full" keeps them, so the backward sends nothing again
@@ -46,3 +54,65 @@ def over_ep(experts: Callable, x_EGCD):
     y_EGCD = experts(checkpoint_name(x_EGCD, SLOTS_NAME))
     y_EGCD = lax.all_to_all(y_EGCD, (EP_AXIS,), split_axis=1, concat_axis=0, tiled=True)
     return checkpoint_name(y_EGCD, SLOTS_NAME)
+
+
+def ragged(experts: Callable, x_ND, experts_Nk, weights_Nk, n_experts: int):
+    """A dropless MoE layer's output [N, D] for this rank's N tokens
+    (MaxText's and Megablocks' form: no capacity, no padding per expert).
+
+    The N*k assignments are sorted by expert and the token rows gathered in
+    that order; `experts(x_AD, group_sizes)` runs the rank's experts on rows
+    grouped by expert (`jax.lax.ragged_dot`). Over ep each rank's rows for
+    rank j's experts go to j by `jax.lax.ragged_all_to_all` into a buffer
+    sized for the worst case (every ep rank's tokens picking this rank's
+    experts: ep*N*min(k, E/ep) rows), are regrouped by expert there, and
+    return by the reverse exchange; the outputs are weighted and summed per
+    token. XLA:CPU does not compile ragged-all-to-all (jax-ml/jax#34755):
+    at ep > 1 this runs on GPUs and TPUs only."""
+    N, k = experts_Nk.shape
+    e_A = experts_Nk.reshape(-1)  # assignment a = n*k + j
+    order = jnp.argsort(e_A, stable=True)
+    x_AD = x_ND[order // k]
+    counts_E = jnp.bincount(e_A, length=n_experts).astype(jnp.int32)
+    if EP_AXIS in manual_axes():
+        y_AD = _exchange(experts, x_AD, counts_E, n_experts, k)
+    else:
+        y_AD = experts(x_AD, counts_E)
+    y_NkD = y_AD[jnp.argsort(order)].reshape(N, k, -1)  # back in assignment order
+    return jnp.einsum("NkD,Nk->ND", y_NkD, weights_Nk.astype(y_NkD.dtype))
+
+
+def _exchange(experts: Callable, x_AD, counts_E, n_experts: int, k: int):
+    """`experts` on the rows every ep rank sends this rank's experts; `x_AD`
+    sorted by expert, `counts_E` its rows per expert (see `ragged`)."""
+    n = lax.axis_size(EP_AXIS)
+    El, A = n_experts // n, x_AD.shape[0]
+    counts_jl = counts_E.reshape(n, El)  # to rank j's l-th expert
+    send_j = counts_jl.sum(1)
+    in_off_j = jnp.cumsum(send_j) - send_j
+    # from each source s: its rows for this rank's experts (by expert), and
+    # where this rank's slice starts in every receiver's buffer (the sources
+    # before it, in rank order)
+    recv_sl = lax.all_to_all(counts_jl, (EP_AXIS,), 0, 0, tiled=True)
+    recv_s = recv_sl.sum(1)
+    sent_sj = lax.all_gather(send_j, (EP_AXIS,))
+    out_off_j = (jnp.cumsum(sent_sj, 0) - sent_sj)[lax.axis_index(EP_AXIS)]
+    rows = n * (A // k) * min(k, El)  # the worst case
+    # the result takes its output buffer's type (jax 0.10.2): a buffer
+    # invariant over ep would type every rank's rows as one value, and the
+    # backward would sum their cotangents over ep
+    buf_RD = vary(jnp.zeros((rows, x_AD.shape[1]), x_AD.dtype), varying_axes(x_AD))
+    got_RD = lax.ragged_all_to_all(x_AD, buf_RD, in_off_j, send_j, out_off_j, recv_s,
+                                   axis_name=(EP_AXIS,))
+    # received by source, each source's rows by expert: regroup by expert,
+    # the unused tail last (expert El)
+    seg = jnp.concatenate([recv_sl.reshape(-1), (rows - recv_s.sum())[None]])
+    ids = jnp.concatenate([jnp.arange(n * El, dtype=jnp.int32) % El, jnp.int32(El)[None]])
+    by_expert = jnp.argsort(jnp.repeat(ids, seg, total_repeat_length=rows), stable=True)
+    y_RD = experts(got_RD[by_expert], recv_sl.sum(0))[jnp.argsort(by_expert)]
+    # home again: each source's slice back where it came from
+    recv_off_s = jnp.cumsum(recv_s) - recv_s
+    home_off_s = lax.all_to_all(in_off_j, (EP_AXIS,), 0, 0, tiled=True)
+    home_AD = vary(jnp.zeros(x_AD.shape, y_RD.dtype), varying_axes(y_RD))
+    return lax.ragged_all_to_all(y_RD, home_AD, recv_off_s, recv_s, home_off_s, send_j,
+                                 axis_name=(EP_AXIS,))

@@ -5,6 +5,7 @@ factor; nothing else over ep in the MoE layers but the small router sums."""
 
 import dataclasses
 import functools
+import math
 
 import pytest
 
@@ -26,8 +27,9 @@ B = 16
 
 @functools.cache
 def compiled(impl: str, factor: float, ep: int = 4, tp: int = 2, dp: int = 1,
-             remat: str = "none"):
-    cfg = validate(Config(dataclasses.replace(MOE, capacity_factor=factor, remat=remat),
+             remat: str = "none", dispatch: str = "dense"):
+    cfg = validate(Config(dataclasses.replace(MOE, capacity_factor=factor, remat=remat,
+                                              moe_dispatch=dispatch),
                           TrainConfig(batch_size=B), ParallelConfig(dp=dp, ep=ep, tp=tp,
                                                                     impl=impl)))
     layout = Layout.of(cfg)
@@ -124,3 +126,63 @@ def test_compare_hlo_of_moe_tiny_at_ep4_tp2(tmp_path, capsys):
     report = json.loads((tmp_path / "comm_report.json").read_text())
     assert report["ok"]
     assert any(line.startswith("ep ") and "all-to-all" in line for line in printed.splitlines())
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("dp, tp", [(1, 2), (2, 4)], ids=["tp2", "dp2xtp4"])
+def test_the_ragged_path_at_ep1_holds_its_ledger(impl, dp, tp):
+    """The dropless ragged path on CPU (ep 1: no exchange): tp sums the
+    layer's weighted output once forward (g) and dX once backward (f), each
+    on the rank's N*D tokens (not the slots: 1/(k*cf) of them), plus the
+    routing weights' gradient [N, k], whose outputs are partial over tp."""
+    cfg, sizes, colls = compiled(impl, 0.0, 1, tp, dp, dispatch="ragged")
+    assert check(colls, expected_collectives(cfg, impl, "cpu"), sizes) is None
+    N = B // dp * MOE.seq_len  # by hand: the rank's tokens
+    moe_tp = sorted((c.pass_, c.elements) for c in colls
+                    if c.scope == "moe" and c.axes(sizes) == ("tp",))
+    assert moe_tp == sorted([("forward", N * MOE.d_model), ("backward", N * MOE.d_model),
+                             ("backward", N * MOE.moe_top_k)] * MOE.n_layers)
+    assert not [c for c in colls if c.kind.endswith("all-to-all")]
+
+
+test_the_ragged_path_at_ep1_holds_its_ledger.fast_cases = {"tp2-gspmd"}
+
+
+def test_the_ragged_path_at_ep_above_1_is_refused_on_cpu(capsys):
+    """XLA:CPU compiles no ragged-all-to-all (jax-ml/jax#34755): refused
+    before compiling, naming the way out."""
+    import train
+
+    assert train.main(["--config", "moe-tiny", "--ep", "4", "--tp", "2", "--steps", "1",
+                       "model.moe_dispatch=ragged", "model.capacity_factor=0"]) == 2
+    err = capsys.readouterr().err
+    assert "jax-ml/jax#34755" in err and "model.moe_dispatch=dense" in err
+
+
+@pytest.mark.slow
+def test_the_ragged_path_holds_its_ledger_compiled_for_an_h100(tmp_path):
+    """moe-tiny at ep 4 x tp 2, dropless and ragged, compiled for 8 H100s:
+    per layer 2 ragged all-to-alls forward (R = ep*N*min(k, E/ep) rows into
+    the worst-case buffer, A = N*k home) and their 2 transposes, the sizes'
+    int32 exchanges, every collective as the ledger says under gspmd and
+    shard_map, and the roofline agreeing on ep and tp."""
+    import importlib.util
+    import json
+
+    import train
+
+    if importlib.util.find_spec("jax_cuda12_plugin") is None:
+        pytest.skip("jax_cuda12_plugin is not installed: cannot compile for h100 here")
+    assert train.main(["--config", "moe-tiny", "--ep", "4", "--tp", "2", "--compare-hlo",
+                       "--hardware", "h100", "--out", str(tmp_path), "model.n_layers=2",
+                       "model.moe_dispatch=ragged", "model.capacity_factor=0"]) == 0
+    report = json.loads((tmp_path / "comm_report.json").read_text())
+    assert report["platform"] == "gpu" and report["ok"]
+    assert {i for i, r in report["impls"].items() if r.get("matches_budget")} == {
+        "gspmd", "shard_map"}
+    N, D = 16 // 4 * 128, 128  # moe-tiny: batch 16 over ep 4, 128 tokens each; d_model
+    R, A = 4 * N * 2, N * 2  # ep * N * min(k=2, 8/4); N * k
+    ragged = sorted((c["pass"], math.prod(c["shape"]))
+                    for c in report["impls"]["gspmd"]["collectives"]
+                    if c["kind"] == "ragged-all-to-all" for _ in range(c["count"]))
+    assert ragged == sorted([(p, n * D) for p in ("forward", "backward") for n in (R, A)] * 2)

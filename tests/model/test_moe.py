@@ -158,6 +158,7 @@ from cached import assert_same, loss_and_grads, stacked_grads  # noqa: E402
 
 MOE = ModelConfig(n_layers=2, d_model=32, n_heads=8, d_ff=64, seq_len=16, n_experts=4,
                   moe_top_k=2)
+RAGGED = dataclasses.replace(MOE, moe_dispatch="ragged")
 MOE_LLAMA = dataclasses.replace(MOE, style="llama", n_kv_heads=2, use_bias=False,
                                 tie_embeddings=False, moe_d_ff=32)
 TOKENS = np.random.default_rng(1).integers(0, 256, (8, MOE.seq_len + 1)).astype(np.int32)
@@ -190,13 +191,19 @@ def moe_one_device(model):
                                                "scan_layers": True, "remat": "minimal"}),
     ("llama-ep8-cf1.25", dataclasses.replace(MOE_LLAMA, n_experts=8, capacity_factor=1.25), 1, 1,
      {"ep": 8}),
+    # the dropless ragged path (at ep 1: XLA:CPU compiles no ragged all-to-all)
+    ("gpt2-tp8-ragged", RAGGED, 1, 8, {}),
+    ("llama-dp2xtp4-shard_map-ragged", dataclasses.replace(MOE_LLAMA, moe_dispatch="ragged"), 2,
+     4, {"impl": "shard_map"}),
+    ("llama-dp4xtp2-ragged-scan-minimal", dataclasses.replace(MOE_LLAMA, moe_dispatch="ragged"),
+     4, 2, {"scan_layers": True, "remat": "minimal"}),
 ]])
 def test_the_moe_model_in_every_layout_equals_one_device(name, model, dp, tp, kw):
     """Loss (cross-entropy plus the router losses) and every gradient at rtol
     1e-5: routing is per sequence, so the groups, and with a capacity the
-    drops, are one device's."""
+    drops, are one device's (the dense dispatch's, for the ragged path)."""
     cfg = moe_cfg(model, dp, tp, **kw)
-    ref_model = dataclasses.replace(model, scan_layers=False, remat="none")
+    ref_model = dataclasses.replace(model, scan_layers=False, remat="none", moe_dispatch="dense")
     got, want = loss_and_grads(cfg, TOKENS), moe_one_device(ref_model)
     if kw.get("scan_layers"):  # a scanned model's gradients come stacked
         want = (want[0], stacked_grads(want[1]))
@@ -209,6 +216,8 @@ def test_the_moe_model_in_every_layout_equals_one_device(name, model, dp, tp, kw
     ({"impl": "explicit"}, "not built for --impl explicit"),
     ({"sp": True, "tp": 2}, "not built for --sp"),
     ({"capacity_factor": -1.0}, "must be >= 0"),
+    ({"moe_dispatch": "ragged", "capacity_factor": 1.0}, "is dropless"),
+    ({"moe_dispatch": "sparse"}, "choose one of \\('dense', 'ragged'\\)"),
     ({"ep": 3}, "valid --ep: \\[1, 2, 4\\]"),
     ({"ep": 2, "n_experts": 0}, "model.n_experts=0 has none"),
 ])
