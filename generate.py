@@ -16,7 +16,9 @@ from __future__ import annotations
 # functions that need them: --help and a usage error answer before JAX loads
 
 import argparse
+import signal
 import sys
+import threading
 
 from jaxtp.cli import Parser, positive
 from jaxtp.config import ATTENTIONS, INFERENCE_IMPLS
@@ -100,7 +102,8 @@ def main(argv=None) -> int:
         ids = [tokenizer.encode(p) for p in prompts]
         model, mesh = load(args)
         gen = Generator(model, mesh, sampling)
-        stream(gen, ids, prompts, tokenizer, args)
+        if stream(gen, ids, prompts, tokenizer, args):
+            raise KeyboardInterrupt
     except (ValueError, OSError, ImportError, KeyError, RuntimeError) as e:
         # ConfigError is a ValueError, CheckpointError a RuntimeError
         print(f"error: {e}", file=sys.stderr)
@@ -145,12 +148,18 @@ def load(args):
                     log=lambda line: print(line, file=sys.stderr))[:2]
 
 
-def stream(gen, ids, prompts, tokenizer, args) -> None:
+def stream(gen, ids, prompts, tokenizer, args) -> bool:
     """Print each prompt's completion; a single prompt as its tokens come.
-    Ctrl-C ends it with the text so far printed (then KeyboardInterrupt)."""
+    Ctrl-C ends it with the text so far printed, and returns True. The
+    signal sets a flag read after each token: a KeyboardInterrupt raised
+    where it lands could fall in a callback that swallows it (JAX's gc
+    callback does) and the run would go on to the end."""
     decoders = [tokenizer.decoder() for _ in prompts]
     texts = ["" for _ in prompts]
     done = [False] * len(prompts)
+    stopped = []
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGINT, lambda *_: stopped.append(1)) if main else None
     try:
         for i, toks in enumerate(gen.stream(ids, args.max_new_tokens, seed=args.seed,
                                             eos=tokenizer.eos)):
@@ -164,12 +173,17 @@ def stream(gen, ids, prompts, tokenizer, args) -> None:
                 texts[b] += piece
                 if len(prompts) == 1:
                     print(piece, end="", flush=True)
+            if stopped:
+                break
     finally:  # done, or stopped: what was generated is printed
+        if main:
+            signal.signal(signal.SIGINT, before)
         if len(prompts) == 1:
             print(flush=True)
         else:
             for p, t in zip(prompts, texts):
                 print(f"--- {p!r}\n{p}{t}", flush=True)
+    return bool(stopped)
 
 
 if __name__ == "__main__":

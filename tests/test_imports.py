@@ -97,3 +97,13 @@ def test_functions_import_only_what_must_stay_lazy():
     _, lazy = _edges(_modules())
     unexplained = sorted(lazy - set(LAZY))
     assert not unexplained, unexplained
+
+
+def test_no_two_test_files_share_a_name():
+    """pytest imports each test file by its base name (the test folders are
+    not packages), so two files of one name fail collection on a clean
+    checkout: `import file mismatch`."""
+    seen: dict[str, list[str]] = {}
+    for p in (ROOT / "tests").rglob("test_*.py"):
+        seen.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
+    assert not {n: ps for n, ps in seen.items() if len(ps) > 1}
