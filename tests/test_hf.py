@@ -19,6 +19,7 @@ from flax import nnx
 
 import train
 from jaxtp.hf import load_hf, save_hf
+from jaxtp.model.moe import MoE
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
@@ -492,6 +493,18 @@ def test_generate_from_a_moe_checkpoint(moe_checkpoint, tmp_path, capsys):
         want.append(int(logits.argmax()))
     model = load_hf(path, tp=2)
     assert Generator(model, model.mesh).generate([prompt], new)[0] == want[len(prompt):]
+    # as a run trained at capacity factor 0.5 (E x ceil(0.5 x 5k / E) slots for
+    # a 5-token prompt's 5k assignments: some dropped), it still decodes dropless
+    short = load_hf(path, tp=2)
+    short.cfg = dataclasses.replace(short.cfg, capacity_factor=0.5)
+    short.set_attributes(MoE, factor=0.5)
+    with jax.set_mesh(model.mesh):
+        logits = [np.asarray(jax.jit(lambda m, t: m(t))(m, np.array([prompt])))
+                  for m in (model, short)]
+    assert np.abs(logits[0] - logits[1]).max() > 1e-3  # the training forward drops
+    assert Generator(short, short.mesh).generate([prompt], new)[0] == want[len(prompt):]
+    with pytest.raises(ValueError, match="generation runs at ep 1"):
+        Generator(load_hf(path, tp=2, ep=2), None)
     assert generate.main(["--hf", str(path), "--tokenizer", str(word_tokenizer(
         tmp_path / "words.json")), "--prompt", "def x", "--max-new-tokens", "3",
         "--temperature", "0", "--tp", "2"]) == 0

@@ -14,6 +14,13 @@ never gathers the [B, V] logits:
   select of the sharded dim).
 top-k / top-p gather each shard's candidates instead; the budget covers the
 greedy and temperature step.
+
+A mixture of experts decodes at ep 1, dropless (`jaxtp.generate.engine`):
+every rank holds every expert, tp inside each, so no all-to-all. The dense
+dispatch gives each of the E experts one slot per row (C = the step's one
+token), and the experts' g (row-parallel down projection) sums those slots:
+E x B x 1 x D per layer, E/k times the k slots a token fills; the ragged
+dispatch sums after the weighted combine, B x D, as the dense MLP's g.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ def decode_budget(cfg: Config, batch: int, impl: str) -> list[Expected]:
     rows = [Expected("embed: g of the vocab-parallel lookup", "all-reduce", "other", "embed",
                      act, dt, tp, 1),
             Expected("attention: g", "all-reduce", "other", "attention", act, dt, tp, L),
-            Expected("mlp: g", "all-reduce", "other", "mlp", act, dt, tp, L)]
+            _mlp_g(cfg, batch)]
     if impl == "shard_map":
         return rows + [
             Expected("sample: max of the shards' best", "all-reduce", "other", "sample", batch,
@@ -56,6 +63,18 @@ def decode_budget(cfg: Config, batch: int, impl: str) -> list[Expected]:
                  batch * tp, "s32", tp, 1),
         Expected("sample: the chosen shard's position", "all-reduce", "other",
                  "sample/take_along_axis", batch, "s32", tp, 1)]
+
+
+def _mlp_g(cfg: Config, batch: int) -> Expected:
+    m, tp = cfg.model, cfg.parallel.tp
+    act, dt = batch * m.d_model, HLO_DTYPES[m.dtype]
+    if not m.n_experts:
+        return Expected("mlp: g", "all-reduce", "other", "mlp", act, dt, tp, m.n_layers)
+    if m.moe_dispatch == "ragged":
+        return Expected("moe: g after the combine", "all-reduce", "other", "moe", act, dt, tp,
+                        m.n_layers)
+    return Expected("moe: the experts' g over their slots (E x B x 1 x D)", "all-reduce",
+                    "other", "moe", m.n_experts * act, dt, tp, m.n_layers)
 
 
 def decode_hlo(cfg: Config, batch: int, length: int) -> str:
@@ -95,6 +114,9 @@ def compare_decode(cfg: Config, batch: int, length: int,
     m = cfg.model
     log(f"analytic (Megatron, one token per row): per block 2 all-reduces of B*1*D = "
         f"{batch}*{m.d_model}, {2 * m.n_layers + 1} with the lookup's")
+    if m.n_experts and m.moe_dispatch != "ragged":
+        log(f"mixture of experts at ep 1, dropless: each block's experts' g sums E*B*1*D = "
+            f"{m.n_experts}*{batch}*{m.d_model} (one slot per expert per row)")
     for impl in INFERENCE_IMPLS:
         log(f"{impl}: {expected[impl + ' verdict']}")
     return ok

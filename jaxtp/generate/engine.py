@@ -16,6 +16,15 @@ jitted decode step per token, sampling over the vocab shards.
 - The next token comes from `VocabEmbed.next_token`: an arg-max (greedy) or
   Gumbel-max over the vocab shards, so no device holds the [B, V] logits and
   tp changes no token.
+- A mixture of experts generates at ep 1 (every expert whole on each rank,
+  tp inside each) and dropless: every token goes to all of its top-k
+  experts, whatever `model.capacity_factor` it trained at. A capacity
+  queue per sequence (`jaxtp.model.moe.capacity`) takes every token's
+  first choice before any second choice, so whether a token keeps an
+  expert depends on the tokens after it: no causal cache can reproduce it,
+  and a padded prompt's pads would compete for the slots. Dropless, a
+  decode step's group of one token (C = 1) and a prompt's prefill route
+  each token as the training forward does at capacity factor 0.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..config import Config
+from ..model.moe import MoE
 from ..parallel import Layout, cache_spec, keep_axes, named
 from ..parallel.distributed import global_batch
 
@@ -65,6 +75,16 @@ def cache_bytes_per_device(cfg: Config, batch: int, length: int) -> int:
         jnp.dtype(m.dtype).itemsize
 
 
+def _dropless(model):
+    """`model` (or a copy sharing its arrays) whose MoE layers keep every
+    token's top-k experts: capacity factor 0 (see the module docstring)."""
+    if not model.cfg.n_experts or not model.cfg.capacity_factor:
+        return model
+    copy = nnx.merge(*nnx.split(model))
+    copy.set_attributes(MoE, factor=0.0)
+    return copy
+
+
 class Generator:
     """Generates from a model (`jaxtp.model.Transformer`) placed on `mesh`."""
 
@@ -74,8 +94,13 @@ class Generator:
         if self.layout.sp:
             raise ValueError("generation runs without sequence parallelism (one token "
                              "per step cannot be split over tp): build the model with sp off")
+        if self.layout.ep > 1:
+            raise ValueError(f"generation runs at ep 1, not ep={self.layout.ep} (each rank "
+                             "holds every expert, tp inside each): build the model at ep 1, "
+                             "the checkpoint reshards (jaxtp.generate.load does)")
         self.mesh, self.sampling = mesh, sampling
-        self.graphdef, self.params = nnx.split(model)
+        self.graphdef, self.params = nnx.split(_dropless(model))
+        self.cfg = dataclasses.replace(self.cfg, capacity_factor=0.0)
         # closures over this generator's graphdef, not jitted bound methods:
         # JAX keys its trace cache on the function, and a later generator's
         # method could be served an earlier one's trace
