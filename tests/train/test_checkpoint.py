@@ -518,3 +518,41 @@ def test_a_circular_pipelines_save_holds_the_layers_in_model_order(tmp_path):
     _, p2, o2, _ = ckpt.restore(state.params, state.opt_state, dataclasses.asdict(model))
     check_restored(p2, o2, state, held)
     ckpt.close()
+
+
+MOE = dataclasses.replace(LLAMA, n_experts=4, moe_top_k=2, moe_d_ff=16)
+
+
+def moe_state(ep, tp, seed=0):
+    """A MoE state at ep x tp holding known random host values."""
+    cfg = Config(model=MOE, parallel=ParallelConfig(ep=ep, tp=tp))
+    state = abstract_train_state(cfg, Layout.make(ep=ep, tp=tp).mesh())
+    rng, values = np.random.default_rng(seed), {}
+
+    def fill(path, x):
+        values[jax.tree_util.keystr(path)] = v = rng.standard_normal(x.shape).astype(x.dtype)
+        return jax.device_put(v, x.sharding)
+
+    params, opt = jax.tree_util.tree_map_with_path(fill, (state.params, state.opt_state))
+    return params, opt, values, cfg
+
+
+@pytest.mark.parametrize("saved, restored", [
+    pytest.param((4, 2), [(1, 2), (2, 4)], id="ep4-to-1-and-2"),
+    pytest.param((1, 4), [(2, 2)], id="ep1-to-2", marks=pytest.mark.slow)])
+def test_a_moe_save_restores_exactly_at_another_ep(tmp_path, saved, restored):
+    """The experts, split over ep (E = 4 over 4 ranks, or whole at ep 1),
+    restore bit-exactly at another ep (4 -> 1, 4 -> 2, 1 -> 2), each leaf
+    placed as the target layout asks."""
+    params, opt, values, _ = moe_state(*saved)
+    split = [x for x in jax.tree.leaves(params) if "ep" in str(x.sharding.spec)]
+    assert bool(split) == (saved[0] > 1)  # the experts split over ep, or whole
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt.save(3, params, opt, meta_of(MOE, saved[1]))
+    for ep, tp in restored:
+        cfg = Config(model=MOE, parallel=ParallelConfig(ep=ep, tp=tp))
+        target = abstract_train_state(cfg, Layout.make(ep=ep, tp=tp).mesh())
+        step, p, o, _ = ckpt.restore(target.params, target.opt_state, dataclasses.asdict(MOE))
+        assert step == 3
+        check_restored(p, o, target, values)
+    ckpt.close()
