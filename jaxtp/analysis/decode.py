@@ -49,7 +49,7 @@ def decode_budget(cfg: Config, batch: int, impl: str) -> list[Expected]:
     rows = [Expected("embed: g of the vocab-parallel lookup", "all-reduce", "other", "embed",
                      act, dt, tp, 1),
             Expected("attention: g", "all-reduce", "other", "attention", act, dt, tp, L),
-            _mlp_g(cfg, batch)]
+            _mlp_g(cfg, act, dt)]
     if impl == "shard_map":
         return rows + [
             Expected("sample: max of the shards' best", "all-reduce", "other", "sample", batch,
@@ -65,9 +65,9 @@ def decode_budget(cfg: Config, batch: int, impl: str) -> list[Expected]:
                  "sample/take_along_axis", batch, "s32", tp, 1)]
 
 
-def _mlp_g(cfg: Config, batch: int) -> Expected:
+def _mlp_g(cfg: Config, act: int, dt: str) -> Expected:
+    """The MLP's g, or a MoE layer's (its experts' or after the combine)."""
     m, tp = cfg.model, cfg.parallel.tp
-    act, dt = batch * m.d_model, HLO_DTYPES[m.dtype]
     if not m.n_experts:
         return Expected("mlp: g", "all-reduce", "other", "mlp", act, dt, tp, m.n_layers)
     if m.moe_dispatch == "ragged":
