@@ -82,9 +82,12 @@ def _check_moe(cfg: Config) -> None:
                           f"model.capacity_factor={m.capacity_factor} drops: set "
                           "model.capacity_factor=0, or model.moe_dispatch=dense")
     _divisible("model.moe_d_ff (0: model.d_ff)", m.expert_d_ff, p.tp)
+    if m.moe_shared_d_ff < 0:
+        raise ConfigError(f"model.moe_shared_d_ff={m.moe_shared_d_ff} must be >= 0 (0: no "
+                          "shared expert)")
+    _divisible("model.moe_shared_d_ff", m.moe_shared_d_ff, p.tp)
     unbuilt = [(p.impl == "explicit", "--impl explicit (use gspmd or shard_map)"),
                (p.pp > 1, "--pp"), (p.cp > 1, "--cp"), (p.sp, "--sp"),
-               (p.ep > 1 and cfg.train.microbatches > 1, "--ep with --microbatches"),
                (p.overlap != "none", f"--overlap {p.overlap}")]
     for cond, what in unbuilt:
         if cond:

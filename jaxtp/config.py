@@ -96,6 +96,10 @@ class ModelConfig:
     moe_top_k: int = 2
     moe_d_ff: int = 0
     moe_norm_topk: bool = True  # renormalise the top-k weights to sum to 1 (Mixtral)
+    # a shared expert: a dense MLP of this many hidden units that every token
+    # takes besides its routed experts, its output added to theirs (DeepSeekMoE,
+    # Dai et al. 2024, Sec. 3.2, ungated; Megatron-Core's shared_expert); 0: none
+    moe_shared_d_ff: int = 0
     # slots per expert: ceil(capacity_factor * tokens * k / E) per sequence,
     # later assignments dropped; 0: dropless
     capacity_factor: float = 0.0
@@ -131,6 +135,10 @@ class TrainConfig:
     batch_size: int = 16  # global batch in sequences, split over dp
     # gradient accumulation: the batch in this many slices (jaxtp.parallel.Schedule)
     microbatches: int = resumable(1)
+    # with microbatches: sum the gradients over dp once per step where the
+    # layout allows it (replicated over dp, no cp, no ep: "over_dp"), else
+    # (false) once per microbatch, as FSDP, cp and ep always do
+    reduce_once: bool = resumable(True)
     lr: float = 3e-3
     warmup_steps: int = 30
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio

@@ -38,6 +38,9 @@ def family(cfg: ModelConfig) -> str:
     if cfg.use_bias:
         raise ValueError("Mixtral and Qwen3-MoE have no biases; this mixture of experts has "
                          "model.use_bias=true")
+    if cfg.moe_shared_d_ff:
+        raise ValueError("Mixtral and Qwen3-MoE have no shared expert; this mixture of "
+                         f"experts has model.moe_shared_d_ff={cfg.moe_shared_d_ff}")
     if cfg.qk_norm:
         return "qwen3_moe"
     if not cfg.moe_norm_topk:

@@ -517,7 +517,8 @@ test_generate_from_a_moe_checkpoint.fast_cases = {"qwen3_moe"}
 def test_moe_configs_jaxtp_cannot_run_are_refused(tmp_path):
     """One line each, naming the key: dense layers in a Qwen3-MoE, a sliding
     window shorter than the context, attention biases, a missing key; and
-    save_hf refuses a mixture of experts no family matches."""
+    save_hf refuses a mixture of experts no family matches (a top-k not
+    renormalised without q/k norms; a shared expert)."""
     tensors = random_hf_tensors(QWEN3_MOE)
     for change, said in (({"mlp_only_layers": [1]}, r"layers \[1\] are dense MLPs"),
                          ({"decoder_sparse_step": 2}, r"layers \[0\] are dense MLPs"),
@@ -538,6 +539,9 @@ def test_moe_configs_jaxtp_cannot_run_are_refused(tmp_path):
     model = load_hf(tmp_path / "w", seq_len=32)
     model.cfg = dataclasses.replace(model.cfg, moe_norm_topk=False)
     with pytest.raises(ValueError, match="moe_norm_topk=false"):
+        save_hf(model, tmp_path / "out")
+    model.cfg = dataclasses.replace(model.cfg, moe_norm_topk=True, moe_shared_d_ff=64)
+    with pytest.raises(ValueError, match="no shared expert; .* model.moe_shared_d_ff=64"):
         save_hf(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

@@ -49,7 +49,7 @@ def decode_budget(cfg: Config, batch: int, impl: str) -> list[Expected]:
     rows = [Expected("embed: g of the vocab-parallel lookup", "all-reduce", "other", "embed",
                      act, dt, tp, 1),
             Expected("attention: g", "all-reduce", "other", "attention", act, dt, tp, L),
-            _mlp_g(cfg, act, dt)]
+            *_mlp_g(cfg, act, dt)]
     if impl == "shard_map":
         return rows + [
             Expected("sample: max of the shards' best", "all-reduce", "other", "sample", batch,
@@ -65,16 +65,20 @@ def decode_budget(cfg: Config, batch: int, impl: str) -> list[Expected]:
                  "sample/take_along_axis", batch, "s32", tp, 1)]
 
 
-def _mlp_g(cfg: Config, act: int, dt: str) -> Expected:
-    """The MLP's g, or a MoE layer's (its experts' or after the combine)."""
+def _mlp_g(cfg: Config, act: int, dt: str) -> list[Expected]:
+    """The MLP's g, or a MoE layer's (its experts' or after the combine, and
+    a shared expert's: a dense MLP's)."""
     m, tp = cfg.model, cfg.parallel.tp
+    dense = Expected("mlp: g", "all-reduce", "other", "mlp", act, dt, tp, m.n_layers)
     if not m.n_experts:
-        return Expected("mlp: g", "all-reduce", "other", "mlp", act, dt, tp, m.n_layers)
+        return [dense]
+    shared = [dense] if m.moe_shared_d_ff else []
     if m.moe_dispatch == "ragged":
-        return Expected("moe: g after the combine", "all-reduce", "other", "moe", act, dt, tp,
-                        m.n_layers)
-    return Expected("moe: the experts' g over their slots (E x B x 1 x D)", "all-reduce",
-                    "other", "moe", m.n_experts * act, dt, tp, m.n_layers)
+        return shared + [Expected("moe: g after the combine", "all-reduce", "other", "moe", act,
+                                  dt, tp, m.n_layers)]
+    return shared + [Expected("moe: the experts' g over their slots (E x B x 1 x D)",
+                              "all-reduce", "other", "moe", m.n_experts * act, dt, tp,
+                              m.n_layers)]
 
 
 def decode_hlo(cfg: Config, batch: int, length: int) -> str:

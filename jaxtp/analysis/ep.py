@@ -110,8 +110,10 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
     """Every collective of a MoE model's train step, per step. ep splits the
     batch as dp does for everything but the experts, so the budget is the
     dense model's with dp x ep as its data axis (`dense`:
-    `jaxtp.analysis.budget.expected_collectives`), less its MLP's rows, plus
-    the MoE layers' own (per layer and microbatch):
+    `jaxtp.analysis.budget.expected_collectives`), less its MLP's rows
+    (kept, for an MLP of `model.moe_shared_d_ff` hidden units, where the
+    layer has a shared expert: a dense MLP's g and f, its weights' gradients
+    over dp x ep), plus the MoE layers' own (per layer and microbatch):
 
     - tp inside the experts (Megatron's MLP rule over the slots): g, an
       all-reduce of the rank's slots forward, its E/ep experts' for its dp
@@ -129,25 +131,32 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
       expert-data-parallel group); the gradient norm over ep too.
     """
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    as_dp = dataclasses.replace(cfg, model=dataclasses.replace(m, n_experts=0),
-                                parallel=dataclasses.replace(p, dp=p.dp * p.ep, ep=1))
+    shared = m.moe_shared_d_ff > 0
+    # (sliced, the step at ep > 1 sums every gradient per microbatch: so does
+    # the dense model's at dp x ep, told not to reduce once)
+    as_dp = dataclasses.replace(cfg, model=dataclasses.replace(
+        m, n_experts=0, d_ff=m.moe_shared_d_ff or m.d_ff),
+        parallel=dataclasses.replace(p, dp=p.dp * p.ep, ep=1),
+        train=dataclasses.replace(t, reduce_once=t.reduce_once and p.ep == 1))
     data = tuple(a for a, n in ((DATA_AXIS, p.dp), (EP_AXIS, p.ep)) if n > 1)
     rename = lambda axes: tuple(b for a in axes for b in (data if a == DATA_AXIS else (a,)))
     shards = param_shards(cfg)
-    mlp = sum(s.elements for s in param_shards(as_dp) if "/mlp/" in s.path)
+    # (a shared expert's weights are the dense MLP's: summed over dp x ep)
+    mlp = 0 if shared else sum(s.elements for s in param_shards(as_dp) if "/mlp/" in s.path)
     router = sum(s.elements for s in shards if s.path.endswith("/mlp/router"))
     experts = sum(s.elements for s in shards if "/mlp/experts/" in s.path)
     rows = []
     for r in dense(as_dp, impl, platform):
-        if r.scope == "mlp":  # the dense MLP's f and g
+        if r.scope == "mlp" and not shared:  # the dense MLP's f and g
             continue
         # the MLP's weights out of the totals, the router's in (shard_map: with
-        # the gradients GSPMD sums outside the regions)
+        # the gradients GSPMD sums outside the regions); a row's elements are
+        # one reduction's, its count the reductions a step runs (M, sliced)
         if r.role == "grads" and DATA_AXIS in r.axes:
-            r = dataclasses.replace(r, elements=r.elements - mlp * r.count)
+            r = dataclasses.replace(r, elements=r.elements - mlp)
         if r.role == ("grads_placed" if impl == "shard_map" else "grads") and \
                 DATA_AXIS in r.axes:
-            r = dataclasses.replace(r, elements=r.elements + router * r.count)
+            r = dataclasses.replace(r, elements=r.elements + router)
         if r.name.startswith("gradient norm"):  # (below: over ep too)
             continue
         if r.role == "loss_mean":  # XLA combines it with the router's means: one total

@@ -103,14 +103,17 @@ def moe_activation_bytes(cfg: Config) -> float:
     over the slots (E * G_r * C of them: `jaxtp.analysis.ep.slots`, the
     experts' buffer after the all-to-all as before it) the experts' input
     and output (D each) and their hidden units (F/tp: gate, up and SwiGLU's
-    product, or GELU's input and output). b = G_r: the rank's sequences."""
+    product, or GELU's input and output); a shared expert's hidden units
+    over the tokens (the same count with its own F). b = G_r: the rank's
+    sequences."""
     m, p = cfg.model, cfg.parallel
     G = cfg.train.batch_size // (p.dp * p.ep * cfg.train.microbatches)
     s, D, E, w = m.seq_len, m.d_model, m.n_experts, np.dtype(m.dtype).itemsize
     C = capacity(s, m.moe_top_k, E, m.capacity_factor)
-    hidden = (3 if m.style == "llama" else 2) * m.expert_d_ff / p.tp
+    hidden = lambda F: (3 if m.style == "llama" else 2) * F / p.tp
     return (G * s * D * w + 2 * G * s * E * 4 + 2 * G * s * E * C * w
-            + E * G * C * (2 * D + hidden) * w)
+            + E * G * C * (2 * D + hidden(m.expert_d_ff)) * w
+            + G * s * hidden(m.moe_shared_d_ff) * w)
 
 
 def state_bytes(cfg: Config) -> dict[str, int]:

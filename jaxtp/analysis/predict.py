@@ -246,8 +246,11 @@ def param_count(cfg: Config) -> int:
     llama, bias = m.style == "llama", m.use_bias
     attn = D * N * H + 2 * D * K * H + N * H * D + (N * H + 2 * K * H + D if bias else 0)
     mlp = (3 * D * F if llama else 2 * D * F) + ((2 * F if llama else F) + D if bias else 0)
-    if m.n_experts:  # the router [D, E] and E expert MLPs without biases (jaxtp.model.moe)
-        mlp = D * m.n_experts + m.n_experts * (3 if llama else 2) * D * m.expert_d_ff
+    if m.n_experts:  # the router [D, E], E expert MLPs without biases (jaxtp.model.moe)
+        S = m.moe_shared_d_ff  # and a shared expert: a dense MLP, with biases where asked
+        mlp = D * m.n_experts + m.n_experts * (3 if llama else 2) * D * m.expert_d_ff + \
+            ((3 * D * S if llama else 2 * D * S) + ((2 * S if llama else S) + D if bias else 0)
+             if S else 0)
     norms = 2 * D * (1 if llama else 2)  # RMSNorm: a scale; LayerNorm: scale and bias
     table = V * D * (1 if m.tie_embeddings else 2)
     return L * (attn + mlp + norms) + table + (1 if llama else 2) * D + \

@@ -30,6 +30,7 @@ The two router losses, per microbatch over all its tokens:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable
 
@@ -44,6 +45,7 @@ from ..parallel.collectives import f, g
 from ..parallel.ep import SLOTS_NAME, over_ep
 from ..parallel.ep import ragged as ragged_rows
 from .layers import gelu, init_std_out, param, weight
+from .mlp import MLP
 
 # the router statistics a MoE layer returns: the two losses; monitored
 # (`moe(monitor=True)`), the dropped share too, then the share of its
@@ -251,13 +253,20 @@ class Experts(nnx.Module):
                            arg_specs=(tokens, routing, routing), out_specs=tokens)
 
 
-def _slots_place(x_EGCD, to_experts: bool):
+def _slots_place(x_EGCD, to_experts: bool, sent: bool = True):
     """gspmd: the slots as the dispatch makes them (`TOKENS_SLOTS`) -> as the
     experts take them (`EXPERTS_SLOTS`), or back: the same array resharded,
-    an all-to-all over ep each way (GShard's, placed by GSPMD)."""
+    an all-to-all over ep each way (GShard's, placed by GSPMD). Named for
+    remat (`SLOTS_NAME`) only where `sent` (ep > 1): at ep 1 nothing travels,
+    and keeping the slots would be memory bought for nothing."""
     x_EGCD = constrain(x_EGCD, *(TOKENS_SLOTS if to_experts else EXPERTS_SLOTS))
-    return checkpoint_name(constrain(x_EGCD, *(EXPERTS_SLOTS if to_experts else TOKENS_SLOTS)),
-                           SLOTS_NAME)
+    x_EGCD = constrain(x_EGCD, *(EXPERTS_SLOTS if to_experts else TOKENS_SLOTS))
+    return checkpoint_name(x_EGCD, SLOTS_NAME) if sent else x_EGCD
+
+
+def _slots_stay(x_EGCD, to_experts: bool):
+    """gspmd at ep 1: the slots placed as `_slots_place` does, not named."""
+    return _slots_place(x_EGCD, to_experts, sent=False)
 
 
 def _slots_kept(x_EGCD, to_experts: bool):
@@ -272,7 +281,9 @@ def _pin_groups(a):
 
 
 class MoE(nnx.Module):
-    """The router (replicated, fp32 logits) and the experts; `__call__`
+    """The router (replicated, fp32 logits) and the experts, and where
+    `model.moe_shared_d_ff` a shared expert (a dense `MLP` every token takes,
+    tp's column -> row rule, its own g and f on the tp ledger); `__call__`
     returns the output [B, T, D] and the layer's router statistics
     (`STATS`). Each sequence is a routing group."""
 
@@ -281,11 +292,14 @@ class MoE(nnx.Module):
                             (cfg.d_model, cfg.n_experts), ("embed", None), cfg.param_dtype,
                             layout)
         self.experts = Experts(cfg, layout, rngs=rngs)
+        self.shared = MLP(dataclasses.replace(cfg, d_ff=cfg.moe_shared_d_ff), layout,
+                          rngs=rngs) if cfg.moe_shared_d_ff else None
         self.k, self.factor, self.norm = cfg.moe_top_k, cfg.capacity_factor, cfg.moe_norm_topk
         self.ragged = cfg.moe_dispatch == "ragged"
         self.layout = layout
         self.tag = "mlp_out"
-        self._place = _slots_kept if layout.impl == "shard_map" else _slots_place
+        self._place = _slots_kept if layout.impl == "shard_map" else \
+            _slots_place if layout.ep > 1 else _slots_stay
         self.monitor = False  # also the dropped share and the loads (`moe`)
 
     def __call__(self, x_BTD):
@@ -296,4 +310,7 @@ class MoE(nnx.Module):
                                norm_topk=self.norm, place=self._place, pin=_pin_groups,
                                monitor=self.monitor,
                                ragged=self.experts.ragged if self.ragged else None)
-            return checkpoint_name(constrain(y_BTD, *self.layout.residual), self.tag), stats
+            y_BTD = checkpoint_name(constrain(y_BTD, *self.layout.residual), self.tag)
+        if self.shared is not None:  # (in the "mlp" scope, as a dense block's MLP)
+            y_BTD = y_BTD + self.shared(x_BTD)
+        return y_BTD, stats

@@ -46,8 +46,8 @@ def over_ep(experts: Callable, x_EGCD):
     """`experts` (slots [E/ep, ep*G_r, C, D] -> outputs) run on this rank's
     experts over every ep rank's groups; in and out: every expert's slots of
     this rank's groups [E, G_r, C, D]. Without an ep axis: `experts(x)`."""
-    if EP_AXIS not in manual_axes():
-        return experts(x_EGCD)
+    if EP_AXIS not in manual_axes() or lax.axis_size(EP_AXIS) == 1:
+        return experts(x_EGCD)  # nothing travels: nothing to keep
     # the axis as a tuple: jax 0.10.2's roofline rule for all_to_all iterates
     # over the name it is given ("ep" read as the axes "e" and "p")
     x_EGCD = lax.all_to_all(x_EGCD, (EP_AXIS,), split_axis=0, concat_axis=1, tiled=True)

@@ -61,8 +61,8 @@ class Schedule:
         if layout.pp > 1:
             return cls(microbatches=M, mode="pipeline", layers=cfg.model.n_layers,
                        stages=layout.pp, repeats=layout.repeats, pipeline=layout.pipeline)
-        return cls(microbatches=M, mode=_mode(layout, M, cfg.model.attention),
-                   layers=cfg.model.n_layers)
+        return cls(microbatches=M, layers=cfg.model.n_layers,
+                   mode=_mode(layout, M, cfg.model.attention, cfg.train.reduce_once))
 
     @property
     def reduces_once(self) -> bool:
@@ -101,15 +101,19 @@ class Schedule:
         return _accumulate(value_and_grad, params, tokens, key, self.microbatches)
 
 
-def _mode(layout: Layout, M: int, attention: str) -> str:
-    """"over_dp" where the parameters are replicated over dp (no FSDP) and
-    nothing else splits the tokens (no cp: its sum over cp would be per
-    slice); not with cuDNN attention under gspmd or explicit (jax 0.10.2:
-    its custom partitioning fails inside a shard_map that leaves an axis to
-    GSPMD; shard_map's own regions are manual over every axis)."""
+def _mode(layout: Layout, M: int, attention: str, reduce_once: bool = True) -> str:
+    """"over_dp" where asked (`train.reduce_once`), the parameters are
+    replicated over dp (no FSDP) and nothing else splits the tokens (no cp:
+    its sum over cp would be per slice; no ep: the MoE layers' resharding
+    over ep needs the groups' split over dp x ep, which a shard_map manual
+    over dp alone breaks); not with cuDNN attention under gspmd or explicit
+    (jax 0.10.2: its custom partitioning fails inside a shard_map that
+    leaves an axis to GSPMD; shard_map's own regions are manual over every
+    axis)."""
     if M == 1:
         return "whole"
-    if (layout.dp > 1 and not layout.fsdp and layout.cp == 1
+    if (reduce_once and layout.dp > 1 and not layout.fsdp and layout.cp == 1
+            and layout.ep == 1
             and (attention != "cudnn" or layout.impl == "shard_map")):
         return "over_dp"
     return "sequential"

@@ -28,18 +28,22 @@ test_the_decode_step_matches_its_budget_at_tp8.fast_cases = {"tiny-shard_map"}
 
 
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
-@pytest.mark.parametrize("dispatch", ["dense", "ragged"])
-def test_a_moe_decode_step_matches_its_budget(dispatch, impl):
+@pytest.mark.parametrize("dispatch, shared", [("dense", 0), ("ragged", 0), ("dense", 64)],
+                         ids=["dense", "ragged", "dense-shared"])
+def test_a_moe_decode_step_matches_its_budget(dispatch, shared, impl):
     """moe-tiny (E 8, 4 layers) at tp 2, ep 1, dropless: the dense
     dispatch's g sums 8 slots per row (E x B x 1 x D = 8 x 4 x 128 per
-    layer), the ragged one's sums the combined rows (B x D); no all-to-all."""
+    layer), the ragged one's sums the combined rows (B x D); a shared
+    expert adds a dense MLP's g (B x D); no all-to-all."""
     cfg = apply_overrides(load_config("moe-tiny"), [f"model.moe_dispatch={dispatch}",
-                                                   "model.capacity_factor=0"])
+                                                   "model.capacity_factor=0",
+                                                   f"model.moe_shared_d_ff={shared}"])
     cfg = generation_config(cfg, 2, impl, None)
     colls = hlo.collectives(decode_hlo(cfg, 4, 64))
     assert check(colls, decode_budget(cfg, 4, impl)) is None
     moe = [c.elements for c in colls if c.scope == "moe"]
     assert moe == [(8 if dispatch == "dense" else 1) * 4 * 128] * 4
+    assert [c.elements for c in colls if c.scope == "mlp"] == [4 * 128] * (4 if shared else 0)
     assert not [c for c in colls if c.kind == "all-to-all"]
 
 

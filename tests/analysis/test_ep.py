@@ -3,9 +3,14 @@ ledger (jaxtp.analysis.ep), by hand: per MoE layer 2 forward and 2
 backward, each E * G_r * C * D elements per rank, scaling with the capacity
 factor; nothing else over ep in the MoE layers but the small router sums."""
 
+import contextlib
 import dataclasses
 import functools
+import io
 import math
+
+import jax
+import jax.numpy as jnp
 
 import pytest
 
@@ -17,7 +22,7 @@ from jaxtp.config import Config, ModelConfig, ParallelConfig, TrainConfig, valid
 from jaxtp.model.moe import capacity
 from jaxtp.parallel import Layout
 from jaxtp.train.state import abstract_train_state
-from jaxtp.train.step import compile_train_step
+from jaxtp.train.step import compile_train_step, loss_fn
 
 MOE = ModelConfig(style="llama", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64,
                   seq_len=32, use_bias=False, tie_embeddings=False, n_experts=8, moe_top_k=2,
@@ -27,11 +32,11 @@ B = 16
 
 @functools.cache
 def compiled(impl: str, factor: float, ep: int = 4, tp: int = 2, dp: int = 1,
-             remat: str = "none", dispatch: str = "dense"):
+             remat: str = "none", dispatch: str = "dense", shared: int = 0, microbatches: int = 1):
     cfg = validate(Config(dataclasses.replace(MOE, capacity_factor=factor, remat=remat,
-                                              moe_dispatch=dispatch),
-                          TrainConfig(batch_size=B), ParallelConfig(dp=dp, ep=ep, tp=tp,
-                                                                    impl=impl)))
+                                              moe_dispatch=dispatch, moe_shared_d_ff=shared),
+                          TrainConfig(batch_size=B, microbatches=microbatches),
+                          ParallelConfig(dp=dp, ep=ep, tp=tp, impl=impl)))
     layout = Layout.of(cfg)
     step = compile_train_step(abstract_train_state(cfg, layout.mesh()), B, MOE.seq_len)
     return cfg, layout.sizes, hlo.collectives(step.as_text())
@@ -92,6 +97,29 @@ test_remat_full_sends_the_slots_again_and_the_others_keep_them.fast_cases = {"gs
 
 
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+def test_minimal_remat_keeps_the_slots_only_where_they_travelled(impl):
+    """The residuals "minimal" saves for the backward pass (traced, not
+    compiled): at ep 4 the slots each all-to-all delivered, [E, G, C, D]
+    twice per layer; at ep 1 (dp 4) none, as nothing was sent (keeping them
+    there cost mixtral 2.6x its temporaries, docs/scale.md)."""
+    model = dataclasses.replace(MOE, moe_d_ff=48, capacity_factor=1.0, remat="minimal")
+    slot = f"f32[{model.n_experts},{B},{capacity(model.seq_len, 2, 8, 1.0)},{model.d_model}]"
+    kept = {}
+    for dp, ep in ((4, 1), (1, 4)):
+        cfg = validate(Config(model, TrainConfig(batch_size=B),
+                              ParallelConfig(dp=dp, ep=ep, tp=2, impl=impl)))
+        mesh = Layout.of(cfg).mesh()
+        state = abstract_train_state(cfg, mesh)
+        tokens = jax.ShapeDtypeStruct((B, model.seq_len + 1), jnp.int32)
+        out = io.StringIO()
+        with jax.set_mesh(mesh), contextlib.redirect_stdout(out):
+            jax.ad_checkpoint.print_saved_residuals(
+                lambda p, t: loss_fn(state.graphdef, p, t), state.params, tokens)
+        kept[ep] = sum(line.startswith(slot + " ") for line in out.getvalue().splitlines())
+    assert kept == {1: 0, 4: 2 * model.n_layers}
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
 @pytest.mark.parametrize("dp, ep, tp", [(2, 2, 2), (1, 8, 1), (4, 1, 2)],
                          ids=["dp2xep2xtp2", "ep8", "dp4xtp2"])
 def test_the_moe_step_holds_its_ledger(impl, dp, ep, tp):
@@ -108,6 +136,37 @@ def test_the_moe_step_holds_its_ledger(impl, dp, ep, tp):
 
 
 test_the_moe_step_holds_its_ledger.fast_cases = set()
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+def test_a_shared_expert_is_a_dense_mlp_on_the_tp_ledger(impl):
+    """A shared expert adds a dense MLP's rows to the step, by hand: its g
+    forward and f backward over tp, each B/(dp*ep) * s * D elements a rank,
+    per layer; its weights' gradients with the dense ones (over dp x ep);
+    the all-to-alls unchanged."""
+    cfg, sizes, colls = compiled(impl, 1.0, 2, 2, 2, shared=48)
+    assert check(colls, expected_collectives(cfg, impl, "cpu"), sizes) is None
+    mlp = [c for c in colls if c.scope == "mlp" and c.axes(sizes) == ("tp",)]
+    n = B // 4 * MOE.seq_len * MOE.d_model
+    assert {(c.kind, c.pass_, c.elements) for c in mlp} == \
+        {("all-reduce", "forward", n), ("all-reduce", "backward", n)}
+    assert sum(c.count for c in mlp) == 2 * MOE.n_layers
+    a2a = lambda cs: sorted((c.pass_, c.elements, c.count) for c in cs if c.kind == "all-to-all")
+    assert a2a(colls) == a2a(compiled(impl, 1.0, 2, 2, 2)[2])
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+def test_ep_with_microbatches_sends_each_slices_slots(impl):
+    """Two microbatches at dp2 x ep2 x tp2 (sliced one after another: the
+    dense weights' gradients sum over dp x ep, the experts' over dp): the
+    ledger, and by hand the all-to-alls of two slices of half the groups
+    each, so the bytes of one whole batch in twice the collectives."""
+    cfg, sizes, colls = compiled(impl, 1.0, 2, 2, 2, microbatches=2)
+    assert check(colls, expected_collectives(cfg, impl, "cpu"), sizes) is None
+    whole = compiled(impl, 1.0, 2, 2, 2)[2]
+    moved = lambda cs: sum(c.bytes * c.count for c in cs if c.kind == "all-to-all")
+    count = lambda cs: sum(c.count for c in cs if c.kind == "all-to-all")
+    assert moved(colls) == moved(whole) and count(colls) == 2 * count(whole)
 
 
 @pytest.mark.slow

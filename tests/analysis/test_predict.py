@@ -155,7 +155,9 @@ def test_decode_is_latency_bound_at_batch_1_and_bandwidth_bound_at_large_batch()
 @pytest.mark.parametrize("preset, overrides", [
     ("tiny", ()), ("tiny", ("model.use_bias=false", "model.tie_embeddings=false")),
     ("llama-tiny", ()), ("llama-tiny", ("model.use_bias=true",)), ("gpt2-small", ()),
-    ("llama3-8b", ()), ("moe-tiny", ()), ("moe-tiny", ("model.style=gpt2",))])
+    ("llama3-8b", ()), ("moe-tiny", ()), ("moe-tiny", ("model.style=gpt2",)),
+    ("moe-tiny", ("model.moe_shared_d_ff=64",)),
+    ("moe-tiny", ("model.style=gpt2", "model.use_bias=true", "model.moe_shared_d_ff=64"))])
 def test_param_count_is_the_models(preset, overrides):
     import jax
 

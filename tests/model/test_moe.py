@@ -42,9 +42,11 @@ def queue(logits, k, C, norm=True):
     return out
 
 
-def reference(x, w_router, w_up, w_down, k, C, norm=True):
+def reference(x, w_router, w_up, w_down, k, C, norm=True, act="gelu"):
     """Each token through its kept experts, one at a time; the routing
-    decisions from `queue` (piecewise constant), the weights differentiable."""
+    decisions from `queue` (piecewise constant), the weights differentiable;
+    GELU exact ("gelu"), its tanh form ("tanh", the model's), or SwiGLU
+    ("swiglu": up [E, D, 2, F], gate then up)."""
     logits = np.asarray(x @ w_router) if isinstance(x, np.ndarray) else None
     decided = queue(np.asarray(jax.lax.stop_gradient(x) @ jax.lax.stop_gradient(w_router))
                     if logits is None else logits, k, C, norm)
@@ -59,7 +61,11 @@ def reference(x, w_router, w_up, w_down, k, C, norm=True):
             for j in range(k):
                 if kept[t, j]:
                     e = ex[t, j]
-                    h = jax.nn.gelu(x[g, t] @ w_up[e], approximate=False)
+                    if act == "swiglu":
+                        u = x[g, t] @ w_up[e][:, 0]
+                        h = u / (1 + jnp.exp(-u)) * (x[g, t] @ w_up[e][:, 1])
+                    else:
+                        h = jax.nn.gelu(x[g, t] @ w_up[e], approximate=act == "tanh")
                     y = y + w[j] * (h @ w_down[e])
             rows.append(y)
     return jnp.stack(rows).reshape(x.shape)
@@ -155,6 +161,10 @@ import functools  # noqa: E402
 from jaxtp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from jaxtp.config import validate  # noqa: E402
 from cached import assert_same, loss_and_grads, stacked_grads  # noqa: E402
+from flax import nnx  # noqa: E402
+from jaxtp.model.moe import MoE  # noqa: E402
+from jaxtp.parallel import Layout  # noqa: E402
+from reference import mlp as mlp_reference  # noqa: E402
 
 MOE = ModelConfig(n_layers=2, d_model=32, n_heads=8, d_ff=64, seq_len=16, n_experts=4,
                   moe_top_k=2)
@@ -164,15 +174,16 @@ MOE_LLAMA = dataclasses.replace(MOE, style="llama", n_kv_heads=2, use_bias=False
 TOKENS = np.random.default_rng(1).integers(0, 256, (8, MOE.seq_len + 1)).astype(np.int32)
 
 
-def moe_cfg(model, dp=1, tp=1, **kw):
+def moe_cfg(model, dp=1, tp=1, microbatches=1, **kw):
     par = {k: kw.pop(k) for k in ("impl", "sp", "fsdp", "ep") if k in kw}
-    return validate(Config(dataclasses.replace(model, **kw), TrainConfig(batch_size=8),
+    return validate(Config(dataclasses.replace(model, **kw),
+                           TrainConfig(batch_size=8, microbatches=microbatches),
                            ParallelConfig(dp=dp, tp=tp, **par)))
 
 
 @functools.cache
-def moe_one_device(model):
-    return loss_and_grads(moe_cfg(model), TOKENS)
+def moe_one_device(model, microbatches=1):
+    return loss_and_grads(moe_cfg(model, microbatches=microbatches), TOKENS)
 
 
 @pytest.mark.parametrize("name, model, dp, tp, kw", [pytest.param(*case, id=case[0]) for case in [
@@ -191,6 +202,16 @@ def moe_one_device(model):
                                                "scan_layers": True, "remat": "minimal"}),
     ("llama-ep8-cf1.25", dataclasses.replace(MOE_LLAMA, n_experts=8, capacity_factor=1.25), 1, 1,
      {"ep": 8}),
+    # microbatches: the router losses per microbatch, so one device runs the same two
+    ("llama-dp2xep2xtp2-microbatches2-cf1", dataclasses.replace(MOE_LLAMA, capacity_factor=1.0),
+     2, 2, {"ep": 2, "microbatches": 2}),
+    ("gpt2-ep4xtp2-microbatches2-shard_map", MOE, 1, 2,
+     {"ep": 4, "microbatches": 2, "impl": "shard_map"}),
+    # a shared expert beside the routed ones (a dense MLP on the tp rule)
+    ("gpt2-ep4xtp2-shared", dataclasses.replace(MOE, moe_shared_d_ff=48), 1, 2, {"ep": 4}),
+    ("llama-dp2xep2xtp2-shared-shard_map-scan-minimal",
+     dataclasses.replace(MOE_LLAMA, moe_shared_d_ff=32), 2, 2,
+     {"ep": 2, "impl": "shard_map", "scan_layers": True, "remat": "minimal"}),
     # the dropless ragged path (at ep 1: XLA:CPU compiles no ragged all-to-all)
     ("gpt2-tp8-ragged", RAGGED, 1, 8, {}),
     ("llama-dp2xtp4-shard_map-ragged", dataclasses.replace(MOE_LLAMA, moe_dispatch="ragged"), 2,
@@ -204,7 +225,8 @@ def test_the_moe_model_in_every_layout_equals_one_device(name, model, dp, tp, kw
     drops, are one device's (the dense dispatch's, for the ragged path)."""
     cfg = moe_cfg(model, dp, tp, **kw)
     ref_model = dataclasses.replace(model, scan_layers=False, remat="none", moe_dispatch="dense")
-    got, want = loss_and_grads(cfg, TOKENS), moe_one_device(ref_model)
+    got = loss_and_grads(cfg, TOKENS)
+    want = moe_one_device(ref_model, cfg.train.microbatches)
     if kw.get("scan_layers"):  # a scanned model's gradients come stacked
         want = (want[0], stacked_grads(want[1]))
     assert_same(got, want)
@@ -249,3 +271,22 @@ def test_a_moe_run_logs_its_router_statistics(tmp_path):
 
 
 test_the_moe_model_in_every_layout_equals_one_device.fast_cases = {"llama-ep4xtp2"}
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_the_shared_expert_adds_a_dense_mlp_every_token_takes(style):
+    """A layer with a shared expert (model.moe_shared_d_ff) is the routed
+    experts' per-token reference plus the reference dense MLP on the shared
+    weights, GELU with biases or SwiGLU without."""
+    cfg = dataclasses.replace(MOE if style == "gpt2" else MOE_LLAMA, moe_shared_d_ff=24)
+    layout = Layout.make()
+    with jax.set_mesh(layout.mesh()):
+        layer = MoE(cfg, layout, rngs=nnx.Rngs(3))
+        x = jnp.asarray(RNG.normal(size=(2, cfg.seq_len, cfg.d_model)).astype(np.float32))
+        y, _ = layer(x)
+    w = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(layer)))
+    shared = mlp_reference(w["shared"], x, cfg)
+    routed = reference(x, w["router"], w["experts"]["up"], w["experts"]["down"],
+                       cfg.moe_top_k, cfg.seq_len, act="tanh" if style == "gpt2" else "swiglu")
+    np.testing.assert_allclose(y, routed + shared, rtol=1e-5, atol=1e-6)
+    assert np.abs(shared).max() > 0.1 * np.abs(routed).max()  # (it matters)

@@ -9,9 +9,9 @@ from jaxtp.config import Config, ParallelConfig, TrainConfig
 from jaxtp.parallel import Layout, Schedule
 
 
-def schedule(dp=1, cp=1, fsdp=False, M=1, impl="gspmd", attention="xla"):
-    cfg = Config(train=TrainConfig(microbatches=M, batch_size=16),
-                 parallel=ParallelConfig(dp=dp, cp=cp, fsdp=fsdp, impl=impl))
+def schedule(dp=1, cp=1, fsdp=False, M=1, impl="gspmd", attention="xla", ep=1, once=True):
+    cfg = Config(train=TrainConfig(microbatches=M, batch_size=16, reduce_once=once),
+                 parallel=ParallelConfig(dp=dp, cp=cp, fsdp=fsdp, impl=impl, ep=ep))
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=attention))
     return Schedule.of(cfg, Layout.of(cfg))
 
@@ -25,6 +25,8 @@ def test_the_mode_is_decided_from_the_layout_and_the_microbatches():
     assert schedule(dp=2, cp=2, M=2).mode == "sequential"  # summed over cp per slice
     assert schedule(dp=2, M=2, attention="cudnn").mode == "sequential"
     assert schedule(dp=2, M=2, attention="cudnn", impl="shard_map").mode == "over_dp"
+    assert schedule(dp=2, ep=2, M=2).mode == "sequential"  # ep reshards over dp x ep
+    assert schedule(dp=2, M=2, once=False).mode == "sequential"  # as asked
 
 
 def test_ticks_and_layers_per_rank():
