@@ -86,6 +86,19 @@ def _check_moe(cfg: Config) -> None:
         raise ConfigError(f"model.moe_shared_d_ff={m.moe_shared_d_ff} must be >= 0 (0: no "
                           "shared expert)")
     _divisible("model.moe_shared_d_ff", m.moe_shared_d_ff, p.tp)
+    if not 1 <= m.moe_every <= m.n_layers:
+        raise ConfigError(f"model.moe_every={m.moe_every} must be between 1 (every layer a "
+                          f"mixture of experts) and model.n_layers={m.n_layers}")
+    if m.moe_every > 1:
+        mixed = [(m.scan_layers, "model.scan_layers (a scanned stack is one Block "
+                  "repeated: set model.scan_layers=false)"),
+                 (p.pp > 1, "--pp (its stages are scanned stacks)"),
+                 (m.moe_shared_d_ff > 0, "model.moe_shared_d_ff (a shared expert where only "
+                  "some layers are MoE)")]
+        for cond, what in mixed:
+            if cond:
+                raise ConfigError(f"model.moe_every={m.moe_every} mixes dense and MoE blocks, "
+                                  f"which is not built with {what}")
     unbuilt = [(p.impl == "explicit", "--impl explicit (use gspmd or shard_map)"),
                (p.pp > 1, "--pp"), (p.cp > 1, "--cp"), (p.sp, "--sp"),
                (p.overlap != "none", f"--overlap {p.overlap}")]

@@ -100,6 +100,10 @@ class ModelConfig:
     # takes besides its routed experts, its output added to theirs (DeepSeekMoE,
     # Dai et al. 2024, Sec. 3.2, ungated; Megatron-Core's shared_expert); 0: none
     moe_shared_d_ff: int = 0
+    # which layers are MoE: layer i (from 0) where (i + 1) % moe_every == 0,
+    # the others dense MLPs of d_ff (Qwen-MoE's decoder_sparse_step; 2 is
+    # GShard's and Switch's every other layer); 1: every layer
+    moe_every: int = 1
     # slots per expert: ceil(capacity_factor * tokens * k / E) per sequence,
     # later assignments dropped; 0: dropless
     capacity_factor: float = 0.0
@@ -123,6 +127,14 @@ class ModelConfig:
     @property
     def expert_d_ff(self) -> int:
         return self.moe_d_ff or self.d_ff
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i (from 0) is a mixture of experts (`moe_every`)."""
+        return self.n_experts > 0 and (i + 1) % self.moe_every == 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     @property
     def padded_vocab(self) -> int:

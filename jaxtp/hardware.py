@@ -82,7 +82,7 @@ def model_flops_per_token(cfg, n_params: int) -> float:
     idle = 0
     if m.n_experts:  # each expert's up (gate and up for SwiGLU) and down matmuls
         per_expert = (3 if m.style == "llama" else 2) * m.d_model * m.expert_d_ff
-        idle = m.n_layers * (m.n_experts - m.moe_top_k) * per_expert
+        idle = m.n_moe_layers * (m.n_experts - m.moe_top_k) * per_expert
     return 6 * (n_params - lookup - idle) + 12 * m.n_layers * m.n_heads * m.head_dim * m.seq_len
 
 

@@ -43,6 +43,9 @@ def family(cfg: ModelConfig) -> str:
                          f"experts has model.moe_shared_d_ff={cfg.moe_shared_d_ff}")
     if cfg.qk_norm:
         return "qwen3_moe"
+    if cfg.moe_every > 1:
+        raise ValueError(f"a mixture of experts without model.qk_norm is Mixtral's, whose "
+                         f"every layer is MoE: this one has model.moe_every={cfg.moe_every}")
     if not cfg.moe_norm_topk:
         raise ValueError("a mixture of experts without model.qk_norm is Mixtral's, which "
                          "renormalises its top-k: this one has model.moe_norm_topk=false")
@@ -113,14 +116,19 @@ def _qwen3_moe(hf: dict) -> dict:
     step, only = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
     if not isinstance(step, int) or step < 1:
         raise ValueError(f"decoder_sparse_step={step!r} must be a positive integer")
-    dense = [i for i in range(layers) if not experts or i in only or (i + 1) % step]
+    # (decoder_sparse_step is jaxtp's moe_every; mlp_only_layers has no counterpart)
+    dense = [i for i in range(layers) if not experts or i in only]
     if dense:
         raise ValueError(f"decoder_sparse_step={step}, mlp_only_layers={only}, num_experts="
                          f"{experts}: layers {dense[:6]}{' ...' if len(dense) > 6 else ''} "
-                         "are dense MLPs, and jaxtp's mixture of experts is in every layer")
-    return {"qk_norm": True, **_moe(hf, experts, hf.get("intermediate_size", 0) or
-                                    hf["moe_intermediate_size"], hf["moe_intermediate_size"],
-                                    hf.get("norm_topk_prob", False))}
+                         "are dense MLPs outside jaxtp's pattern (every model.moe_every-th "
+                         "layer a mixture of experts)")
+    if step > layers:
+        raise ValueError(f"decoder_sparse_step={step} > num_hidden_layers={layers}: no layer "
+                         "is a mixture of experts")
+    return {"qk_norm": True, "moe_every": step,
+            **_moe(hf, experts, hf.get("intermediate_size", 0) or hf["moe_intermediate_size"],
+                   hf["moe_intermediate_size"], hf.get("norm_topk_prob", False))}
 
 
 _FAMILIES = {"llama": _llama, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe}
@@ -171,5 +179,6 @@ def hf_config(cfg: ModelConfig) -> dict:
         del out["attention_bias"]
         return {**out, **moe, "num_local_experts": cfg.n_experts}
     return {**out, **moe, "num_experts": cfg.n_experts, "moe_intermediate_size": cfg.expert_d_ff,
-            "norm_topk_prob": cfg.moe_norm_topk, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "norm_topk_prob": cfg.moe_norm_topk, "decoder_sparse_step": cfg.moe_every,
+            "mlp_only_layers": [],
             "use_sliding_window": False}

@@ -125,7 +125,8 @@ def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
         blocks[i] = {"ln1": {"scale": get(pre + "input_layernorm.weight", (D,))},
                      "attn": attn,
                      "ln2": {"scale": get(pre + "post_attention_layernorm.weight", (D,))},
-                     "mlp": experts_mlp(pre) if cfg.n_experts else dense_mlp(pre + "mlp.")}
+                     "mlp": experts_mlp(pre) if cfg.is_moe_layer(i) else
+                     dense_mlp(pre + "mlp.")}
     params = {"wte": {"embedding": table("model.embed_tokens.weight")}, "blocks": blocks,
               "ln_f": {"scale": get("model.norm.weight", (D,))}}
     if not cfg.tie_embeddings:
@@ -169,7 +170,7 @@ def params_to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
             for c, name in enumerate("kv"):
                 out[a + f"{name}_proj.bias"] = b["attn"]["kv"]["bias"][c].reshape(-1)
             out[a + "o_proj.bias"] = b["attn"]["out"]["bias"]
-        out.update(_experts_to_hf(b["mlp"], kind, pre) if cfg.n_experts else
+        out.update(_experts_to_hf(b["mlp"], kind, pre) if cfg.is_moe_layer(i) else
                    _dense_to_hf(b["mlp"], m, cfg.use_bias))
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 

@@ -47,6 +47,14 @@ def moe_names(hf, i):
                                for j in range(E)]
 
 
+def dense_layer(hf, i):
+    """Whether HF layer i is a dense MLP: every Llama layer; a Qwen3-MoE
+    layer unless (i + 1) % decoder_sparse_step == 0 (HF Qwen3MoeDecoderLayer)."""
+    if hf["model_type"] == "llama":
+        return True
+    return hf["model_type"] == "qwen3_moe" and (i + 1) % hf.get("decoder_sparse_step", 1) != 0
+
+
 def random_hf_tensors(hf, seed=0):
     rng = np.random.default_rng(seed)
     D, V = hf["hidden_size"], hf["vocab_size"]
@@ -60,7 +68,9 @@ def random_hf_tensors(hf, seed=0):
               p + "post_attention_layernorm.weight": 1 + w(D),
               p + "self_attn.q_proj.weight": w(N * H, D), p + "self_attn.k_proj.weight": w(K * H, D),
               p + "self_attn.v_proj.weight": w(K * H, D), p + "self_attn.o_proj.weight": w(D, N * H)}
-        if hf["model_type"] == "llama":
+        if hf["model_type"] == "qwen3_moe":
+            t |= {p + "self_attn.q_norm.weight": 1 + w(H), p + "self_attn.k_norm.weight": 1 + w(H)}
+        if dense_layer(hf, i):
             F = hf["intermediate_size"]
             t |= {p + "mlp.gate_proj.weight": w(F, D), p + "mlp.up_proj.weight": w(F, D),
                   p + "mlp.down_proj.weight": w(D, F)}
@@ -70,8 +80,6 @@ def random_hf_tensors(hf, seed=0):
         t[router] = w(len(experts), D)
         for g, u, d in experts:
             t |= {g: w(F, D), u: w(F, D), d: w(D, F)}
-        if hf["model_type"] == "qwen3_moe":
-            t |= {p + "self_attn.q_norm.weight": 1 + w(H), p + "self_attn.k_norm.weight": 1 + w(H)}
     return t
 
 
@@ -160,7 +168,7 @@ def hf_logits(t, hf, tokens):
             t[p + "self_attn.o_proj.weight"].T
         h = rms(x, t[p + "post_attention_layernorm.weight"])
         x = x + (swiglu(h, *(t[p + f"mlp.{c}_proj.weight"] for c in ("gate", "up", "down")))
-                 if hf["model_type"] == "llama" else hf_moe(h, t, hf, i))
+                 if dense_layer(hf, i) else hf_moe(h, t, hf, i))
     return rms(x, t["model.norm.weight"]) @ t["lm_head.weight"].T
 
 
@@ -439,14 +447,37 @@ def test_moe_save_then_load_is_bit_exact(moe_checkpoint, tmp_path):
     loads back to the same ModelConfig."""
     hf, path, tensors, _, _ = moe_checkpoint
     model = load_hf(path, tp=2, ep=2)
-    save_hf(model, tmp_path / "saved")
-    back = safetensors_numpy.load_file(str(tmp_path / "saved" / "model.safetensors"))
+    saved_as(model, tmp_path / "saved", hf, tensors)
+    assert load_hf(tmp_path / "saved").cfg == model.cfg
+
+
+def saved_as(model, out, hf, tensors):
+    """save_hf(model, out) writes exactly `tensors`, bit for bit, and a
+    config.json holding `hf`'s keys and values."""
+    save_hf(model, out)
+    back = safetensors_numpy.load_file(str(out / "model.safetensors"))
     assert set(back) == set(tensors)
     for name, value in tensors.items():
         np.testing.assert_array_equal(back[name], value, err_msg=name)
-    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    config = json.loads((out / "config.json").read_text())
     assert {k: config[k] for k in hf} == hf
-    assert load_hf(tmp_path / "saved").cfg == model.cfg
+
+
+def test_a_qwen3_moe_with_dense_layers_loads_and_saves(tmp_path):
+    """decoder_sparse_step 2 (layer 0 a dense MLP of intermediate_size, layer 1
+    MoE): loads as model.moe_every 2 to the float64 reference's logits at tp
+    2 x ep 2 (shard_map), and saves back the same tensors and config."""
+    hf = dict(QWEN3_MOE, decoder_sparse_step=2)
+    tensors = random_hf_tensors(hf, seed=6)
+    assert "model.layers.0.mlp.gate_proj.weight" in tensors
+    write_hf(tmp_path / "q", hf, tensors)
+    tokens = np.random.default_rng(7).integers(0, hf["vocab_size"], (2, 64)).astype(np.int32)
+    model = load_hf(tmp_path / "q", tp=2, ep=2, impl="shard_map")
+    assert (model.cfg.moe_every, model.cfg.d_ff, model.cfg.moe_d_ff) == (2, 96, 32)
+    with jax.set_mesh(model.mesh):
+        logits = np.asarray(jax.jit(lambda m, t: m(t))(model, tokens))
+    np.testing.assert_allclose(logits, hf_logits(tensors, hf, tokens), rtol=1e-5, atol=1e-5)
+    saved_as(model, tmp_path / "saved", hf, tensors)
 
 
 def fused(hf, tensors):
@@ -521,7 +552,8 @@ def test_moe_configs_jaxtp_cannot_run_are_refused(tmp_path):
     renormalised without q/k norms; a shared expert)."""
     tensors = random_hf_tensors(QWEN3_MOE)
     for change, said in (({"mlp_only_layers": [1]}, r"layers \[1\] are dense MLPs"),
-                         ({"decoder_sparse_step": 2}, r"layers \[0\] are dense MLPs"),
+                         ({"decoder_sparse_step": 3}, "decoder_sparse_step=3 > "
+                          "num_hidden_layers=2"),
                          ({"use_sliding_window": True, "sliding_window": 16},
                           "sliding_window=16 is shorter than seq_len=64"),
                          ({"attention_bias": True}, "attention_bias=true")):

@@ -69,16 +69,17 @@ def _mlp_g(cfg: Config, act: int, dt: str) -> list[Expected]:
     """The MLP's g, or a MoE layer's (its experts' or after the combine, and
     a shared expert's: a dense MLP's)."""
     m, tp = cfg.model, cfg.parallel.tp
-    dense = Expected("mlp: g", "all-reduce", "other", "mlp", act, dt, tp, m.n_layers)
+    M = m.n_moe_layers  # (the others dense: `model.moe_every`)
     if not m.n_experts:
-        return [dense]
-    shared = [dense] if m.moe_shared_d_ff else []
+        return [Expected("mlp: g", "all-reduce", "other", "mlp", act, dt, tp, m.n_layers)]
+    # the dense layers' MLPs, and a shared expert's in the MoE layers
+    mlps = m.n_layers - M + (M if m.moe_shared_d_ff else 0)
+    dense = [Expected("mlp: g", "all-reduce", "other", "mlp", act, dt, tp, mlps)] if mlps else []
     if m.moe_dispatch == "ragged":
-        return shared + [Expected("moe: g after the combine", "all-reduce", "other", "moe", act,
-                                  dt, tp, m.n_layers)]
-    return shared + [Expected("moe: the experts' g over their slots (E x B x 1 x D)",
-                              "all-reduce", "other", "moe", m.n_experts * act, dt, tp,
-                              m.n_layers)]
+        return dense + [Expected("moe: g after the combine", "all-reduce", "other", "moe", act,
+                                 dt, tp, M)]
+    return dense + [Expected("moe: the experts' g over their slots (E x B x 1 x D)",
+                             "all-reduce", "other", "moe", m.n_experts * act, dt, tp, M)]
 
 
 def decode_hlo(cfg: Config, batch: int, length: int) -> str:

@@ -86,6 +86,18 @@ def _ragged_ep(cfg: Config) -> list[Expected]:
     return rows
 
 
+def per_moe_layer(cfg: Config, rows: list[Expected]) -> list[Expected]:
+    """Rows counted per layer, for the MoE layers alone: where only every
+    `model.moe_every`-th layer is one (an unscanned stack without a
+    pipeline: a "layer" row would count all L), each counted per microbatch
+    times the MoE layers; else as they are."""
+    m = cfg.model
+    if m.moe_every == 1:
+        return rows
+    return [dataclasses.replace(r, count=r.count * m.n_moe_layers, per="microbatch")
+            if r.per == "layer" else r for r in rows]
+
+
 def expected_ep(cfg: Config, impl: str = "gspmd") -> list[Expected]:
     """The all-to-alls over ep, per MoE layer and microbatch (see the
     module docstring), as XLA:CPU's operands: written out by
@@ -94,7 +106,7 @@ def expected_ep(cfg: Config, impl: str = "gspmd") -> list[Expected]:
     if p.ep == 1 or not m.n_experts:
         return []
     if m.moe_dispatch == "ragged":
-        return _ragged_ep(cfg)
+        return per_moe_layer(cfg, _ragged_ep(cfg))
     part = slots(cfg) // p.ep
     E = lambda name, pass_: Expected(f"ep: {name}", "all-to-all", pass_, "moe", part,
                                      HLO_DTYPES[m.dtype], p.ep, 2 * p.ep, "ep", (EP_AXIS,),
@@ -103,17 +115,19 @@ def expected_ep(cfg: Config, impl: str = "gspmd") -> list[Expected]:
             E("their transposes (the slots' gradients back and forth)", "backward")]
     if m.remat == "full":  # the only policy that does not keep "ep_slots"
         rows.append(E("remat 'full': dispatch and combine again for the backward", "backward"))
-    return rows
+    return per_moe_layer(cfg, rows)
 
 
 def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list[Expected]:
     """Every collective of a MoE model's train step, per step. ep splits the
     batch as dp does for everything but the experts, so the budget is the
     dense model's with dp x ep as its data axis (`dense`:
-    `jaxtp.analysis.budget.expected_collectives`), less its MLP's rows
-    (kept, for an MLP of `model.moe_shared_d_ff` hidden units, where the
-    layer has a shared expert: a dense MLP's g and f, its weights' gradients
-    over dp x ep), plus the MoE layers' own (per layer and microbatch):
+    `jaxtp.analysis.budget.expected_collectives`), less its MLP's rows in
+    the MoE layers (where only every `model.moe_every`-th layer is one, the
+    dense layers keep theirs; kept, for an MLP of `model.moe_shared_d_ff`
+    hidden units, where the layer has a shared expert: a dense MLP's g and
+    f, its weights' gradients over dp x ep), plus the MoE layers' own (per
+    MoE layer and microbatch):
 
     - tp inside the experts (Megatron's MLP rule over the slots): g, an
       all-reduce of the rank's slots forward, its E/ep experts' for its dp
@@ -142,13 +156,18 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
     rename = lambda axes: tuple(b for a in axes for b in (data if a == DATA_AXIS else (a,)))
     shards = param_shards(cfg)
     # (a shared expert's weights are the dense MLP's: summed over dp x ep)
-    mlp = 0 if shared else sum(s.elements for s in param_shards(as_dp) if "/mlp/" in s.path)
+    # (and the dense layers' are theirs: out go the MoE layers' share)
+    L, moe_layers = m.n_layers, m.n_moe_layers
+    mlp = 0 if shared else sum(s.elements for s in param_shards(as_dp) if "/mlp/" in s.path) \
+        // L * moe_layers
     router = sum(s.elements for s in shards if s.path.endswith("/mlp/router"))
     experts = sum(s.elements for s in shards if "/mlp/experts/" in s.path)
     rows = []
     for r in dense(as_dp, impl, platform):
-        if r.scope == "mlp" and not shared:  # the dense MLP's f and g
-            continue
+        if r.scope == "mlp" and not shared:  # the dense MLP's f and g, the dense layers'
+            if moe_layers == L:
+                continue
+            r = dataclasses.replace(r, count=r.count // L * (L - moe_layers))
         # the MLP's weights out of the totals, the router's in (shard_map: with
         # the gradients GSPMD sums outside the regions); a row's elements are
         # one reduction's, its count the reductions a step runs (M, sliced)
@@ -202,5 +221,5 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
         own.append(E("dp: the experts' weight gradients (ep owns its experts)", "all-reduce",
                      "backward", experts, 1, p.dp, (DATA_AXIS,), HLO_DTYPES[m.param_dtype],
                      per="microbatch", scope=ANY_SCOPE))
-    return rows + per_step(own + expected_ep(cfg, impl), schedule_of(cfg))
+    return rows + per_step(per_moe_layer(cfg, own) + expected_ep(cfg, impl), schedule_of(cfg))
 

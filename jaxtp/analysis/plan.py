@@ -84,8 +84,10 @@ def activation_bytes(cfg: Config) -> float:
     else:
         per_layer = sl * b * h * (10 + 24 / t + 5 * a * s / (h * t))
     width = np.dtype(m.dtype).itemsize / 2
-    if m.n_experts:  # the MLP's 19sbh (2 + 1 replicated, 16/t split) for the MoE's own
-        per_layer += -sl * b * h * (3 + 16 / t) + moe_activation_bytes(cfg) / width
+    if m.n_experts:  # the MLP's 19sbh (2 + 1 replicated, 16/t split) for the MoE's own,
+        # in the MoE layers' share of the layers (`model.moe_every`)
+        per_layer += (-sl * b * h * (3 + 16 / t) + moe_activation_bytes(cfg) / width) * \
+            m.n_moe_layers / m.n_layers
     layers = m.n_layers // p.pp
     if p.pp == 1:
         return layers * per_layer * width

@@ -246,6 +246,7 @@ def param_count(cfg: Config) -> int:
     llama, bias = m.style == "llama", m.use_bias
     attn = D * N * H + 2 * D * K * H + N * H * D + (N * H + 2 * K * H + D if bias else 0)
     mlp = (3 * D * F if llama else 2 * D * F) + ((2 * F if llama else F) + D if bias else 0)
+    dense_mlp = mlp
     if m.n_experts:  # the router [D, E], E expert MLPs without biases (jaxtp.model.moe)
         S = m.moe_shared_d_ff  # and a shared expert: a dense MLP, with biases where asked
         mlp = D * m.n_experts + m.n_experts * (3 if llama else 2) * D * m.expert_d_ff + \
@@ -253,7 +254,8 @@ def param_count(cfg: Config) -> int:
              if S else 0)
     norms = 2 * D * (1 if llama else 2)  # RMSNorm: a scale; LayerNorm: scale and bias
     table = V * D * (1 if m.tie_embeddings else 2)
-    return L * (attn + mlp + norms) + table + (1 if llama else 2) * D + \
+    M = m.n_moe_layers  # (the others are dense: `model.moe_every`)
+    return L * (attn + norms) + M * mlp + (L - M) * dense_mlp + table + (1 if llama else 2) * D + \
         (0 if llama else m.seq_len * D)
 
 

@@ -145,7 +145,7 @@ def crosscheck(cfg: Config, mesh) -> dict:
         # computes one of them once with the forward's (`jaxtp.analysis.ep`)
         n = p.ep
         named_["a transpose's offsets, the forward's own (XLA computes it once)"] = (
-            "ep", m.n_layers * 4 * n * n / (2 * (2 if n > 2 else 1)))
+            "ep", m.n_moe_layers * 4 * n * n / (2 * (2 if n > 2 else 1)))
     for a, b in named_.values():
         priced[a] = priced.get(a, 0.0) + b
     axes = sorted(set(got) | set(priced) | set(ledger))

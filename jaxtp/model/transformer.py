@@ -32,11 +32,13 @@ class Block(nnx.Module):
     `model.n_experts` the MLP is a mixture of experts (`jaxtp.model.moe`),
     and a call returns (x, the layer's router statistics)."""
 
-    def __init__(self, cfg: ModelConfig, layout: Layout, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layout: Layout, *, rngs: nnx.Rngs,
+                 moe: bool | None = None):
         self.ln1 = make_norm(cfg, layout)
         self.attn = Attention(cfg, layout, rngs=rngs)
         self.ln2 = make_norm(cfg, layout)
-        self.moe = cfg.n_experts > 0
+        # (`moe`: this layer's kind, `model.moe_every`; None: every layer's)
+        self.moe = cfg.n_experts > 0 if moe is None else moe
         self.mlp = MoE(cfg, layout, rngs=rngs) if self.moe else MLP(cfg, layout, rngs=rngs)
         self.rate = cfg.dropout
         self.layout = layout
@@ -110,7 +112,8 @@ class Transformer(nnx.Module):
         # the blocks draw their parameters in order, one after another, whether
         # they are kept as a list or stacked: a scanned or pipelined model
         # starts from the values of the plain one
-        blocks = [Block(cfg, layout, rngs=rngs) for _ in range(cfg.n_layers)]
+        blocks = [Block(cfg, layout, rngs=rngs, moe=cfg.is_moe_layer(i))
+                  for i in range(cfg.n_layers)]
         self.blocks = _stacked(blocks, cfg, layout) if layout.stacked(cfg) else nnx.List(blocks)
         self.ln_f = make_norm(cfg, layout)
         self.lm_head = None if cfg.tie_embeddings else VocabEmbed(cfg, layout, rngs=rngs)

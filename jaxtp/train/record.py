@@ -64,7 +64,7 @@ def run_record(cfg: Config, mesh, model, hlo_text: str, check: dict | None = Non
                   # a mixture of experts (n_experts > 0): E, top-k, hidden units, capacity
                   **({"n_experts": m.n_experts, "moe_top_k": m.moe_top_k,
                       "moe_d_ff": m.expert_d_ff, "capacity_factor": m.capacity_factor,
-                      "moe_shared_d_ff": m.moe_shared_d_ff}
+                      "moe_shared_d_ff": m.moe_shared_d_ff, "moe_every": m.moe_every}
                      if m.n_experts else {})},
         # s: the sequence; each cp rank holds s/cp of its positions
         "microbatch": {"b": b, "s": m.seq_len, "tokens": b * m.seq_len, "microbatches": M},

@@ -32,9 +32,11 @@ B = 16
 
 @functools.cache
 def compiled(impl: str, factor: float, ep: int = 4, tp: int = 2, dp: int = 1,
-             remat: str = "none", dispatch: str = "dense", shared: int = 0, microbatches: int = 1):
+             remat: str = "none", dispatch: str = "dense", shared: int = 0, microbatches: int = 1,
+             every: int = 1):
     cfg = validate(Config(dataclasses.replace(MOE, capacity_factor=factor, remat=remat,
-                                              moe_dispatch=dispatch, moe_shared_d_ff=shared),
+                                              moe_dispatch=dispatch, moe_shared_d_ff=shared,
+                                              moe_every=every),
                           TrainConfig(batch_size=B, microbatches=microbatches),
                           ParallelConfig(dp=dp, ep=ep, tp=tp, impl=impl)))
     layout = Layout.of(cfg)
@@ -153,6 +155,22 @@ def test_a_shared_expert_is_a_dense_mlp_on_the_tp_ledger(impl):
     assert sum(c.count for c in mlp) == 2 * MOE.n_layers
     a2a = lambda cs: sorted((c.pass_, c.elements, c.count) for c in cs if c.kind == "all-to-all")
     assert a2a(colls) == a2a(compiled(impl, 1.0, 2, 2, 2)[2])
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+def test_every_other_layer_moe_sends_half_the_all_to_alls(impl):
+    """model.moe_every 2 of 2 layers (layer 0 dense, layer 1 MoE) at dp2 x
+    ep2 x tp2: the ledger, and by hand half the all-to-alls of every layer
+    MoE, the dense layer's MLP g and f over tp (B/(dp*ep) * s * D each)."""
+    cfg, sizes, colls = compiled(impl, 1.0, 2, 2, 2, every=2)
+    assert check(colls, expected_collectives(cfg, impl, "cpu"), sizes) is None
+    a2a = lambda cs: [c for c in cs if c.kind == "all-to-all"]
+    moved = lambda cs: sum(c.bytes * c.count for c in a2a(cs))
+    assert 2 * moved(colls) == moved(compiled(impl, 1.0, 2, 2, 2)[2]) > 0
+    mlp = [c for c in colls if c.scope == "mlp" and c.axes(sizes) == ("tp",)]
+    assert sorted((c.pass_, c.elements, c.count) for c in mlp) == \
+        [("backward", B // 4 * MOE.seq_len * MOE.d_model, 1),
+         ("forward", B // 4 * MOE.seq_len * MOE.d_model, 1)]
 
 
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map"])

@@ -212,6 +212,10 @@ def moe_one_device(model, microbatches=1):
     ("llama-dp2xep2xtp2-shared-shard_map-scan-minimal",
      dataclasses.replace(MOE_LLAMA, moe_shared_d_ff=32), 2, 2,
      {"ep": 2, "impl": "shard_map", "scan_layers": True, "remat": "minimal"}),
+    # every other layer MoE (model.moe_every 2: layer 0 dense, layer 1 MoE)
+    ("llama-ep2xtp2-moe_every2", dataclasses.replace(MOE_LLAMA, moe_every=2), 2, 2, {"ep": 2}),
+    ("gpt2-ep4xtp2-moe_every2-shard_map", dataclasses.replace(MOE, moe_every=2), 1, 2,
+     {"ep": 4, "impl": "shard_map"}),
     # the dropless ragged path (at ep 1: XLA:CPU compiles no ragged all-to-all)
     ("gpt2-tp8-ragged", RAGGED, 1, 8, {}),
     ("llama-dp2xtp4-shard_map-ragged", dataclasses.replace(MOE_LLAMA, moe_dispatch="ragged"), 2,
@@ -242,6 +246,9 @@ def test_the_moe_model_in_every_layout_equals_one_device(name, model, dp, tp, kw
     ({"moe_dispatch": "sparse"}, "choose one of \\('dense', 'ragged'\\)"),
     ({"ep": 3}, "valid --ep: \\[1, 2, 4\\]"),
     ({"ep": 2, "n_experts": 0}, "model.n_experts=0 has none"),
+    ({"moe_every": 3}, "model.moe_every=3 must be between 1 .* and model.n_layers=2"),
+    ({"moe_every": 2, "scan_layers": True}, "mixes dense and MoE blocks, .* model.scan_layers="),
+    ({"moe_every": 2, "moe_shared_d_ff": 32}, "not built with model.moe_shared_d_ff"),
 ])
 def test_moe_refusals_name_the_fix(over, fix):
     kw = dict(over)
