@@ -99,8 +99,18 @@ def _check_moe(cfg: Config) -> None:
             if cond:
                 raise ConfigError(f"model.moe_every={m.moe_every} mixes dense and MoE blocks, "
                                   f"which is not built with {what}")
+    split = [what for cond, what in ((p.cp > 1, f"--cp {p.cp}"), (p.sp and p.tp > 1, "--sp"))
+             if cond]
+    if split and m.capacity_factor:
+        raise ConfigError(
+            f"{' and '.join(split)} split{'' if len(split) > 1 else 's'} each sequence, and "
+            "a MoE rank routes its own part "
+            f"of one; model.capacity_factor={m.capacity_factor} counts capacity per "
+            "sequence, so the drops would depend on the split: set model.capacity_factor=0 "
+            "(dropless: the same result at every layout)")
     unbuilt = [(p.impl == "explicit", "--impl explicit (use gspmd or shard_map)"),
-               (p.pp > 1, "--pp"), (p.cp > 1, "--cp"), (p.sp, "--sp"),
+               (p.pp > 1, "--pp"), (bool(split) and m.moe_dispatch == "ragged",
+                                    f"model.moe_dispatch='ragged' with {' and '.join(split)}"),
                (p.overlap != "none", f"--overlap {p.overlap}")]
     for cond, what in unbuilt:
         if cond:

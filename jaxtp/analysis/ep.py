@@ -27,24 +27,32 @@ from typing import Callable
 
 from ..config import Config
 from ..model.moe import capacity
-from ..parallel import DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS
+from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS
 from .params import param_shards
 from .rows import ANY_SCOPE, HLO_DTYPES, Expected, per_step, schedule_of
 
 
+def splits(cfg: Config) -> int:
+    """The routing groups a sequence is cut into, n = cp (x tp under SP): a
+    rank routes its own part of each (`jaxtp.model.moe.MoE`)."""
+    p = cfg.parallel
+    return p.cp * (p.tp if p.sequence_parallel else 1)
+
+
 def slots(cfg: Config) -> int:
     """Elements of one rank's slot buffer per MoE layer and microbatch:
-    E * G_r * C * D."""
+    E * G_r * C * D, its G_r groups of s/n tokens (`splits`)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     groups = t.batch_size // (t.microbatches * p.pp * p.dp * p.ep)
-    C = capacity(m.seq_len, m.moe_top_k, m.n_experts, m.capacity_factor)
+    C = capacity(m.seq_len // splits(cfg), m.moe_top_k, m.n_experts, m.capacity_factor)
     return m.n_experts * groups * C * m.d_model
 
 
 def tokens(cfg: Config) -> int:
-    """The tokens N a rank routes per MoE layer and microbatch: B/(M*pp*dp*ep) * s."""
+    """The tokens N a rank routes per MoE layer and microbatch:
+    B/(M*pp*dp*ep) * s/n."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    return t.batch_size // (t.microbatches * p.pp * p.dp * p.ep) * m.seq_len
+    return t.batch_size // (t.microbatches * p.pp * p.dp * p.ep) * m.seq_len // splits(cfg)
 
 
 def _ragged_ep(cfg: Config) -> list[Expected]:
@@ -140,9 +148,15 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
       all-reduces XLA combines them (with the loss's mean) into; under any
       remat policy f's E again in the backward (its rematerialised block
       recomputes it for the balance loss's gradient);
-    - the gradients: the router's with the dense weights' over dp x ep; the
-      experts' over dp only (an ep rank owns its experts: Megatron-Core's
-      expert-data-parallel group); the gradient norm over ep too.
+    - the gradients: the router's with the dense weights' over dp x ep (under
+      cp or SP apart, over every axis that splits the tokens at once); the
+      experts' over dp (x cp) only (an ep rank owns its experts:
+      Megatron-Core's expert-data-parallel group); the gradient norm over ep
+      too.
+
+    Under SP tp's rows inside the experts are an entry's all-gather and an
+    exit's reduce-scatter (`_sp_rows`), and every size counts a rank's part
+    of each sequence (`splits`).
     """
     m, p, t = cfg.model, cfg.parallel, cfg.train
     shared = m.moe_shared_d_ff > 0
@@ -162,6 +176,9 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
         // L * moe_layers
     router = sum(s.elements for s in shards if s.path.endswith("/mlp/router"))
     experts = sum(s.elements for s in shards if "/mlp/experts/" in s.path)
+    # where the tokens are split over more than the batch (cp, SP's tp), the
+    # router's gradient is summed over all their axes at once, apart
+    own_router = p.cp > 1 or p.sequence_parallel
     rows = []
     for r in dense(as_dp, impl, platform):
         if r.scope == "mlp" and not shared:  # the dense MLP's f and g, the dense layers'
@@ -171,10 +188,10 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
         # the MLP's weights out of the totals, the router's in (shard_map: with
         # the gradients GSPMD sums outside the regions); a row's elements are
         # one reduction's, its count the reductions a step runs (M, sliced)
-        if r.role == "grads" and DATA_AXIS in r.axes:
+        if r.role == "grads" and (DATA_AXIS in r.axes or CP_AXIS in r.axes):
             r = dataclasses.replace(r, elements=r.elements - mlp)
         if r.role == ("grads_placed" if impl == "shard_map" else "grads") and \
-                DATA_AXIS in r.axes:
+                DATA_AXIS in r.axes and not own_router:
             r = dataclasses.replace(r, elements=r.elements + router)
         if r.name.startswith("gradient norm"):  # (below: over ep too)
             continue
@@ -193,7 +210,8 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
                                "moe", axes, written, per)
     ragged = m.moe_dispatch == "ragged"
     tp_n = tokens(cfg) * m.d_model if ragged else slots(cfg)  # what g and f sum
-    own = [] if p.tp == 1 else [
+    sp = p.sequence_parallel
+    own = [] if p.tp == 1 else _sp_rows(cfg, impl, E, tp_n) if sp else [
         E("g: the experts' output " + ("(the layer's, weighted)" if ragged else
                                         "(the rank's slots)"), "all-reduce", "forward",
           tp_n, 1, p.tp, (TP_AXIS,)),
@@ -203,23 +221,60 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
         own.append(E("the routing weights' gradient (the outputs they weigh are partial "
                      "over tp)", "all-reduce", "backward", tokens(cfg) * m.moe_top_k, 1,
                      p.tp, (TP_AXIS,)))
-    if own and m.remat == "full":  # the block's output is kept, the experts' is not
+    if own and m.remat == "full" and not sp:  # the block's output is kept, the experts' not
         own.append(E("remat 'full': g again for the backward", "all-reduce", "backward",
                      tp_n, 1, p.tp, (TP_AXIS,)))
-    if data:
-        n = p.dp * p.ep
+    # the axes that split the tokens: the statistics' means run over them
+    routed = tuple(a for a, n in ((DATA_AXIS, p.dp), (EP_AXIS, p.ep), (CP_AXIS, p.cp),
+                                  (TP_AXIS, p.tp if sp else 1)) if n > 1)
+    if routed:
+        n = math.prod(p.degrees[a] for a in routed)
         # (in any scope: XLA combines these small sums, and the layers' sum
         # of the statistics runs outside the MoE scope)
         own += [E("router statistics: the z-loss's mean, the balance loss's f and P",
-                  "all-reduce", "forward", 1 + 2 * m.n_experts, 1, n, data, "f32",
+                  "all-reduce", "forward", 1 + 2 * m.n_experts, 1, n, routed, "f32",
                   written=False, scope=ANY_SCOPE)]
         if m.remat != "none":  # the balance loss's gradient reads f, summed again
             own.append(E("remat: the balance loss's f summed again for its gradient",
-                         "all-reduce", "backward", m.n_experts, 1, n, data, "f32",
+                         "all-reduce", "backward", m.n_experts, 1, n, routed, "f32",
                          written=False, scope=ANY_SCOPE))
-    if p.dp > 1:
-        own.append(E("dp: the experts' weight gradients (ep owns its experts)", "all-reduce",
-                     "backward", experts, 1, p.dp, (DATA_AXIS,), HLO_DTYPES[m.param_dtype],
-                     per="microbatch", scope=ANY_SCOPE))
+    if own_router:
+        own.append(E("the router's gradient over every axis that splits the tokens",
+                      "all-reduce", "backward", router // m.n_moe_layers, 1, n, routed,
+                      HLO_DTYPES[m.param_dtype], scope=ANY_SCOPE, written=False))
+    owners = tuple(a for a, n in ((DATA_AXIS, p.dp), (CP_AXIS, p.cp)) if n > 1)
+    if owners:  # every rank that holds the same experts: dp's, and cp's (their tokens)
+        own.append(E(f"{' x '.join(owners)}: the experts' weight gradients (ep owns its "
+                     "experts)", "all-reduce", "backward", experts, 1, p.dp * p.cp, owners,
+                     HLO_DTYPES[m.param_dtype], per="microbatch", scope=ANY_SCOPE))
     return rows + per_step(per_moe_layer(cfg, own) + expected_ep(cfg, impl), schedule_of(cfg))
 
+
+def _sp_rows(cfg: Config, impl: str, E: Callable, n: int) -> list[Expected]:
+    """tp inside the experts under SP, per MoE layer and microbatch: a rank
+    routes s/tp of each sequence, so the slots that arrive over ep (`n`
+    elements, `slots`) are its tp rank's part: gathered over tp for the
+    column-parallel up-projection and the row-parallel output reduce-
+    scattered back (Megatron-SP's entry and exit, Korthikanti et al. 2022,
+    Sec. 4.2.2, on the slots; Megatron-Core's expert-tp all-gather); the
+    backward their mirrors. shard_map writes them so; GSPMD (XLA:CPU, jax
+    0.10.2) sums the output by an all-reduce of the gathered slots and keeps
+    its part (tp times the reduce-scatter's result, in both passes). Under
+    remat "full" the backward runs the entry and the exit again."""
+    p = cfg.parallel
+    whole = p.tp * n
+    kind, size = ("reduce-scatter", n) if impl == "shard_map" else ("all-reduce", whole)
+    how = "reduce-scattered" if impl == "shard_map" else "all-reduced, its part kept (GSPMD)"
+    T = (TP_AXIS,)
+    again = [E("remat 'full': the entry's gather again for the backward", "all-gather",
+               "backward", whole, 1, p.tp, T),
+             E("remat 'full': the exit again for the backward", kind, "backward", size, 1,
+               p.tp, T)] if cfg.model.remat == "full" else []
+    return again + [
+        E("SP entry: the slots that arrived gathered over tp", "all-gather", "forward",
+          whole, 1, p.tp, T),
+        E(f"SP exit: the experts' output {how}", kind, "forward", size, 1, p.tp, T),
+        E("SP exit, backward: the output's gradient gathered", "all-gather", "backward",
+          whole, 1, p.tp, T),
+        E(f"SP entry, backward: the slots' gradient {how}", kind, "backward", size, 1,
+          p.tp, T)]

@@ -31,6 +31,7 @@ The two router losses, per microbatch over all its tokens:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable
 
@@ -41,7 +42,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ..config import ModelConfig
 from ..parallel import Layout, constrain, run_sharded, spec
-from ..parallel.collectives import f, g
+from ..parallel.collectives import f, f_sp, g, g_sp
 from ..parallel.ep import SLOTS_NAME, over_ep
 from ..parallel.ep import ragged as ragged_rows
 from .layers import gelu, init_std_out, param, weight
@@ -52,11 +53,35 @@ from .mlp import MLP
 # assignments each expert gets ([E], `load`); summed over the layers
 LOSSES = ("moe_balance", "moe_z")
 STATS = (*LOSSES, "moe_dropped")
-# the slots [E, G, C, D] as the dispatch makes them (the groups split as the
-# tokens are, over dp x ep; every expert on every rank), and as the experts
-# take them (E over ep, the groups over dp)
-TOKENS_SLOTS = (None, "batch", None, "embed")
-EXPERTS_SLOTS = ("expert", "expert_batch", None, "embed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Slots:
+    """The logical axes of the slots [E, G, C, D]: as the dispatch makes them
+    (`tokens`: the groups split as the tokens are, over dp x ep x cp and
+    under SP tp; every expert on every rank), as the experts take them
+    (`experts`: E over ep, the groups over dp x cp: under SP gathered over
+    tp, whose ranks split each expert's F) and as the experts' row-parallel
+    output leaves them (`out`: under SP reduce-scattered over tp along the
+    groups, Megatron-SP's exit, Korthikanti et al. 2022; else `experts`)."""
+
+    sp: bool = False
+
+    @property
+    def groups(self) -> str:
+        return "sp_groups" if self.sp else "groups"
+
+    @property
+    def tokens(self) -> tuple:
+        return (None, self.groups, None, "embed")
+
+    @property
+    def experts(self) -> tuple:
+        return ("expert", "expert_batch", None, "embed")
+
+    @property
+    def out(self) -> tuple:
+        return ("expert", "sp_expert_batch" if self.sp else "expert_batch", None, "embed")
 
 
 def n_stats(E: int, monitor: bool) -> int:
@@ -191,20 +216,25 @@ class Experts(nnx.Module):
         self.down = param(rngs, nnx.initializers.normal(init_std_out(cfg.init_std, cfg.n_layers)),
                           (E, F, D), ("expert", "mlp", "embed"), cfg.param_dtype, layout)
         self.dtype, self.layout = cfg.dtype, layout
+        self.slots = Slots(layout.sp)
 
     def __call__(self, x_EGCD):
-        """Every expert's slots [E, G, C, D] -> its outputs, summed over tp.
-        gspmd: the slots as the experts take them (E over ep, the groups over
-        dp: `_slots_place`); shard_map: as the dispatch made them (the groups
-        over dp x ep), sent to the experts' ranks and back in the region
-        (`jaxtp.parallel.ep.over_ep`)."""
+        """Every expert's slots [E, G, C, D] -> its outputs, summed over tp
+        (under SP reduce-scattered over it). gspmd: the slots as the experts
+        take them (`Slots.experts`, placed by `_slots_place`); shard_map: as
+        the dispatch made them (`Slots.tokens`), sent to the experts' ranks
+        and back in the region (`jaxtp.parallel.ep.over_ep`), there gathered
+        over tp and reduce-scattered back under SP (`f_sp`, `g_sp`), else
+        f and g."""
         if self.layout.impl == "shard_map":
-            s = spec(*TOKENS_SLOTS)
-            return run_sharded(self, lambda m, x: over_ep(lambda x: g(m.local(f(x))), x),
-                               x_EGCD, arg_specs=(s,), out_specs=s)
+            s = spec(*self.slots.tokens)
+            enter, leave = (f_sp, g_sp) if self.slots.sp else (f, g)
+            return run_sharded(
+                self, lambda m, x: over_ep(lambda x: leave(m.local(enter(x))), x),
+                x_EGCD, arg_specs=(s,), out_specs=s)
         if self.layout.impl != "gspmd":
             raise ValueError(f"MoE is not built for impl {self.layout.impl!r} yet")
-        return constrain(self.local(x_EGCD), *EXPERTS_SLOTS)
+        return constrain(self.local(x_EGCD), *self.slots.out)
 
     def local(self, x_EGCD):
         """The experts' math on whatever part of F this rank holds."""
@@ -215,6 +245,9 @@ class Experts(nnx.Module):
             h_EGCF = jax.nn.silu(h_EGCXF[..., 0, :]) * h_EGCXF[..., 1, :]
         else:
             h_EGCF = gelu(jnp.einsum("EGCD,EDF->EGCF", x_EGCD, w_up))
+        # F over tp, as the weights (else GSPMD may trade the down-projection's
+        # partial sum for an all-to-all of h and the gathered weight)
+        h_EGCF = constrain(h_EGCF, "expert", "expert_batch", None, "mlp")
         return jnp.einsum("EGCF,EFD->EGCD", checkpoint_name(h_EGCF, "mlp_up"), w_down)
 
     def ragged_local(self, x_RD, sizes_E):
@@ -253,31 +286,30 @@ class Experts(nnx.Module):
                            arg_specs=(tokens, routing, routing), out_specs=tokens)
 
 
-def _slots_place(x_EGCD, to_experts: bool, sent: bool = True):
-    """gspmd: the slots as the dispatch makes them (`TOKENS_SLOTS`) -> as the
-    experts take them (`EXPERTS_SLOTS`), or back: the same array resharded,
-    an all-to-all over ep each way (GShard's, placed by GSPMD). Named for
-    remat (`SLOTS_NAME`) only where `sent` (ep > 1): at ep 1 nothing travels,
-    and keeping the slots would be memory bought for nothing."""
-    x_EGCD = constrain(x_EGCD, *(TOKENS_SLOTS if to_experts else EXPERTS_SLOTS))
-    x_EGCD = constrain(x_EGCD, *(EXPERTS_SLOTS if to_experts else TOKENS_SLOTS))
+def _slots_place(x_EGCD, to_experts: bool, slots: Slots, sent: bool = True):
+    """gspmd: the slots as the dispatch makes them (`Slots.tokens`) -> as the
+    experts take them (`Slots.experts`), or from the experts' output
+    (`Slots.out`) back: the same array resharded, an all-to-all over ep each
+    way (GShard's, placed by GSPMD). Named for remat (`SLOTS_NAME`) only
+    where `sent` (ep > 1): at ep 1 nothing travels, and keeping the slots
+    would be memory bought for nothing."""
+    x_EGCD = constrain(x_EGCD, *(slots.tokens if to_experts else slots.out))
+    if slots.sp and to_experts:  # one axis at a time (GSPMD gathers everything to
+        # move both at once): ep's all-to-all, then tp's gather of what arrived
+        x_EGCD = constrain(x_EGCD, *slots.out)
+    x_EGCD = constrain(x_EGCD, *(slots.experts if to_experts else slots.tokens))
     return checkpoint_name(x_EGCD, SLOTS_NAME) if sent else x_EGCD
 
 
-def _slots_stay(x_EGCD, to_experts: bool):
-    """gspmd at ep 1: the slots placed as `_slots_place` does, not named."""
-    return _slots_place(x_EGCD, to_experts, sent=False)
-
-
-def _slots_kept(x_EGCD, to_experts: bool):
+def _slots_kept(x_EGCD, to_experts: bool, slots: Slots):
     """shard_map: the slots stay split as the tokens are; the expert region
     moves them itself (`jaxtp.parallel.ep`)."""
-    return constrain(x_EGCD, *TOKENS_SLOTS)
+    return constrain(x_EGCD, *slots.tokens)
 
 
-def _pin_groups(a):
+def _pin_groups(a, slots: Slots):
     """A routing array [G, ...] split over the groups as the tokens are."""
-    return constrain(a, "batch", *(None,) * (a.ndim - 1))
+    return constrain(a, slots.groups, *(None,) * (a.ndim - 1))
 
 
 class MoE(nnx.Module):
@@ -285,7 +317,12 @@ class MoE(nnx.Module):
     `model.moe_shared_d_ff` a shared expert (a dense `MLP` every token takes,
     tp's column -> row rule, its own g and f on the tp ledger); `__call__`
     returns the output [B, T, D] and the layer's router statistics
-    (`STATS`). Each sequence is a routing group."""
+    (`STATS`). Each sequence is a routing group; under cp (and SP) each
+    rank's part of one, n = cp (x tp) groups per sequence, so that a rank
+    routes the tokens it holds (T/n of each sequence, as Megatron-Core's
+    dispatchers route a rank's tokens) and sends 1/n of the slots. Only
+    dropless routing (`model.capacity_factor` 0, held by `jaxtp.checks`)
+    gives one device's result so: a capacity would count per part."""
 
     def __init__(self, cfg: ModelConfig, layout: Layout, *, rngs: nnx.Rngs):
         self.router = param(rngs, nnx.initializers.normal(cfg.init_std),
@@ -296,21 +333,49 @@ class MoE(nnx.Module):
                           rngs=rngs) if cfg.moe_shared_d_ff else None
         self.k, self.factor, self.norm = cfg.moe_top_k, cfg.capacity_factor, cfg.moe_norm_topk
         self.ragged = cfg.moe_dispatch == "ragged"
-        self.layout = layout
+        self.layout, self.slots = layout, self.experts.slots
+        self.splits = layout.cp * (layout.tp if layout.sp else 1)  # groups per sequence
         self.tag = "mlp_out"
-        self._place = _slots_kept if layout.impl == "shard_map" else \
-            _slots_place if layout.ep > 1 else _slots_stay
+        place = _slots_kept if layout.impl == "shard_map" else \
+            functools.partial(_slots_place, sent=layout.ep > 1)
+        self._place = functools.partial(place, slots=self.slots)
         self.monitor = False  # also the dropped share and the loads (`moe`)
 
     def __call__(self, x_BTD):
+        B, T, D = x_BTD.shape
         with jax.named_scope("moe"):
-            logits_BTE = jnp.einsum("BTD,DE->BTE", x_BTD.astype(jnp.float32),
+            # each rank's part of a sequence its own group (the sequence is
+            # split over cp, and tp under SP, in that order: a reshape moves
+            # nothing)
+            x_GSD = self._groups(x_BTD)
+            logits_GSE = jnp.einsum("GSD,DE->GSE", x_GSD.astype(jnp.float32),
                                     weight(self.router, jnp.float32))
-            y_BTD, stats = moe(x_BTD, logits_BTE, self.experts, k=self.k, factor=self.factor,
-                               norm_topk=self.norm, place=self._place, pin=_pin_groups,
+            y_GSD, stats = moe(x_GSD, logits_GSE, self.experts, k=self.k, factor=self.factor,
+                               norm_topk=self.norm, place=self._place,
+                               pin=functools.partial(_pin_groups, slots=self.slots),
                                monitor=self.monitor,
                                ragged=self.experts.ragged if self.ragged else None)
-            y_BTD = checkpoint_name(constrain(y_BTD, *self.layout.residual), self.tag)
+            y_BTD = checkpoint_name(self._groups(y_GSD, (B, T, D)), self.tag)
         if self.shared is not None:  # (in the "mlp" scope, as a dense block's MLP)
             y_BTD = y_BTD + self.shared(x_BTD)
         return y_BTD, stats
+
+    def _groups(self, a, to: tuple | None = None):
+        """The residual stream [B, T, D] as routing groups [n*B, T/n, D], or
+        (`to`: its shape) back: through [n, B, T/n, D], the part of each
+        sequence major, so that a rank's groups are one tile (`Slots`:
+        split over cp (x tp), then the batch's axes) and no token moves
+        (a group index b*n + j would tile a rank's tokens apart: GSPMD moves
+        them, an all-to-all over tp)."""
+        n, (_, seq, _) = self.splits, self.layout.residual
+        if n == 1:  # the sequences are the groups
+            return a if to is None else constrain(a, *self.layout.residual)
+        if to is None:
+            B, T, D = a.shape
+            a = constrain(a, *self.layout.residual).reshape(B, n, T // n, D)
+            a = constrain(a, "batch", seq, None, "embed").transpose(1, 0, 2, 3)
+            return constrain(a.reshape(n * B, T // n, D), self.slots.groups, None, "embed")
+        B, T, D = to
+        a = constrain(a, self.slots.groups, None, "embed").reshape(n, B, T // n, D)
+        a = constrain(a.transpose(1, 0, 2, 3), "batch", seq, None, "embed")
+        return constrain(a.reshape(B, T, D), *self.layout.residual)

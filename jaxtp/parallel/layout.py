@@ -51,8 +51,16 @@ RULES: dict[str, tuple[str, ...]] = {
     # take the batch as dp does everywhere else (Megatron-Core's EP folded out
     # of DP; torchtitan's EP borrowed from the data ranks)
     "expert": (EP_AXIS,),
-    # the experts' slots of a group: the batch without ep, which holds experts there
-    "expert_batch": (PP_AXIS, DATA_AXIS),
+    # a MoE layer's routing groups [G]: the sequences, or under cp (and SP)
+    # each rank's part of one, the parts major (`jaxtp.model.moe`): split as
+    # the tokens are, ep last
+    "groups": (CP_AXIS, PP_AXIS, DATA_AXIS, EP_AXIS),
+    "sp_groups": (CP_AXIS, TP_AXIS, PP_AXIS, DATA_AXIS, EP_AXIS),
+    # the groups of the experts' slots: the tokens' split without ep, which
+    # holds experts there (and without SP's tp, which splits the experts' F)
+    "expert_batch": (CP_AXIS, PP_AXIS, DATA_AXIS),
+    # the experts' row-parallel output under SP, reduce-scattered over tp
+    "sp_expert_batch": (CP_AXIS, TP_AXIS, PP_AXIS, DATA_AXIS),
 }
 # FSDP-style: parameters (and so the optimizer state, which mirrors them) are
 # also split over dp along their model dim. Only parameters: an activation's

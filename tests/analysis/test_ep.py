@@ -33,12 +33,12 @@ B = 16
 @functools.cache
 def compiled(impl: str, factor: float, ep: int = 4, tp: int = 2, dp: int = 1,
              remat: str = "none", dispatch: str = "dense", shared: int = 0, microbatches: int = 1,
-             every: int = 1):
+             every: int = 1, sp: bool = False, cp: int = 1):
     cfg = validate(Config(dataclasses.replace(MOE, capacity_factor=factor, remat=remat,
                                               moe_dispatch=dispatch, moe_shared_d_ff=shared,
                                               moe_every=every),
                           TrainConfig(batch_size=B, microbatches=microbatches),
-                          ParallelConfig(dp=dp, ep=ep, tp=tp, impl=impl)))
+                          ParallelConfig(dp=dp, ep=ep, tp=tp, impl=impl, sp=sp, cp=cp)))
     layout = Layout.of(cfg)
     step = compile_train_step(abstract_train_state(cfg, layout.mesh()), B, MOE.seq_len)
     return cfg, layout.sizes, hlo.collectives(step.as_text())
@@ -188,6 +188,40 @@ def test_ep_with_microbatches_sends_each_slices_slots(impl):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("ep, tp, sp, cp", [(2, 4, True, 1), (2, 2, False, 2)],
+                         ids=["ep2xtp4-sp", "cp2xep2xtp2"])
+def test_under_sp_and_cp_a_rank_routes_its_part_of_each_sequence(impl, ep, tp, sp, cp):
+    """Each rank routes s/n of each sequence (n = cp, or tp under SP), so its
+    slots, and ep's all-to-alls, hold its own tokens only: by hand B/ep
+    groups of s/n tokens, dropless C = s/n. Under SP the experts gather
+    what arrived over tp and scatter their output back (shard_map: a
+    reduce-scatter; GSPMD: an all-reduce of the gathered slots); under cp
+    the experts' gradients are summed over cp (its ranks hold the same
+    experts). And the whole step by the ledger."""
+    cfg, sizes, colls = compiled(impl, 0.0, ep, tp, sp=sp, cp=cp)
+    assert check(colls, expected_collectives(cfg, impl, "cpu"), sizes) is None
+    n = cp * (tp if sp else 1)
+    per_layer = 8 * (B // ep) * (MOE.seq_len // n) * 32  # E * G_r * C * D
+    assert slots(cfg) == per_layer
+    moe = [c for c in colls if c.scope == "moe"]
+    for pass_ in ("forward", "backward"):
+        a2a = [c for c in moe if c.kind == "all-to-all" and c.pass_ == pass_]
+        assert sum(c.elements * c.count for c in a2a) == 2 * MOE.n_layers * per_layer
+        assert {c.axes(sizes) for c in a2a} == {("ep",)}
+        over_tp = sorted((c.kind, c.elements) for c in moe if c.pass_ == pass_
+                         and c.axes(sizes) == ("tp",))
+        exit_ = ("reduce-scatter", per_layer) if impl == "shard_map" else \
+            ("all-reduce", tp * per_layer)
+        want = [("all-gather", tp * per_layer), exit_] if sp else [("all-reduce", per_layer)]
+        assert over_tp == sorted(want * MOE.n_layers)
+    experts = [c for c in moe if c.pass_ == "backward" and c.axes(sizes) == ("cp",)]
+    assert bool(experts) == (cp > 1)
+
+
+test_under_sp_and_cp_a_rank_routes_its_part_of_each_sequence.fast_cases = {"ep2xtp4-sp-shard_map"}
+
+
 def test_compare_hlo_of_moe_tiny_at_ep4_tp2(tmp_path, capsys):
     """The command line: gspmd and shard_map match, explicit is refused with
     its reason, and the all-to-alls are on the ep axis."""

@@ -175,7 +175,7 @@ TOKENS = np.random.default_rng(1).integers(0, 256, (8, MOE.seq_len + 1)).astype(
 
 
 def moe_cfg(model, dp=1, tp=1, microbatches=1, **kw):
-    par = {k: kw.pop(k) for k in ("impl", "sp", "fsdp", "ep") if k in kw}
+    par = {k: kw.pop(k) for k in ("impl", "sp", "fsdp", "ep", "cp") if k in kw}
     return validate(Config(dataclasses.replace(model, **kw),
                            TrainConfig(batch_size=8, microbatches=microbatches),
                            ParallelConfig(dp=dp, tp=tp, **par)))
@@ -216,6 +216,17 @@ def moe_one_device(model, microbatches=1):
     ("llama-ep2xtp2-moe_every2", dataclasses.replace(MOE_LLAMA, moe_every=2), 2, 2, {"ep": 2}),
     ("gpt2-ep4xtp2-moe_every2-shard_map", dataclasses.replace(MOE, moe_every=2), 1, 2,
      {"ep": 4, "impl": "shard_map"}),
+    # the sequence split (cp; SP's tp): each rank routes its own part of each
+    # sequence, dropless (a capacity would count per part: refused)
+    ("gpt2-ep2xtp4-sp", MOE, 1, 4, {"ep": 2, "sp": True}),
+    ("llama-dp2xep2xtp2-sp-shard_map", MOE_LLAMA, 2, 2, {"ep": 2, "sp": True,
+                                                       "impl": "shard_map"}),
+    ("llama-cp2xep2xtp2", MOE_LLAMA, 1, 2, {"ep": 2, "cp": 2}),
+    ("gpt2-cp2xep4-shard_map-scan-minimal", MOE, 1, 1, {"ep": 4, "cp": 2, "impl": "shard_map",
+                                                       "scan_layers": True,
+                                                       "remat": "minimal"}),
+    ("llama-cp2xep2xtp2-sp-shard_map", MOE_LLAMA, 1, 2, {"ep": 2, "cp": 2, "sp": True,
+                                                        "impl": "shard_map"}),
     # the dropless ragged path (at ep 1: XLA:CPU compiles no ragged all-to-all)
     ("gpt2-tp8-ragged", RAGGED, 1, 8, {}),
     ("llama-dp2xtp4-shard_map-ragged", dataclasses.replace(MOE_LLAMA, moe_dispatch="ragged"), 2,
@@ -240,7 +251,10 @@ def test_the_moe_model_in_every_layout_equals_one_device(name, model, dp, tp, kw
     ({"moe_top_k": 5}, "between 1 and model.n_experts=4"),
     ({"moe_d_ff": 60, "tp": 8}, "model.moe_d_ff"),
     ({"impl": "explicit"}, "not built for --impl explicit"),
-    ({"sp": True, "tp": 2}, "not built for --sp"),
+    ({"sp": True, "tp": 2, "capacity_factor": 1.0}, "--sp splits each sequence, .* set "
+     "model.capacity_factor=0"),
+    ({"cp": 2, "capacity_factor": 1.25}, "--cp 2 splits each sequence"),
+    ({"cp": 2, "moe_dispatch": "ragged"}, "not built for model.moe_dispatch='ragged' with --cp"),
     ({"capacity_factor": -1.0}, "must be >= 0"),
     ({"moe_dispatch": "ragged", "capacity_factor": 1.0}, "is dropless"),
     ({"moe_dispatch": "sparse"}, "choose one of \\('dense', 'ragged'\\)"),
