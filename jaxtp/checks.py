@@ -49,8 +49,8 @@ def check(cfg: Config) -> None:
     _check_ranges(cfg)
     _check_choices(cfg)
     _check_shapes(cfg.model)
+    _check_moe(cfg)  # (first: the layout's batch checks count ep's ranks)
     _check_layout(cfg)
-    _check_moe(cfg)
 
 
 def _check_moe(cfg: Config) -> None:
@@ -109,7 +109,8 @@ def _check_moe(cfg: Config) -> None:
             "sequence, so the drops would depend on the split: set model.capacity_factor=0 "
             "(dropless: the same result at every layout)")
     unbuilt = [(p.impl == "explicit", "--impl explicit (use gspmd or shard_map)"),
-               (p.pp > 1, "--pp"), (bool(split) and m.moe_dispatch == "ragged",
+               (p.pp > 1 and p.pp_schedule == "1f1b", "parallel.pp_schedule=1f1b (use gpipe "
+                "or circular)"), (bool(split) and m.moe_dispatch == "ragged",
                                     f"model.moe_dispatch='ragged' with {' and '.join(split)}"),
                (p.overlap != "none", f"--overlap {p.overlap}")]
     for cond, what in unbuilt:
@@ -325,12 +326,15 @@ def _check_layout(cfg: Config) -> None:
                           f"model.seq_len to a multiple of {2 * p.tp}")
     _check_pp(cfg)
     # a pipeline: each stage's B/(pp*dp) rows outside it, M microbatches of the
-    # dp rank's B/dp rows in it (`jaxtp.parallel.pipeline`)
-    need = math.lcm(p.pp * p.dp, p.dp * t.microbatches)
+    # dp rank's B/dp rows in it (`jaxtp.parallel.pipeline`); ep's ranks split
+    # the batch as dp's
+    d, name, val = (p.dp * p.ep, "dp*ep", f"{p.dp}*{p.ep}") if p.ep > 1 else \
+        (p.dp, "dp", f"{p.dp}")
+    need = math.lcm(p.pp * d, d * t.microbatches)
     if t.batch_size % need:
-        what = (f"pp*dp={p.pp}*{p.dp} (each stage's rows) and by dp*microbatches="
-                f"{p.dp}*{t.microbatches}" if p.pp > 1 else
-                f"dp*microbatches={p.dp}*{t.microbatches}")
+        what = (f"pp*{name}={p.pp}*{val} (each stage's rows) and by {name}*microbatches="
+                f"{val}*{t.microbatches}" if p.pp > 1 else
+                f"{name}*microbatches={val}*{t.microbatches}")
         raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by {what}; set "
                           f"train.batch_size to a multiple of {need}")
     _check_cp(cfg)

@@ -26,7 +26,7 @@ import math
 from typing import Callable
 
 from ..config import Config
-from ..model.moe import capacity
+from ..model.moe import LOSSES, capacity
 from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS
 from .params import param_shards
 from .rows import ANY_SCOPE, HLO_DTYPES, Expected, per_step, schedule_of
@@ -41,18 +41,19 @@ def splits(cfg: Config) -> int:
 
 def slots(cfg: Config) -> int:
     """Elements of one rank's slot buffer per MoE layer and microbatch:
-    E * G_r * C * D, its G_r groups of s/n tokens (`splits`)."""
+    E * G_r * C * D, its G_r = B/(M*dp*ep) groups of s/n tokens (`splits`;
+    a pipeline's microbatch, B/M rows, holds every stage's rows)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    groups = t.batch_size // (t.microbatches * p.pp * p.dp * p.ep)
+    groups = t.batch_size // (t.microbatches * p.dp * p.ep)
     C = capacity(m.seq_len // splits(cfg), m.moe_top_k, m.n_experts, m.capacity_factor)
     return m.n_experts * groups * C * m.d_model
 
 
 def tokens(cfg: Config) -> int:
     """The tokens N a rank routes per MoE layer and microbatch:
-    B/(M*pp*dp*ep) * s/n."""
+    B/(M*dp*ep) * s/n (a pipeline's microbatch holds every stage's rows)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    return t.batch_size // (t.microbatches * p.pp * p.dp * p.ep) * m.seq_len // splits(cfg)
+    return t.batch_size // (t.microbatches * p.dp * p.ep) * m.seq_len // splits(cfg)
 
 
 def _ragged_ep(cfg: Config) -> list[Expected]:
@@ -190,7 +191,8 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
         # one reduction's, its count the reductions a step runs (M, sliced)
         if r.role == "grads" and (DATA_AXIS in r.axes or CP_AXIS in r.axes):
             r = dataclasses.replace(r, elements=r.elements - mlp)
-        if r.role == ("grads_placed" if impl == "shard_map" else "grads") and \
+        # (a pipeline's stages hold the router: summed with their weights)
+        if r.role == ("grads_placed" if impl == "shard_map" and p.pp == 1 else "grads") and \
                 DATA_AXIS in r.axes and not own_router:
             r = dataclasses.replace(r, elements=r.elements + router)
         if r.name.startswith("gradient norm"):  # (below: over ep too)
@@ -242,11 +244,16 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
         own.append(E("the router's gradient over every axis that splits the tokens",
                       "all-reduce", "backward", router // m.n_moe_layers, 1, n, routed,
                       HLO_DTYPES[m.param_dtype], scope=ANY_SCOPE, written=False))
+    if p.pp > 1:  # each stage's sum over its layers and microbatches, added up once
+        own.append(E("pp: the stages' router statistics summed", "all-reduce", "forward",
+                     len(LOSSES), 1, p.pp, (PP_AXIS,), "f32", per="step", scope=""))
     owners = tuple(a for a, n in ((DATA_AXIS, p.dp), (CP_AXIS, p.cp)) if n > 1)
     if owners:  # every rank that holds the same experts: dp's, and cp's (their tokens)
         own.append(E(f"{' x '.join(owners)}: the experts' weight gradients (ep owns its "
                      "experts)", "all-reduce", "backward", experts, 1, p.dp * p.cp, owners,
-                     HLO_DTYPES[m.param_dtype], per="microbatch", scope=ANY_SCOPE))
+                     HLO_DTYPES[m.param_dtype], scope=ANY_SCOPE,
+                     # (a pipeline's stages sum theirs once, after it)
+                     per="step" if p.pp > 1 else "microbatch"))
     return rows + per_step(per_moe_layer(cfg, own) + expected_ep(cfg, impl), schedule_of(cfg))
 
 

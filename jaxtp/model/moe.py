@@ -41,7 +41,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from ..config import ModelConfig
-from ..parallel import Layout, constrain, run_sharded, spec
+from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS, TP_AXIS, Layout, constrain, run_sharded, spec
+from ..parallel.layout import AXES, manual_axes
 from ..parallel.collectives import f, f_sp, g, g_sp
 from ..parallel.ep import SLOTS_NAME, over_ep
 from ..parallel.ep import ragged as ragged_rows
@@ -142,24 +143,36 @@ def combine(experts_GTk, weights_GTk, kept_GTk, E: int, C: int, dispatch_GTEC):
     return dispatch_GTEC * w_GTE[..., None]
 
 
-def balance_loss(probs_GTE, experts_GTk) -> jax.Array:
+def balance_loss(probs_GTE, experts_GTk, mean: Callable = lambda x: x) -> jax.Array:
     """Switch's load-balancing loss for top-k: E/k * sum_e f_e P_e over all
-    G*T tokens (1 when uniform)."""
+    G*T tokens (1 when uniform). `mean(a)`: a rank's mean over its tokens
+    -> the mean over every rank's (`over_tokens`; outside a shard_map the
+    partitioner's)."""
     E, k = probs_GTE.shape[-1], experts_GTk.shape[-1]
     tokens = probs_GTE.shape[0] * probs_GTE.shape[1]
-    f_E = jnp.sum(jax.nn.one_hot(experts_GTk, E, dtype=jnp.float32), (0, 1, 2)) / tokens
-    P_E = jnp.sum(probs_GTE, (0, 1)) / tokens
+    f_E = mean(jnp.sum(jax.nn.one_hot(experts_GTk, E, dtype=jnp.float32), (0, 1, 2)) / tokens)
+    P_E = mean(jnp.sum(probs_GTE, (0, 1)) / tokens)
     return E / k * jnp.sum(f_E * P_E)
 
 
-def z_loss(logits_GTE) -> jax.Array:
+def z_loss(logits_GTE, mean: Callable = lambda x: x) -> jax.Array:
     """ST-MoE's router z-loss: mean over tokens of logsumexp(logits)^2."""
-    return jnp.mean(jax.nn.logsumexp(logits_GTE.astype(jnp.float32), axis=-1) ** 2)
+    return mean(jnp.mean(jax.nn.logsumexp(logits_GTE.astype(jnp.float32), axis=-1) ** 2))
+
+
+def over_tokens(x, sp: bool = False):
+    """A rank's mean over its tokens -> the mean over every rank's, where the
+    code runs manual over axes that split the tokens (a pipeline's stage:
+    dp, cp, and under impl shard_map ep, and tp under SP); elsewhere x."""
+    axes = {DATA_AXIS, EP_AXIS, CP_AXIS} | ({TP_AXIS} if sp else set())
+    manual = tuple(a for a in AXES if a in axes and a in manual_axes())
+    return jax.lax.pmean(x, manual) if manual else x
 
 
 def moe(x_GTD, logits_GTE, experts: Callable, *, k: int, factor: float,
         norm_topk: bool = True, place: Callable = lambda x, to_experts: x,
-        pin: Callable = lambda x: x, monitor: bool = False, ragged: Callable | None = None):
+        pin: Callable = lambda x: x, monitor: bool = False, ragged: Callable | None = None,
+        mean: Callable = lambda x: x):
     """(y [G, T, D], stats: balance loss, z-loss, and where `monitor` the
     dropped share and the experts' loads [E] (`n_stats`)): each
     token through its kept top-k experts, weighted; `experts(x_EGCD)` maps
@@ -170,7 +183,8 @@ def moe(x_GTD, logits_GTE, experts: Callable, *, k: int, factor: float,
     (else the partitioner may gather the routing over ep to meet the
     experts' split). `ragged(x_GTD, experts_GTk, weights_GTk)`, where given,
     is the dropless ragged path instead (`jaxtp.parallel.ep.ragged`): no
-    slots, `factor` must be 0."""
+    slots, `factor` must be 0. `mean`: the statistics' means over the tokens
+    of every rank (`over_tokens`)."""
     G, T, D = x_GTD.shape
     E = logits_GTE.shape[-1]
     C = capacity(T, k, E, factor)
@@ -186,12 +200,12 @@ def moe(x_GTD, logits_GTE, experts: Callable, *, k: int, factor: float,
         x_EGCD = jnp.einsum("GTEC,GTD->EGCD", d_GTEC.astype(x_GTD.dtype), x_GTD)
         y_EGCD = place(experts(place(x_EGCD, True)), False)
         y_GTD = jnp.einsum("GTEC,EGCD->GTD", c_GTEC.astype(y_EGCD.dtype), y_EGCD)
-    losses = jnp.stack([balance_loss(probs_GTE, experts_GTk), z_loss(logits_GTE)])
+    losses = jnp.stack([balance_loss(probs_GTE, experts_GTk, mean), z_loss(logits_GTE, mean)])
     if not monitor:  # (training: only what the loss reads, so the step computes no more)
         return y_GTD.astype(x_GTD.dtype), losses
-    dropped = 1.0 - jnp.mean(jnp.asarray(kept_GTk, jnp.float32))
+    dropped = 1.0 - mean(jnp.mean(jnp.asarray(kept_GTk, jnp.float32)))
     return y_GTD.astype(x_GTD.dtype), jnp.concatenate([losses, dropped[None],
-                                                       load(experts_GTk, E)])
+                                                       mean(load(experts_GTk, E))])
 
 
 def load(experts_GTk, E: int) -> jax.Array:
@@ -234,6 +248,9 @@ class Experts(nnx.Module):
                 x_EGCD, arg_specs=(s,), out_specs=s)
         if self.layout.impl != "gspmd":
             raise ValueError(f"MoE is not built for impl {self.layout.impl!r} yet")
+        if EP_AXIS in manual_axes():  # a pipeline's stage, manual over ep: the slots are
+            # this rank's, and travel as under shard_map (tp left to GSPMD)
+            return over_ep(lambda x: constrain(self.local(x), *self.slots.out), x_EGCD)
         return constrain(self.local(x_EGCD), *self.slots.out)
 
     def local(self, x_EGCD):
@@ -354,7 +371,8 @@ class MoE(nnx.Module):
                                norm_topk=self.norm, place=self._place,
                                pin=functools.partial(_pin_groups, slots=self.slots),
                                monitor=self.monitor,
-                               ragged=self.experts.ragged if self.ragged else None)
+                               ragged=self.experts.ragged if self.ragged else None,
+                               mean=functools.partial(over_tokens, sp=self.layout.sp))
             y_BTD = checkpoint_name(self._groups(y_GSD, (B, T, D)), self.tag)
         if self.shared is not None:  # (in the "mlp" scope, as a dense block's MLP)
             y_BTD = y_BTD + self.shared(x_BTD)

@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from ..config import REMATS, ModelConfig
-from ..parallel import Layout, constrain
+from ..parallel import PP_AXIS, Layout, constrain, vary
 from ..parallel.context import KV_NAME as CP_KV
 from ..parallel.ep import SLOTS_NAME as EP_SLOTS
 from ..parallel.pipeline import pipeline
@@ -134,7 +134,13 @@ class Transformer(nnx.Module):
         keys = (None if dropout_key is None else jax.random.split(dropout_key, L + 1))
         x_BTD = self._embed(tokens_BT, None if keys is None else keys[0])
         stats = jnp.zeros(n_stats(self.cfg.n_experts, self.monitor), jnp.float32)
-        if self.layout.pp > 1:  # (1f1b's forward alone is gpipe's)
+        if self.layout.pp > 1 and self.cfg.n_experts:  # (every block MoE: `jaxtp.checks`)
+            n = stats.shape[0]
+            x_BTD, stats = pipeline(
+                lambda blocks, x: self._run_stack(blocks, x, None,
+                                                  vary(jnp.zeros(n, jnp.float32), {PP_AXIS})),
+                self.blocks, x_BTD, self.layout, n_stats=n)
+        elif self.layout.pp > 1:  # (1f1b's forward alone is gpipe's)
             x_BTD = pipeline(lambda blocks, x: self._run_stack(blocks, x, None), self.blocks,
                              x_BTD, self.layout)
         elif self.layout.stacked(self.cfg):

@@ -35,18 +35,25 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from .collectives import vary
-from .layout import (CP_AXIS, DATA_AXIS, PP_AXIS, TP_AXIS, Layout, constrain, keep_axes, spec,
+from .layout import (CP_AXIS, DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS, Layout, constrain, keep_axes, spec,
                      spec_axes)
 
 _is_spec = lambda x: isinstance(x, P)
-BATCH_SPLIT = {DATA_AXIS, CP_AXIS}  # the axes that split a stage's tokens (not pp's)
+# the axes that split a stage's tokens (not pp's): ep's too, which splits
+# the batch as dp's does outside a MoE layer's experts
+BATCH_SPLIT = {DATA_AXIS, EP_AXIS, CP_AXIS}
 
 
-def pipeline(stage: Callable, blocks, x_BTD, layout: Layout):
+def pipeline(stage: Callable, blocks, x_BTD, layout: Layout, n_stats: int = 0):
     """`stage(blocks, x)` over the stacked `blocks` of every stage, in
     order, on `x_BTD` [B, T, D] (the residual stream, B split over pp and
     dp), by GPipe's schedule: the stream after the last layer, laid out
-    like `x_BTD`.
+    like `x_BTD`. With `n_stats` (MoE blocks, whose `stage` returns (x,
+    statistics [n_stats]) summed over its layers): (that stream, the
+    statistics summed over every stage's layers and averaged over the
+    microbatches, the bubble ticks' left out), as M slices of the batch
+    would give them (`jaxtp.parallel.schedule`; a pipeline's microbatch m
+    is the rows m*b to (m+1)*b - 1, a slice's the rows m, M+m, ...).
 
     The shard_map is manual over pp and dp (under impl shard_map over every
     axis, so that the blocks' own regions run inside it, unnested): each
@@ -60,8 +67,11 @@ def pipeline(stage: Callable, blocks, x_BTD, layout: Layout):
     graphdef, params = nnx.split(blocks)
     specs = nnx.get_partition_spec(params)
     # under gspmd an FSDP weight enters whole over dp (GSPMD gathers it)
-    param_specs = jax.tree.map(lambda s: keep_axes(s, manual if everything else {PP_AXIS}),
-                               specs, is_leaf=_is_spec)
+    # (and the experts enter split over ep, which is manual here: each stage's
+    # ep rank runs its own experts, `jaxtp.model.moe`)
+    param_specs = jax.tree.map(
+        lambda s: keep_axes(s, manual if everything else {PP_AXIS, EP_AXIS} & manual),
+        specs, is_leaf=_is_spec)
     x_spec = keep_axes(spec(*layout.residual), manual)
     over = manual & BATCH_SPLIT
 
@@ -73,10 +83,14 @@ def pipeline(stage: Callable, blocks, x_BTD, layout: Layout):
         # (pinned as the stream is: under SP split along T over tp)
         pin = lambda x: constrain(x, *(None,) * (x.ndim - 3), *layout.residual)
         run = lambda i, x: stage(nnx.merge(graphdef, _chunk(params, i, v)), x)
-        out_MbTD = _gpipe(run, pin(_to_first_stage(pin(x_nTD), p, M)), p, v)
-        return _from_last_stage(out_MbTD, p, pin)
+        out_MbTD, stats = _gpipe(run, pin(_to_first_stage(pin(x_nTD), p, M)), p, v, n_stats)
+        out = _from_last_stage(out_MbTD, p, pin)
+        # (the stages' statistics: each its own layers'; over the batch axes
+        # already means, `jaxtp.model.moe`)
+        return (out, jax.lax.psum(stats, PP_AXIS) / M) if n_stats else out
 
-    return jax.shard_map(per_stage, in_specs=(param_specs, x_spec), out_specs=x_spec,
+    return jax.shard_map(per_stage, in_specs=(param_specs, x_spec),
+                         out_specs=(x_spec, P()) if n_stats else x_spec,
                          axis_names=manual, check_vma=True)(params, x_BTD)
 
 
@@ -86,13 +100,15 @@ def _manual(layout: Layout) -> tuple[bool, set]:
     blocks' own regions run inside it, unnested)."""
     big = {a for a, n in dict(jax.sharding.get_abstract_mesh().shape).items() if n > 1}
     everything = layout.impl == "shard_map"
-    return everything, (big | {TP_AXIS}) if everything else big & {PP_AXIS, DATA_AXIS, CP_AXIS}
+    return everything, (big | {TP_AXIS}) if everything else big & ({PP_AXIS} | BATCH_SPLIT)
 
 
-def _gpipe(run: Callable, xs_in_MbTD, p: int, v: int = 1):
+def _gpipe(run: Callable, xs_in_MbTD, p: int, v: int = 1, n_stats: int = 0):
     """GPipe's M + p - 1 ticks: at tick t stage 0 takes microbatch t, every
     stage runs `run(0, x)` on what it holds and shifts its output to the
-    next; the last stage's outputs [M, b, T, D] (the other stages': zeros).
+    next; (the last stage's outputs [M, b, T, D] (the other stages': zeros),
+    with `n_stats` the sum of the statistics `run` returns beside its output
+    over the stage's ticks that hold a microbatch, else zeros).
 
     Circular (v > 1 chunks per stage): v*M + p - 1 ticks; at tick t stage r
     runs its chunk i = (t-r) // M on microbatch (t-r) % M (`run(i, x)`),
@@ -105,7 +121,7 @@ def _gpipe(run: Callable, xs_in_MbTD, p: int, v: int = 1):
     pairs = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
 
     def tick(carry, t):
-        held_bTD, out_MbTD, *circ = carry
+        held_bTD, out_MbTD, stats, *circ = carry
         xs_MbTD = circ[0] if v > 1 else xs_in_MbTD
         if v > 1:  # stage 0 files what came round the ring: the last stage's
             back = t - p  # microbatch of tick t-1, for its next chunk
@@ -116,16 +132,21 @@ def _gpipe(run: Callable, xs_in_MbTD, p: int, v: int = 1):
         k = jnp.clip(t - r, 0, v * M - 1)  # this stage's microbatch and chunk
         x_bTD = jnp.where(r == 0, xs_MbTD[k % M], held_bTD)
         y_bTD = run(k // M, x_bTD) if v > 1 else run(0, x_bTD)
+        if n_stats:  # a fill or drain tick's run on zeros or stale rows: left out
+            y_bTD, s = y_bTD
+            stats = stats + jnp.where((t - r >= 0) & (t - r < v * M), s, 0.0)
         m = jnp.clip(t - (p - 1) - (v - 1) * M, 0, M - 1)  # one the last stage finished
         done = (r == p - 1) & (t - (p - 1) >= (v - 1) * M)
         out_MbTD = jax.lax.dynamic_update_index_in_dim(
             out_MbTD, jnp.where(done, y_bTD, out_MbTD[m]), m, 0)
         held_bTD = jax.lax.ppermute(y_bTD, PP_AXIS, pairs)
-        return (held_bTD, out_MbTD, *([xs_MbTD] if v > 1 else [])), None
+        return (held_bTD, out_MbTD, stats, *([xs_MbTD] if v > 1 else [])), None
 
     start = (jnp.zeros_like(xs_in_MbTD[0]), jnp.zeros_like(xs_in_MbTD),
+             vary(jnp.zeros(n_stats, jnp.float32), {PP_AXIS}),
              *([xs_in_MbTD] if v > 1 else []))
-    return jax.lax.scan(tick, start, jnp.arange(v * M + p - 1))[0][1]
+    _, out_MbTD, stats, *_ = jax.lax.scan(tick, start, jnp.arange(v * M + p - 1))[0]
+    return out_MbTD, stats
 
 
 def _chunk(params, i, v: int):

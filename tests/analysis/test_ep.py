@@ -33,12 +33,12 @@ B = 16
 @functools.cache
 def compiled(impl: str, factor: float, ep: int = 4, tp: int = 2, dp: int = 1,
              remat: str = "none", dispatch: str = "dense", shared: int = 0, microbatches: int = 1,
-             every: int = 1, sp: bool = False, cp: int = 1):
+             every: int = 1, sp: bool = False, cp: int = 1, pp: int = 1):
     cfg = validate(Config(dataclasses.replace(MOE, capacity_factor=factor, remat=remat,
                                               moe_dispatch=dispatch, moe_shared_d_ff=shared,
-                                              moe_every=every),
+                                              moe_every=every, scan_layers=pp > 1),
                           TrainConfig(batch_size=B, microbatches=microbatches),
-                          ParallelConfig(dp=dp, ep=ep, tp=tp, impl=impl, sp=sp, cp=cp)))
+                          ParallelConfig(dp=dp, ep=ep, tp=tp, impl=impl, sp=sp, cp=cp, pp=pp)))
     layout = Layout.of(cfg)
     step = compile_train_step(abstract_train_state(cfg, layout.mesh()), B, MOE.seq_len)
     return cfg, layout.sizes, hlo.collectives(step.as_text())
@@ -220,6 +220,34 @@ def test_under_sp_and_cp_a_rank_routes_its_part_of_each_sequence(impl, ep, tp, s
 
 
 test_under_sp_and_cp_a_rank_routes_its_part_of_each_sequence.fast_cases = {"ep2xtp4-sp-shard_map"}
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("dp, ep, tp", [(1, 2, 2), (2, 2, 1)], ids=["pp2xep2xtp2", "pp2xdp2xep2"])
+def test_a_moe_pipeline_holds_its_ledger(impl, dp, ep, tp):
+    """GPipe at pp 2 with M = 2: every stage runs its L/pp MoE layers in
+    each of the M + p - 1 ticks (the bubble's too), so by hand 2 x 3 ticks
+    of all-to-alls per pass, each of a microbatch's slots, E * B/(M*dp*ep)
+    * C * D (a microbatch holds every stage's rows); the stages' router
+    statistics summed over pp once; the experts' gradients over dp once,
+    the other stage weights' over dp x ep once (ep is manual in the
+    pipeline as dp is). And the whole step by the ledger."""
+    cfg, sizes, colls = compiled(impl, 1.0, ep, tp, dp, microbatches=2, pp=2)
+    assert check(colls, expected_collectives(cfg, impl, "cpu"), sizes) is None
+    per = 8 * (B // (2 * dp * ep)) * capacity(32, 2, 8, 1.0) * 32
+    assert slots(cfg) == per
+    for pass_ in ("forward", "backward"):
+        a2a = [c for c in colls if c.kind == "all-to-all" and c.pass_ == pass_]
+        assert sum(c.elements * c.count for c in a2a) == 2 * 3 * (MOE.n_layers // 2) * per
+    over_pp = [c for c in colls if c.axes(sizes) == ("pp",) and c.kind == "all-reduce"]
+    assert [(c.elements, c.count, c.pass_) for c in over_pp] == [(2, 1, "forward")]
+    if dp > 1:  # the experts' gradients: once a step, not once a tick
+        experts = [c for c in colls if c.axes(sizes) == ("dp",) and c.pass_ == "backward"]
+        assert sum(c.elements for c in experts) == 8 // ep * 3 * 32 * 32 // tp  # up, down
+        assert all(c.count == 1 for c in experts)
+
+
+test_a_moe_pipeline_holds_its_ledger.fast_cases = set()
 
 
 def test_compare_hlo_of_moe_tiny_at_ep4_tp2(tmp_path, capsys):

@@ -175,7 +175,8 @@ TOKENS = np.random.default_rng(1).integers(0, 256, (8, MOE.seq_len + 1)).astype(
 
 
 def moe_cfg(model, dp=1, tp=1, microbatches=1, **kw):
-    par = {k: kw.pop(k) for k in ("impl", "sp", "fsdp", "ep", "cp") if k in kw}
+    par = {k: kw.pop(k) for k in ("impl", "sp", "fsdp", "ep", "cp", "pp", "pp_schedule",
+                                  "pp_repeats") if k in kw}
     return validate(Config(dataclasses.replace(model, **kw),
                            TrainConfig(batch_size=8, microbatches=microbatches),
                            ParallelConfig(dp=dp, tp=tp, **par)))
@@ -247,6 +248,48 @@ def test_the_moe_model_in_every_layout_equals_one_device(name, model, dp, tp, kw
     assert_same(got, want)
 
 
+def as_pipeline_slices(tokens, M: int, pp: int, dp: int, ep: int):
+    """`tokens` reordered so that one device's slice m (rows m, M+m, ...:
+    `jaxtp.parallel.schedule`) holds a pipeline's microbatch m: on each
+    (dp, ep) rank its stages' rows in stage order, cut in M
+    (`jaxtp.parallel.pipeline`), the batch split over (pp, dp, ep)."""
+    ranks = np.arange(len(tokens)).reshape(pp, dp * ep, -1).transpose(1, 0, 2)
+    micro = ranks.reshape(dp * ep, M, -1).transpose(1, 0, 2).reshape(M, -1)  # [M, rows]
+    return tokens[micro.T.reshape(-1)]
+
+
+@pytest.mark.parametrize("name, model, pp, dp, ep, tp, M, kw", [
+    pytest.param(*case, id=case[0]) for case in [
+        ("llama-pp2xep2xtp2", MOE_LLAMA, 2, 1, 2, 2, 2, {}),
+        ("gpt2-pp2xep4-shard_map", MOE, 2, 1, 4, 1, 2, {"impl": "shard_map"}),
+        ("llama-pp2xdp2xep2-minimal", MOE_LLAMA, 2, 2, 2, 1, 2, {"remat": "minimal"}),
+        ("gpt2-pp2xdp2xep2-shard_map", MOE, 2, 2, 2, 1, 2, {"impl": "shard_map"}),
+        ("llama-pp2-circular2xep2xtp2", dataclasses.replace(MOE_LLAMA, n_layers=4), 2, 1, 2,
+         2, 2, {"pp_schedule": "circular", "pp_repeats": 2}),
+        ("llama-pp2xep2xtp2-sp-shard_map-dropless", MOE_LLAMA, 2, 1, 2, 2, 2,
+         {"sp": True, "impl": "shard_map", "capacity_factor": 0.0}),
+    ]])
+def test_the_moe_pipeline_equals_one_device_over_its_microbatches(name, model, pp, dp, ep, tp,
+                                                                  M, kw):
+    """Loss and every gradient at rtol 1e-5 against one device's M slices
+    holding the pipeline's microbatches (the router losses are per
+    microbatch; cf 1 unless dropless): the stages' statistics summed over
+    pp, means over dp x ep, the bubble ticks' left out."""
+    kw = {"capacity_factor": 1.0, "scan_layers": True, **kw}  # (a stage is a scanned stack)
+    cfg = moe_cfg(model, dp, tp, microbatches=M, pp=pp, ep=ep, **kw)
+    got = loss_and_grads(cfg, TOKENS)
+    plain = dict(capacity_factor=kw["capacity_factor"])
+    ref = loss_and_grads(moe_cfg(dataclasses.replace(model, **plain), microbatches=M),
+                         as_pipeline_slices(TOKENS, M, pp, dp, ep))
+    order = list(Layout.of(cfg).layer_order(model.n_layers))  # (circular interleaves)
+    assert_same(got, (ref[0], {k: v[order] if k.startswith("['blocks']") else v
+                               for k, v in stacked_grads(ref[1]).items()}))
+
+
+test_the_moe_pipeline_equals_one_device_over_its_microbatches.fast_cases = {
+    "gpt2-pp2xep4-shard_map"}
+
+
 @pytest.mark.parametrize("over, fix", [
     ({"moe_top_k": 5}, "between 1 and model.n_experts=4"),
     ({"moe_d_ff": 60, "tp": 8}, "model.moe_d_ff"),
@@ -255,6 +298,8 @@ def test_the_moe_model_in_every_layout_equals_one_device(name, model, dp, tp, kw
      "model.capacity_factor=0"),
     ({"cp": 2, "capacity_factor": 1.25}, "--cp 2 splits each sequence"),
     ({"cp": 2, "moe_dispatch": "ragged"}, "not built for model.moe_dispatch='ragged' with --cp"),
+    ({"pp": 2, "microbatches": 2, "pp_schedule": "1f1b"}, "not built for "
+     "parallel.pp_schedule=1f1b"),
     ({"capacity_factor": -1.0}, "must be >= 0"),
     ({"moe_dispatch": "ragged", "capacity_factor": 1.0}, "is dropless"),
     ({"moe_dispatch": "sparse"}, "choose one of \\('dense', 'ragged'\\)"),
