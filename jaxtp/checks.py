@@ -108,10 +108,17 @@ def _check_moe(cfg: Config) -> None:
             f"of one; model.capacity_factor={m.capacity_factor} counts capacity per "
             "sequence, so the drops would depend on the split: set model.capacity_factor=0 "
             "(dropless: the same result at every layout)")
-    unbuilt = [(p.impl == "explicit", "--impl explicit (use gspmd or shard_map)"),
+    unbuilt = [(p.impl == "explicit" and m.moe_dispatch == "ragged",
+                "--impl explicit with model.moe_dispatch='ragged' (use gspmd or shard_map)"),
+               (p.impl == "explicit" and (bool(split) or p.pp > 1),
+                f"--impl explicit with {' and '.join(split) or '--pp'} (use gspmd or "
+                "shard_map)"),
                (p.pp > 1 and p.pp_schedule == "1f1b", "parallel.pp_schedule=1f1b (use gpipe "
                 "or circular)"), (bool(split) and m.moe_dispatch == "ragged",
                                     f"model.moe_dispatch='ragged' with {' and '.join(split)}"),
+               (p.pp > 1 and p.sp and p.tp > 1 and p.impl == "gspmd", "--sp in a pipeline under "
+                "--impl gspmd (GSPMD gathers the slots over tp before they travel over ep: "
+                "use --impl shard_map)"),
                (p.overlap != "none", f"--overlap {p.overlap}")]
     for cond, what in unbuilt:
         if cond:

@@ -173,13 +173,19 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
     # (a shared expert's weights are the dense MLP's: summed over dp x ep)
     # (and the dense layers' are theirs: out go the MoE layers' share)
     L, moe_layers = m.n_layers, m.n_moe_layers
-    mlp = 0 if shared else sum(s.elements for s in param_shards(as_dp) if "/mlp/" in s.path) \
-        // L * moe_layers
+    dense_mlp = [s for s in param_shards(as_dp) if "/mlp/" in s.path and not shared]
+    # (shard_map sums the row-parallel bias outside the regions, with the norms;
+    # a pipeline's stages, with their weights)
+    outside = lambda s: impl == "shard_map" and p.pp == 1 and s.path.endswith("/mlp/down/bias")
+    mlp = sum(s.elements for s in dense_mlp if not outside(s)) // L * moe_layers
+    mlp_outside = sum(s.elements for s in dense_mlp if outside(s)) // L * moe_layers
     router = sum(s.elements for s in shards if s.path.endswith("/mlp/router"))
     experts = sum(s.elements for s in shards if "/mlp/experts/" in s.path)
     # where the tokens are split over more than the batch (cp, SP's tp), the
     # router's gradient is summed over all their axes at once, apart
-    own_router = p.cp > 1 or p.sequence_parallel
+    # (a pipeline's stages sum it with their weights: over dp x ep once, and
+    # over the sequence's axes with the norms, `jaxtp.analysis.grads`)
+    own_router = (p.cp > 1 or p.sequence_parallel) and p.pp == 1
     rows = []
     for r in dense(as_dp, impl, platform):
         if r.scope == "mlp" and not shared:  # the dense MLP's f and g, the dense layers'
@@ -191,6 +197,8 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
         # one reduction's, its count the reductions a step runs (M, sliced)
         if r.role == "grads" and (DATA_AXIS in r.axes or CP_AXIS in r.axes):
             r = dataclasses.replace(r, elements=r.elements - mlp)
+        if r.role == "grads_placed" and (DATA_AXIS in r.axes or CP_AXIS in r.axes):
+            r = dataclasses.replace(r, elements=r.elements - mlp_outside)
         # (a pipeline's stages hold the router: summed with their weights)
         if r.role == ("grads_placed" if impl == "shard_map" and p.pp == 1 else "grads") and \
                 DATA_AXIS in r.axes and not own_router:
@@ -242,8 +250,13 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
                          written=False, scope=ANY_SCOPE))
     if own_router:
         own.append(E("the router's gradient over every axis that splits the tokens",
-                      "all-reduce", "backward", router // m.n_moe_layers, 1, n, routed,
+                      "all-reduce", "backward", m.d_model * m.n_experts, 1, n, routed,
                       HLO_DTYPES[m.param_dtype], scope=ANY_SCOPE, written=False))
+    if p.pp > 1 and sp and impl == "shard_map":  # a stage's router on sequence shards:
+        # its gradient over tp in every layer and tick (dp x ep's part once)
+        own.append(E("the router's gradient over tp (its tokens on sequence shards)",
+                     "all-reduce", "backward", m.d_model * m.n_experts, 1, p.tp, (TP_AXIS,),
+                     HLO_DTYPES[m.param_dtype]))
     if p.pp > 1:  # each stage's sum over its layers and microbatches, added up once
         own.append(E("pp: the stages' router statistics summed", "all-reduce", "forward",
                      len(LOSSES), 1, p.pp, (PP_AXIS,), "f32", per="step", scope=""))

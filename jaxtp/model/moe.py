@@ -246,15 +246,18 @@ class Experts(nnx.Module):
             return run_sharded(
                 self, lambda m, x: over_ep(lambda x: leave(m.local(enter(x))), x),
                 x_EGCD, arg_specs=(s,), out_specs=s)
-        if self.layout.impl != "gspmd":
-            raise ValueError(f"MoE is not built for impl {self.layout.impl!r} yet")
+        if self.layout.impl == "explicit":  # the types carry the split; the sum over
+            # tp is the down-projection's, named by its output's sharding
+            return self.local(x_EGCD, spec(*self.slots.out))
         if EP_AXIS in manual_axes():  # a pipeline's stage, manual over ep: the slots are
             # this rank's, and travel as under shard_map (tp left to GSPMD)
             return over_ep(lambda x: constrain(self.local(x), *self.slots.out), x_EGCD)
         return constrain(self.local(x_EGCD), *self.slots.out)
 
-    def local(self, x_EGCD):
-        """The experts' math on whatever part of F this rank holds."""
+    def local(self, x_EGCD, out_sharding=None):
+        """The experts' math on whatever part of F this rank holds
+        (`out_sharding`: impl explicit's, which makes the contraction over
+        tp a reduction)."""
         w_up, w_down = weight(self.up, self.dtype), weight(self.down, self.dtype)
         x_EGCD = x_EGCD.astype(self.dtype)
         if self.swiglu:
@@ -265,7 +268,8 @@ class Experts(nnx.Module):
         # F over tp, as the weights (else GSPMD may trade the down-projection's
         # partial sum for an all-to-all of h and the gathered weight)
         h_EGCF = constrain(h_EGCF, "expert", "expert_batch", None, "mlp")
-        return jnp.einsum("EGCF,EFD->EGCD", checkpoint_name(h_EGCF, "mlp_up"), w_down)
+        return jnp.einsum("EGCF,EFD->EGCD", checkpoint_name(h_EGCF, "mlp_up"), w_down,
+                          out_sharding=out_sharding)
 
     def ragged_local(self, x_RD, sizes_E):
         """The same math on rows grouped by expert (`sizes_E` rows each, the

@@ -160,7 +160,12 @@ import functools  # noqa: E402
 
 from jaxtp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from jaxtp.config import validate  # noqa: E402
-from cached import assert_same, loss_and_grads, stacked_grads  # noqa: E402
+from cached import assert_same, loss_and_grads, stacked_grads, step_loss_and_grads  # noqa: E402
+from jaxtp import hlo  # noqa: E402
+from jaxtp.analysis.budget import expected_collectives  # noqa: E402
+from jaxtp.analysis.rows import check  # noqa: E402
+from jaxtp.train.state import abstract_train_state  # noqa: E402
+from jaxtp.train.step import compile_train_step  # noqa: E402
 from flax import nnx  # noqa: E402
 from jaxtp.model.moe import MoE  # noqa: E402
 from jaxtp.parallel import Layout  # noqa: E402
@@ -197,6 +202,9 @@ def moe_one_device(model, microbatches=1):
      {"impl": "shard_map"}),
     # ep: the experts split over ep, the batch over dp x ep
     ("llama-ep4xtp2", MOE_LLAMA, 1, 2, {"ep": 4}),
+    # explicit: the slots' reshards in the types, the down-projection's sum named
+    ("llama-ep4xtp2-explicit-cf1", dataclasses.replace(MOE_LLAMA, capacity_factor=1.0), 1, 2,
+     {"ep": 4, "impl": "explicit"}),
     ("gpt2-dp2xep2xtp2-cf1-fsdp", dataclasses.replace(MOE, capacity_factor=1.0), 2, 2,
      {"ep": 2, "fsdp": True}),
     ("gpt2-ep4xtp2-shard_map-scan", MOE, 1, 2, {"ep": 4, "impl": "shard_map",
@@ -217,17 +225,6 @@ def moe_one_device(model, microbatches=1):
     ("llama-ep2xtp2-moe_every2", dataclasses.replace(MOE_LLAMA, moe_every=2), 2, 2, {"ep": 2}),
     ("gpt2-ep4xtp2-moe_every2-shard_map", dataclasses.replace(MOE, moe_every=2), 1, 2,
      {"ep": 4, "impl": "shard_map"}),
-    # the sequence split (cp; SP's tp): each rank routes its own part of each
-    # sequence, dropless (a capacity would count per part: refused)
-    ("gpt2-ep2xtp4-sp", MOE, 1, 4, {"ep": 2, "sp": True}),
-    ("llama-dp2xep2xtp2-sp-shard_map", MOE_LLAMA, 2, 2, {"ep": 2, "sp": True,
-                                                       "impl": "shard_map"}),
-    ("llama-cp2xep2xtp2", MOE_LLAMA, 1, 2, {"ep": 2, "cp": 2}),
-    ("gpt2-cp2xep4-shard_map-scan-minimal", MOE, 1, 1, {"ep": 4, "cp": 2, "impl": "shard_map",
-                                                       "scan_layers": True,
-                                                       "remat": "minimal"}),
-    ("llama-cp2xep2xtp2-sp-shard_map", MOE_LLAMA, 1, 2, {"ep": 2, "cp": 2, "sp": True,
-                                                        "impl": "shard_map"}),
     # the dropless ragged path (at ep 1: XLA:CPU compiles no ragged all-to-all)
     ("gpt2-tp8-ragged", RAGGED, 1, 8, {}),
     ("llama-dp2xtp4-shard_map-ragged", dataclasses.replace(MOE_LLAMA, moe_dispatch="ragged"), 2,
@@ -246,6 +243,59 @@ def test_the_moe_model_in_every_layout_equals_one_device(name, model, dp, tp, kw
     if kw.get("scan_layers"):  # a scanned model's gradients come stacked
         want = (want[0], stacked_grads(want[1]))
     assert_same(got, want)
+
+
+@pytest.mark.parametrize("name, model, dp, ep, tp, kw", [
+    pytest.param(*case, id=case[0]) for case in [
+        ("gpt2-ep2xtp4-sp", MOE, 1, 2, 4, {"sp": True}),
+        ("llama-dp2xep2xtp2-sp-shard_map", MOE_LLAMA, 2, 2, 2, {"sp": True,
+                                                              "impl": "shard_map"}),
+        ("llama-cp2xep2xtp2", MOE_LLAMA, 1, 2, 2, {"cp": 2}),
+        ("gpt2-cp2xep4-shard_map-scan-minimal", MOE, 1, 4, 1, {"cp": 2, "impl": "shard_map",
+                                                              "scan_layers": True,
+                                                              "remat": "minimal"}),
+        ("llama-cp2xep2xtp2-sp-shard_map", MOE_LLAMA, 1, 2, 2, {"cp": 2, "sp": True,
+                                                               "impl": "shard_map"}),
+    ]])
+def test_under_sp_and_cp_a_rank_routes_its_part_of_each_sequence(name, model, dp, ep, tp, kw):
+    """Dropless, each rank routes s/n of each sequence (n = cp, x tp under
+    SP), so one compiled train step: its loss and every gradient are one
+    device's (rtol 1e-5: no token's experts depend on its group); its
+    collectives are the ledger's, and by hand its slots, and ep's
+    all-to-alls, hold the rank's own tokens, B/(dp*ep) groups of s/n, C =
+    s/n; under SP the experts gather what arrived over tp and scatter their
+    output back (shard_map: a reduce-scatter; GSPMD: an all-reduce of the
+    gathered slots), else g and f over tp; under cp the experts' gradients
+    are summed over cp (its ranks hold the same experts)."""
+    cfg = moe_cfg(model, dp, tp, ep=ep, **kw)
+    layout = Layout.of(cfg)
+    step = compile_train_step(abstract_train_state(cfg, layout.mesh()), 8, model.seq_len)
+    want = moe_one_device(dataclasses.replace(model, capacity_factor=0.0))
+    if cfg.model.scan_layers:
+        want = (want[0], stacked_grads(want[1]))
+    assert_same(step_loss_and_grads(cfg, step, TOKENS), want)
+    sizes, colls = layout.sizes, hlo.collectives(step.as_text())
+    assert check(colls, expected_collectives(cfg, cfg.parallel.impl, "cpu"), sizes) is None
+    sp, cp = cfg.parallel.sequence_parallel, cfg.parallel.cp
+    n = cp * (tp if sp else 1)
+    slots = model.n_experts * (8 // (dp * ep)) * (model.seq_len // n) * model.d_model
+    moe_colls = [c for c in colls if c.scope == "moe"]
+    for pass_ in ("forward", "backward"):
+        a2a = [c for c in moe_colls if c.kind == "all-to-all" and c.pass_ == pass_]
+        assert sum(c.elements * c.count for c in a2a) == 2 * model.n_layers * slots
+        assert {c.axes(sizes) for c in a2a} == {("ep",)}
+        over_tp = sorted((c.kind, c.elements) for c in moe_colls for _ in range(c.count)
+                         if c.pass_ == pass_ and c.axes(sizes) == ("tp",))
+        exit_ = ("reduce-scatter", slots) if cfg.parallel.impl == "shard_map" else \
+            ("all-reduce", tp * slots)
+        want_tp = [("all-gather", tp * slots), exit_] if sp else [("all-reduce", slots)]
+        assert over_tp == (sorted(want_tp * model.n_layers) if tp > 1 else [])
+    experts = [c for c in colls if c.pass_ == "backward" and "cp" in c.axes(sizes)
+               and "ep" not in c.axes(sizes) and c.scope == "moe"]
+    assert bool(experts) == (cp > 1)
+
+
+test_under_sp_and_cp_a_rank_routes_its_part_of_each_sequence.fast_cases = {"gpt2-ep2xtp4-sp"}
 
 
 def as_pipeline_slices(tokens, M: int, pp: int, dp: int, ep: int):
@@ -269,37 +319,57 @@ def as_pipeline_slices(tokens, M: int, pp: int, dp: int, ep: int):
         ("llama-pp2xep2xtp2-sp-shard_map-dropless", MOE_LLAMA, 2, 1, 2, 2, 2,
          {"sp": True, "impl": "shard_map", "capacity_factor": 0.0}),
     ]])
-def test_the_moe_pipeline_equals_one_device_over_its_microbatches(name, model, pp, dp, ep, tp,
-                                                                  M, kw):
-    """Loss and every gradient at rtol 1e-5 against one device's M slices
-    holding the pipeline's microbatches (the router losses are per
-    microbatch; cf 1 unless dropless): the stages' statistics summed over
-    pp, means over dp x ep, the bubble ticks' left out."""
+def test_the_moe_pipeline_equals_one_device_and_holds_its_ledger(name, model, pp, dp, ep, tp,
+                                                                 M, kw):
+    """One compiled train step, twice read. Its loss and every gradient at
+    rtol 1e-5 against one device's M slices holding the pipeline's
+    microbatches (the router losses are per microbatch; cf 1 unless
+    dropless): the stages' statistics summed over pp, means over dp x ep,
+    the bubble ticks' left out. Its collectives by the ledger, and by hand:
+    every stage runs its L/(pp*v) layers in each of the v*M + pp - 1 ticks
+    (the bubble's too), 2 all-to-alls a layer and tick per pass, each a
+    microbatch's slots E * B/(M*dp*ep) * C * D (a microbatch holds every
+    stage's rows); the stages' statistics summed over pp once (2 floats)."""
     kw = {"capacity_factor": 1.0, "scan_layers": True, **kw}  # (a stage is a scanned stack)
     cfg = moe_cfg(model, dp, tp, microbatches=M, pp=pp, ep=ep, **kw)
-    got = loss_and_grads(cfg, TOKENS)
-    plain = dict(capacity_factor=kw["capacity_factor"])
-    ref = loss_and_grads(moe_cfg(dataclasses.replace(model, **plain), microbatches=M),
-                         as_pipeline_slices(TOKENS, M, pp, dp, ep))
-    order = list(Layout.of(cfg).layer_order(model.n_layers))  # (circular interleaves)
-    assert_same(got, (ref[0], {k: v[order] if k.startswith("['blocks']") else v
-                               for k, v in stacked_grads(ref[1]).items()}))
+    layout = Layout.of(cfg)
+    step = compile_train_step(abstract_train_state(cfg, layout.mesh()), 8, model.seq_len)
+    ref = loss_and_grads(moe_cfg(dataclasses.replace(model, capacity_factor=kw["capacity_factor"]),
+                                 microbatches=M), as_pipeline_slices(TOKENS, M, pp, dp, ep))
+    assert_same(step_loss_and_grads(cfg, step, TOKENS), (ref[0], stacked_grads(ref[1])))
+    sizes, colls = layout.sizes, hlo.collectives(step.as_text())
+    assert check(colls, expected_collectives(cfg, cfg.parallel.impl, "cpu"), sizes) is None
+    v = cfg.parallel.pp_repeats
+    n = tp if cfg.parallel.sp else 1  # the parts each sequence is routed in
+    C = moe.capacity(model.seq_len // n, model.moe_top_k, model.n_experts, kw["capacity_factor"])
+    slots = model.n_experts * (8 // (M * dp * ep)) * C * model.d_model
+    for pass_ in ("forward", "backward"):
+        a2a = [c for c in colls if c.kind == "all-to-all" and c.pass_ == pass_]
+        assert sum(c.elements * c.count for c in a2a) == \
+            2 * (v * M + pp - 1) * model.n_layers // (pp * v) * slots
+    over_pp = [c for c in colls if c.axes(sizes) == ("pp",) and c.kind == "all-reduce"]
+    assert [(c.elements, c.count, c.pass_) for c in over_pp] == [(2, 1, "forward")]
 
 
-test_the_moe_pipeline_equals_one_device_over_its_microbatches.fast_cases = {
+test_the_moe_pipeline_equals_one_device_and_holds_its_ledger.fast_cases = {
     "gpt2-pp2xep4-shard_map"}
 
 
 @pytest.mark.parametrize("over, fix", [
     ({"moe_top_k": 5}, "between 1 and model.n_experts=4"),
     ({"moe_d_ff": 60, "tp": 8}, "model.moe_d_ff"),
-    ({"impl": "explicit"}, "not built for --impl explicit"),
+    ({"impl": "explicit", "moe_dispatch": "ragged"}, "not built for --impl explicit with "
+     "model.moe_dispatch='ragged'"),
+    ({"impl": "explicit", "cp": 2, "capacity_factor": 0.0}, "not built for --impl explicit "
+     "with --cp 2"),
     ({"sp": True, "tp": 2, "capacity_factor": 1.0}, "--sp splits each sequence, .* set "
      "model.capacity_factor=0"),
     ({"cp": 2, "capacity_factor": 1.25}, "--cp 2 splits each sequence"),
     ({"cp": 2, "moe_dispatch": "ragged"}, "not built for model.moe_dispatch='ragged' with --cp"),
     ({"pp": 2, "microbatches": 2, "pp_schedule": "1f1b"}, "not built for "
      "parallel.pp_schedule=1f1b"),
+    ({"pp": 2, "microbatches": 2, "sp": True, "tp": 2, "capacity_factor": 0.0},
+     "--sp in a pipeline under --impl gspmd .* use --impl shard_map"),
     ({"capacity_factor": -1.0}, "must be >= 0"),
     ({"moe_dispatch": "ragged", "capacity_factor": 1.0}, "is dropless"),
     ({"moe_dispatch": "sparse"}, "choose one of \\('dense', 'ragged'\\)"),
