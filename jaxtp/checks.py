@@ -118,8 +118,7 @@ def _check_moe(cfg: Config) -> None:
                                     f"model.moe_dispatch='ragged' with {' and '.join(split)}"),
                (p.pp > 1 and p.sp and p.tp > 1 and p.impl == "gspmd", "--sp in a pipeline under "
                 "--impl gspmd (GSPMD gathers the slots over tp before they travel over ep: "
-                "use --impl shard_map)"),
-               (p.overlap != "none", f"--overlap {p.overlap}")]
+                "use --impl shard_map)")]
     for cond, what in unbuilt:
         if cond:
             raise ConfigError(f"the mixture of experts (model.n_experts > 0) is not built "

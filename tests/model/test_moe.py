@@ -181,7 +181,7 @@ TOKENS = np.random.default_rng(1).integers(0, 256, (8, MOE.seq_len + 1)).astype(
 
 def moe_cfg(model, dp=1, tp=1, microbatches=1, **kw):
     par = {k: kw.pop(k) for k in ("impl", "sp", "fsdp", "ep", "cp", "pp", "pp_schedule",
-                                  "pp_repeats") if k in kw}
+                                  "pp_repeats", "overlap") if k in kw}
     return validate(Config(dataclasses.replace(model, **kw),
                            TrainConfig(batch_size=8, microbatches=microbatches),
                            ParallelConfig(dp=dp, tp=tp, **par)))
@@ -256,6 +256,10 @@ def test_the_moe_model_in_every_layout_equals_one_device(name, model, dp, tp, kw
                                                               "remat": "minimal"}),
         ("llama-cp2xep2xtp2-sp-shard_map", MOE_LLAMA, 1, 2, 2, {"cp": 2, "sp": True,
                                                                "impl": "shard_map"}),
+        # collective matmul in the dense layers (the MoE layers' experts unchanged)
+        ("llama-ep2xtp4-sp-overlap-shard_map", MOE_LLAMA, 1, 2, 4,
+         {"sp": True, "overlap": "collective_matmul", "impl": "shard_map"}),
+        ("gpt2-ep2xtp4-sp-overlap", MOE, 1, 2, 4, {"sp": True, "overlap": "collective_matmul"}),
     ]])
 def test_under_sp_and_cp_a_rank_routes_its_part_of_each_sequence(name, model, dp, ep, tp, kw):
     """Dropless, each rank routes s/n of each sequence (n = cp, x tp under
