@@ -99,6 +99,12 @@ def _check_moe(cfg: Config) -> None:
             if cond:
                 raise ConfigError(f"model.moe_every={m.moe_every} mixes dense and MoE blocks, "
                                   f"which is not built with {what}")
+    _check_moe_layout(cfg)
+
+
+def _check_moe_layout(cfg: Config) -> None:
+    """The layouts a mixture of experts is not built for (yet), or refuses."""
+    m, p = cfg.model, cfg.parallel
     split = [what for cond, what in ((p.cp > 1, f"--cp {p.cp}"), (p.sp and p.tp > 1, "--sp"))
              if cond]
     if split and m.capacity_factor:

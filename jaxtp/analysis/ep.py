@@ -214,6 +214,16 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
         rows.append(Expected("gradient norm: one sum of squares", "all-reduce", "other", "", 1,
                              "f32", math.prod(n for _, n in split), 1,
                              axes=tuple(a for a, _ in split)))
+    own = _moe_rows(cfg, impl, own_router, experts)
+    return rows + per_step(per_moe_layer(cfg, own) + expected_ep(cfg, impl), schedule_of(cfg))
+
+
+def _moe_rows(cfg: Config, impl: str, own_router: bool, experts: int) -> list[Expected]:
+    """The MoE layers' own rows (`expected_moe`'s list, but ep's all-to-alls),
+    per MoE layer and microbatch where not said: tp inside the experts, the
+    router's statistics and (`own_router`) gradient, the stages' sum under
+    pp, the `experts` elements of the experts' gradients over dp x cp."""
+    m, p = cfg.model, cfg.parallel
     dt = HLO_DTYPES[m.dtype]
     E = lambda name, kind, pass_, n, count, group, axes, dtype=dt, per="layer", scope="moe", \
         written=True: Expected("moe: " + name, kind, pass_, scope, n, dtype, group, count,
@@ -267,7 +277,8 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
                      HLO_DTYPES[m.param_dtype], scope=ANY_SCOPE,
                      # (a pipeline's stages sum theirs once, after it)
                      per="step" if p.pp > 1 else "microbatch"))
-    return rows + per_step(per_moe_layer(cfg, own) + expected_ep(cfg, impl), schedule_of(cfg))
+    return own
+
 
 
 def _sp_rows(cfg: Config, impl: str, E: Callable, n: int) -> list[Expected]:

@@ -41,10 +41,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from ..config import ModelConfig
-from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS, TP_AXIS, Layout, constrain, run_sharded, spec
-from ..parallel.layout import AXES, manual_axes
+from ..parallel import EP_AXIS, Layout, constrain, run_sharded, spec
+from ..parallel.layout import manual_axes
 from ..parallel.collectives import f, f_sp, g, g_sp
-from ..parallel.ep import SLOTS_NAME, over_ep
+from ..parallel.ep import SLOTS_NAME, Slots, over_ep, over_tokens
 from ..parallel.ep import ragged as ragged_rows
 from .layers import gelu, init_std_out, param, weight
 from .mlp import MLP
@@ -54,35 +54,6 @@ from .mlp import MLP
 # assignments each expert gets ([E], `load`); summed over the layers
 LOSSES = ("moe_balance", "moe_z")
 STATS = (*LOSSES, "moe_dropped")
-
-
-@dataclasses.dataclass(frozen=True)
-class Slots:
-    """The logical axes of the slots [E, G, C, D]: as the dispatch makes them
-    (`tokens`: the groups split as the tokens are, over dp x ep x cp and
-    under SP tp; every expert on every rank), as the experts take them
-    (`experts`: E over ep, the groups over dp x cp: under SP gathered over
-    tp, whose ranks split each expert's F) and as the experts' row-parallel
-    output leaves them (`out`: under SP reduce-scattered over tp along the
-    groups, Megatron-SP's exit, Korthikanti et al. 2022; else `experts`)."""
-
-    sp: bool = False
-
-    @property
-    def groups(self) -> str:
-        return "sp_groups" if self.sp else "groups"
-
-    @property
-    def tokens(self) -> tuple:
-        return (None, self.groups, None, "embed")
-
-    @property
-    def experts(self) -> tuple:
-        return ("expert", "expert_batch", None, "embed")
-
-    @property
-    def out(self) -> tuple:
-        return ("expert", "sp_expert_batch" if self.sp else "expert_batch", None, "embed")
 
 
 def n_stats(E: int, monitor: bool) -> int:
@@ -158,15 +129,6 @@ def balance_loss(probs_GTE, experts_GTk, mean: Callable = lambda x: x) -> jax.Ar
 def z_loss(logits_GTE, mean: Callable = lambda x: x) -> jax.Array:
     """ST-MoE's router z-loss: mean over tokens of logsumexp(logits)^2."""
     return mean(jnp.mean(jax.nn.logsumexp(logits_GTE.astype(jnp.float32), axis=-1) ** 2))
-
-
-def over_tokens(x, sp: bool = False):
-    """A rank's mean over its tokens -> the mean over every rank's, where the
-    code runs manual over axes that split the tokens (a pipeline's stage:
-    dp, cp, and under impl shard_map ep, and tp under SP); elsewhere x."""
-    axes = {DATA_AXIS, EP_AXIS, CP_AXIS} | ({TP_AXIS} if sp else set())
-    manual = tuple(a for a in AXES if a in axes and a in manual_axes())
-    return jax.lax.pmean(x, manual) if manual else x
 
 
 def moe(x_GTD, logits_GTE, experts: Callable, *, k: int, factor: float,

@@ -15,6 +15,11 @@ Inside the region the experts' weights are split over ep and replicated over
 dp: their gradient is summed over dp alone (check_vma's transpose of the
 implicit broadcast), as an ep rank owns its experts.
 
+`Slots` names the slots' logical axes at each step (under cp and SP a rank
+routes its own part of each sequence); `over_tokens` takes the router
+statistics' means over the ranks that split the tokens, where a pipeline's
+stage runs manual over them.
+
 Run per shard, inside a shard_map manual over ep (the shard_map impl's
 expert region); under gspmd the same reshard is a sharding constraint and
 GSPMD places the all-to-alls (`jaxtp.model.moe`).
@@ -22,6 +27,7 @@ GSPMD places the all-to-alls (`jaxtp.model.moe`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax.numpy as jnp
@@ -29,7 +35,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from .collectives import vary, varying_axes
-from .layout import EP_AXIS, manual_axes
+from .layout import AXES, CP_AXIS, DATA_AXIS, EP_AXIS, TP_AXIS, manual_axes
 
 # what a CPU run of the ragged path at ep > 1 is told (train.py refuses it)
 RAGGED_CPU = ("model.moe_dispatch='ragged' at ep > 1 needs a GPU or TPU: XLA:CPU does not "
@@ -40,6 +46,44 @@ RAGGED_CPU = ("model.moe_dispatch='ragged' at ep > 1 needs a GPU or TPU: XLA:CPU
 # remat name of the slots an all-to-all delivered (to the experts, and back):
 # every policy but "full" keeps them, so the backward sends nothing again
 SLOTS_NAME = "ep_slots"
+
+
+@dataclasses.dataclass(frozen=True)
+class Slots:
+    """The logical axes of the slots [E, G, C, D]: as the dispatch makes them
+    (`tokens`: the groups split as the tokens are, over dp x ep x cp and
+    under SP tp; every expert on every rank), as the experts take them
+    (`experts`: E over ep, the groups over dp x cp: under SP gathered over
+    tp, whose ranks split each expert's F) and as the experts' row-parallel
+    output leaves them (`out`: under SP reduce-scattered over tp along the
+    groups, Megatron-SP's exit, Korthikanti et al. 2022; else `experts`)."""
+
+    sp: bool = False
+
+    @property
+    def groups(self) -> str:
+        return "sp_groups" if self.sp else "groups"
+
+    @property
+    def tokens(self) -> tuple:
+        return (None, self.groups, None, "embed")
+
+    @property
+    def experts(self) -> tuple:
+        return ("expert", "expert_batch", None, "embed")
+
+    @property
+    def out(self) -> tuple:
+        return ("expert", "sp_expert_batch" if self.sp else "expert_batch", None, "embed")
+
+
+def over_tokens(x, sp: bool = False):
+    """A rank's mean over its tokens -> the mean over every rank's, where the
+    code runs manual over axes that split the tokens (a pipeline's stage:
+    dp, cp, and under impl shard_map ep, and tp under SP); elsewhere x."""
+    axes = {DATA_AXIS, EP_AXIS, CP_AXIS} | ({TP_AXIS} if sp else set())
+    manual = tuple(a for a in AXES if a in axes and a in manual_axes())
+    return lax.pmean(x, manual) if manual else x
 
 
 def over_ep(experts: Callable, x_EGCD):
