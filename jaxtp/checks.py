@@ -119,8 +119,7 @@ def _check_moe_layout(cfg: Config) -> None:
                (p.impl == "explicit" and (bool(split) or p.pp > 1),
                 f"--impl explicit with {' and '.join(split) or '--pp'} (use gspmd or "
                 "shard_map)"),
-               (p.pp > 1 and p.pp_schedule == "1f1b", "parallel.pp_schedule=1f1b (use gpipe "
-                "or circular)"), (bool(split) and m.moe_dispatch == "ragged",
+               (bool(split) and m.moe_dispatch == "ragged",
                                     f"model.moe_dispatch='ragged' with {' and '.join(split)}"),
                (p.pp > 1 and p.sp and p.tp > 1 and p.impl == "gspmd", "--sp in a pipeline under "
                 "--impl gspmd (GSPMD gathers the slots over tp before they travel over ep: "

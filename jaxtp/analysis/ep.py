@@ -267,7 +267,9 @@ def _moe_rows(cfg: Config, impl: str, own_router: bool, experts: int) -> list[Ex
         own.append(E("the router's gradient over tp (its tokens on sequence shards)",
                      "all-reduce", "backward", m.d_model * m.n_experts, 1, p.tp, (TP_AXIS,),
                      HLO_DTYPES[m.param_dtype]))
-    if p.pp > 1:  # each stage's sum over its layers and microbatches, added up once
+    # each stage's sum over its layers and microbatches, added up once (1F1B
+    # adds them to the loss in its schedule: in the loss's sum, `grads`)
+    if p.pp > 1 and p.pp_schedule != "1f1b":
         own.append(E("pp: the stages' router statistics summed", "all-reduce", "forward",
                      len(LOSSES), 1, p.pp, (PP_AXIS,), "f32", per="step", scope=""))
     owners = tuple(a for a, n in ((DATA_AXIS, p.dp), (CP_AXIS, p.cp)) if n > 1)

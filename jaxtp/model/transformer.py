@@ -229,11 +229,18 @@ class Transformer(nnx.Module):
         `forward_only` (evaluation): a 1F1B pipeline's loss by GPipe's
         forward, not by the schedule that computes the gradients too."""
         if self.layout.pipeline == "1f1b" and self.layout.pp > 1 and not forward_only:
+            # MoE: each stage's router statistics weighted into the loss in
+            # the schedule, per microbatch (as `hidden_and_stats`'s pipeline)
+            n = n_stats(self.cfg.n_experts, self.monitor) if self.cfg.n_experts else 0
+            weights = np.zeros(n, np.float32)
+            if n:
+                weights[:2] = self.cfg.moe_balance_coef, self.cfg.moe_z_coef
             return pipeline_1f1b(
-                lambda blocks, x: self._run_stack(blocks, x, None),
+                lambda blocks, x: self._run_stack(
+                    blocks, x, None, vary(jnp.zeros(n, jnp.float32), {PP_AXIS}) if n else None),
                 lambda mods, y, t: mods[1].token_losses(mods[0](y), t).sum(), self.blocks,
                 nnx.List([self.ln_f, self.head]), self._embed(tokens_BT, None), targets_BT,
-                self.layout)
+                self.layout, weights if n else None)
         x_BTD, stats = self.hidden_and_stats(tokens_BT, dropout_key=dropout_key)
         loss = self.head.token_losses(x_BTD, targets_BT).mean()
         if not self.cfg.n_experts:

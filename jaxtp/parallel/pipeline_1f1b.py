@@ -21,6 +21,7 @@ carries the input gradient on to the embedding.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
@@ -30,7 +31,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from .collectives import vary, varying_axes
-from .layout import PP_AXIS, Layout, constrain, keep_axes, spec
+from .layout import EP_AXIS, PP_AXIS, Layout, constrain, keep_axes, spec
 from .pipeline import BATCH_SPLIT, _enter, _from_last_stage, _is_spec, _manual, _to_first_stage
 
 IDLE, FORWARD, BACKWARD = 0, 1, 2
@@ -86,19 +87,27 @@ def in_flight(ops: np.ndarray, stage: int = 0) -> int:
 
 
 def pipeline_1f1b(stage: Callable, head: Callable, blocks, head_modules, x_BTD, targets_BT,
-                  layout: Layout):
+                  layout: Layout, stat_weights: np.ndarray | None = None):
     """The mean loss of `head(head_modules, stage(blocks, x), targets)` (a
     microbatch's summed token losses) over the batch, by 1F1B over the
     stacked `blocks`; differentiable in the blocks, the head's modules and
     `x_BTD` (the residual stream after the embedding, B split over pp and
-    dp as outside a pipeline)."""
+    dp as outside a pipeline).
+
+    With `stat_weights` [n] (MoE blocks, whose `stage` returns (x,
+    statistics [n]), means over the batch axes already): plus the
+    statistics' weighted sum, summed over the stages and averaged over the
+    microbatches, as `jaxtp.parallel.pipeline` gives them to the loss. A
+    backward tick hands its stage's vjp weights / M as their cotangent."""
     p, M = layout.pp, layout.microbatches
     everything, manual = _manual(layout)
     graphdef, params = nnx.split(blocks)
     hgraph, hparams = nnx.split(head_modules)
     keep = lambda specs, axes: jax.tree.map(lambda s: keep_axes(s, axes), specs,
                                             is_leaf=_is_spec)
-    param_specs = keep(nnx.get_partition_spec(params), manual if everything else {PP_AXIS})
+    # (under gspmd the experts enter split over ep, as `pipeline`'s)
+    param_specs = keep(nnx.get_partition_spec(params),
+                       manual if everything else {PP_AXIS, EP_AXIS} & manual)
     head_specs = keep(nnx.get_partition_spec(hparams), manual if everything else set())
     x_spec = keep_axes(spec(*layout.residual), manual)
     t_spec = keep_axes(spec("batch", "seq"), manual)
@@ -124,9 +133,14 @@ def pipeline_1f1b(stage: Callable, head: Callable, blocks, head_modules, x_BTD, 
         def head_loss(h, y, t):
             return head(nnx.merge(hgraph, h), y, t) / tokens
 
-        grads = _ticks(run, head_loss, w, h, xs_MbTD, ts_MbT, ops, mbs, p, vary_all)
-        loss, dw, dh, dxs_MbTD = grads
         axes = tuple(sorted(manual & (BATCH_SPLIT | {PP_AXIS})))
+        # (the statistics are the same on every batch rank: each adds 1/n of
+        # them, so that the loss's one sum over the axes counts them once)
+        router = None if stat_weights is None else (
+            jnp.asarray(stat_weights / M), math.prod(jax.lax.axis_size(a) for a in axes
+                                                     if a != PP_AXIS))
+        grads = _ticks(run, head_loss, w, h, xs_MbTD, ts_MbT, ops, mbs, p, vary_all, router)
+        loss, dw, dh, dxs_MbTD = grads
         return (jax.lax.psum(loss, axes), w_back(dw)[0], h_back(dh)[0],
                 _from_last_stage(dxs_MbTD, p, pin, frm=0))
 
@@ -156,10 +170,12 @@ def _kept_grads(run_all: Callable) -> Callable:
     return loss_of
 
 
-def _ticks(run, head_loss, w, h, xs_MbTD, ts_MbT, ops, mbs, p, vary_all):
+def _ticks(run, head_loss, w, h, xs_MbTD, ts_MbT, ops, mbs, p, vary_all, router=None):
     """The table's ticks: (summed loss, stage weights' gradient, head's
     gradient, stage 0's input gradients [M, b, T, D]); every stage runs a
-    forward and a backward per tick, masked by its op."""
+    forward and a backward per tick, masked by its op. `router`: (the
+    statistics' weights / M, the batch ranks that add them) where `run`
+    returns (y, statistics)."""
     r = jax.lax.axis_index(PP_AXIS)
     OPS, MBS = jnp.asarray(ops), jnp.asarray(mbs)
     b_shape = xs_MbTD.shape[1:]
@@ -175,13 +191,19 @@ def _ticks(run, head_loss, w, h, xs_MbTD, ts_MbT, ops, mbs, p, vary_all):
         x_in = jnp.where(r == 0, xs_MbTD[m], fbox[slot])
         stash = jnp.where(fwd, stash.at[slot].set(x_in), stash)
         y, vjp = jax.vjp(run, w, jnp.where(bwd, stash[slot], x_in))
+        if router is not None:  # a forward's statistics into the loss; a backward's
+            # cotangent for them, the weights (a recomputed forward's are unused)
+            (y, stats), (c, n) = y, router
+            loss = loss + jnp.where(fwd, jnp.dot(c, stats), 0.0) / n
+            c_stats = vary(jnp.where(bwd, c, 0.0), varying_axes(stats))
         # the head on the last stage's forward: its gradient is the cotangent
         # of that microbatch's backward, filed in the stage's own mailbox
         lm, (gh, gy) = jax.value_and_grad(head_loss, argnums=(0, 1))(h, y, ts_MbT[m])
         mine = last & fwd
         loss = loss + jnp.where(mine, lm, 0.0)
         dh = add(dh, jax.tree.map(lambda g: jnp.where(mine, g, 0), gh))
-        g_w, g_x = vjp(jnp.where(bwd, bbox[slot], 0).astype(y.dtype))
+        g_y = jnp.where(bwd, bbox[slot], 0).astype(y.dtype)
+        g_w, g_x = vjp(g_y if router is None else (g_y, c_stats))
         dw = add(dw, g_w)  # (zero on a forward tick: a zero cotangent)
         dxs = jnp.where((r == 0) & bwd, dxs.at[m].set(g_x), dxs)
         sent_f = jax.lax.ppermute(y, PP_AXIS, [(i, i + 1) for i in range(p - 1)])

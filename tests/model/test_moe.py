@@ -322,6 +322,10 @@ def as_pipeline_slices(tokens, M: int, pp: int, dp: int, ep: int):
          2, 2, {"pp_schedule": "circular", "pp_repeats": 2}),
         ("llama-pp2xep2xtp2-sp-shard_map-dropless", MOE_LLAMA, 2, 1, 2, 2, 2,
          {"sp": True, "impl": "shard_map", "capacity_factor": 0.0}),
+        # 1F1B: every tick a forward and a backward; the statistics in the loss's sum
+        ("llama-pp2xep2xtp2-1f1b", MOE_LLAMA, 2, 1, 2, 2, 2, {"pp_schedule": "1f1b"}),
+        ("gpt2-pp2xdp2xep2-1f1b-shard_map", MOE, 2, 2, 2, 1, 2,
+         {"pp_schedule": "1f1b", "impl": "shard_map"}),
     ]])
 def test_the_moe_pipeline_equals_one_device_and_holds_its_ledger(name, model, pp, dp, ep, tp,
                                                                  M, kw):
@@ -333,7 +337,9 @@ def test_the_moe_pipeline_equals_one_device_and_holds_its_ledger(name, model, pp
     every stage runs its L/(pp*v) layers in each of the v*M + pp - 1 ticks
     (the bubble's too), 2 all-to-alls a layer and tick per pass, each a
     microbatch's slots E * B/(M*dp*ep) * C * D (a microbatch holds every
-    stage's rows); the stages' statistics summed over pp once (2 floats)."""
+    stage's rows); the stages' statistics summed over pp once (2 floats).
+    1F1B: 2(M + pp - 1) ticks, each a forward and a backward; its
+    statistics go into the loss's one sum over pp x dp x ep."""
     kw = {"capacity_factor": 1.0, "scan_layers": True, **kw}  # (a stage is a scanned stack)
     cfg = moe_cfg(model, dp, tp, microbatches=M, pp=pp, ep=ep, **kw)
     layout = Layout.of(cfg)
@@ -343,16 +349,18 @@ def test_the_moe_pipeline_equals_one_device_and_holds_its_ledger(name, model, pp
     assert_same(step_loss_and_grads(cfg, step, TOKENS), (ref[0], stacked_grads(ref[1])))
     sizes, colls = layout.sizes, hlo.collectives(step.as_text())
     assert check(colls, expected_collectives(cfg, cfg.parallel.impl, "cpu"), sizes) is None
-    v = cfg.parallel.pp_repeats
+    v, f1b = cfg.parallel.pp_repeats, cfg.parallel.pp_schedule == "1f1b"
+    ticks = 2 * (M + pp - 1) if f1b else v * M + pp - 1
     n = tp if cfg.parallel.sp else 1  # the parts each sequence is routed in
     C = moe.capacity(model.seq_len // n, model.moe_top_k, model.n_experts, kw["capacity_factor"])
     slots = model.n_experts * (8 // (M * dp * ep)) * C * model.d_model
     for pass_ in ("forward", "backward"):
         a2a = [c for c in colls if c.kind == "all-to-all" and c.pass_ == pass_]
         assert sum(c.elements * c.count for c in a2a) == \
-            2 * (v * M + pp - 1) * model.n_layers // (pp * v) * slots
+            2 * ticks * model.n_layers // (pp * v) * slots
     over_pp = [c for c in colls if c.axes(sizes) == ("pp",) and c.kind == "all-reduce"]
-    assert [(c.elements, c.count, c.pass_) for c in over_pp] == [(2, 1, "forward")]
+    assert [(c.elements, c.count, c.pass_) for c in over_pp] == ([] if f1b else
+                                                                 [(2, 1, "forward")])
 
 
 test_the_moe_pipeline_equals_one_device_and_holds_its_ledger.fast_cases = {
@@ -370,8 +378,6 @@ test_the_moe_pipeline_equals_one_device_and_holds_its_ledger.fast_cases = {
      "model.capacity_factor=0"),
     ({"cp": 2, "capacity_factor": 1.25}, "--cp 2 splits each sequence"),
     ({"cp": 2, "moe_dispatch": "ragged"}, "not built for model.moe_dispatch='ragged' with --cp"),
-    ({"pp": 2, "microbatches": 2, "pp_schedule": "1f1b"}, "not built for "
-     "parallel.pp_schedule=1f1b"),
     ({"pp": 2, "microbatches": 2, "sp": True, "tp": 2, "capacity_factor": 0.0},
      "--sp in a pipeline under --impl gspmd .* use --impl shard_map"),
     ({"capacity_factor": -1.0}, "must be >= 0"),
