@@ -318,10 +318,13 @@ def _main(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if not args.out and not (args.plan or args.compare_hlo):
         args.out = default_out(args, cfg)
-    if cfg.model.n_experts and (args.compare_hlo and cfg.parallel.fsdp):
-        print("error: --compare-hlo --fsdp is not built for a "
-              "mixture of experts yet (FSDP splits the experts over dp alone: its rows are not "
-              "written)", file=sys.stderr)
+    p = cfg.parallel
+    unwritten = [flag for flag, on in (("--cp", p.cp > 1), ("--pp", p.pp > 1), ("--sp", p.sp))
+                 if on]
+    if cfg.model.n_experts and args.compare_hlo and p.fsdp and unwritten:
+        print(f"error: --compare-hlo --fsdp is not built for a mixture of experts with "
+              f"{' and '.join(unwritten)} yet (FSDP's rows there are not written); without "
+              f"{'them' if len(unwritten) > 1 else 'it'} it is", file=sys.stderr)
         return EXIT_USAGE
     refusal = start_jax(args, cfg)
     if refusal:

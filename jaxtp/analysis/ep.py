@@ -28,6 +28,7 @@ from typing import Callable
 from ..config import Config
 from ..model.moe import LOSSES, capacity
 from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS
+from .dp import expected_fsdp
 from .params import param_shards
 from .rows import ANY_SCOPE, HLO_DTYPES, Expected, per_step, schedule_of
 
@@ -165,7 +166,7 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
     # the dense model's at dp x ep, told not to reduce once)
     as_dp = dataclasses.replace(cfg, model=dataclasses.replace(
         m, n_experts=0, d_ff=m.moe_shared_d_ff or m.d_ff),
-        parallel=dataclasses.replace(p, dp=p.dp * p.ep, ep=1),
+        parallel=dataclasses.replace(p, dp=p.dp * p.ep, ep=1, fsdp=False),
         train=dataclasses.replace(t, reduce_once=t.reduce_once and p.ep == 1))
     data = tuple(a for a, n in ((DATA_AXIS, p.dp), (EP_AXIS, p.ep)) if n > 1)
     rename = lambda axes: tuple(b for a in axes for b in (data if a == DATA_AXIS else (a,)))
@@ -209,13 +210,49 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
             r = dataclasses.replace(r, scope=ANY_SCOPE)
         rows.append(dataclasses.replace(r, axes=rename(r.axes)))
     # the gradient norm over every axis that splits a gradient: ep's experts too
-    split = [(a, n) for a, n in ((PP_AXIS, p.pp), (EP_AXIS, p.ep), (TP_AXIS, p.tp)) if n > 1]
+    split = [(a, n) for a, n in ((PP_AXIS, p.pp), (DATA_AXIS, p.dp if p.fsdp else 1),
+                                 (EP_AXIS, p.ep), (TP_AXIS, p.tp)) if n > 1]
     if split:
         rows.append(Expected("gradient norm: one sum of squares", "all-reduce", "other", "", 1,
                              "f32", math.prod(n for _, n in split), 1,
                              axes=tuple(a for a, _ in split)))
     own = _moe_rows(cfg, impl, own_router, experts)
+    if p.fsdp and p.dp > 1:
+        rows, fsdp = _fsdp(cfg, impl, rows, shards)
+        own += fsdp
     return rows + per_step(per_moe_layer(cfg, own) + expected_ep(cfg, impl), schedule_of(cfg))
+
+
+def _fsdp(cfg: Config, impl: str, rows: list[Expected], shards) -> tuple[list, list]:
+    """FSDP's part of a MoE step: (the dense rows, changed; rows to add).
+    FSDP splits every weight's model dim over dp (the experts' and the
+    router's too), not over ep, so each is gathered over dp where used
+    (`jaxtp.analysis.dp`, on the MoE model's parameters). The gradients,
+    as XLA:CPU sums them (jax 0.10.2, measured): GSPMD all-reduces each one
+    whole over its batch axes (dp x ep; the experts' over dp) and keeps its
+    dp part, with no reduce-scatter (the non-FSDP rows). shard_map's region
+    weights (attention, vocab tables) are summed whole over ep and then
+    reduce-scattered over dp, the experts' reduce-scattered over dp
+    (`_moe_rows`); the gradients outside the regions (norms, the router)
+    GSPMD all-reduces whole over dp x ep."""
+    p = cfg.parallel
+    add = expected_fsdp(cfg, impl)
+    if impl != "shard_map":
+        return rows, add
+    split = sum(s.elements for s in shards if s.region and s.dp_split
+                and "/mlp/experts/" not in s.path)
+    pd = HLO_DTYPES[cfg.model.param_dtype]
+    E = lambda name, kind, n, group, axes: Expected(name, kind, "backward", ANY_SCOPE, n, pd,
+                                                   group, 1, "grads", axes, True, "microbatch")
+    if p.ep > 1:
+        add.append(E("ep: the region weights' gradients (whole over dp) summed over ep, before "
+                     "FSDP's reduce-scatter", "all-reduce", split, p.ep, (EP_AXIS,)))
+    add.append(E("FSDP: the region weights' gradients reduce-scattered over dp",
+                 "reduce-scatter", split // p.dp, p.dp, (DATA_AXIS,)))
+    written = lambda r: r.role == "grads" and r.written and DATA_AXIS in r.axes
+    rows = [dataclasses.replace(r, elements=r.elements - split) if written(r) else r
+            for r in rows]
+    return [r for r in rows if r.elements], add
 
 
 def _moe_rows(cfg: Config, impl: str, own_router: bool, experts: int) -> list[Expected]:
@@ -273,9 +310,12 @@ def _moe_rows(cfg: Config, impl: str, own_router: bool, experts: int) -> list[Ex
         own.append(E("pp: the stages' router statistics summed", "all-reduce", "forward",
                      len(LOSSES), 1, p.pp, (PP_AXIS,), "f32", per="step", scope=""))
     owners = tuple(a for a, n in ((DATA_AXIS, p.dp), (CP_AXIS, p.cp)) if n > 1)
+    scatter = p.fsdp and p.dp > 1 and impl == "shard_map"  # (`_fsdp`)
     if owners:  # every rank that holds the same experts: dp's, and cp's (their tokens)
         own.append(E(f"{' x '.join(owners)}: the experts' weight gradients (ep owns its "
-                     "experts)", "all-reduce", "backward", experts, 1, p.dp * p.cp, owners,
+                     "experts)" + (", reduce-scattered (FSDP)" if scatter else ""),
+                     "reduce-scatter" if scatter else "all-reduce", "backward",
+                     experts // p.dp if scatter else experts, 1, p.dp * p.cp, owners,
                      HLO_DTYPES[m.param_dtype], scope=ANY_SCOPE,
                      # (a pipeline's stages sum theirs once, after it)
                      per="step" if p.pp > 1 else "microbatch"))

@@ -58,9 +58,11 @@ def param_shards(cfg: Config) -> list[ParamShard]:
         module, leaf = names[-2], names[-1]
         # a column-parallel bias is added inside the region; a row-parallel
         # one after g, outside it
+        # (a MoE layer's experts run in their own region: up, down)
         region = ("vocab" if leaf == "embedding" and module in ("wte", "lm_head") else
                   "column" if module in ("q", "kv", "up", "q_norm", "k_norm") else
-                  "row" if leaf == "kernel" and module in ("out", "down") else "")
+                  "row" if leaf == "kernel" and module in ("out", "down") else
+                  {"up": "column", "down": "row"}.get(leaf, "") if module == "experts" else "")
         split = {a for e in spec for a in spec_axes(e)} - {DATA_AXIS}
         layers = L // L0 if names[0] == "blocks" else 1
         out.append(ParamShard(

@@ -17,6 +17,7 @@ import pytest
 from jaxtp import hlo
 from jaxtp.analysis.budget import expected_collectives
 from jaxtp.analysis.ep import expected_ep, slots
+from jaxtp.analysis.params import param_shards
 from jaxtp.analysis.rows import check, per_step, schedule_of
 from jaxtp.config import Config, ModelConfig, ParallelConfig, TrainConfig, validate
 from jaxtp.model.moe import capacity
@@ -33,12 +34,12 @@ B = 16
 @functools.cache
 def compiled(impl: str, factor: float, ep: int = 4, tp: int = 2, dp: int = 1,
              remat: str = "none", dispatch: str = "dense", shared: int = 0, microbatches: int = 1,
-             every: int = 1):
+             every: int = 1, fsdp: bool = False):
     cfg = validate(Config(dataclasses.replace(MOE, capacity_factor=factor, remat=remat,
                                               moe_dispatch=dispatch, moe_shared_d_ff=shared,
                                               moe_every=every),
                           TrainConfig(batch_size=B, microbatches=microbatches),
-                          ParallelConfig(dp=dp, ep=ep, tp=tp, impl=impl)))
+                          ParallelConfig(dp=dp, ep=ep, tp=tp, impl=impl, fsdp=fsdp)))
     layout = Layout.of(cfg)
     step = compile_train_step(abstract_train_state(cfg, layout.mesh()), B, MOE.seq_len)
     return cfg, layout.sizes, hlo.collectives(step.as_text())
@@ -142,6 +143,43 @@ def test_the_moe_step_holds_its_ledger(impl, dp, ep, tp):
 test_the_moe_step_holds_its_ledger.fast_cases = set()
 
 
+@pytest.mark.parametrize("impl, dp, ep, tp", [
+    pytest.param(impl, *layout, id=f"{name}-{impl}")
+    for impl in ("gspmd", "shard_map", "explicit")
+    for name, layout in (("dp2xep2xtp2", (2, 2, 2)), ("dp4xtp2", (4, 1, 2)))
+    if impl != "explicit" or name == "dp2xep2xtp2"])
+def test_fsdp_gathers_every_weight_over_dp_and_the_ledger_says_how_each_gradient_returns(
+        impl, dp, ep, tp):
+    """FSDP splits every weight's model dim over dp, the experts' and the
+    router's too, not over ep: the ledger, and by hand each weight gathered
+    over dp once in the forward (no gather over ep); GSPMD all-reduces every
+    gradient whole over its batch axes (no reduce-scatter); shard_map
+    reduce-scatters its region weights' and the experts' over dp, the
+    experts' n/dp elements a rank, after the region weights' sum over ep."""
+    cfg, sizes, colls = compiled(impl, 1.0, ep, tp, dp, fsdp=True)
+    assert check(colls, expected_collectives(cfg, impl, "cpu"), sizes) is None
+    shards = param_shards(cfg)
+    gathered = [c for c in colls if c.kind == "all-gather" and c.pass_ == "forward"]
+    assert {c.axes(sizes) for c in gathered} == {("dp",)}
+    assert sum(c.elements * c.count for c in gathered) == \
+        sum(s.elements for s in shards if s.dp_split)
+    back = [c for c in colls if c.pass_ == "backward" and "dp" in c.axes(sizes)
+            and c.kind != "all-to-all"]
+    # a rank's experts (E/ep of them, F over tp): SwiGLU's up [D, 2, F/tp], down [F/tp, D]
+    m = cfg.model
+    experts = m.n_layers * m.n_experts // ep * 3 * m.d_model * m.moe_d_ff // tp
+    scattered = [c for c in back if c.kind == "reduce-scatter"]
+    if impl != "shard_map":
+        assert not scattered
+        return
+    assert {c.axes(sizes) for c in scattered} == {("dp",)}
+    assert sum(c.elements * c.count for c in scattered if c.scope == "moe") == experts // dp
+
+
+test_fsdp_gathers_every_weight_over_dp_and_the_ledger_says_how_each_gradient_returns.\
+    fast_cases = set()
+
+
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
 def test_a_shared_expert_is_a_dense_mlp_on_the_tp_ledger(impl):
     """A shared expert adds a dense MLP's rows to the step, by hand: its g
@@ -236,6 +274,18 @@ def test_the_ragged_path_at_ep_above_1_is_refused_on_cpu(capsys):
                        "model.moe_dispatch=ragged", "model.capacity_factor=0"]) == 2
     err = capsys.readouterr().err
     assert "jax-ml/jax#34755" in err and "model.moe_dispatch=dense" in err
+
+
+def test_compare_hlo_refuses_fsdp_where_its_moe_rows_are_not_written(capsys):
+    """--compare-hlo --fsdp of a MoE with --sp (or --cp, --pp): refused before
+    compiling, naming what is built."""
+    import train
+
+    assert train.main(["--config", "moe-tiny", "--ep", "2", "--dp", "2", "--tp", "2",
+                       "--fsdp", "--sp", "--compare-hlo", "model.capacity_factor=0"]) == 2
+    err = capsys.readouterr().err
+    assert "--compare-hlo --fsdp is not built for a mixture of experts with --sp" in err
+    assert "without it it is" in err
 
 
 @pytest.mark.slow

@@ -201,11 +201,12 @@ def test_the_published_rows_are_present_sourced_and_their_ratios_as_computed():
     read = (6_738_415_616 - 32_000 * 4_096) * 2 + 2 * 32 * 205 * 32 * 128 * 2
     assert rows[6]["predicted_exposed"] == pytest.approx(2.039e12 / read)
     # MaxText's Mixtral (TFLOP/s per chip, their count: the k experts' flops, attention
-    # not causal, as jaxtp's model flops): compute-bound when the FSDP traffic hides, at
-    # v5p's 459 TFLOP/s x 6/8 (full remat recomputes the forward)
+    # not causal, as jaxtp's model flops): below v5p's compute bound, 459 TFLOP/s x 6/8
+    # (full remat recomputes the forward), even with the traffic hidden: FSDP gathers
+    # every expert's weights over dp (46.7B parameters in bf16, twice under full remat)
     mix = rows[5]
     assert mix["measured"] == "TFLOP/s per chip" and mix["cluster"] == "v5p-128"
-    assert mix["predicted_hidden"] == pytest.approx(459 * 6 / 8)
+    assert mix["predicted_exposed"] < mix["predicted_hidden"] < 459 * 6 / 8
     assert "megablox" in mix["misses"] and "dropless" in mix["misses"]
     assert 251.94 / 459 == pytest.approx(0.5489, abs=1e-4)  # the published MFU, 54.89%
 
