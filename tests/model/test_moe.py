@@ -399,15 +399,16 @@ def test_moe_refusals_name_the_fix(over, fix):
 
 @pytest.mark.slow
 def test_a_moe_run_logs_its_router_statistics(tmp_path):
-    """moe-tiny for 2 steps: the evaluation row carries the router losses
-    (summed over the 4 layers), the
-    dropped share and each expert's share of the assignments (summing to 1)."""
+    """moe-tiny (2 layers, 8 x 32 tokens) for 2 steps: the evaluation row
+    carries the router losses (summed over the layers), the dropped share
+    and each expert's share of the assignments (summing to 1)."""
     import json
 
     import train
 
     assert train.main(["--config", "moe-tiny", "--dp", "4", "--tp", "2", "--steps", "2",
                        "train.eval_every=2", "train.eval_batches=1", "train.warmup_steps=1",
+                       "model.n_layers=2", "model.seq_len=32", "train.batch_size=8",
                        "--out", str(tmp_path)]) == 0
     row = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
            if '"eval_loss"' in line][-1]
