@@ -319,8 +319,7 @@ def _main(args: argparse.Namespace) -> int:
     if not args.out and not (args.plan or args.compare_hlo):
         args.out = default_out(args, cfg)
     p = cfg.parallel
-    unwritten = [flag for flag, on in (("--cp", p.cp > 1), ("--pp", p.pp > 1), ("--sp", p.sp))
-                 if on]
+    unwritten = [flag for flag, on in (("--pp", p.pp > 1), ("--sp", p.sp)) if on]
     if cfg.model.n_experts and args.compare_hlo and p.fsdp and unwritten:
         print(f"error: --compare-hlo --fsdp is not built for a mixture of experts with "
               f"{' and '.join(unwritten)} yet (FSDP's rows there are not written); without "

@@ -231,24 +231,34 @@ def _fsdp(cfg: Config, impl: str, rows: list[Expected], shards) -> tuple[list, l
     as XLA:CPU sums them (jax 0.10.2, measured): GSPMD all-reduces each one
     whole over its batch axes (dp x ep; the experts' over dp) and keeps its
     dp part, with no reduce-scatter (the non-FSDP rows). shard_map's region
-    weights (attention, vocab tables) are summed whole over ep and then
-    reduce-scattered over dp, the experts' reduce-scattered over dp
-    (`_moe_rows`); the gradients outside the regions (norms, the router)
-    GSPMD all-reduces whole over dp x ep."""
+    weights (attention, vocab tables) are summed whole over ep (x cp) and
+    then reduce-scattered over dp, the experts' summed whole over cp and
+    reduce-scattered over dp; the gradients outside the regions (norms, the
+    router) GSPMD all-reduces whole over dp x ep (and cp)."""
     p = cfg.parallel
     add = expected_fsdp(cfg, impl)
     if impl != "shard_map":
         return rows, add
-    split = sum(s.elements for s in shards if s.region and s.dp_split
-                and "/mlp/experts/" not in s.path)
+    expert = lambda s: "/mlp/experts/" in s.path
+    split = sum(s.elements for s in shards if s.region and s.dp_split and not expert(s))
+    experts = sum(s.elements for s in shards if expert(s))
     pd = HLO_DTYPES[cfg.model.param_dtype]
     E = lambda name, kind, n, group, axes: Expected(name, kind, "backward", ANY_SCOPE, n, pd,
                                                    group, 1, "grads", axes, True, "microbatch")
-    if p.ep > 1:
-        add.append(E("ep: the region weights' gradients (whole over dp) summed over ep, before "
-                     "FSDP's reduce-scatter", "all-reduce", split, p.ep, (EP_AXIS,)))
-    add.append(E("FSDP: the region weights' gradients reduce-scattered over dp",
-                 "reduce-scatter", split // p.dp, p.dp, (DATA_AXIS,)))
+    # (cp's ranks hold the same weights, the experts too: their gradients whole over it)
+    whole = [(a, n) for a, n in ((EP_AXIS, p.ep), (CP_AXIS, p.cp)) if n > 1]
+    if whole:
+        over = tuple(a for a, _ in whole)
+        add.append(E(f"{' x '.join(over)}: the region weights' gradients (whole over dp) "
+                     "summed, before FSDP's reduce-scatter", "all-reduce", split,
+                     math.prod(n for _, n in whole), over))
+    if p.cp > 1:
+        add.append(E("cp: the experts' weight gradients (whole over dp) summed, before "
+                     "FSDP's reduce-scatter", "all-reduce", experts, p.cp, (CP_AXIS,)))
+    add += [E("FSDP: the region weights' gradients reduce-scattered over dp",
+              "reduce-scatter", split // p.dp, p.dp, (DATA_AXIS,)),
+            E("FSDP: the experts' weight gradients reduce-scattered over dp (ep owns its "
+              "experts)", "reduce-scatter", experts // p.dp, p.dp, (DATA_AXIS,))]
     written = lambda r: r.role == "grads" and r.written and DATA_AXIS in r.axes
     rows = [dataclasses.replace(r, elements=r.elements - split) if written(r) else r
             for r in rows]
@@ -310,12 +320,11 @@ def _moe_rows(cfg: Config, impl: str, own_router: bool, experts: int) -> list[Ex
         own.append(E("pp: the stages' router statistics summed", "all-reduce", "forward",
                      len(LOSSES), 1, p.pp, (PP_AXIS,), "f32", per="step", scope=""))
     owners = tuple(a for a, n in ((DATA_AXIS, p.dp), (CP_AXIS, p.cp)) if n > 1)
-    scatter = p.fsdp and p.dp > 1 and impl == "shard_map"  # (`_fsdp`)
-    if owners:  # every rank that holds the same experts: dp's, and cp's (their tokens)
+    scattered = p.fsdp and p.dp > 1 and impl == "shard_map"  # (FSDP's: `_fsdp`)
+    if owners and not scattered:  # every rank that holds the same experts: dp's, and
+        # cp's (their tokens)
         own.append(E(f"{' x '.join(owners)}: the experts' weight gradients (ep owns its "
-                     "experts)" + (", reduce-scattered (FSDP)" if scatter else ""),
-                     "reduce-scatter" if scatter else "all-reduce", "backward",
-                     experts // p.dp if scatter else experts, 1, p.dp * p.cp, owners,
+                     "experts)", "all-reduce", "backward", experts, 1, p.dp * p.cp, owners,
                      HLO_DTYPES[m.param_dtype], scope=ANY_SCOPE,
                      # (a pipeline's stages sum theirs once, after it)
                      per="step" if p.pp > 1 else "microbatch"))

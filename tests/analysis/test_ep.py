@@ -34,12 +34,12 @@ B = 16
 @functools.cache
 def compiled(impl: str, factor: float, ep: int = 4, tp: int = 2, dp: int = 1,
              remat: str = "none", dispatch: str = "dense", shared: int = 0, microbatches: int = 1,
-             every: int = 1, fsdp: bool = False):
+             every: int = 1, fsdp: bool = False, cp: int = 1):
     cfg = validate(Config(dataclasses.replace(MOE, capacity_factor=factor, remat=remat,
                                               moe_dispatch=dispatch, moe_shared_d_ff=shared,
                                               moe_every=every),
                           TrainConfig(batch_size=B, microbatches=microbatches),
-                          ParallelConfig(dp=dp, ep=ep, tp=tp, impl=impl, fsdp=fsdp)))
+                          ParallelConfig(dp=dp, ep=ep, tp=tp, cp=cp, impl=impl, fsdp=fsdp)))
     layout = Layout.of(cfg)
     step = compile_train_step(abstract_train_state(cfg, layout.mesh()), B, MOE.seq_len)
     return cfg, layout.sizes, hlo.collectives(step.as_text())
@@ -143,23 +143,26 @@ def test_the_moe_step_holds_its_ledger(impl, dp, ep, tp):
 test_the_moe_step_holds_its_ledger.fast_cases = set()
 
 
-@pytest.mark.parametrize("impl, dp, ep, tp", [
+@pytest.mark.parametrize("impl, dp, ep, tp, cp", [
     pytest.param(impl, *layout, id=f"{name}-{impl}")
     for impl in ("gspmd", "shard_map", "explicit")
-    for name, layout in (("dp2xep2xtp2", (2, 2, 2)), ("dp4xtp2", (4, 1, 2)))
+    for name, layout in (("dp2xep2xtp2", (2, 2, 2, 1)), ("dp4xtp2", (4, 1, 2, 1)),
+                         ("dp2xep2xcp2-dropless", (2, 2, 1, 2)))
     if impl != "explicit" or name == "dp2xep2xtp2"])
 def test_fsdp_gathers_every_weight_over_dp_and_the_ledger_says_how_each_gradient_returns(
-        impl, dp, ep, tp):
+        impl, dp, ep, tp, cp):
     """FSDP splits every weight's model dim over dp, the experts' and the
     router's too, not over ep: the ledger, and by hand each weight gathered
     over dp once in the forward (no gather over ep); GSPMD all-reduces every
     gradient whole over its batch axes (no reduce-scatter); shard_map
     reduce-scatters its region weights' and the experts' over dp, the
-    experts' n/dp elements a rank, after the region weights' sum over ep."""
-    cfg, sizes, colls = compiled(impl, 1.0, ep, tp, dp, fsdp=True)
+    experts' n/dp elements a rank, after the sums whole over ep (and cp)."""
+    cfg, sizes, colls = compiled(impl, 0.0 if cp > 1 else 1.0, ep, tp, dp, fsdp=True, cp=cp)
     assert check(colls, expected_collectives(cfg, impl, "cpu"), sizes) is None
     shards = param_shards(cfg)
-    gathered = [c for c in colls if c.kind == "all-gather" and c.pass_ == "forward"]
+    # (cp's gathers of K and V aside)
+    gathered = [c for c in colls if c.kind == "all-gather" and c.pass_ == "forward"
+                and c.axes(sizes) != ("cp",)]
     assert {c.axes(sizes) for c in gathered} == {("dp",)}
     assert sum(c.elements * c.count for c in gathered) == \
         sum(s.elements for s in shards if s.dp_split)
@@ -277,7 +280,7 @@ def test_the_ragged_path_at_ep_above_1_is_refused_on_cpu(capsys):
 
 
 def test_compare_hlo_refuses_fsdp_where_its_moe_rows_are_not_written(capsys):
-    """--compare-hlo --fsdp of a MoE with --sp (or --cp, --pp): refused before
+    """--compare-hlo --fsdp of a MoE with --sp (or --pp): refused before
     compiling, naming what is built."""
     import train
 
