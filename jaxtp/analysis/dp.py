@@ -2,7 +2,7 @@
 (ZeRO-3, Rajbhandari et al. 2020, Sec. 5.1: parameters, gradients and Adam
 state split over dp along the model dim). The gradients' sums over dp and cp,
 FSDP's reduce-scatters among them, are `jaxtp.analysis.grads`'s; the loss
-mean too.
+mean too; a mixture of experts' (its experts split over dp too), `moe_fsdp`'s.
 
 Per parameter p whose tp shard holds n elements, over dp:
 
@@ -25,8 +25,11 @@ Per parameter p whose tp shard holds n elements, over dp:
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from ..config import Config
-from ..parallel import DATA_AXIS
+from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS
 from .params import param_shards
 from .rows import ANY_PASS, ANY_SCOPE, HLO_DTYPES, Expected
 
@@ -97,3 +100,58 @@ def _fsdp_gathers(cfg: Config, impl: str) -> list[Expected]:
                "all-gather", "backward", bwd, "microbatch", cd)]
     return [r for r in rows if r.elements]
 
+
+def experts_scattered(cfg: Config, impl: str, platform: str) -> bool:
+    """Whether FSDP's experts' gradients are reduce-scattered over dp:
+    shard_map's psum_scatter; under gspmd XLA:GPU's reduce-scatter creator
+    (measured, compiled for an H100) makes one of the all-reduce and slice
+    that XLA:CPU and libtpu keep."""
+    p = cfg.parallel
+    return p.fsdp and p.dp > 1 and (
+        impl == "shard_map" or platform in ("gpu", "cuda") and p.cp == 1)
+
+
+def moe_fsdp(cfg: Config, impl: str, rows: list[Expected],
+             scattered: bool) -> tuple[list, list]:
+    """FSDP's part of a MoE step: (the dense rows, changed; rows to add).
+    FSDP splits every weight's model dim over dp (the experts' and the
+    router's too), not over ep, so each is gathered over dp where used
+    (`expected_fsdp`, on the MoE model's parameters). The gradients,
+    as XLA:CPU sums them (jax 0.10.2, measured): GSPMD all-reduces each one
+    whole over its batch axes (dp x ep; the experts' over dp) and keeps its
+    dp part, with no reduce-scatter (the non-FSDP rows); compiled for an
+    H100, XLA:GPU makes the experts' a reduce-scatter over dp (`scattered`:
+    `experts_scattered`),
+    the rest as on CPU. shard_map's region
+    weights (attention, vocab tables) are summed whole over ep (x cp) and
+    then reduce-scattered over dp, the experts' summed whole over cp and
+    reduce-scattered over dp; the gradients outside the regions (norms, the
+    router) GSPMD all-reduces whole over dp x ep (and cp)."""
+    p, shards = cfg.parallel, param_shards(cfg)
+    add = expected_fsdp(cfg, impl)
+    expert = lambda s: "/mlp/experts/" in s.path
+    split = sum(s.elements for s in shards if s.region and s.dp_split and not expert(s))
+    experts = sum(s.elements for s in shards if expert(s))
+    pd = HLO_DTYPES[cfg.model.param_dtype]
+    E = lambda name, kind, n, group, axes: Expected(name, kind, "backward", ANY_SCOPE, n, pd,
+                                                   group, 1, "grads", axes, True, "microbatch")
+    scatter = E("FSDP: the experts' weight gradients reduce-scattered over dp (ep owns its "
+                "experts)", "reduce-scatter", experts // p.dp, p.dp, (DATA_AXIS,))
+    if impl != "shard_map":
+        return rows, add + ([scatter] if scattered else [])
+    # (cp's ranks hold the same weights, the experts too: their gradients whole over it)
+    whole = [(a, n) for a, n in ((EP_AXIS, p.ep), (CP_AXIS, p.cp)) if n > 1]
+    if whole:
+        over = tuple(a for a, _ in whole)
+        add.append(E(f"{' x '.join(over)}: the region weights' gradients (whole over dp) "
+                     "summed, before FSDP's reduce-scatter", "all-reduce", split,
+                     math.prod(n for _, n in whole), over))
+    if p.cp > 1:
+        add.append(E("cp: the experts' weight gradients (whole over dp) summed, before "
+                     "FSDP's reduce-scatter", "all-reduce", experts, p.cp, (CP_AXIS,)))
+    add += [E("FSDP: the region weights' gradients reduce-scattered over dp",
+              "reduce-scatter", split // p.dp, p.dp, (DATA_AXIS,)), scatter]
+    written = lambda r: r.role == "grads" and r.written and DATA_AXIS in r.axes
+    rows = [dataclasses.replace(r, elements=r.elements - split) if written(r) else r
+            for r in rows]
+    return [r for r in rows if r.elements], add

@@ -28,7 +28,7 @@ from typing import Callable
 from ..config import Config
 from ..model.moe import LOSSES, capacity
 from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS
-from .dp import expected_fsdp
+from .dp import experts_scattered, moe_fsdp
 from .params import param_shards
 from .rows import ANY_SCOPE, HLO_DTYPES, Expected, per_step, schedule_of
 
@@ -216,61 +216,12 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
         rows.append(Expected("gradient norm: one sum of squares", "all-reduce", "other", "", 1,
                              "f32", math.prod(n for _, n in split), 1,
                              axes=tuple(a for a, _ in split)))
-    # FSDP's experts' gradients reduce-scattered over dp: shard_map's psum_scatter;
-    # under gspmd XLA:GPU's reduce-scatter creator (measured, compiled for an
-    # H100) makes one of the all-reduce and slice XLA:CPU and libtpu keep
-    scattered = p.fsdp and p.dp > 1 and (
-        impl == "shard_map" or platform in ("gpu", "cuda") and p.cp == 1)
+    scattered = experts_scattered(cfg, impl, platform)
     own = _moe_rows(cfg, impl, own_router, experts, scattered)
     if p.fsdp and p.dp > 1:
-        rows, fsdp = _fsdp(cfg, impl, rows, shards, scattered)
+        rows, fsdp = moe_fsdp(cfg, impl, rows, scattered)
         own += fsdp
     return rows + per_step(per_moe_layer(cfg, own) + expected_ep(cfg, impl), schedule_of(cfg))
-
-
-def _fsdp(cfg: Config, impl: str, rows: list[Expected], shards,
-          scattered: bool) -> tuple[list, list]:
-    """FSDP's part of a MoE step: (the dense rows, changed; rows to add).
-    FSDP splits every weight's model dim over dp (the experts' and the
-    router's too), not over ep, so each is gathered over dp where used
-    (`jaxtp.analysis.dp`, on the MoE model's parameters). The gradients,
-    as XLA:CPU sums them (jax 0.10.2, measured): GSPMD all-reduces each one
-    whole over its batch axes (dp x ep; the experts' over dp) and keeps its
-    dp part, with no reduce-scatter (the non-FSDP rows); compiled for an
-    H100, XLA:GPU makes the experts' a reduce-scatter over dp (`scattered`),
-    the rest as on CPU. shard_map's region
-    weights (attention, vocab tables) are summed whole over ep (x cp) and
-    then reduce-scattered over dp, the experts' summed whole over cp and
-    reduce-scattered over dp; the gradients outside the regions (norms, the
-    router) GSPMD all-reduces whole over dp x ep (and cp)."""
-    p = cfg.parallel
-    add = expected_fsdp(cfg, impl)
-    expert = lambda s: "/mlp/experts/" in s.path
-    split = sum(s.elements for s in shards if s.region and s.dp_split and not expert(s))
-    experts = sum(s.elements for s in shards if expert(s))
-    pd = HLO_DTYPES[cfg.model.param_dtype]
-    E = lambda name, kind, n, group, axes: Expected(name, kind, "backward", ANY_SCOPE, n, pd,
-                                                   group, 1, "grads", axes, True, "microbatch")
-    scatter = E("FSDP: the experts' weight gradients reduce-scattered over dp (ep owns its "
-                "experts)", "reduce-scatter", experts // p.dp, p.dp, (DATA_AXIS,))
-    if impl != "shard_map":
-        return rows, add + ([scatter] if scattered else [])
-    # (cp's ranks hold the same weights, the experts too: their gradients whole over it)
-    whole = [(a, n) for a, n in ((EP_AXIS, p.ep), (CP_AXIS, p.cp)) if n > 1]
-    if whole:
-        over = tuple(a for a, _ in whole)
-        add.append(E(f"{' x '.join(over)}: the region weights' gradients (whole over dp) "
-                     "summed, before FSDP's reduce-scatter", "all-reduce", split,
-                     math.prod(n for _, n in whole), over))
-    if p.cp > 1:
-        add.append(E("cp: the experts' weight gradients (whole over dp) summed, before "
-                     "FSDP's reduce-scatter", "all-reduce", experts, p.cp, (CP_AXIS,)))
-    add += [E("FSDP: the region weights' gradients reduce-scattered over dp",
-              "reduce-scatter", split // p.dp, p.dp, (DATA_AXIS,)), scatter]
-    written = lambda r: r.role == "grads" and r.written and DATA_AXIS in r.axes
-    rows = [dataclasses.replace(r, elements=r.elements - split) if written(r) else r
-            for r in rows]
-    return [r for r in rows if r.elements], add
 
 
 def _moe_rows(cfg: Config, impl: str, own_router: bool, experts: int,
@@ -330,8 +281,9 @@ def _moe_rows(cfg: Config, impl: str, own_router: bool, experts: int,
         own.append(E("pp: the stages' router statistics summed", "all-reduce", "forward",
                      len(LOSSES), 1, p.pp, (PP_AXIS,), "f32", per="step", scope=""))
     owners = tuple(a for a, n in ((DATA_AXIS, p.dp), (CP_AXIS, p.cp)) if n > 1)
-    if owners and not scattered:  # (else FSDP's reduce-scatter: `_fsdp`)  # every rank that holds the same experts: dp's, and
-        # cp's (their tokens)
+    # every rank that holds the same experts sums their gradients: dp's, and cp's
+    # (their tokens); under FSDP where `scattered`, reduce-scattered (`moe_fsdp`)
+    if owners and not scattered:
         own.append(E(f"{' x '.join(owners)}: the experts' weight gradients (ep owns its "
                      "experts)", "all-reduce", "backward", experts, 1, p.dp * p.cp, owners,
                      HLO_DTYPES[m.param_dtype], scope=ANY_SCOPE,
