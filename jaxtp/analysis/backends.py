@@ -59,6 +59,18 @@ def on_backend(rows: list[Expected], cfg: Config, impl: str, platform: str) -> l
         whole = lambda r: dataclasses.replace(r, kind="all-reduce",
                                               elements=r.elements * r.group,
                                               name=r.name + " [as all-reduce + slice]")
+        if platform != "cpu" and r.role == "a2a_peers":
+            # one all-to-all of the whole buffer, not XLA:CPU's operand per peer
+            r = dataclasses.replace(r, elements=r.elements * r.group, count=r.count // r.group,
+                                    role="a2a", name=r.name + " [one array]")
+        if platform in ("cpu", "gpu", "cuda") and r.role == "head_dx" and \
+                impl != "shard_map" and sixteen:
+            # GSPMD (and explicit, lowered by it) reduces the LM head's dX in
+            # the fp32 of the logits' gradient, before the cast (and so no
+            # reduce-scatter under SP)
+            r = dataclasses.replace(r, dtype="f32")
+            if r.kind == "reduce-scatter":
+                r = whole(r)
         if platform == "cpu":
             # no reduce-scatter creator: GSPMD's (and explicit's, which the
             # partitioner lowers from its types; and the FSDP gradients GSPMD
@@ -68,8 +80,8 @@ def on_backend(rows: list[Expected], cfg: Config, impl: str, platform: str) -> l
             if r.kind == "reduce-scatter" and r.role != "cp" and (
                     impl != "shard_map" or r.role == "fsdp_gspmd"):
                 r = whole(r)
-            # the CPU runtime carries 16-bit collectives in fp32
-            if r.dtype in ("bf16", "f16"):
+            # the CPU runtime carries bf16 collectives in fp32 (f16 in f16)
+            if r.dtype == "bf16":
                 r = dataclasses.replace(r, dtype="f32")
         elif platform == "tpu":
             if r.kind == "reduce-scatter":  # libtpu: all-reduce + slice, every impl
@@ -83,7 +95,10 @@ def on_backend(rows: list[Expected], cfg: Config, impl: str, platform: str) -> l
                                         name=r.name + " [once per dot but the last block's]")
             # fp32 activations and gradients on their way into a matmul travel
             # in bf16, the precision a default-precision TPU matmul reads them in
-            if r.dtype == "f32" and (r.role in ("gather_in", "gather_grad_mlp", "kv_grad") or
+            # (a MoE layer's slots, `jaxtp.analysis.ep`: the experts' inputs, and
+            # the combine's)
+            if r.dtype == "f32" and (r.role in ("gather_in", "gather_grad_mlp", "kv_grad",
+                                                "a2a", "moe_slots") or
                                      (r.role == "gather_grad_attention" and
                                       impl == "shard_map")):
                 r = dataclasses.replace(r, dtype="bf16")
@@ -92,13 +107,6 @@ def on_backend(rows: list[Expected], cfg: Config, impl: str, platform: str) -> l
             # gradient rows are gathered, not summed (half the ring bytes)
             r = dataclasses.replace(r, kind="all-gather")
         if platform in ("gpu", "cuda"):
-            if r.role == "head_dx" and impl != "shard_map" and sixteen:
-                # GSPMD (and explicit, lowered by it) reduces the LM head's dX
-                # in the fp32 of the logits' gradient, before the cast (and so
-                # no reduce-scatter under SP)
-                r = dataclasses.replace(r, dtype="f32")
-                if r.kind == "reduce-scatter":
-                    r = whole(r)
             if r.role == "grads_outside" and impl == "shard_map" and m.tie_embeddings:
                 # around a pipeline XLA:GPU adds the tied table's two
                 # gradients (lookup, head) before their one sum over pp x dp

@@ -16,7 +16,8 @@ delivered (the remat name "ep_slots").
 
 On XLA:CPU (jax 0.10.2) an all-to-all is one instruction with one operand
 per peer (`jaxtp.hlo` reads each as a collective of its own): a row here
-counts ep operands of 1/ep of the buffer each.
+counts ep operands of 1/ep of the buffer each (role "a2a_peers"); XLA:GPU
+compiles one array of the whole buffer (`backends.on_backend`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Callable
 from ..config import Config
 from ..model.moe import LOSSES, capacity
 from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS
+from .backends import on_backend
 from .dp import experts_scattered, moe_fsdp
 from .params import param_shards
 from .rows import ANY_SCOPE, HLO_DTYPES, Expected, per_step, schedule_of
@@ -110,7 +112,8 @@ def per_moe_layer(cfg: Config, rows: list[Expected]) -> list[Expected]:
 
 def expected_ep(cfg: Config, impl: str = "gspmd") -> list[Expected]:
     """The all-to-alls over ep, per MoE layer and microbatch (see the
-    module docstring), as XLA:CPU's operands: written out by
+    module docstring), as XLA:CPU's operands (`backends.on_backend` joins
+    them for an accelerator): written out by
     `jaxtp.parallel.ep` under shard_map, placed by GSPMD under gspmd."""
     m, p = cfg.model, cfg.parallel
     if p.ep == 1 or not m.n_experts:
@@ -119,7 +122,7 @@ def expected_ep(cfg: Config, impl: str = "gspmd") -> list[Expected]:
         return per_moe_layer(cfg, _ragged_ep(cfg))
     part = slots(cfg) // p.ep
     E = lambda name, pass_: Expected(f"ep: {name}", "all-to-all", pass_, "moe", part,
-                                     HLO_DTYPES[m.dtype], p.ep, 2 * p.ep, "ep", (EP_AXIS,),
+                                     HLO_DTYPES[m.dtype], p.ep, 2 * p.ep, "a2a_peers", (EP_AXIS,),
                                      written=impl == "shard_map", per="layer")
     rows = [E("dispatch and combine (the slots to their experts' ranks and back)", "forward"),
             E("their transposes (the slots' gradients back and forth)", "backward")]
@@ -221,7 +224,8 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
     if p.fsdp and p.dp > 1:
         rows, fsdp = moe_fsdp(cfg, impl, rows, scattered)
         own += fsdp
-    return rows + per_step(per_moe_layer(cfg, own) + expected_ep(cfg, impl), schedule_of(cfg))
+    own = per_step(per_moe_layer(cfg, own) + expected_ep(cfg, impl), schedule_of(cfg))
+    return rows + (on_backend(own, cfg, impl, platform) if platform else own)
 
 
 def _moe_rows(cfg: Config, impl: str, own_router: bool, experts: int,
@@ -234,23 +238,25 @@ def _moe_rows(cfg: Config, impl: str, own_router: bool, experts: int,
     m, p = cfg.model, cfg.parallel
     dt = HLO_DTYPES[m.dtype]
     E = lambda name, kind, pass_, n, count, group, axes, dtype=dt, per="layer", scope="moe", \
-        written=True: Expected("moe: " + name, kind, pass_, scope, n, dtype, group, count,
-                               "moe", axes, written, per)
+        written=True, role="moe": Expected("moe: " + name, kind, pass_, scope, n, dtype, group,
+                                            count, role, axes, written, per)
     ragged = m.moe_dispatch == "ragged"
     tp_n = tokens(cfg) * m.d_model if ragged else slots(cfg)  # what g and f sum
     sp = p.sequence_parallel
-    own = [] if p.tp == 1 else _sp_rows(cfg, impl, E, tp_n) if sp else [
-        E("g: the experts' output " + ("(the layer's, weighted)" if ragged else
+    # (the slots' rows: role "moe_slots", for a compiler's rule on the experts' inputs)
+    T = lambda *a, **k: E(*a, role="moe" if ragged else "moe_slots", **k)
+    own = [] if p.tp == 1 else _sp_rows(cfg, impl, T, tp_n) if sp else [
+        T("g: the experts' output " + ("(the layer's, weighted)" if ragged else
                                         "(the rank's slots)"), "all-reduce", "forward",
           tp_n, 1, p.tp, (TP_AXIS,)),
-        E("f: dX entering the experts' up-proj", "all-reduce", "backward", tp_n, 1,
+        T("f: dX entering the experts' up-proj", "all-reduce", "backward", tp_n, 1,
           p.tp, (TP_AXIS,))]
     if own and ragged:  # the weighted sum's operand is partial over tp
         own.append(E("the routing weights' gradient (the outputs they weigh are partial "
                      "over tp)", "all-reduce", "backward", tokens(cfg) * m.moe_top_k, 1,
                      p.tp, (TP_AXIS,)))
     if own and m.remat == "full" and not sp:  # the block's output is kept, the experts' not
-        own.append(E("remat 'full': g again for the backward", "all-reduce", "backward",
+        own.append(T("remat 'full': g again for the backward", "all-reduce", "backward",
                      tp_n, 1, p.tp, (TP_AXIS,)))
     # the axes that split the tokens: the statistics' means run over them
     routed = tuple(a for a, n in ((DATA_AXIS, p.dp), (EP_AXIS, p.ep), (CP_AXIS, p.cp),

@@ -82,14 +82,14 @@ def from_hlo(colls, mesh: dict[str, int]) -> list[Traffic]:
 
 
 def from_budget(rows) -> list[Traffic]:
-    """Traffic of ledger rows (`jaxtp.analysis.rows.Expected`). The ep
-    ledger's all-to-alls are XLA:CPU's operands, one per peer, on every
-    platform (`jaxtp.analysis.ep`): each group of `group` of them is priced
-    as one all-to-all of the whole buffer."""
+    """Traffic of ledger rows (`jaxtp.analysis.rows.Expected`). Where the
+    ep ledger's all-to-alls are XLA:CPU's operands, one per peer (role
+    "a2a_peers", `jaxtp.analysis.ep`), each group of `group` of them is
+    priced as one all-to-all of the whole buffer."""
     out = []
     for r in rows:
         n = DTYPE_BYTES[r.dtype] * r.elements
-        if r.kind == "all-to-all" and r.count % r.group == 0:
+        if r.role == "a2a_peers":
             out.append(Traffic(r.kind, n * r.group, r.group, tuple(r.axes), r.count // r.group))
         else:
             out.append(Traffic(r.kind, n * (r.group if r.kind == "reduce-scatter" else 1),

@@ -74,6 +74,23 @@ def test_budget_holds_in_compiled_hlo(tp, impl):
 test_budget_holds_in_compiled_hlo.fast_cases = {'8-shard_map', '8-gspmd', '8-explicit'}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+def test_a_float16_step_holds_the_budget_as_xla_cpu_carries_it(impl):
+    """model.dtype=float16 at tp=8 on XLA:CPU: the activations' all-reduces
+    travel in f16 (bf16's in fp32: jaxtp.analysis.backends); GSPMD reduces
+    the LM head's dX in the fp32 of the logits' gradient, shard_map in f16."""
+    cfg, colls = compiled(8, impl, dataclasses.replace(MODEL, dtype="float16"))
+    assert check(colls, expected_collectives(cfg, impl, "cpu")) is None
+    act = 4 * 16 * 32
+    dtypes = lambda **kw: {c.dtype for c in colls if all(getattr(c, k) == v
+                                                         for k, v in kw.items())}
+    assert dtypes(scope="attention", elements=act) == dtypes(scope="mlp", elements=act) == {
+        "f16"}
+    assert dtypes(scope="cross_entropy", pass_="backward", elements=act) == {
+        "f32" if impl == "gspmd" else "f16"}
+
+
 @pytest.mark.parametrize("tp, impl", [(2, "shard_map"), (8, "gspmd"), (8, "shard_map"),
                                       (8, "explicit")])
 def test_llama_gqa_budget(tp, impl):

@@ -318,3 +318,38 @@ def test_the_ragged_path_holds_its_ledger_compiled_for_an_h100(tmp_path):
                     for c in report["impls"]["gspmd"]["collectives"]
                     if c["kind"] == "ragged-all-to-all" for _ in range(c["count"]))
     assert ragged == sorted([(p, n * D) for p in ("forward", "backward") for n in (R, A)] * 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target, package", [("h100", "jax_cuda12_plugin"),
+                                             ("tpu-v5p", "libtpu")])
+def test_the_all_to_alls_hold_their_ledger_compiled_for_an_accelerator(target, package,
+                                                                        tmp_path):
+    """moe-tiny at ep 4 x tp 2 (capacity factor 1.25, 2 layers) compiled for
+    8 H100s or a v5p 2x2x2: an all-to-all there is one array of the rank's
+    whole slot buffer (XLA:CPU's is one operand per peer), 2 per layer and
+    pass; libtpu carries the slots (the all-to-alls and tp's g and f inside
+    the experts) in bf16, the precision its matmuls read them in. Every impl
+    holds the ledger as that compiler carries it out."""
+    import importlib.util
+    import json
+
+    import train
+
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed: cannot compile for {target} here")
+    assert train.main(["--config", "moe-tiny", "--ep", "4", "--tp", "2", "--compare-hlo",
+                       "--hardware", target, "--out", str(tmp_path), "model.n_layers=2"]) == 0
+    report = json.loads((tmp_path / "comm_report.json").read_text())
+    assert report["ok"] and len(report["impls"]) == 3
+    # by hand: E * G_r * C * D = 8 experts x 4 groups (16 over ep 4) x 40
+    # slots (ceil(1.25 * 128 * 2 / 8)) x 128
+    n, dtype = 8 * 4 * 40 * 128, "bf16" if target == "tpu-v5p" else "f32"
+    for impl, r in report["impls"].items():
+        a2a = sorted((c["pass"], math.prod(c["shape"]), c["dtype"])
+                     for c in r["collectives"] if c["kind"] == "all-to-all"
+                     for _ in range(c["count"]))
+        assert a2a == sorted([(p, n, dtype) for p in ("forward", "backward")] * 4), impl
+        g = [c for c in r["collectives"] if c["kind"] == "all-reduce" and c["scope"] == "moe"
+             and math.prod(c["shape"]) == n]  # E/ep x (ep x G) x C x D: the rank's slots
+        assert sum(c["count"] for c in g) == 4 and {c["dtype"] for c in g} == {dtype}, impl
