@@ -52,73 +52,86 @@ def version_note(platform: str) -> str | None:
 def on_backend(rows: list[Expected], cfg: Config, impl: str, platform: str) -> list[Expected]:
     """The budget as each compiler carries it out: what XLA's CPU and GPU
     pipelines and libtpu do differently from the budget's rows (`MEASURED_ON`)."""
-    m = cfg.model
-    sixteen = m.dtype in ("bfloat16", "float16")
-    out = []
-    for r in rows:
-        whole = lambda r: dataclasses.replace(r, kind="all-reduce",
-                                              elements=r.elements * r.group,
-                                              name=r.name + " [as all-reduce + slice]")
-        if platform != "cpu" and r.role == "a2a_peers":
-            # one all-to-all of the whole buffer, not XLA:CPU's operand per peer
-            r = dataclasses.replace(r, elements=r.elements * r.group, count=r.count // r.group,
-                                    role="a2a", name=r.name + " [one array]")
-        if platform in ("cpu", "gpu", "cuda") and r.role == "head_dx" and \
-                impl != "shard_map" and sixteen:
-            # GSPMD (and explicit, lowered by it) reduces the LM head's dX in
-            # the fp32 of the logits' gradient, before the cast (and so no
-            # reduce-scatter under SP)
-            r = dataclasses.replace(r, dtype="f32")
-            if r.kind == "reduce-scatter":
-                r = whole(r)
-        if platform == "cpu":
-            # no reduce-scatter creator: GSPMD's (and explicit's, which the
-            # partitioner lowers from its types; and the FSDP gradients GSPMD
-            # places under shard_map) stays an all-reduce of the full buffer
-            # and a slice (shard_map's psum_scatter is kept, and so is the cp
-            # core's, written in a shard_map under every impl)
-            if r.kind == "reduce-scatter" and r.role != "cp" and (
-                    impl != "shard_map" or r.role == "fsdp_gspmd"):
-                r = whole(r)
-            # the CPU runtime carries bf16 collectives in fp32 (f16 in f16)
-            if r.dtype == "bf16":
-                r = dataclasses.replace(r, dtype="f32")
-        elif platform == "tpu":
-            if r.kind == "reduce-scatter":  # libtpu: all-reduce + slice, every impl
-                r = whole(r)
-            if r.role.startswith("gather_grad") and impl != "shard_map" and \
-                    cfg.parallel.overlap != "none" and r.count > 1:
-                # GSPMD's overlap (no loop on this target): libtpu gathers an
-                # exit's output gradient for each of the two dots that read
-                # it, in the bf16 they read, but the last block's once
-                r = dataclasses.replace(r, dtype="bf16", count=2 * r.count - 1,
-                                        name=r.name + " [once per dot but the last block's]")
-            # fp32 activations and gradients on their way into a matmul travel
-            # in bf16, the precision a default-precision TPU matmul reads them in
-            # (a MoE layer's slots, `jaxtp.analysis.ep`: the experts' inputs, and
-            # the combine's)
-            if r.dtype == "f32" and (r.role in ("gather_in", "gather_grad_mlp", "kv_grad",
-                                                "a2a", "moe_slots") or
-                                     (r.role == "gather_grad_attention" and
-                                      impl == "shard_map")):
-                r = dataclasses.replace(r, dtype="bf16")
-        if platform in ("gpu", "cuda", "tpu") and r.role == "positions":
-            # each rank's position rows are its own sequence shard's: the
-            # gradient rows are gathered, not summed (half the ring bytes)
-            r = dataclasses.replace(r, kind="all-gather")
-        if platform in ("gpu", "cuda"):
-            if r.role == "grads_outside" and impl == "shard_map" and m.tie_embeddings:
-                # around a pipeline XLA:GPU adds the tied table's two
-                # gradients (lookup, head) before their one sum over pp x dp
-                table = next(s.elements for s in param_shards(cfg) if s.path == "wte/embedding")
-                r = dataclasses.replace(r, elements=r.elements - table,
-                                        name=r.name + " [the tied table's two summed first]")
-        out.append(r)
+    out = [_row_on_backend(r, cfg, impl, platform) for r in rows]
     if platform in ("gpu", "cuda") and cfg.parallel.dp > 1:
         out = _gpu_dp(out, cfg, impl)
     if platform in ("gpu", "cuda") and cfg.parallel.cp > 1:
         out = _gpu_pp_cp(out, cfg, impl) if cfg.parallel.pp > 1 else _gpu_cp(out, cfg)
     return out
+
+
+def _whole(r: Expected) -> Expected:
+    """A reduce-scatter carried out as an all-reduce of the full buffer and a slice."""
+    return dataclasses.replace(r, kind="all-reduce", elements=r.elements * r.group,
+                               name=r.name + " [as all-reduce + slice]")
+
+
+def _row_on_backend(r: Expected, cfg: Config, impl: str, platform: str) -> Expected:
+    """One row as the compiler for `platform` carries it out (`on_backend`)."""
+    m = cfg.model
+    if platform != "cpu" and r.role == "a2a_peers":
+        # one all-to-all of the whole buffer, not XLA:CPU's operand per peer
+        r = dataclasses.replace(r, elements=r.elements * r.group, count=r.count // r.group,
+                                role="a2a", name=r.name + " [one array]")
+    if platform in ("cpu", "gpu", "cuda") and r.role == "head_dx" and \
+            impl != "shard_map" and m.dtype in ("bfloat16", "float16"):
+        # GSPMD (and explicit, lowered by it) reduces the LM head's dX in
+        # the fp32 of the logits' gradient, before the cast (and so no
+        # reduce-scatter under SP)
+        r = dataclasses.replace(r, dtype="f32")
+        if r.kind == "reduce-scatter":
+            r = _whole(r)
+    if platform == "cpu":
+        r = _on_cpu(r, impl)
+    elif platform == "tpu":
+        r = _on_tpu(r, cfg, impl)
+    if platform in ("gpu", "cuda", "tpu") and r.role == "positions":
+        # each rank's position rows are its own sequence shard's: the
+        # gradient rows are gathered, not summed (half the ring bytes)
+        r = dataclasses.replace(r, kind="all-gather")
+    if platform in ("gpu", "cuda") and r.role == "grads_outside" and impl == "shard_map" \
+            and m.tie_embeddings:
+        # around a pipeline XLA:GPU adds the tied table's two gradients
+        # (lookup, head) before their one sum over pp x dp
+        table = next(s.elements for s in param_shards(cfg) if s.path == "wte/embedding")
+        r = dataclasses.replace(r, elements=r.elements - table,
+                                name=r.name + " [the tied table's two summed first]")
+    return r
+
+
+def _on_cpu(r: Expected, impl: str) -> Expected:
+    # no reduce-scatter creator: GSPMD's (and explicit's, which the
+    # partitioner lowers from its types; and the FSDP gradients GSPMD places
+    # under shard_map) stays an all-reduce of the full buffer and a slice
+    # (shard_map's psum_scatter is kept, and so is the cp core's, written in
+    # a shard_map under every impl)
+    if r.kind == "reduce-scatter" and r.role != "cp" and (
+            impl != "shard_map" or r.role == "fsdp_gspmd"):
+        r = _whole(r)
+    # the CPU runtime carries bf16 collectives in fp32 (f16 in f16)
+    if r.dtype == "bf16":
+        r = dataclasses.replace(r, dtype="f32")
+    return r
+
+
+def _on_tpu(r: Expected, cfg: Config, impl: str) -> Expected:
+    if r.kind == "reduce-scatter":  # libtpu: all-reduce + slice, every impl
+        r = _whole(r)
+    if r.role.startswith("gather_grad") and impl != "shard_map" and \
+            cfg.parallel.overlap != "none" and r.count > 1:
+        # GSPMD's overlap (no loop on this target): libtpu gathers an exit's
+        # output gradient for each of the two dots that read it, in the bf16
+        # they read, but the last block's once
+        r = dataclasses.replace(r, dtype="bf16", count=2 * r.count - 1,
+                                name=r.name + " [once per dot but the last block's]")
+    # fp32 activations and gradients on their way into a matmul travel in
+    # bf16, the precision a default-precision TPU matmul reads them in (a MoE
+    # layer's slots, `jaxtp.analysis.ep`: the experts' inputs, and the combine's)
+    if r.dtype == "f32" and (r.role in ("gather_in", "gather_grad_mlp", "kv_grad", "a2a",
+                                        "moe_slots") or
+                             (r.role == "gather_grad_attention" and impl == "shard_map")):
+        r = dataclasses.replace(r, dtype="bf16")
+    return r
 
 
 def _gpu_pp_cp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
