@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 from ..config import Config
 from ..parallel import CP_AXIS, DATA_AXIS, TP_AXIS
 
+from .grads import part_dtypes
 from .params import param_shards
-from .rows import ANY_SCOPE, reduces_once
+from .rows import ANY_SCOPE, HLO_DTYPES, reduces_once
 
 if TYPE_CHECKING:
     from .rows import Expected
@@ -90,9 +91,12 @@ def _row_on_backend(r: Expected, cfg: Config, impl: str, platform: str) -> Expec
         # gradient rows are gathered, not summed (half the ring bytes)
         r = dataclasses.replace(r, kind="all-gather")
     if platform in ("gpu", "cuda") and r.role == "grads_outside" and impl == "shard_map" \
-            and m.tie_embeddings:
+            and m.tie_embeddings and r.dtype == (
+                HLO_DTYPES[m.param_dtype] if cfg.parallel.pp_schedule == "1f1b" else
+                part_dtypes(cfg, impl, "lm_head/embedding", 1)[0]):
         # around a pipeline XLA:GPU adds the tied table's two gradients
-        # (lookup, head) before their one sum over pp x dp
+        # (lookup, head: the head's in its dtype, 1F1B's accumulated in the
+        # table's) before their one sum over pp x dp, in the lookup's fp32
         table = next(s.elements for s in param_shards(cfg) if s.path == "wte/embedding")
         r = dataclasses.replace(r, elements=r.elements - table,
                                 name=r.name + " [the tied table's two summed first]")
@@ -108,10 +112,13 @@ def _on_cpu(r: Expected, impl: str) -> Expected:
     if r.kind == "reduce-scatter" and r.role != "cp" and (
             impl != "shard_map" or r.role == "fsdp_gspmd"):
         r = _whole(r)
-    # the CPU runtime carries bf16 collectives in fp32 (f16 in f16)
-    if r.dtype == "bf16":
-        r = dataclasses.replace(r, dtype="f32")
-    return r
+    return dataclasses.replace(r, dtype=carried("cpu", r.dtype))
+
+
+def carried(platform: str, dtype: str) -> str:
+    """The dtype the compiler for `platform` carries a collective of `dtype`
+    in: the CPU runtime carries bf16 collectives in fp32 (f16 in f16)."""
+    return "f32" if platform == "cpu" and dtype == "bf16" else dtype
 
 
 def _on_tpu(r: Expected, cfg: Config, impl: str) -> Expected:
@@ -178,16 +185,21 @@ def _gpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
     # in slices over dp, dp is manual inside them and reduced once after
     # (jaxtp.parallel.Schedule): nothing is summed over dp and tp at once
     once = not p.fsdp and not reduces_once(cfg)
-    moved, out = 0, []
+    moved: dict[str, int] = {}  # elements per dtype
+    out = []
     for r in rows:
         if r.role == "seq_shard_param" and once:
-            moved += r.elements * r.count
+            moved[r.dtype] = moved.get(r.dtype, 0) + r.elements * r.count
             r = dataclasses.replace(r, group=p.dp * p.tp, axes=(DATA_AXIS, TP_AXIS),
                                     name=r.name + " [over dp and tp]")
         out.append(r)
-    if impl != "gspmd" and m.tie_embeddings and once:
-        moved += m.padded_vocab // p.tp * m.d_model * cfg.train.microbatches
-    # from the gradient totals over dp (measured at cp = 1: at cp > 1 the GPU's
-    # sums over dp are not budgeted, docs/scale.md)
-    return [dataclasses.replace(r, elements=r.elements - moved)
-            if r.role == "grads" and r.axes == (DATA_AXIS,) and p.cp == 1 else r for r in out]
+    if impl != "gspmd" and m.tie_embeddings and once:  # (the head's part, in its dtype)
+        head = part_dtypes(cfg, impl, "lm_head/embedding", 1)[0]
+        moved[head] = moved.get(head, 0) + \
+            m.padded_vocab // p.tp * m.d_model * cfg.train.microbatches
+    # from the gradient totals over dp in their dtype (measured at cp = 1: at
+    # cp > 1 the GPU's sums over dp are not budgeted, docs/scale.md)
+    for i, r in enumerate(out):
+        if r.role == "grads" and r.axes == (DATA_AXIS,) and p.cp == 1 and r.dtype in moved:
+            out[i] = dataclasses.replace(r, elements=r.elements - moved.pop(r.dtype))
+    return out

@@ -30,6 +30,7 @@ import math
 
 from ..config import Config
 from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS
+from .grads import part_dtypes
 from .params import param_shards
 from .rows import ANY_PASS, ANY_SCOPE, HLO_DTYPES, Expected
 
@@ -50,17 +51,36 @@ def _fsdp_row(cfg: Config, name: str, kind: str, pass_: str, n: int, per: str, d
 
 def _fsdp_gathers(cfg: Config, impl: str) -> list[Expected]:
     """FSDP's all-gathers (the module docstring): forward, and again for a
-    remat; a row per step (hoisted) and a row per microbatch (in a loop)."""
-    m, M = cfg.model, cfg.train.microbatches
-    shards = param_shards(cfg)
-    pd, cd = HLO_DTYPES[m.param_dtype], HLO_DTYPES[m.dtype]
-    scanned, remat = m.scan_layers, m.remat != "none"
-    split = [s for s in shards if s.dp_split]
-    looped = lambda s: s.in_stack and scanned  # gathered per microbatch (and layer)
-    # the vocab tables travel in the parameter dtype, every other weight in the
-    # compute dtype (`jaxtp.model.layers.weight`): their forward gathers apart
+    remat; a row per step (hoisted) and a row per microbatch (in a loop),
+    per dtype: a weight travels in the dtype it is used in (`weight`: the
+    compute dtype's copy; the norms, the router and the vocab tables in
+    their own, `jaxtp.analysis.grads.part_dtypes`)."""
+    m = cfg.model
+    pd = HLO_DTYPES[m.param_dtype]
+    split = [s for s in param_shards(cfg) if s.dp_split]
     tables = sum(s.elements for s in split if s.region == "vocab")
-    split = [s for s in split if s.region != "vocab"]
+    by_dtype: dict[str, list] = {}
+    for s in split:
+        if s.region != "vocab":
+            by_dtype.setdefault(part_dtypes(cfg, impl, s.path, 1)[0], []).append(s)
+    rows = []
+    for dt, shards in by_dtype.items():
+        # (the tables' gather joins a total of their dtype whose pass is XLA's pick)
+        rows += _gathers(cfg, impl, shards, dt, tables if dt == pd else 0)
+    if tables and not any(r.pass_ == ANY_PASS and r.dtype == pd for r in rows):
+        rows.insert(0, _fsdp_row(cfg, "the vocab tables all-gathered (in their own dtype) "
+                                 "for the lookup and the head", "all-gather", "forward",
+                                 tables, "step", pd))
+    return rows
+
+
+def _gathers(cfg: Config, impl: str, split: list, dt: str, tables: int) -> list[Expected]:
+    """`_fsdp_gathers`'s rows of the weights `split` that travel in `dt`;
+    `tables`: the vocab tables' elements, which join a total whose pass is
+    XLA's pick (else their own row)."""
+    m, M = cfg.model, cfg.train.microbatches
+    scanned, remat = m.scan_layers, m.remat != "none"
+    looped = lambda s: s.in_stack and scanned  # gathered per microbatch (and layer)
     # under shard_map, in an unscanned stack in one batch, XLA gathers each
     # region kernel once for both passes (remat "full") or for the forward
     once = lambda s: impl == "shard_map" and remat and s.in_stack and s.region and \
@@ -75,29 +95,24 @@ def _fsdp_gathers(cfg: Config, impl: str) -> list[Expected]:
     outside = (sum(s.elements for s in split if not s.region)
                if impl == "shard_map" and not remat and not scanned and M == 1 else 0)
     E = lambda *a, **kw: _fsdp_row(cfg, *a, **kw)
-    rows = []
-    if not either or pd != cd:
-        rows.append(E("the vocab tables all-gathered (in their own dtype) for the lookup and "
-                      "the head", "all-gather", "forward", tables, "step", pd))
-    else:  # one total with the gathers whose pass is XLA's pick
-        either += tables
     if either:  # which pass a gather is labelled with is XLA's pick: one total
         name = ("every dp-split parameter all-gathered for its forward use, block weights "
                 f"again for the backward (remat {m.remat!r}), but shard_map's region kernels "
                 "once for both passes")
-        rows += [E(name, "all-gather", ANY_PASS, fwd["step"] + either, "step", cd),
-                 E(name, "all-gather", ANY_PASS, fwd["microbatch"] + bwd, "microbatch", cd)]
+        rows = [E(name, "all-gather", ANY_PASS, fwd["step"] + either + tables, "step", dt),
+                E(name, "all-gather", ANY_PASS, fwd["microbatch"] + bwd, "microbatch", dt)]
         return [r for r in rows if r.elements]
+    rows = []
     if outside:
         rows.append(E("parameters outside the regions all-gathered by GSPMD for their "
-                      "forward use", "all-gather", "forward", outside, "step", cd,
+                      "forward use", "all-gather", "forward", outside, "step", dt,
                       written=False))
     name = "every dp-split parameter all-gathered for its forward use" + (
         " in its region" if outside else "")
-    rows += [E(name, "all-gather", "forward", fwd["step"] - outside, "step", cd),
-             E(name, "all-gather", "forward", fwd["microbatch"], "microbatch", cd),
+    rows += [E(name, "all-gather", "forward", fwd["step"] - outside, "step", dt),
+             E(name, "all-gather", "forward", fwd["microbatch"], "microbatch", dt),
              E(f"remat {m.remat!r}: block weights gathered again for the backward",
-               "all-gather", "backward", bwd, "microbatch", cd)]
+               "all-gather", "backward", bwd, "microbatch", dt)]
     return [r for r in rows if r.elements]
 
 

@@ -29,7 +29,7 @@ from typing import Callable
 from ..config import Config
 from ..model.moe import LOSSES, capacity
 from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS
-from .backends import on_backend
+from .backends import carried, on_backend
 from .dp import experts_scattered, moe_fsdp
 from .params import param_shards
 from .rows import ANY_SCOPE, HLO_DTYPES, Expected, per_step, schedule_of
@@ -190,23 +190,36 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
     # (a pipeline's stages sum it with their weights: over dp x ep once, and
     # over the sequence's axes with the norms, `jaxtp.analysis.grads`)
     own_router = (p.cp > 1 or p.sequence_parallel) and p.pp == 1
-    rows = []
-    for r in dense(as_dp, impl, platform):
+    rows, dense_rows = [], dense(as_dp, impl, platform)
+    cd, pd = (carried(platform or "", HLO_DTYPES[d]) for d in (m.dtype, m.param_dtype))
+
+    def totals(role: str, dtype: str, which: int, *axes: str) -> set[int]:
+        """The dense totals of `role` over any of `axes` in (as carried)
+        `dtype`, one per group of axes: the first (`which` 0) or the last
+        (-1), the compute dtype's where both are carried in one."""
+        by_axes: dict[tuple, list] = {}
+        for r in dense_rows:
+            if r.role == role and r.dtype == dtype and any(a in r.axes for a in axes):
+                by_axes.setdefault(r.axes, []).append(r)
+        return {id(rs[which]) for rs in by_axes.values()}
+
+    less_mlp = totals("grads", cd, -1, DATA_AXIS, CP_AXIS)
+    less_outside = totals("grads_placed", cd, -1, DATA_AXIS, CP_AXIS)
+    # (a pipeline's stages hold the router: summed with their weights)
+    with_router = set() if own_router else totals(
+        "grads_placed" if impl == "shard_map" and p.pp == 1 else "grads", pd, 0, DATA_AXIS)
+    for r in dense_rows:
+        # the MLP's weights out of the totals (the compute dtype's), the
+        # router's in (fp32's; shard_map: with the gradients GSPMD sums outside
+        # the regions); a row's elements are one reduction's, its count the
+        # reductions a step runs (M, sliced)
+        r = dataclasses.replace(r, elements=r.elements - mlp * (id(r) in less_mlp)
+                                - mlp_outside * (id(r) in less_outside)
+                                + router * (id(r) in with_router))
         if r.scope == "mlp" and not shared:  # the dense MLP's f and g, the dense layers'
             if moe_layers == L:
                 continue
             r = dataclasses.replace(r, count=r.count // L * (L - moe_layers))
-        # the MLP's weights out of the totals, the router's in (shard_map: with
-        # the gradients GSPMD sums outside the regions); a row's elements are
-        # one reduction's, its count the reductions a step runs (M, sliced)
-        if r.role == "grads" and (DATA_AXIS in r.axes or CP_AXIS in r.axes):
-            r = dataclasses.replace(r, elements=r.elements - mlp)
-        if r.role == "grads_placed" and (DATA_AXIS in r.axes or CP_AXIS in r.axes):
-            r = dataclasses.replace(r, elements=r.elements - mlp_outside)
-        # (a pipeline's stages hold the router: summed with their weights)
-        if r.role == ("grads_placed" if impl == "shard_map" and p.pp == 1 else "grads") and \
-                DATA_AXIS in r.axes and not own_router:
-            r = dataclasses.replace(r, elements=r.elements + router)
         if r.name.startswith("gradient norm"):  # (below: over ep too)
             continue
         if r.role == "loss_mean":  # XLA combines it with the router's means: one total
@@ -292,8 +305,9 @@ def _moe_rows(cfg: Config, impl: str, own_router: bool, experts: int,
     if owners and not scattered:
         own.append(E(f"{' x '.join(owners)}: the experts' weight gradients (ep owns its "
                      "experts)", "all-reduce", "backward", experts, 1, p.dp * p.cp, owners,
-                     HLO_DTYPES[m.param_dtype], scope=ANY_SCOPE,
-                     # (a pipeline's stages sum theirs once, after it)
+                     # (in the compute dtype they are used in; a pipeline's
+                     # stages sum theirs once, after it, as accumulated)
+                     HLO_DTYPES[m.param_dtype if p.pp > 1 else m.dtype], scope=ANY_SCOPE,
                      per="step" if p.pp > 1 else "microbatch"))
     return own
 

@@ -22,6 +22,13 @@ loss chunk under cp (the chunks are taken within each rank's positions); the
 learned positions' gradient lives on the rank's own sequence rows, which are
 all that the sum over dp reduces; explicit gathers the positions' gradient
 rows over the sequence axes instead of summing them.
+
+And the dtype each part is summed in (`part_dtypes`): a weight cast to the
+compute dtype where it is used (`jaxtp.model.layers.weight(v, dtype)`: the
+linears' kernels and biases, the learned positions, the experts) has its
+gradient summed in that dtype, before the cast back; one used in its own
+dtype (the norms, the vocab lookup, the router) in its own. Each total is
+then one row per dtype (XLA combines only collectives of one dtype).
 """
 
 from __future__ import annotations
@@ -55,6 +62,11 @@ class _Grad:
     written: bool  # summed by a psum in a shard_map region
     dp_elements: int  # what the sum over dp alone reduces (positions: its own rows)
     keyed: bool  # its sum over the sequence axes is a row of its own (`_sequence_rows`)
+    dtypes: tuple[str, ...] = ()  # the dtype each of its `sums` parts is summed in
+
+    def parts(self, dtype: str) -> int:
+        """How many of its parts are summed in `dtype`."""
+        return self.dtypes.count(dtype)
 
 
 def _grads(cfg: Config, impl: str) -> list[_Grad]:
@@ -81,8 +93,34 @@ def _grads(cfg: Config, impl: str) -> list[_Grad]:
         keyed = TP_AXIS in seq or _sp_kv(cfg, impl, s) or (
             s.path == "wpe/embedding" and impl == "explicit" and p.cp > 1)
         out.append(_Grad(s, sums, seq, impl == "shard_map" and bool(s.region), dp_elements,
-                         keyed))
+                         keyed, part_dtypes(cfg, impl, s.path, sums)))
     return out
+
+
+def part_dtypes(cfg: Config, impl: str, path: str, sums: int) -> tuple[str, ...]:
+    """The dtype each of a gradient's `sums` parts is summed in (module
+    docstring): the compute dtype for a weight cast to it where it is used,
+    else its own; a vocab table's head part is the compute dtype's under
+    shard_map (summed in its region) but fp32 where GSPMD places the sum (on
+    the head's fp32 dot, `jaxtp.model.vocab`). (Accumulated over slices reduced
+    once, or over a pipeline's ticks, every gradient is in its own dtype: the
+    rows of those sums say so.)"""
+    m = cfg.model
+    pd, cd = HLO_DTYPES[m.param_dtype], HLO_DTYPES[m.dtype]
+    if pd == cd:
+        return (pd,) * sums
+    module = path.split("/")[-2]
+    if path in ("wte/embedding", "lm_head/embedding"):  # the lookup's, then the head's
+        lookup = int(path == "wte/embedding")
+        head = cd if impl == "shard_map" else pd
+        return (pd,) * lookup + (head,) * (sums - lookup)
+    own = module.startswith("ln") or "norm" in module or path.endswith("/router")
+    return ((pd if own else cd),) * sums
+
+
+def _dtypes(grads: list[_Grad]) -> list[str]:
+    """The dtypes the gradients are summed in (fp32 first)."""
+    return sorted({d for g in grads for d in g.dtypes}, key=lambda d: d != "f32")
 
 
 def _in_pipeline(cfg: Config, path: str, in_stack: bool) -> bool:
@@ -184,116 +222,123 @@ def _pipelined(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]:
                       "the pipeline)", "all-reduce", whole, p.dp * p.cp, inner, True))
     # the weights outside the stages, each part (a tied table's lookup and
     # head) summed at once over pp x dp x cp, or over cp and then pp x dp
-    at_once = apart_cp = apart = scattered = 0
     fsdp = lambda g: p.fsdp and p.dp > 1 and g.shard.dp_split and impl == "shard_map"
-    for g in grads:
-        if g.shard.in_stack:
-            continue
-        tied_head = g.shard.path == "wte/embedding" and g.sums > 1
-        for count, in_loop in ([(1, False), (g.sums - 1, f1b)] if tied_head else
-                               [(g.sums, _in_pipeline(cfg, g.shard.path, False))]):
-            if fsdp(g) and g.written:  # FSDP's region: reduce-scattered over dp
-                scattered += g.shard.elements * count
-            elif in_loop or (impl == "shard_map" and g.written):
-                at_once += g.shard.elements * count
-            else:  # (a learned positions' gradient: its own sequence rows over pp x dp)
-                apart_cp += 0 if g.keyed else g.shard.elements * count
-                apart += g.dp_elements * count
-    if at_once:
-        rows.append(E(f"{' x '.join(joint)}: the gradients of the weights outside the stages "
-                      "(embedding, head, final norm), summed at once", "all-reduce", at_once,
-                      p.pp * p.dp * p.cp, joint, impl == "shard_map", role="grads_outside"))
-    if scattered:  # (pp x cp at once in the region, then FSDP's reduce-scatter over dp)
-        rest = tuple(a for a in joint if a != DATA_AXIS)
-        rows += [E(f"{' x '.join(rest)}: the FSDP vocab tables' gradients outside the stages",
-                   "all-reduce", scattered, p.pp * p.cp, rest, True),
-                 E("dp: the FSDP vocab tables' gradients outside the stages, reduce-scattered",
-                   "reduce-scatter", scattered // p.dp, p.dp, (DATA_AXIS,), True)]
-    if apart_cp and cp:
-        rows.append(E("cp: the gradients of the weights outside the pipeline, placed by "
-                      "GSPMD, summed over cp", "all-reduce", apart_cp, p.cp, cp, False,
-                      role="grads_apart_cp"))
-    if apart:
-        rows.append(E(f"{' x '.join(outer)}: the gradients of the weights outside the pipeline "
-                      "(embedding, head, final norm)", "all-reduce", apart, p.pp * p.dp,
-                      outer, False, role="grads_apart"))
+    # (in the loop, accumulated over the ticks: in its own dtype)
+    for dt in dict.fromkeys(_dtypes([g for g in grads if not g.shard.in_stack]) + [pd]):
+        at_once = apart_cp = apart = scattered = 0
+        for g in grads:
+            if g.shard.in_stack:
+                continue
+            tied_head = g.shard.path == "wte/embedding" and g.sums > 1
+            for i, in_loop in ([(0, False)] + [(i, f1b) for i in range(1, g.sums)]
+                               if tied_head else
+                               [(i, _in_pipeline(cfg, g.shard.path, False))
+                                for i in range(g.sums)]):
+                if (pd if in_loop else g.dtypes[i]) != dt:
+                    continue
+                if fsdp(g) and g.written:  # FSDP's region: reduce-scattered over dp
+                    scattered += g.shard.elements
+                elif in_loop or (impl == "shard_map" and g.written):
+                    at_once += g.shard.elements
+                else:  # (a learned positions' gradient: its own sequence rows over pp x dp)
+                    apart_cp += 0 if g.keyed else g.shard.elements
+                    apart += g.dp_elements
+        E = lambda name, kind, n, group, axes, written, role="grads": Expected(
+            name, kind, "backward", ANY_SCOPE, n, dt, group, 1, role, axes, written, "step")
+        if at_once:
+            rows.append(E(f"{' x '.join(joint)}: the gradients of the weights outside the "
+                          "stages (embedding, head, final norm), summed at once", "all-reduce",
+                          at_once, p.pp * p.dp * p.cp, joint, impl == "shard_map",
+                          role="grads_outside"))
+        if scattered:  # (pp x cp at once in the region, then FSDP's reduce-scatter over dp)
+            rest = tuple(a for a in joint if a != DATA_AXIS)
+            rows += [E(f"{' x '.join(rest)}: the FSDP vocab tables' gradients outside the "
+                       "stages", "all-reduce", scattered, p.pp * p.cp, rest, True),
+                     E("dp: the FSDP vocab tables' gradients outside the stages, "
+                       "reduce-scattered", "reduce-scatter", scattered // p.dp, p.dp,
+                       (DATA_AXIS,), True)]
+        if apart_cp and cp:
+            rows.append(E("cp: the gradients of the weights outside the pipeline, placed by "
+                          "GSPMD, summed over cp", "all-reduce", apart_cp, p.cp, cp, False,
+                          role="grads_apart_cp"))
+        if apart:
+            rows.append(E(f"{' x '.join(outer)}: the gradients of the weights outside the "
+                          "pipeline (embedding, head, final norm)", "all-reduce", apart,
+                          p.pp * p.dp, outer, False, role="grads_apart"))
     return rows
 
 
 def _placed(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]:
-    """The totals without FSDP, per microbatch: a written gradient's one psum
-    over dp x cp; GSPMD's sum over the sequence axes (what `_sequence_rows`
-    does not sum) and then over dp; the loss mean as GSPMD's."""
-    p, pd = cfg.parallel, HLO_DTYPES[cfg.model.param_dtype]
+    """The totals without FSDP, per microbatch and dtype: a written
+    gradient's one psum over dp x cp; GSPMD's sum over the sequence axes (what
+    `_sequence_rows` does not sum) and then over dp; the loss mean as GSPMD's."""
+    p = cfg.parallel
     group, axes = data_group(cfg)
     over = lambda a: " x ".join(a)
     steps = [((CP_AXIS,), p.cp), ((DATA_AXIS,), p.dp)] if p.dp > 1 and p.cp > 1 else \
         [(axes, group)]
-    written = sum(g.shard.elements * g.sums for g in grads if g.written)
     rows = [_loss_mean(n, a) for a, n in steps]
-    for a, n in steps:
-        # every sum over dp; over cp, what no row of its own sums
-        placed = sum((g.dp_elements if a == (DATA_AXIS,) else g.shard.elements) * g.sums
-                     for g in grads if not g.written and (a == (DATA_AXIS,) or not g.keyed))
-        if impl == "shard_map":
-            rows.append(Expected(f"{over(axes)}: parameter gradients outside the regions "
-                                 f"(norms, biases, positions), summed over {over(a)} by GSPMD",
-                                 "all-reduce", "backward", ANY_SCOPE, placed, pd, n, 1,
-                                 "grads_placed", a, False, "microbatch"))
-        else:
-            rows.append(Expected(f"{over(a)}: every parameter gradient (tp shard), summed over "
-                                 f"{over(a)}", "all-reduce", "backward", ANY_SCOPE, placed, pd,
-                                 n, 1, "grads", a, per="microbatch"))
-    if written:
-        rows.append(Expected(f"{over(axes)}: every parameter gradient (tp shard), summed "
-                             f"over {over(axes)} in its region", "all-reduce", "backward",
-                             ANY_SCOPE, written, pd, group, 1, "grads", axes, per="microbatch"))
+    for dt in _dtypes(grads):
+        for a, n in steps:
+            # every sum over dp; over cp, what no row of its own sums
+            placed = sum((g.dp_elements if a == (DATA_AXIS,) else g.shard.elements) *
+                         g.parts(dt) for g in grads
+                         if not g.written and (a == (DATA_AXIS,) or not g.keyed))
+            if not placed:
+                continue
+            name = (f"{over(axes)}: parameter gradients outside the regions (norms, biases, "
+                    f"positions), summed over {over(a)} by GSPMD" if impl == "shard_map" else
+                    f"{over(a)}: every parameter gradient (tp shard), summed over {over(a)}")
+            rows.append(Expected(name, "all-reduce", "backward", ANY_SCOPE, placed, dt, n, 1,
+                                 "grads_placed" if impl == "shard_map" else "grads", a,
+                                 impl != "shard_map", "microbatch"))
+        written = sum(g.shard.elements * g.parts(dt) for g in grads if g.written)
+        if written:
+            rows.append(Expected(f"{over(axes)}: every parameter gradient (tp shard), summed "
+                                 f"over {over(axes)} in its region", "all-reduce", "backward",
+                                 ANY_SCOPE, written, dt, group, 1, "grads", axes,
+                                 per="microbatch"))
     return rows
 
 
 def _fsdp_rows(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]:
-    """FSDP's sums, per microbatch: over cp first (what is whole over dp; a
-    written gradient in its region), then each dp-split gradient
+    """FSDP's sums, per microbatch and dtype: over cp first (what is whole
+    over dp; a written gradient in its region), then each dp-split gradient
     reduce-scattered over dp (n/dp elements per rank: the accumulator stays
     sharded), each other one all-reduced (with cp at once where written)."""
-    m, p, pd = cfg.model, cfg.parallel, HLO_DTYPES[cfg.model.param_dtype]
-    rows = [_loss_mean(p.dp, (DATA_AXIS,))]
+    p = cfg.parallel
+    rows = [_loss_mean(p.dp, (DATA_AXIS,))] + [_loss_mean(p.cp, (CP_AXIS,))] * (p.cp > 1)
     joint = lambda g: g.written and not g.shard.dp_split  # one psum over dp x cp
-    if p.cp > 1:
-        cp = lambda pick: sum(g.shard.elements * g.sums for g in grads
-                              if pick(g) and not joint(g) and not g.keyed)
-        name = "cp: {} summed over cp before FSDP's reduction"
-        row = lambda what, n, role, written: Expected(
-            name.format(what), "all-reduce", "backward", ANY_SCOPE, n, pd, p.cp, 1, role,
-            (CP_AXIS,), written, "microbatch")
-        rows.append(_loss_mean(p.cp, (CP_AXIS,)))
-        if impl == "shard_map":
+    both = dict(group=p.dp * p.cp, axes=(DATA_AXIS, CP_AXIS)) if impl == "shard_map" and \
+        p.cp > 1 else {}
+    for dt in _dtypes(grads):
+        n = lambda pick, elements=lambda g: g.shard.elements: sum(
+            elements(g) * g.parts(dt) for g in grads if pick(g))
+        E = lambda name, kind, n, group=p.dp, axes=(DATA_AXIS,), role="", written=True: \
+            Expected(name, kind, "backward", ANY_SCOPE, n, dt, group, 1, role, axes, written,
+                     "microbatch")
+        if p.cp > 1:
+            cp = lambda pick: n(lambda g: pick(g) and not joint(g) and not g.keyed)
+            name = "cp: {} summed over cp before FSDP's reduction"
+            row = lambda what, k, role, written: E(name.format(what), "all-reduce", k, p.cp,
+                                                   (CP_AXIS,), role, written)
             rows += [row("the regions' parameter gradients (whole over dp)",
                          cp(lambda g: g.written), "", True),
                      row("by GSPMD, the gradients outside the regions (norms, biases, "
-                         "positions)", cp(lambda g: not g.written), "cp_grads", False)]
-        else:
-            rows.append(row("every parameter gradient (whole over dp)", cp(lambda g: True),
-                            "cp_grads", True))
-    E = lambda name, kind, n, group=p.dp, axes=(DATA_AXIS,), role="", written=True: Expected(
-        "FSDP: " + name, kind, "backward", ANY_SCOPE, n, pd, group, 1, role, axes, written,
-        "microbatch")
-    region = sum(g.shard.elements * g.sums for g in grads if g.shard.dp_split and g.written)
-    placed = sum(g.dp_elements * g.sums for g in grads if g.shard.dp_split and not g.written)
-    replicated = sum(g.shard.elements * g.sums for g in grads if not g.shard.dp_split)
-    both = dict(group=p.dp * p.cp, axes=(DATA_AXIS, CP_AXIS)) if impl == "shard_map" and \
-        p.cp > 1 else {}
-    if region:
-        rows.append(E("region weights' gradients reduce-scattered (shard_map)",
-                      "reduce-scatter", region // p.dp))
-    if placed:
-        rows.append(E("gradients reduce-scattered over dp" +
-                      (" (GSPMD: norms, biases, positions)" if impl == "shard_map" else ""),
-                      "reduce-scatter", placed // p.dp, role="fsdp_gspmd", written=False))
-    if replicated:
-        rows.append(E("parameters not split over dp (no model dim): gradient all-reduced"
-                      + (" over dp x cp" if both else ""), "all-reduce", replicated, **both))
-    return rows
+                         "positions)", cp(lambda g: not g.written), "cp_grads", False)] \
+                if impl == "shard_map" else [row("every parameter gradient (whole over dp)",
+                                                 cp(lambda g: True), "cp_grads", True)]
+        region = n(lambda g: g.shard.dp_split and g.written)
+        placed = n(lambda g: g.shard.dp_split and not g.written, lambda g: g.dp_elements)
+        rows += [E("FSDP: region weights' gradients reduce-scattered (shard_map)",
+                   "reduce-scatter", region // p.dp),
+                 E("FSDP: gradients reduce-scattered over dp" +
+                   (" (GSPMD: norms, biases, positions)" if impl == "shard_map" else ""),
+                   "reduce-scatter", placed // p.dp, role="fsdp_gspmd", written=False),
+                 E("FSDP: parameters not split over dp (no model dim): gradient all-reduced"
+                   + (" over dp x cp" if both else ""), "all-reduce",
+                   n(lambda g: not g.shard.dp_split), **both)]
+    return [r for r in rows if r.elements]
 
 
 def _loss_mean(group: int, axes: tuple[str, ...], pass_: str = "forward",
@@ -312,7 +357,6 @@ def _sequence_rows(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]
     sequence shard, per parameter, under SP (over cp x tp at once) or, for
     explicit's learned positions, under cp (gathered rows)."""
     m, p = cfg.model, cfg.parallel
-    pd, cd = HLO_DTYPES[m.param_dtype], HLO_DTYPES[m.dtype]
     once = reduces_once(cfg)
     rows = []
     for g in grads:
@@ -343,7 +387,7 @@ def _sequence_rows(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]
                 if bias else "norm weights used on sequence shards: gradient sum")
         scope = ("attention" if module == "out" else "mlp") if bias else ""
         rows.append(Expected(what, "all-gather" if gather else "all-reduce", "backward", scope,
-                             s.elements // held, cd if bias else pd, group, layers,
+                             s.elements // held, g.dtypes[0], group, layers,
                              "positions" if positions else "seq_shard_param", g.seq, False,
                              per))
         if positions and once and impl != "explicit":

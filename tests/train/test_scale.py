@@ -321,6 +321,41 @@ test_the_dp2_tp4_step_holds_the_budget_and_one_devices_gradients.fast_cases = {
                                    "gpt2-explicit-fsdp") for check in ("budget", "one-device")}
 
 
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map", "explicit"])
+@pytest.mark.parametrize("model", [MODEL, GQA], ids=["gpt2", "llama-gqa"])
+def test_a_16bit_step_sums_each_gradient_over_dp_in_the_dtype_it_is_used_in(model, impl):
+    """float16 at dp=2 x tp=4 (XLA:CPU carries f16 collectives in f16, as
+    XLA:GPU carries bf16): a weight cast to f16 where it is used (kernels,
+    biases, learned positions) has its gradient summed over dp in f16, before
+    the cast back; the norms and the vocab lookup in fp32; the LM head's
+    table in fp32 where GSPMD places its sum (on the head's fp32 dot), in f16
+    in shard_map's region. The budget says so, and so do the state's shapes."""
+    cfg, colls = dp2_tp4_collectives(model, impl, dtype="float16")
+    sizes = {"dp": 2, "tp": 4}
+    assert check_rows(colls, expected_collectives(cfg, impl, "cpu"), sizes) is None
+    state = abstract_train_state(cfg, make_mesh(2, 4, impl=impl))
+    want = {"f16": 0, "f32": 0}
+    for path, x in jax.tree_util.tree_leaves_with_path(state.params):
+        name = jax.tree_util.keystr(path)
+        n = math.prod(x.sharding.shard_shape(x.shape))
+        if "'ln" in name:  # a norm, used in fp32
+            want["f32"] += n
+        elif "'wte'" in name or "'lm_head'" in name:  # the lookup's part; the head's
+            want["f32"] += n * ("'wte'" in name)
+            if "'lm_head'" in name or model.tie_embeddings:
+                want["f16" if impl == "shard_map" else "f32"] += n
+        else:
+            want["f16"] += n
+    over_dp = {dt: sum(c.elements * c.count for c in colls if c.kind == "all-reduce"
+                       and c.pass_ == "backward" and c.dtype == dt
+                       and c.axes(sizes) == ("dp",)) for dt in want}
+    assert over_dp == want
+
+
+test_a_16bit_step_sums_each_gradient_over_dp_in_the_dtype_it_is_used_in.fast_cases = {
+    "gpt2-shard_map"}
+
+
 @pytest.mark.parametrize("impl", ["gspmd", "explicit"])
 def test_fsdp_in_bf16_gathers_the_tied_table_once(impl):
     """bf16 FSDP: every weight is gathered in bf16 but the vocab table, in its
