@@ -140,7 +140,7 @@ def hf_moe(h, t, hf, i):
 def hf_logits(t, hf, tokens):
     """Llama / Mixtral / Qwen3-MoE forward in HF layout, float64 numpy."""
     t = {k: v.astype(np.float64) for k, v in t.items()}
-    D, N, K = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
+    N, K = hf["num_attention_heads"], hf["num_key_value_heads"]
     H, T, eps = head_dim(hf), tokens.shape[1], hf["rms_norm_eps"]
     rms = lambda x, w: x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
     rope = hf.get("rope_parameters", {})

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..config import Config
 from ..model.vocab import loss_chunks
-from ..parallel import CP_AXIS, DATA_AXIS, PP_AXIS, TP_AXIS
+from ..parallel import DATA_AXIS, PP_AXIS, TP_AXIS
 from ..parallel import xla_overlap
 from .backends import on_backend
 from .cp import expected_cp
@@ -41,7 +41,7 @@ from .dp import expected_fsdp
 from .ep import expected_moe
 from .grads import expected_grads
 from .overlap_rows import ring_regions, windowed_head, windowed_regions
-from .rows import HLO_DTYPES, Expected, per_step, reduces_once, schedule_of
+from .rows import HLO_DTYPES, Expected, per_step, schedule_of
 
 
 @dataclasses.dataclass(frozen=True)

@@ -231,7 +231,7 @@ def sweep_cases(cfg: Config, tps, cps=None, pps=None, eps=None) -> list[dict]:
     at a fixed device count ep x tp = max(eps) x max(tps), tp taking what ep
     leaves (ep=1 the base: every expert on every rank, tp over the device
     count)."""
-    p, tp = cfg.parallel, max(tps)
+    tp = max(tps)
     if cps:
         return [dict(cp=cp, tp=tp) for cp in sorted(set(cps) | {1})]
     if pps:

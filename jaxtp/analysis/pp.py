@@ -27,7 +27,7 @@ import dataclasses
 from .. import hlo
 from ..config import Config
 from ..parallel import PP_AXIS
-from ..parallel.pipeline_1f1b import BACKWARD, FORWARD, IDLE
+from ..parallel.pipeline_1f1b import FORWARD, IDLE
 from ..parallel.pipeline_1f1b import table as f1b_table
 from .rows import HLO_DTYPES, Expected, schedule_of
 
