@@ -56,6 +56,8 @@ def on_backend(rows: list[Expected], cfg: Config, impl: str, platform: str) -> l
     out = [_row_on_backend(r, cfg, impl, platform) for r in rows]
     if platform in ("gpu", "cuda") and cfg.parallel.dp > 1:
         out = _gpu_dp(out, cfg, impl)
+    if platform == "tpu" and cfg.parallel.dp > 1:
+        out = _tpu_dp(out, cfg, impl)
     if platform in ("gpu", "cuda") and cfg.parallel.cp > 1:
         out = _gpu_pp_cp(out, cfg, impl) if cfg.parallel.pp > 1 else _gpu_cp(out, cfg)
     return out
@@ -203,3 +205,52 @@ def _gpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
         if r.role == "grads" and r.axes == (DATA_AXIS,) and p.cp == 1 and r.dtype in moved:
             out[i] = dataclasses.replace(r, elements=r.elements - moved.pop(r.dtype))
     return out
+
+
+def _tpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
+    """At dp > 1 with the gradients summed per microbatch (no FSDP, cp = 1),
+    libtpu (measured on the v5p target: tiny and llama-tiny at dp4 x tp2,
+    moe-tiny at ep4 x tp2 and dp2 x ep2 x tp2, tiny at pp2 x dp2 x tp2;
+    fp32 and bf16):
+    - sums a 16-bit model's LM-head table gradient in bf16 under GSPMD (and
+      explicit), not in the fp32 of the logits' gradient: the dot that
+      makes it reads its operands in bf16 (`_on_tpu`); in a pipeline, where
+      that sum is outside the loop (GPipe's head);
+    - under explicit, and under shard_map where the head's part is in the
+      lookup's dtype, adds a tied table's lookup and head gradients first
+      and sums them once (XLA's all-reduce reassociation; GSPMD's two stay
+      apart, and so do shard_map's bf16 region sum and the fp32 lookup's;
+      1F1B's head part is accumulated in the loop in the table's dtype)."""
+    p, m = cfg.parallel, cfg.model
+    if p.fsdp or p.cp > 1 or reduces_once(cfg):
+        return rows
+    pd, cd = HLO_DTYPES[m.param_dtype], HLO_DTYPES[m.dtype]
+    pipelined = p.pp > 1
+    # the rows a vocab table's head part is summed in: over dp per microbatch,
+    # or in a pipeline the weights' outside it (GSPMD's, and shard_map's)
+    role = {"gspmd": "grads_apart"}.get(impl, "grads_outside") if pipelined else "grads"
+    head = m.padded_vocab // p.tp * m.d_model * (1 if pipelined else cfg.train.microbatches)
+    in_loop = pipelined and p.pp_schedule == "1f1b"  # accumulated in the table's dtype
+    moves: list[tuple[str, str | None]] = []  # (from dtype, to dtype; None: folded)
+    if cd != pd and impl != "shard_map" and not in_loop:
+        moves.append((pd, cd))
+    head_dt = pd if in_loop else cd if impl == "shard_map" or moves else pd
+    if m.tie_embeddings and (impl == "explicit" or (impl == "shard_map" and head_dt == pd)):
+        moves.append((head_dt, None))
+    out = list(rows)
+    for frm, to in moves:
+        at = lambda dt: next((i for i, r in enumerate(out) if r.role == role and r.dtype == dt
+                              and r.kind == "all-reduce" and DATA_AXIS in r.axes), None)
+        i = at(frm)
+        if i is None:
+            continue
+        out[i] = dataclasses.replace(out[i], elements=out[i].elements - head,
+                                     name=out[i].name + " [libtpu: the head's part elsewhere]")
+        if to is not None:
+            j = at(to)
+            if j is None:
+                out.append(dataclasses.replace(out[i], elements=head, dtype=to,
+                                               name=out[i].name + " [the head's part, bf16]"))
+            else:
+                out[j] = dataclasses.replace(out[j], elements=out[j].elements + head)
+    return [r for r in out if r.elements]

@@ -462,13 +462,16 @@ def test_budgets_hold_compiled_for_an_accelerator(target, config, extra, tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["--sp"], ["--microbatches", "2"]],
-                         ids=["plain", "sp", "mb2"])
+@pytest.mark.parametrize("extra", [[], ["--sp"], ["--microbatches", "2"], ["--bf16"],
+                                   ["--bf16", "--sp"]],
+                         ids=["plain", "sp", "mb2", "bf16", "bf16-sp"])
 def test_dp_budgets_hold_compiled_for_an_h100(extra, tmp_path):
     """dp=2 x tp=4 compiled for 8 H100s: XLA's GPU pipeline sums the tied
     table's two parts before one dp reduction (shard_map, explicit) and the
     replicated weights on sequence shards over dp and tp at once
-    (jaxtp.analysis.backends); in slices over dp each gradient once. (SP in
+    (jaxtp.analysis.backends); in slices over dp each gradient once; in bf16
+    each gradient summed in the dtype its weight is used in (the kernels' in
+    bf16, the norms' in fp32: jaxtp.analysis.grads.part_dtypes). (SP in
     slices and FSDP are not yet budgeted for the GPU: docs/scale.md.)"""
     import importlib.util
 
@@ -476,6 +479,25 @@ def test_dp_budgets_hold_compiled_for_an_h100(extra, tmp_path):
         pytest.skip("jax_cuda12_plugin is not installed: cannot compile for h100 here")
     assert train.main(["--dp", "2", "--tp", "4", *extra, "--compare-hlo", "--hardware", "h100",
                        "--out", str(tmp_path)]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, extra", [
+    ("tiny", []), ("tiny", ["--bf16"]), ("llama-tiny", ["--bf16"]),
+    ("tiny", ["--pp", "2", "--microbatches", "2", "--pp-schedule", "1f1b", "--bf16"])],
+    ids=["gpt2", "gpt2-bf16", "llama-bf16", "pp-1f1b-bf16"])
+def test_dp_budgets_hold_compiled_for_a_v5p(config, extra, tmp_path):
+    """dp > 1 compiled for a v5p 2x2x2: libtpu sums a 16-bit model's LM-head
+    table gradient over dp in bf16 under GSPMD and explicit, and adds a tied
+    table's two parts before one dp sum under explicit (and under shard_map
+    where both are fp32): jaxtp.analysis.backends._tpu_dp."""
+    import importlib.util
+
+    if importlib.util.find_spec(TARGETS["tpu-v5p"]) is None:
+        pytest.skip("libtpu is not installed: cannot compile for tpu-v5p here")
+    dp = ["--dp", "2"] if "--pp" in extra else ["--dp", "4"]
+    assert train.main([*dp, "--tp", "2", "--config", config, *extra, "--compare-hlo",
+                       "--hardware", "tpu-v5p", "--out", str(tmp_path)]) == 0
 
 
 def test_slices_over_dp_are_kept_off_cudnn_under_gspmd_and_explicit():
