@@ -216,7 +216,8 @@ def restore_or_init(run: RunState, ckpt, cfg: Config, mesh, init_params, rerun: 
 
 
 def describe(cfg: Config, n_params: int, data: Dataset) -> list[str]:
-    """The two lines a run starts with: the model and mesh, then the kernels."""
+    """The lines a run starts with: the model and mesh, the kernels, and (a
+    mixture of experts) the experts."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     return [
         f"model: {m.style}, {n_params:,} params, {m.n_layers} layers"
@@ -227,6 +228,7 @@ def describe(cfg: Config, n_params: int, data: Dataset) -> list[str]:
            f"layer{'s' if m.n_layers // p.pp > 1 else ''} per stage"
            f"{f' in {p.pp_repeats} chunks' if p.pp_repeats > 1 else ''}) x "
            if p.pp > 1 else "") + f"dp={p.dp} x "
+        + (f"ep={p.ep} x " if p.ep > 1 else "")
         + (f"cp={p.cp} ({p.cp_attention}{', balanced' if p.cp_balance else ''}) x "
            if p.cp > 1 else "") + f"tp={p.tp}, impl={p.impl}"
         f"{', fsdp' if p.fsdp else ''}{', sp' if p.sequence_parallel else ''} | batch "
@@ -236,7 +238,13 @@ def describe(cfg: Config, n_params: int, data: Dataset) -> list[str]:
         + (f" (block {m.attention_block})" if m.attention == "blockwise" else "")
         + f", remat: {m.remat}"
         + (f", loss in chunks of {m.loss_chunk} tokens" if m.loss_chunk else "")
-        + _overlap(cfg)]
+        + _overlap(cfg)] + ([
+        f"experts: {m.n_experts} per MoE layer (top-{m.moe_top_k}, d_ff "
+        f"{m.moe_d_ff or m.d_ff}), "
+        + (f"capacity factor {m.capacity_factor}" if m.capacity_factor else "dropless")
+        + f", {m.n_experts // p.ep} per ep rank"
+        + (f", a shared expert of d_ff {m.moe_shared_d_ff}" if m.moe_shared_d_ff else "")]
+        if m.n_experts else [])
 
 
 def _overlap(cfg: Config) -> str:

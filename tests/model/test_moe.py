@@ -397,6 +397,27 @@ def test_moe_refusals_name_the_fix(over, fix):
                 tp, **kw)
 
 
+def test_a_moe_run_says_its_ep_degree_and_experts_as_it_starts():
+    """The lines a run starts with name ep and the experts (before, an ep4 x
+    tp2 run printed `mesh dp=1 x tp=2`); a dense run prints no experts line."""
+    import types
+
+    from jaxtp.config import apply_overrides, load_config
+    from jaxtp.train.start import describe
+
+    data = types.SimpleNamespace(train=range(1000), val=range(100))
+    cfg = apply_overrides(load_config("moe-tiny"), ["parallel.ep=4", "parallel.tp=2"])
+    lines = describe(cfg, 1, data)
+    assert "mesh dp=1 x ep=4 x tp=2, impl=gspmd" in lines[0]
+    assert lines[2] == ("experts: 8 per MoE layer (top-2, d_ff 96), capacity factor 1.25, "
+                        "2 per ep rank")
+    dropless = apply_overrides(cfg, ["model.capacity_factor=0", "parallel.ep=1",
+                                     "model.moe_shared_d_ff=64"])
+    assert describe(dropless, 1, data)[2].endswith("dropless, 8 per ep rank, a shared expert "
+                                                   "of d_ff 64")
+    assert len(describe(load_config("tiny"), 1, data)) == 2
+
+
 @pytest.mark.slow
 def test_a_moe_run_logs_its_router_statistics(tmp_path):
     """moe-tiny (2 layers, 8 x 32 tokens) for 2 steps: the evaluation row
