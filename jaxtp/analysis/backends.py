@@ -209,18 +209,17 @@ def _gpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
 
 def _tpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
     """At dp > 1 with the gradients summed per microbatch (no FSDP, cp = 1),
-    libtpu (measured on the v5p target: tiny and llama-tiny at dp4 x tp2,
-    moe-tiny at ep4 x tp2 and dp2 x ep2 x tp2, tiny at pp2 x dp2 x tp2;
-    fp32 and bf16):
-    - sums a 16-bit model's LM-head table gradient in bf16 under GSPMD (and
-      explicit), not in the fp32 of the logits' gradient: the dot that
-      makes it reads its operands in bf16 (`_on_tpu`); in a pipeline, where
-      that sum is outside the loop (GPipe's head);
-    - under explicit, and under shard_map where the head's part is in the
-      lookup's dtype, adds a tied table's lookup and head gradients first
-      and sums them once (XLA's all-reduce reassociation; GSPMD's two stay
-      apart, and so do shard_map's bf16 region sum and the fp32 lookup's;
-      1F1B's head part is accumulated in the loop in the table's dtype)."""
+    libtpu (measured on the v5p target, fp32 and bf16: tiny and llama-tiny
+    at dp4 x tp2, tiny at pp2 x dp2 x tp2, moe-tiny at ep4 x tp2 and dp2 x
+    ep2 x tp2):
+    - sums a vocab table's head part in the compute dtype under every impl:
+      the head's dot reads bf16 operands (`_on_tpu`), where GSPMD on CPU and
+      GPU sums it in the logits' fp32 (`grads.part_dtypes`); in a 1F1B
+      pipeline that part accumulates in the loop, in the table's dtype;
+    - under explicit, and under shard_map where that part is in the lookup's
+      dtype, adds a tied table's lookup and head parts before one sum (XLA's
+      all-reduce reassociation; GSPMD's two stay apart, as do shard_map's
+      bf16 region sum and the fp32 lookup's)."""
     p, m = cfg.parallel, cfg.model
     if p.fsdp or p.cp > 1 or reduces_once(cfg):
         return rows
@@ -230,17 +229,18 @@ def _tpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
     # or in a pipeline the weights' outside it (GSPMD's, and shard_map's)
     role = {"gspmd": "grads_apart"}.get(impl, "grads_outside") if pipelined else "grads"
     head = m.padded_vocab // p.tp * m.d_model * (1 if pipelined else cfg.train.microbatches)
-    in_loop = pipelined and p.pp_schedule == "1f1b"  # accumulated in the table's dtype
+    in_loop = pipelined and p.pp_schedule == "1f1b"
+    booked = pd if in_loop else part_dtypes(cfg, impl, "lm_head/embedding", 1)[0]
+    summed = pd if in_loop else cd  # libtpu's
     moves: list[tuple[str, str | None]] = []  # (from dtype, to dtype; None: folded)
-    if cd != pd and impl != "shard_map" and not in_loop:
-        moves.append((pd, cd))
-    head_dt = pd if in_loop else cd if impl == "shard_map" or moves else pd
-    if m.tie_embeddings and (impl == "explicit" or (impl == "shard_map" and head_dt == pd)):
-        moves.append((head_dt, None))
+    if booked != summed:
+        moves.append((booked, summed))
+    if m.tie_embeddings and (impl == "explicit" or (impl == "shard_map" and summed == pd)):
+        moves.append((summed, None))
     out = list(rows)
+    at = lambda dt: next((i for i, r in enumerate(out) if r.role == role and r.dtype == dt
+                          and r.kind == "all-reduce" and DATA_AXIS in r.axes), None)
     for frm, to in moves:
-        at = lambda dt: next((i for i, r in enumerate(out) if r.role == role and r.dtype == dt
-                              and r.kind == "all-reduce" and DATA_AXIS in r.axes), None)
         i = at(frm)
         if i is None:
             continue
@@ -250,7 +250,7 @@ def _tpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
             j = at(to)
             if j is None:
                 out.append(dataclasses.replace(out[i], elements=head, dtype=to,
-                                               name=out[i].name + " [the head's part, bf16]"))
+                                               name=out[i].name + f" [the head's part, {to}]"))
             else:
                 out[j] = dataclasses.replace(out[j], elements=out[j].elements + head)
     return [r for r in out if r.elements]
