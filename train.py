@@ -112,6 +112,11 @@ def _layout_flags(ap) -> None:
     group.add_argument("--bf16", action="store_true",
                        help="mixed precision: bf16 compute, fp32 master weights and optimizer "
                             "state, fp32 loss/softmax (sets model.dtype=bfloat16)")
+    group.add_argument("--float64", action="store_true",
+                       help="verification mode: float64 weights, compute, softmax and sums "
+                            "under jax_enable_x64 (sets model.dtype and model.param_dtype="
+                            "float64), so two layouts' losses agree to rounding (~1e-14) "
+                            "where fp32's part at the first flipped top-k routing choice")
     group.add_argument("--scan", action="store_true", default=None,
                        help="the blocks as one scan over stacked parameters (compile time "
                             "independent of depth)")
@@ -241,7 +246,10 @@ def resolve_config(args: argparse.Namespace, base: Config | None = None) -> Conf
 
         cfg = dataclasses.replace(cfg, model=hf_model_config(args.init_from_hf))
     flags = {FLAG_KEYS[k]: getattr(args, k) for k in FLAG_KEYS}
-    flags["model.dtype"] = "bfloat16" if args.bf16 else None
+    if args.bf16 and args.float64:
+        raise ValueError("--bf16 and --float64 ask for two precisions; choose one")
+    flags["model.dtype"] = "bfloat16" if args.bf16 else "float64" if args.float64 else None
+    flags["model.param_dtype"] = "float64" if args.float64 else None
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + args.overrides
     asked = {o.split("=", 1)[0] for o in overrides}
     cfg = apply_overrides(cfg, overrides)
@@ -362,6 +370,8 @@ def start_jax(args, cfg: Config) -> str | None:
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     import jax
 
+    if cfg.model.dtype == "float64":  # before any array is made (jaxtp.model.build)
+        jax.config.update("jax_enable_x64", True)
     from jaxtp.parallel import BF16_CPU_SHARD_MAP, distributed, ensure_devices
     from jaxtp.parallel.ep import RAGGED_CPU
 

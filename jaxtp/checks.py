@@ -11,7 +11,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only: jaxtp.config imports this module
     from .config import Config, ModelConfig
 
-DTYPES = ("float32", "bfloat16", "float16")
+# float64: a verification mode (model.dtype and param_dtype both, under
+# jax_enable_x64; train.py --float64), where rounding no longer hides whether
+# two layouts compute one function
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 # how the tp collectives are placed (jaxtp.parallel.locals): by GSPMD from
 # sharding constraints, written out in shard_map, or by JAX's sharding-in-types
 # on a mesh of Explicit axes
@@ -206,6 +209,10 @@ def _check_choices(cfg: Config) -> None:
                                   PP_SCHEDULES)):
         if value not in choices:
             raise ConfigError(f"{name}={value!r}; choose one of {choices}")
+    if "float64" in (m.dtype, m.param_dtype) and m.dtype != m.param_dtype:
+        raise ConfigError(f"model.dtype={m.dtype!r} with model.param_dtype={m.param_dtype!r}: "
+                          "float64 is a verification mode of both, not a mixed precision; "
+                          "set both to float64 (--float64), or neither")
 
 
 def _check_shapes(m: ModelConfig) -> None:

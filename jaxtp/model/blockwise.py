@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ..parallel.collectives import vary, varying_axes
+from ..parallel.collectives import vary, varying_axes, wide
 
 NEG_INF = float("-inf")
 # up to this many blocks (n (n + 1) / 2 block pairs) the loops are unrolled:
@@ -25,7 +25,7 @@ UNROLL = 4
 
 def scaled(q):
     """q / sqrt(H), folded into q (one pass over q, not over the T x T scores)."""
-    return (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(q.dtype)
+    return (q.astype(wide(q)) * q.shape[-1] ** -0.5).astype(q.dtype)
 
 
 def causal(T: int, S: int, offset=0):
@@ -81,15 +81,17 @@ def _diag_mask(G: int, b: int):
     return jnp.tile(causal(b, b), (G, 1))
 
 
-def _full(likes, shape, value, dtype=jnp.float32):
-    """A constant that varies over the manual axes any of `likes` varies over:
-    inside shard_map a loop carry must keep one type, and what the loop adds
-    to it varies with the inputs (over tp, for a rank's heads)."""
-    return vary(jnp.full(shape, value, dtype), set().union(*map(varying_axes, likes)))
+def _full(likes, shape, value):
+    """A constant in the wide dtype of `likes` (`wide`) that varies over the
+    manual axes any of `likes` varies over: inside shard_map a loop carry must
+    keep one type, and what the loop adds to it varies with the inputs (over
+    tp, for a rank's heads)."""
+    return vary(jnp.full(shape, value, wide(jnp.result_type(*likes))),
+                set().union(*map(varying_axes, likes)))
 
 
 def _scores(q_BKRH, k_BKSH):
-    return jnp.einsum("BKRH,BKSH->BKRS", q_BKRH, k_BKSH, preferred_element_type=jnp.float32)
+    return jnp.einsum("BKRH,BKSH->BKRS", q_BKRH, k_BKSH, preferred_element_type=wide(q_BKRH))
 
 
 def _fold(lo, hi, visit, carry):
@@ -143,7 +145,7 @@ def _flash_fwd(q_BTKGH, k_BTKH, v_BTKH, block, d=None):
             p = jnp.exp(s - m_new[..., None])
             corr = jnp.exp(m - m_new)
             pv = jnp.einsum("BKRS,BKSH->BKRH", p.astype(v.dtype), v[j],
-                            preferred_element_type=jnp.float32)
+                            preferred_element_type=wide(v))
             return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
 
         likes = (q_i, k, v)
@@ -203,8 +205,8 @@ def _backward(block, res, do_BTKGH, dlse_BKGT=None, d=None):
     nk = k_BTKH.shape[1] // b if chunk else n
     q, k, v = _rows(scaled(q_BTKGH), b, n), _kv_blocks(k_BTKH, b, nk), _kv_blocks(v_BTKH, b, nk)
     do = _rows(do_BTKGH.astype(q_BTKGH.dtype), b, n)
-    delta = jnp.einsum("nBKRH,nBKRH->nBKR", do.astype(jnp.float32),
-                       _rows(o_BTKGH, b, n).astype(jnp.float32))
+    delta = jnp.einsum("nBKRH,nBKRH->nBKR", do.astype(wide(do)),
+                       _rows(o_BTKGH, b, n).astype(wide(do)))
     if dlse_BKGT is not None:
         delta -= dlse_BKGT.reshape(B, K, G, n, b).transpose(3, 0, 1, 2, 4).reshape(
             n, B, K, G * b)
@@ -219,13 +221,13 @@ def _backward(block, res, do_BTKGH, dlse_BKGT=None, d=None):
             if masked:
                 p = jnp.where(mask, p, 0.0)
             dv_j += jnp.einsum("BKRS,BKRH->BKSH", p.astype(do.dtype), do[i],
-                               preferred_element_type=jnp.float32)
-            dp = jnp.einsum("BKRH,BKSH->BKRS", do[i], v_j, preferred_element_type=jnp.float32)
+                               preferred_element_type=wide(do))
+            dp = jnp.einsum("BKRH,BKSH->BKRS", do[i], v_j, preferred_element_type=wide(do))
             ds = p * (dp - delta[i][..., None])
             dk_j += jnp.einsum("BKRS,BKRH->BKSH", ds.astype(q.dtype), q[i],
-                               preferred_element_type=jnp.float32)
+                               preferred_element_type=wide(do))
             dq_i = jnp.einsum("BKRS,BKSH->BKRH", ds.astype(k_j.dtype), k_j,
-                              preferred_element_type=jnp.float32)
+                              preferred_element_type=wide(do))
             return dq.at[i].add(dq_i), dk_j, dv_j
 
         zeros = _full((q, k, v, do), k_j.shape, 0.0)

@@ -38,9 +38,16 @@ def pp_gspmd(cfg) -> bool:
     return cfg.parallel.pp > 1 and cfg.parallel.impl != "shard_map"
 
 
+FLOAT64_NEEDS_X64 = ("model.dtype=float64 needs JAX's 64-bit types: call "
+                     "jax.config.update('jax_enable_x64', True) before any array is made "
+                     "(train.py does it for --float64); without it every float64 is float32")
+
+
 def build_model(cfg, layout: Layout, seed: int = 0, device=None) -> Transformer:
     """The model of `cfg` on `layout`, its attention kernel resolved for
     `device`. Call under `jax.set_mesh` or inside eval_shape."""
+    if cfg.model.dtype == "float64" and not jax.config.jax_enable_x64:
+        raise ValueError(FLOAT64_NEEDS_X64)
     cfg = resolve_attention(cfg, device)
     return Transformer(cfg.model, layout, rngs=nnx.Rngs(seed))
 

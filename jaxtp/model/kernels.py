@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ATTENTIONS
+from ..parallel.collectives import wide
 from .blockwise import NEG_INF, blockwise_attention, blockwise_chunk, causal, scaled
 
 KERNELS = ATTENTIONS  # the config owns the names
@@ -123,7 +124,7 @@ def xla_part(q_BTKGH, k_BSKH, v_BSKH, q_start, k_start):
     position, a softmax safe for rows that see nothing, o in fp32."""
     T, S = q_BTKGH.shape[1], k_BSKH.shape[1]
     s_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", scaled(q_BTKGH), k_BSKH,
-                         preferred_element_type=jnp.float32)
+                         preferred_element_type=wide(q_BTKGH))
     seen_TS = (q_start + jnp.arange(T))[:, None] >= (k_start + jnp.arange(S))[None]
     s_BKGTS = jnp.where(seen_TS, s_BKGTS, NEG_INF)
     # o and lse do not depend on the shift: no gradient through it
@@ -134,7 +135,7 @@ def xla_part(q_BTKGH, k_BSKH, v_BSKH, q_start, k_start):
     seen_BKGT = l_BKGT > 0
     l_BKGT = jnp.where(seen_BKGT, l_BKGT, 1.0)
     o = jnp.einsum("BKGTS,BSKH->BTKGH", p_BKGTS.astype(v_BSKH.dtype), v_BSKH,
-                   preferred_element_type=jnp.float32)
+                   preferred_element_type=wide(v_BSKH))
     o = o / l_BKGT.transpose(0, 3, 1, 2)[..., None]
     return o, jnp.where(seen_BKGT, m_BKGT + jnp.log(l_BKGT), NEG_INF)
 
@@ -145,7 +146,7 @@ def cached_attention(q_BTKGH, k_BSKH, v_BSKH, pos_BT):
     (later slots are empty or stale). Decoding reads the whole cache once per
     token: this is xla_attention's math with a per-row mask."""
     q = scaled(q_BTKGH)
-    s_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q, k_BSKH, preferred_element_type=jnp.float32)
+    s_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q, k_BSKH, preferred_element_type=wide(q))
     seen_BTS = jnp.arange(k_BSKH.shape[1])[None, None] <= pos_BT[..., None]
     s_BKGTS = jnp.where(seen_BTS[:, None, None], s_BKGTS, NEG_INF)
     p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1)
@@ -166,14 +167,14 @@ def xla_attention(q_BTKGH, k_BTKH, v_BTKH, return_lse: bool = False):
     mask = causal(T, T)
     if G == 1:
         s_BKTS = jnp.einsum("BTKH,BSKH->BKTS", q[:, :, :, 0], k_BTKH,
-                            preferred_element_type=jnp.float32)
+                            preferred_element_type=wide(q))
         s_BKTS = jnp.where(mask, s_BKTS, NEG_INF)
         p_BKTS = jax.nn.softmax(s_BKTS, axis=-1)
         o = jnp.einsum("BKTS,BSKH->BTKH", p_BKTS.astype(v_BTKH.dtype), v_BTKH)[:, :, :, None]
         lse = jax.nn.logsumexp(s_BKTS, axis=-1)[:, :, None] if return_lse else None
     else:
         s_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q, k_BTKH,
-                             preferred_element_type=jnp.float32)
+                             preferred_element_type=wide(q))
         s_BKGTS = jnp.where(mask, s_BKGTS, NEG_INF)
         p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1)
         o = jnp.einsum("BKGTS,BSKH->BTKGH", p_BKGTS.astype(v_BTKH.dtype), v_BTKH)

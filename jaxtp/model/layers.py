@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..parallel import Layout, first_row
+from ..parallel import Layout, first_row, wide
 from ..parallel.layout import gathered
 
 
@@ -131,7 +131,7 @@ class LayerNorm(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x):
-        xc = x.astype(jnp.float32)
+        xc = x.astype(wide(x))
         xc = xc - xc.mean(-1, keepdims=True)
         # x - mean once: written twice, autodiff gives each its own backward
         # pass: the tiny step took 1.08x the time (paired, XLA CPU, jaxlib 0.10.2)
@@ -151,7 +151,7 @@ class RMSNorm(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x):
-        x = x.astype(jnp.float32)
+        x = x.astype(wide(x))
         y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.eps)
         return (y * weight(self.scale)).astype(self.dtype)
 
@@ -166,7 +166,7 @@ def rope_inv_freq(H: int, cfg) -> jax.Array:
     """theta^(-2i/H), i < H/2, with Llama 3.1's frequency scaling when
     cfg.rope_scaling_factor > 0 (Meta's reference code / HF
     `_compute_llama3_parameters`)."""
-    inv_freq = 1.0 / cfg.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)
+    inv_freq = 1.0 / cfg.rope_theta ** (jnp.arange(0, H, 2, dtype=wide(cfg.dtype)) / H)
     if not cfg.rope_scaling_factor:
         return inv_freq
     factor, lo, hi = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
@@ -188,11 +188,11 @@ def rope(x_BTNH, positions, theta: float, inv_freq_F=None):
     """
     H = x_BTNH.shape[-1]
     if inv_freq_F is None:
-        inv_freq_F = 1.0 / theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)
-    angle = positions.astype(jnp.float32)[..., None] * inv_freq_F
+        inv_freq_F = 1.0 / theta ** (jnp.arange(0, H, 2, dtype=wide(x_BTNH)) / H)
+    angle = positions.astype(wide(x_BTNH))[..., None] * inv_freq_F
     shape = positions.shape + (1,) * (x_BTNH.ndim - 3) + (H // 2,)  # any head dims
     cos, sin = jnp.cos(angle).reshape(shape), jnp.sin(angle).reshape(shape)
-    x = x_BTNH.astype(jnp.float32)
+    x = x_BTNH.astype(wide(x_BTNH))
     x1, x2 = x[..., : H // 2], x[..., H // 2:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BTNH.dtype)

@@ -43,7 +43,7 @@ from jax.ad_checkpoint import checkpoint_name
 from ..config import ModelConfig
 from ..parallel import EP_AXIS, Layout, constrain, run_sharded, spec
 from ..parallel.layout import manual_axes
-from ..parallel.collectives import f, f_sp, g, g_sp
+from ..parallel.collectives import f, f_sp, g, g_sp, wide
 from ..parallel.ep import SLOTS_NAME, Slots, over_ep, over_tokens
 from ..parallel.ep import ragged as ragged_rows
 from .layers import gelu, init_std_out, param, weight
@@ -75,7 +75,7 @@ def route(logits_GTE, k: int, norm_topk: bool = True):
     lower expert id first, as `lax.top_k`). By k argmaxes, not `lax.top_k`,
     which GSPMD partitions by gathering its operand whole (measured on jax
     0.10.2: the router's [B, T, E] all-gathered over ep in every layer)."""
-    probs_GTE = jax.nn.softmax(logits_GTE.astype(jnp.float32), axis=-1)
+    probs_GTE = jax.nn.softmax(logits_GTE.astype(wide(logits_GTE)), axis=-1)
     picked, left = [], probs_GTE
     for _ in range(k):
         e_GT = jnp.argmax(left, -1).astype(jnp.int32)
@@ -88,7 +88,7 @@ def route(logits_GTE, k: int, norm_topk: bool = True):
     return weights_GTk, experts_GTk, probs_GTE
 
 
-def dispatch(experts_GTk, E: int, C: int):
+def dispatch(experts_GTk, E: int, C: int, dtype=jnp.float32):
     """(dispatch [G, T, E, C] 0/1, kept [G, T, k] bool): assignment (t, j)
     takes slot p of expert experts[t, j], p the number of assignments to that
     expert before it in router order (choice j = 0 of every token, then
@@ -101,15 +101,15 @@ def dispatch(experts_GTk, E: int, C: int):
     kept_GTk = slot_GTk < C
     # one-hot over (expert, slot) of each kept assignment, summed over choices
     # (a token's k experts differ, so no two of its assignments share a cell)
-    cell = jax.nn.one_hot(experts_GTk, E, dtype=jnp.float32)[..., None] * \
-        jax.nn.one_hot(jnp.where(kept_GTk, slot_GTk, C), C, dtype=jnp.float32)[..., None, :]
+    cell = jax.nn.one_hot(experts_GTk, E, dtype=dtype)[..., None] * \
+        jax.nn.one_hot(jnp.where(kept_GTk, slot_GTk, C), C, dtype=dtype)[..., None, :]
     return cell.sum(2), kept_GTk
 
 
 def combine(experts_GTk, weights_GTk, kept_GTk, E: int, C: int, dispatch_GTEC):
     """The combine tensor [G, T, E, C]: each kept assignment's cell holds its
     routing weight."""
-    w_GTE = jnp.sum(jax.nn.one_hot(experts_GTk, E, dtype=jnp.float32)
+    w_GTE = jnp.sum(jax.nn.one_hot(experts_GTk, E, dtype=weights_GTk.dtype)
                     * jnp.where(kept_GTk, weights_GTk, 0.0)[..., None], 2)
     return dispatch_GTEC * w_GTE[..., None]
 
@@ -121,14 +121,15 @@ def balance_loss(probs_GTE, experts_GTk, mean: Callable = lambda x: x) -> jax.Ar
     partitioner's)."""
     E, k = probs_GTE.shape[-1], experts_GTk.shape[-1]
     tokens = probs_GTE.shape[0] * probs_GTE.shape[1]
-    f_E = mean(jnp.sum(jax.nn.one_hot(experts_GTk, E, dtype=jnp.float32), (0, 1, 2)) / tokens)
+    f_E = mean(jnp.sum(jax.nn.one_hot(experts_GTk, E, dtype=probs_GTE.dtype), (0, 1, 2))
+               / tokens)
     P_E = mean(jnp.sum(probs_GTE, (0, 1)) / tokens)
     return E / k * jnp.sum(f_E * P_E)
 
 
 def z_loss(logits_GTE, mean: Callable = lambda x: x) -> jax.Array:
     """ST-MoE's router z-loss: mean over tokens of logsumexp(logits)^2."""
-    return mean(jnp.mean(jax.nn.logsumexp(logits_GTE.astype(jnp.float32), axis=-1) ** 2))
+    return mean(jnp.mean(jax.nn.logsumexp(logits_GTE.astype(wide(logits_GTE)), axis=-1) ** 2))
 
 
 def moe(x_GTD, logits_GTE, experts: Callable, *, k: int, factor: float,
@@ -157,7 +158,7 @@ def moe(x_GTD, logits_GTE, experts: Callable, *, k: int, factor: float,
                              "not 0")
         y_GTD, kept_GTk = ragged(x_GTD, experts_GTk, weights_GTk), True
     else:
-        d_GTEC, kept_GTk = map(pin, dispatch(experts_GTk, E, C))
+        d_GTEC, kept_GTk = map(pin, dispatch(experts_GTk, E, C, probs_GTE.dtype))
         c_GTEC = pin(combine(experts_GTk, weights_GTk, kept_GTk, E, C, d_GTEC))
         x_EGCD = jnp.einsum("GTEC,GTD->EGCD", d_GTEC.astype(x_GTD.dtype), x_GTD)
         y_EGCD = place(experts(place(x_EGCD, True)), False)
@@ -165,14 +166,14 @@ def moe(x_GTD, logits_GTE, experts: Callable, *, k: int, factor: float,
     losses = jnp.stack([balance_loss(probs_GTE, experts_GTk, mean), z_loss(logits_GTE, mean)])
     if not monitor:  # (training: only what the loss reads, so the step computes no more)
         return y_GTD.astype(x_GTD.dtype), losses
-    dropped = 1.0 - mean(jnp.mean(jnp.asarray(kept_GTk, jnp.float32)))
+    dropped = 1.0 - mean(jnp.mean(jnp.asarray(kept_GTk, losses.dtype)))
     return y_GTD.astype(x_GTD.dtype), jnp.concatenate([losses, dropped[None],
-                                                       mean(load(experts_GTk, E))])
+                                                       mean(load(experts_GTk, E, losses.dtype))])
 
 
-def load(experts_GTk, E: int) -> jax.Array:
+def load(experts_GTk, E: int, dtype=jnp.float32) -> jax.Array:
     """The share of the assignments each expert gets [E] (before capacity)."""
-    return jnp.mean(jax.nn.one_hot(experts_GTk, E, dtype=jnp.float32), (0, 1, 2))
+    return jnp.mean(jax.nn.one_hot(experts_GTk, E, dtype=dtype), (0, 1, 2))
 
 
 class Experts(nnx.Module):
@@ -331,8 +332,8 @@ class MoE(nnx.Module):
             # split over cp, and tp under SP, in that order: a reshape moves
             # nothing)
             x_GSD = self._groups(x_BTD)
-            logits_GSE = jnp.einsum("GSD,DE->GSE", x_GSD.astype(jnp.float32),
-                                    weight(self.router, jnp.float32))
+            logits_GSE = jnp.einsum("GSD,DE->GSE", x_GSD.astype(wide(x_GSD)),
+                                    weight(self.router, wide(x_GSD)))
             y_GSD, stats = moe(x_GSD, logits_GSE, self.experts, k=self.k, factor=self.factor,
                                norm_topk=self.norm, place=self._place,
                                pin=functools.partial(_pin_groups, slots=self.slots),

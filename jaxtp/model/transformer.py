@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from ..config import REMATS, ModelConfig
-from ..parallel import PP_AXIS, Layout, constrain, vary
+from ..parallel import PP_AXIS, Layout, constrain, vary, wide
 from ..parallel.context import KV_NAME as CP_KV
 from ..parallel.ep import SLOTS_NAME as EP_SLOTS
 from ..parallel.pipeline import pipeline
@@ -133,12 +133,12 @@ class Transformer(nnx.Module):
         L = self.cfg.n_layers
         keys = (None if dropout_key is None else jax.random.split(dropout_key, L + 1))
         x_BTD = self._embed(tokens_BT, None if keys is None else keys[0])
-        stats = jnp.zeros(n_stats(self.cfg.n_experts, self.monitor), jnp.float32)
+        stats = jnp.zeros(n_stats(self.cfg.n_experts, self.monitor), wide(self.cfg.dtype))
         if self.layout.pp > 1 and self.cfg.n_experts:  # (every block MoE: `jaxtp.checks`)
             n = stats.shape[0]
             x_BTD, stats = pipeline(
                 lambda blocks, x: self._run_stack(blocks, x, None,
-                                                  vary(jnp.zeros(n, jnp.float32), {PP_AXIS})),
+                                                  vary(jnp.zeros(n, stats.dtype), {PP_AXIS})),
                 self.blocks, x_BTD, self.layout, n_stats=n)
         elif self.layout.pp > 1:  # (1f1b's forward alone is gpipe's)
             x_BTD = pipeline(lambda blocks, x: self._run_stack(blocks, x, None), self.blocks,
@@ -232,12 +232,12 @@ class Transformer(nnx.Module):
             # MoE: each stage's router statistics weighted into the loss in
             # the schedule, per microbatch (as `hidden_and_stats`'s pipeline)
             n = n_stats(self.cfg.n_experts, self.monitor) if self.cfg.n_experts else 0
-            weights = np.zeros(n, np.float32)
+            weights = np.zeros(n, wide(self.cfg.dtype))
             if n:
                 weights[:2] = self.cfg.moe_balance_coef, self.cfg.moe_z_coef
             return pipeline_1f1b(
                 lambda blocks, x: self._run_stack(
-                    blocks, x, None, vary(jnp.zeros(n, jnp.float32), {PP_AXIS}) if n else None),
+                    blocks, x, None, vary(jnp.zeros(n, weights.dtype), {PP_AXIS}) if n else None),
                 lambda mods, y, t: mods[1].token_losses(mods[0](y), t).sum(), self.blocks,
                 nnx.List([self.ln_f, self.head]), self._embed(tokens_BT, None), targets_BT,
                 self.layout, weights if n else None)

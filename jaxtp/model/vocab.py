@@ -26,7 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .. import parallel
 from ..config import ModelConfig
-from ..parallel import Layout, constrain
+from ..parallel import Layout, constrain, wide
 from .layers import param, weight
 
 NEG = jnp.finfo(jnp.float32).min
@@ -136,7 +136,7 @@ class VocabEmbed(nnx.Module):
         logits_BTV = local.project(
             x_BTD, lambda x, out_sharding=None: jnp.einsum(
                 "BTD,VD->BTV", x.astype(self.dtype), table_VD,
-                preferred_element_type=jnp.float32, out_sharding=out_sharding), ("vocab",))
+                preferred_element_type=wide(self.dtype), out_sharding=out_sharding), ("vocab",))
         logits_BTV = local.constrain(logits_BTV, "batch", "seq", "vocab")
         ids_V = local.vocab_start(logits_BTV.shape[-1]) + jnp.arange(logits_BTV.shape[-1])
         logits_BTV = jnp.where(ids_V < self.vocab_size, logits_BTV, NEG)
@@ -169,8 +169,8 @@ class VocabEmbed(nnx.Module):
         max(top_k, 256) most likely tokens overall (each shard's best c,
         gathered, then the best c of those: the same set at every tp), so
         top-p is exact when its set has at most c tokens, else cut at c."""
-        logits_BV = jnp.einsum("BD,VD->BV", x_BD.astype(jnp.float32),
-                               weight(self.embedding).astype(jnp.float32))
+        logits_BV = jnp.einsum("BD,VD->BV", x_BD.astype(wide(self.dtype)),
+                               weight(self.embedding).astype(wide(self.dtype)))
         logits_BV = local.constrain(logits_BV, "batch", "vocab")
         ids_V = local.vocab_start(logits_BV.shape[-1]) + jnp.arange(logits_BV.shape[-1])
         logits_BV = jnp.where(ids_V < self.vocab_size, logits_BV, NEG)
@@ -204,6 +204,6 @@ class VocabEmbed(nnx.Module):
         x whole along T (under SP gathered), the vocab gathered before the
         padding is cut (impl explicit types both moves; GSPMD needs them too)."""
         x_BTD = parallel.constrain(x_BTD, "batch", "seq", "embed")
-        logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD.astype(jnp.float32),
-                                weight(self.embedding).astype(jnp.float32))
+        logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD.astype(wide(self.dtype)),
+                                weight(self.embedding).astype(wide(self.dtype)))
         return parallel.constrain(logits_BTV, "batch", "seq", None)[..., : self.vocab_size]

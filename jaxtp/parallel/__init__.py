@@ -3,7 +3,7 @@
 its microbatches (the `Schedule`), Megatron's f and g, one `Local` per impl,
 context parallelism's attention core, multi-process start-up."""
 
-from .collectives import f, f_sp, g, g_sp, global_norm, vary
+from .collectives import f, f_sp, g, g_sp, global_norm, vary, wide
 from .layout import (CP_AXIS, DATA_AXIS, EP_AXIS, FSDP_PARAM_RULES, PP_AXIS, RULES, TP_AXIS, Layout,
                      cache_spec, check_device_count, constrain, cp_order, first_row,
                      in_region, keep_axes, make_mesh, mesh_for, mesh_size, named, spec,
@@ -17,7 +17,7 @@ from .shardmap import BF16_CPU_SHARD_MAP, Ring, ShardMap, act_spec, run_sharded
 from .locals import (LOCALS, Local, cached_region, embed, local_of, region, vocab_losses,
                      vocab_sample)
 
-__all__ = ["f", "f_sp", "g", "g_sp", "global_norm", "vary", "CP_AXIS", "DATA_AXIS", "EP_AXIS",
+__all__ = ["f", "f_sp", "g", "g_sp", "global_norm", "vary", "wide", "CP_AXIS", "DATA_AXIS", "EP_AXIS",
            "FSDP_PARAM_RULES", "PP_AXIS", "RULES", "TP_AXIS", "Layout", "Schedule", "batch_shape",
            "batch_sharding", "cache_spec", "check_device_count", "constrain", "cp_batch",
            "cp_order", "ensure_devices", "first_row", "in_region", "inputs_targets",

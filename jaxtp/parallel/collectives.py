@@ -98,6 +98,14 @@ def vary(x, axes):
     return jax.lax.pcast(x, invariant, to="varying") if invariant else x
 
 
+def wide(dtype) -> jnp.dtype:
+    """The dtype a softmax, a norm or a sum is computed in: float32, or the
+    input's where it is wider (float64: a verification run, `train.py
+    --float64`, which turns on jax_enable_x64). `dtype`: a dtype or an
+    array."""
+    return jnp.promote_types(getattr(dtype, "dtype", dtype), jnp.float32)
+
+
 def rank():
     """This shard's index on the tp axis (only inside shard_map)."""
     return jax.lax.axis_index(TP_AXIS)
@@ -125,10 +133,10 @@ def global_norm(grads, specs):
     in_specs = tuple(keep_axes(s, axes) for s in spec_leaves)
 
     def local(*leaves):
-        total = jnp.float32(0)
+        total = jnp.zeros((), wide(jnp.result_type(*leaves)))
         for x, s in zip(leaves, split):
             weight = math.prod(size[a] for a in axes if a not in s)
-            total += jnp.sum(jnp.square(x.astype(jnp.float32))) / weight
+            total += jnp.sum(jnp.square(x.astype(total.dtype))) / weight
         return jnp.sqrt(jax.lax.psum(total, axes))
 
     return jax.shard_map(local, in_specs=in_specs, out_specs=P(), axis_names=set(axes),

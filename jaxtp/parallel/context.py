@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from .collectives import vary, varying_axes
+from .collectives import vary, varying_axes, wide
 from .layout import CP_AXIS, Layout, spec
 
 NEG_INF = float("-inf")
@@ -134,8 +134,8 @@ def _part(core, q_BTKGH, kv_BSCKH, q_start, k_start):
     axes = varying_axes(q_BTKGH) | varying_axes(kv_BSCKH)
 
     def skip():
-        return (vary(jnp.zeros(q_BTKGH.shape, jnp.float32), axes),
-                vary(jnp.full((B, K, G, T), NEG_INF, jnp.float32), axes))
+        return (vary(jnp.zeros(q_BTKGH.shape, wide(q_BTKGH)), axes),
+                vary(jnp.full((B, K, G, T), NEG_INF, wide(q_BTKGH)), axes))
 
     def run():
         o, lse = core.part(q_BTKGH, k, v, q_start, k_start)

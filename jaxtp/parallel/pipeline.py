@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from .collectives import vary
+from .collectives import vary, wide
 from .layout import (CP_AXIS, DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS, Layout, constrain, keep_axes, spec,
                      spec_axes)
 
@@ -143,7 +143,7 @@ def _gpipe(run: Callable, xs_in_MbTD, p: int, v: int = 1, n_stats: int = 0):
         return (held_bTD, out_MbTD, stats, *([xs_MbTD] if v > 1 else [])), None
 
     start = (jnp.zeros_like(xs_in_MbTD[0]), jnp.zeros_like(xs_in_MbTD),
-             vary(jnp.zeros(n_stats, jnp.float32), {PP_AXIS}),
+             vary(jnp.zeros(n_stats, wide(xs_in_MbTD)), {PP_AXIS}),
              *([xs_in_MbTD] if v > 1 else []))
     _, out_MbTD, stats, *_ = jax.lax.scan(tick, start, jnp.arange(v * M + p - 1))[0]
     return out_MbTD, stats

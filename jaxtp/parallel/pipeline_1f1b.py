@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from .collectives import vary, varying_axes
+from .collectives import vary, varying_axes, wide
 from .layout import EP_AXIS, PP_AXIS, Layout, constrain, keep_axes, spec
 from .pipeline import BATCH_SPLIT, _enter, _from_last_stage, _is_spec, _manual, _to_first_stage
 
@@ -179,9 +179,9 @@ def _ticks(run, head_loss, w, h, xs_MbTD, ts_MbT, ops, mbs, p, vary_all, router=
     r = jax.lax.axis_index(PP_AXIS)
     OPS, MBS = jnp.asarray(ops), jnp.asarray(mbs)
     b_shape = xs_MbTD.shape[1:]
-    zeros_w = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), w)
-    zeros_h = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), h)
-    add = lambda acc, g: jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
+    zeros_w = jax.tree.map(lambda a: jnp.zeros(a.shape, wide(a)), w)
+    zeros_h = jax.tree.map(lambda a: jnp.zeros(a.shape, wide(a)), h)
+    add = lambda acc, g: jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
 
     def tick(carry, s):
         stash, fbox, bbox, loss, dw, dh, dxs = carry
@@ -221,7 +221,7 @@ def _ticks(run, head_loss, w, h, xs_MbTD, ts_MbT, ops, mbs, p, vary_all, router=
     # shard_map the stream stays invariant over tp, as Megatron's f wants)
     like = lambda a, ref: vary(a, varying_axes(ref) | {PP_AXIS})
     box = like(jnp.zeros((p, *b_shape), xs_MbTD.dtype), xs_MbTD)
-    start = (box, box, box, vary_all(jnp.float32(0)),
+    start = (box, box, box, vary_all(jnp.zeros((), wide(xs_MbTD))),
              jax.tree.map(like, zeros_w, w), jax.tree.map(like, zeros_h, h),
              like(jnp.zeros_like(xs_MbTD), xs_MbTD))
     (_, _, _, loss, dw, dh, dxs), _ = jax.lax.scan(tick, start, jnp.arange(len(ops)))

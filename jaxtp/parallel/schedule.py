@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from .collectives import wide
 from .layout import DATA_AXIS, Layout, constrain, explicit_mesh, keep_axes
 
 MODES = ("whole", "sequential", "over_dp", "pipeline")
@@ -124,7 +125,7 @@ def _is_spec(x) -> bool:
 
 
 def _accumulate(value_and_grad, params, tokens_BT1, key, microbatches: int):
-    """The slices' (mean loss, mean gradient), summed in fp32 by a scan.
+    """The slices' (mean loss, mean gradient), summed in fp32 (`wide`) by a scan.
 
     Slice m holds rows m, M+m, 2M+m, ...: reshaping [B] -> [B/M, M] keeps
     each dp rank's rows on that rank (the dp split is on the leading B/M), so
@@ -135,18 +136,19 @@ def _accumulate(value_and_grad, params, tokens_BT1, key, microbatches: int):
                            "batch", None, *tail)
     tokens_MBT = constrain(jnp.moveaxis(tokens_MBT, 1, 0), None, "batch", *tail)
     # zeros_like: typed like each parameter (its sharding, under impl explicit)
-    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
+    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, wide(p)), params)
 
     def body(carry, xs):
         loss_sum, grad_sum = carry
         m, tokens = xs
         loss, grads = value_and_grad(params, tokens,
                                      None if key is None else jax.random.fold_in(key, m))
-        grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
+        grad_sum = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_sum, grads)
         return (loss_sum + loss, grad_sum), None
 
     (loss_sum, grad_sum), _ = jax.lax.scan(
-        body, (jnp.float32(0), zeros), (jnp.arange(microbatches), tokens_MBT))
+        body, (jnp.zeros((), wide(jnp.result_type(*jax.tree.leaves(params)))), zeros),
+        (jnp.arange(microbatches), tokens_MBT))
     grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grad_sum, params)
     return loss_sum / microbatches, grads
 

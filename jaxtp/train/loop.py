@@ -55,7 +55,7 @@ from flax import nnx
 from ..config import Config
 from ..model.build import abstract_model
 from ..model.moe import STATS
-from ..parallel import Layout, batch_shape, batch_sharding
+from ..parallel import Layout, batch_shape, batch_sharding, wide
 from ..parallel.distributed import any_process
 from .checkpoint import Checkpointer, SaveFailed, nbytes
 from .data import to_mesh
@@ -172,7 +172,7 @@ class _Loop:
         self.n_params = count_params(state.params)
         for line in describe(cfg, self.n_params, data) + config_warnings(cfg):
             log(line)
-        self.loop = LoopState.start(t.seed, mesh, run.loop)
+        self.loop = LoopState.start(t.seed, mesh, run.loop, wide(m.dtype))
         self.step_fn, self.record = self._compile(state, o.inject_nan_at)
         self.eval_step = make_eval_step(state)
         self.router_stats = make_router_stats(state) if m.n_experts else None

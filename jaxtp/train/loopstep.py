@@ -56,14 +56,16 @@ class LoopState:
     key: Any
 
     @classmethod
-    def start(cls, seed: int, mesh: Mesh, saved: dict | None = None) -> "LoopState":
+    def start(cls, seed: int, mesh: Mesh, saved: dict | None = None,
+              dtype=np.float32) -> "LoopState":
         """A fresh run's state, or the one `to_json` saved, replicated on `mesh`
         (built by a jitted function: in a multi-process run no process can
-        place an array on the others' devices)."""
+        place an array on the others' devices). `dtype`: the losses' (the
+        model's `wide` dtype: float64 in a float64 run)."""
         saved = saved or {}
         host = {k: np.int32(saved.get(k, 0)) for k in _LOOP_INTS}
-        host |= {k: np.float32(saved.get(k, 0.0)) for k in _LOOP_FLOATS}
-        host["recent"] = np.asarray(saved.get("recent", [0.0] * SPIKE_WINDOW), np.float32)
+        host |= {k: np.asarray(saved.get(k, 0.0), dtype) for k in _LOOP_FLOATS}
+        host["recent"] = np.asarray(saved.get("recent", [0.0] * SPIKE_WINDOW), dtype)
         build = lambda h: cls(**h, key=jax.random.key(seed))
         return jax.jit(build, out_shardings=NamedSharding(mesh, P()))(host)
 
