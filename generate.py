@@ -139,7 +139,12 @@ def load(args):
     from jaxtp.parallel import ensure_devices
     from jaxtp.train.rundir import RunDir
 
-    tp = args.tp or (1 if args.hf else RunDir(args.run).config().parallel.tp)
+    cfg = None if args.hf else RunDir(args.run).config()
+    tp = args.tp or (1 if args.hf else cfg.parallel.tp)
+    if cfg is not None and cfg.model.dtype == "float64":  # a --float64 run's weights
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
     print(ensure_devices(tp), file=sys.stderr)
     if args.hf:
         return from_hf(args.hf, tp, args.impl or "gspmd", args.attention,

@@ -41,7 +41,7 @@ from .dp import expected_fsdp
 from .ep import expected_moe
 from .grads import expected_grads
 from .overlap_rows import ring_regions, windowed_head, windowed_regions
-from .rows import HLO_DTYPES, Expected, per_step, schedule_of
+from .rows import HLO_DTYPES, Expected, per_step, schedule_of, widened
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,13 +110,14 @@ def expected_collectives(cfg: Config, impl: str, platform: str = "",
     loops form under GSPMD's overlap (default: `xla_overlap.forms` for the
     platform, a GPU's compiled deviceless)."""
     if cfg.model.n_experts:  # the dense budget at dp x ep, and the MoE layers' rows
-        return expected_moe(cfg, impl, platform, functools.partial(
-            expected_collectives, forms=forms))
+        return widened(expected_moe(cfg, impl, platform, functools.partial(
+            expected_collectives, forms=forms)), cfg.model.dtype)
     forms = xla_overlap.forms(cfg, platform, deviceless=True) if forms is None else forms
     rows = per_step(_expected_tp(cfg, impl, forms) + expected_grads(cfg, impl)
                     + expected_fsdp(cfg, impl) + expected_cp(cfg, impl) + expected_pp(cfg),
                     schedule_of(cfg))
-    return on_backend(rows, cfg, impl, platform) if platform else rows
+    return widened(on_backend(rows, cfg, impl, platform) if platform else rows,
+                   cfg.model.dtype)
 
 
 def _expected_tp(cfg: Config, impl: str, forms: xla_overlap.Forms) -> list[Expected]:

@@ -38,7 +38,7 @@ from ..config import INFERENCE_IMPLS, Config
 from ..generate import Generator
 from ..parallel import cache_spec, make_mesh, spec
 from ..model.build import abstract_model
-from .rows import HLO_DTYPES, Expected, check, format_table
+from .rows import HLO_DTYPES, Expected, check, format_table, widened
 
 
 def decode_budget(cfg: Config, batch: int, impl: str) -> list[Expected]:
@@ -51,18 +51,18 @@ def decode_budget(cfg: Config, batch: int, impl: str) -> list[Expected]:
             Expected("attention: g", "all-reduce", "other", "attention", act, dt, tp, L),
             *_mlp_g(cfg, act, dt)]
     if impl == "shard_map":
-        return rows + [
+        return widened(rows + [
             Expected("sample: max of the shards' best", "all-reduce", "other", "sample", batch,
                      "f32", tp, 1),
             Expected("sample: min of the ids holding it", "all-reduce", "other", "sample",
-                     batch, "s32", tp, 1)]
-    return rows + [
+                     batch, "s32", tp, 1)], m.dtype)
+    return widened(rows + [
         Expected("sample: each shard's best score", "all-gather", "other", "sample",
                  batch * tp, "f32", tp, 1),
         Expected("sample: each shard's best position", "all-gather", "other", "sample",
                  batch * tp, "s32", tp, 1),
         Expected("sample: the chosen shard's position", "all-reduce", "other",
-                 "sample/take_along_axis", batch, "s32", tp, 1)]
+                 "sample/take_along_axis", batch, "s32", tp, 1)], m.dtype)
 
 
 def _mlp_g(cfg: Config, act: int, dt: str) -> list[Expected]:

@@ -10,8 +10,8 @@ What it cannot see, or prices by another model, is named, each with its bytes
   bias and position gradients summed over dp, or under SP over tp; FSDP's
   gathers and reduce-scatters of those parameters): no collective in the
   jaxpr, so the budget's rows with `written=False`;
-- a max over tp (the loss's running max, `pmax`): priced as one scalar,
-  4 B * (n-1), whatever its size;
+- a max over tp (the loss's running max, `pmax`): priced as one scalar
+  of its dtype, itemsize * (n-1), whatever its size;
 - a sum over dp and tp at once: booked to each axis by its two-phase model
   (half the buffer per phase), 7/8 of the buffer on each at dp=2 x tp=4 for
   the ledger's 2(n-1)/n on dp+tp;
@@ -94,8 +94,8 @@ def _roofline_price(e: Expected, sizes: dict[str, int]) -> dict[str, float]:
     """What the roofline books for one budget row, per axis, where its model
     differs from the ledger's ring (see the module docstring)."""
     if e.role_label == "cross-entropy":  # max, sum of exp, target logit: the max a scalar
-        n = sizes["tp"]
-        return {"tp": e.count * (2 / 3 * e.ring_bytes + 4 * (n - 1) / 3)}
+        n, scalar = sizes["tp"], e.bytes // e.elements
+        return {"tp": e.count * (2 / 3 * e.ring_bytes + scalar * (n - 1) / 3)}
     if e.kind == "collective-permute" and sizes[e.axes[0]] == 2:  # both pairs on one link
         return {e.axes[0]: e.count * 2 * e.ring_bytes}
     if e.kind == "ragged-all-to-all":  # (no roofline rule in jax 0.10.2: it books 0)

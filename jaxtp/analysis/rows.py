@@ -12,7 +12,7 @@ from collections import Counter
 from .. import hlo
 from ..parallel import TP_AXIS, Layout, Schedule
 
-HLO_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+HLO_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
 ANY_SCOPE = "(any)"  # a budget row matched by total elements, whatever the scopes
 ANY_PASS = "forward or backward"  # an any-scope row whose collectives may be in either pass
 
@@ -73,6 +73,16 @@ class Expected:
 
 
 PER = ("layer", "microbatch", "step")
+
+
+def widened(rows: list[Expected], dtype: str) -> list[Expected]:
+    """`rows` for a model of compute `dtype`: under float64 (a verification
+    run, `train.py --float64`) the rows booked in fp32, the wide dtype of the
+    softmaxes, norms and sums (`jaxtp.parallel.wide`), are float64; else
+    `rows` as they are."""
+    if dtype != "float64":
+        return rows
+    return [dataclasses.replace(r, dtype="f64") if r.dtype == "f32" else r for r in rows]
 
 
 def per_step(rows: list[Expected], schedule: Schedule) -> list[Expected]:
