@@ -183,7 +183,8 @@ class _Loop:
                                        flops_per_token=model_flops_per_token(cfg, self.n_params),
                                        devices=mesh.size, peak=peak)
         self.params, self.opt_state = state.params, state.opt_state
-        self.check = ReplayCheck(cfg, self.params, lr_schedule(t)) if o.check else None
+        self.check = (ReplayCheck(cfg, self.params, lr_schedule(t, wide(m.dtype)))
+                      if o.check else None)
         self.sampler = None
         if t.sample_every:
             self.sampler = LoopSampler(cfg, mesh, list(map(int, self.eval_set[0][0][:16])), out)

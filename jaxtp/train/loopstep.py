@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..config import Config, TrainConfig
-from ..parallel import batch_sharding
+from ..parallel import batch_sharding, wide
 from .optim import lr_schedule
 from .state import TrainState
 from .step import step_fn
@@ -97,7 +97,7 @@ def make_loop_step(state: TrainState, cfg: Config, inject_nan_at=()) -> Callable
     """
     t, m = cfg.train, cfg.model
     core = step_fn(state, m.dropout > 0)
-    schedule = lr_schedule(t)
+    schedule = lr_schedule(t, wide(m.dtype))
     nan_steps = np.asarray(sorted(inject_nan_at) or [-1], np.int32)
 
     def step(params, opt_state, loop: LoopState, tokens_BT1):

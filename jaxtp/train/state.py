@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ..config import Config
 from ..model import reorder_layers
 from ..model.build import abstract_model, build_model, resolve_attention
-from ..parallel import Layout, Schedule, compiler_options, mesh_for
+from ..parallel import Layout, Schedule, compiler_options, mesh_for, wide
 from .optim import make_optimizer
 
 
@@ -76,7 +76,7 @@ def init_params(cfg: Config, mesh: Mesh, layout: Layout | None = None):
 
 def _state(cfg: Config, layout: Layout, mesh: Mesh, graphdef, params,
            param_shardings) -> TrainState:
-    tx = make_optimizer(cfg.train)
+    tx = make_optimizer(cfg.train, wide(cfg.model.dtype))
     abstract = isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct)
     # placed parameters: under this mesh, whatever mesh the caller is under
     # (the single-device check runs inside the loop's); abstract ones may be
