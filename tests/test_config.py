@@ -127,6 +127,8 @@ def test_overrides_are_typed():
     (["parallel.tp=0"], r"parallel.tp=0 must be positive"),
     (["model.dropout=1.5"], r"model.dropout=1.5 must be in \[0, 1\)"),
     (["model.dtype=float8"], r"model.dtype='float8'; choose one of"),
+    (["model.dtype=float64"], r"model.dtype='float64' with model.param_dtype='float32': "
+     r"float64 is a verification mode of both, not a mixed precision"),
     (["train.grad_clip=nan"], r"train.grad_clip=nan must be finite and >= 0"),
     (["train.weight_decay=inf"], r"train.weight_decay=inf must be finite"),
     (["train.b2=1.0"], r"train.b2=1.0 must be in \[0, 1\)"),
@@ -229,6 +231,7 @@ def test_ring_attention_is_refused_where_it_was_asked_for_at_cp_1():
     (["--tp", "8", "--dp", "2"], "16 devices requested but this machine has 8 cpu device"),
     (["--tp", "2", "--until", "0"], "--until 0: the step to stop after must be >= 1"),
     (["--tp", "2", "--inject-nan-at", "3,x"], "expected step numbers like 3 or 3,7"),
+    (["--bf16", "--float64"], "--bf16 and --float64 ask for two precisions; choose one"),
     (["--tp", "2", "--resume"], "--resume needs --out"),
     (["--resume", "--plan", "--out", "x"], "--plan and --compare-hlo do not train"),
     (["--tp", "2", "--peak-tflops", "-5"], "'-5': expected a positive float"),
@@ -303,3 +306,16 @@ def test_a_wheel_install_has_its_presets(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "step     2/2" in r.stdout
     assert json.loads((elsewhere / "run" / "config.json").read_text())["model"]["style"] == "llama"
+
+
+def test_a_float64_model_is_refused_without_jax_64_bit_types():
+    """Without jax_enable_x64 every float64 is float32: a float64 model would
+    silently be an fp32 one; refused, naming the switch (train.py sets it)."""
+    from jaxtp.model.build import abstract_model
+    from jaxtp.parallel import make_mesh
+
+    cfg = validate(apply_overrides(Config(), ["model.dtype=float64",
+                                              "model.param_dtype=float64"]))
+    with pytest.raises(ValueError, match=r"needs JAX's 64-bit types: call jax.config.update\("
+                       r"'jax_enable_x64', True\) .*\(train.py does it for --float64\)"):
+        abstract_model(cfg, make_mesh(1, 1))

@@ -230,6 +230,34 @@ def test_ep_with_microbatches_sends_each_slices_slots(impl):
     assert moved(colls) == moved(whole) and count(colls) == 2 * count(whole)
 
 
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+def test_a_float64_step_holds_its_ledger_in_float64(impl):
+    """--float64 (the verification mode): the same ledger with every row in
+    f64, those booked in the model's dtype and those in fp32 (the router's
+    statistics, the loss's mean and vocab-parallel reductions, the gradient
+    norm: `jaxtp.parallel.wide`); no collective of the step is left in f32."""
+    with jax.enable_x64(True):
+        cfg = validate(Config(dataclasses.replace(MOE, capacity_factor=1.0, dtype="float64",
+                                                  param_dtype="float64"),
+                              TrainConfig(batch_size=B),
+                              ParallelConfig(dp=2, ep=2, tp=2, impl=impl)))
+        layout = Layout.of(cfg)
+        step = compile_train_step(abstract_train_state(cfg, layout.mesh()), B, MOE.seq_len)
+        rows = expected_collectives(cfg, impl, "cpu")
+        fp32 = expected_collectives(dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, dtype="float32", param_dtype="float32")), impl, "cpu")
+    colls = hlo.collectives(step.as_text())
+    assert check(colls, rows, layout.sizes) is None
+    assert {c.dtype for c in colls} == {"f64"}
+    # the fp32 ledger's rows, each carried over (some of them fp32 there)
+    assert [(r.name, r.elements, r.count) for r in fp32] == [
+        (r.name, r.elements, r.count) for r in rows]
+    assert "f32" in {r.dtype for r in fp32} and {r.dtype for r in rows} == {"f64"}
+
+
+test_a_float64_step_holds_its_ledger_in_float64.fast_cases = set()
+
+
 @pytest.mark.slow
 def test_compare_hlo_of_moe_tiny_at_ep4_tp2(tmp_path, capsys):
     """The command line: gspmd, shard_map and explicit match, and the

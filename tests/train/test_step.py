@@ -167,3 +167,23 @@ def test_loop_step_keeps_the_host_bookkeeping_on_device():
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # 9 and 10 in a row stop the run; steps 11 and 12 ran as no-ops
     assert stop_at == 10 and got["skip_step"] == 10 and got["applied"] == 7
+
+
+def test_a_float64_run_schedules_its_lr_in_float64():
+    """--float64's schedule: optax's warmup is float32 whatever its inputs,
+    so the float64 schedule is its own; it must be optax's function (to
+    float32's rounding: its warmup subtracts nearly equal numbers) at every
+    step, warmup, peak, decay and floor, in float64 (step 1 of a 30-step
+    warmup to 3e-3 is 1e-4 to float64's rounding, ~1e-6 off in optax's)."""
+    from jaxtp.train.optim import lr_schedule
+
+    t = TrainConfig(lr=3e-3, warmup_steps=30, steps=40, min_lr_ratio=0.1)
+    with jax.enable_x64(True):
+        f64 = lr_schedule(t, np.float64)
+        got = np.array([f64(np.int32(n)) for n in range(45)])
+        assert f64(np.int32(1)).dtype == np.float64
+    f32 = lr_schedule(t)
+    want = np.array([f32(np.int32(n)) for n in range(45)], np.float64)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=0)
+    assert got[1] == pytest.approx(1e-4, rel=1e-15) and abs(want[1] / 1e-4 - 1) > 1e-7
+    assert got[30] == 3e-3 and got[40:] == pytest.approx(3e-4, rel=1e-15)
