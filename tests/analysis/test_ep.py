@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import io
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -235,7 +236,8 @@ def test_a_float64_step_holds_its_ledger_in_float64(impl):
     """--float64 (the verification mode): the same ledger with every row in
     f64, those booked in the model's dtype and those in fp32 (the router's
     statistics, the loss's mean and vocab-parallel reductions, the gradient
-    norm: `jaxtp.parallel.wide`); no collective of the step is left in f32."""
+    norm: `jaxtp.parallel.wide`); no collective of the step is left in f32,
+    and no computation."""
     with jax.enable_x64(True):
         cfg = validate(Config(dataclasses.replace(MOE, capacity_factor=1.0, dtype="float64",
                                                   param_dtype="float64"),
@@ -253,6 +255,10 @@ def test_a_float64_step_holds_its_ledger_in_float64(impl):
     assert [(r.name, r.elements, r.count) for r in fp32] == [
         (r.name, r.elements, r.count) for r in rows]
     assert "f32" in {r.dtype for r in fp32} and {r.dtype for r in rows} == {"f64"}
+    # nothing computed in f32 but the step's two control scalars (the spike
+    # guard's loss limit, the NaN injection's scale: `step_controls`), f32[2]
+    # and its slices
+    assert set(re.findall(r"\bf32\[[\d,]*\]", step.as_text())) == {"f32[2]", "f32[1]"}
 
 
 test_a_float64_step_holds_its_ledger_in_float64.fast_cases = set()
