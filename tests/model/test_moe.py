@@ -478,13 +478,13 @@ def _losses(out):
 @pytest.mark.slow
 @pytest.mark.parametrize("impl, factor", [("gspmd", "1.25"), ("shard_map", "0")])
 def test_in_float64_ep_logs_the_losses_of_dp(impl, factor, tmp_path, float64_run):
-    """--float64, the verification mode: moe-tiny (2 layers here) at ep4 x tp2
-    and at dp4 x tp2 log the same losses to float64's rounding (< 1e-12
-    relative; 4.9e-15 measured over 40 steps of the full preset,
-    docs/scale.md), and the losses are float64's (none an fp32 value). In
-    fp32 the two differ from the first steps (9.6e-8 at step 6 here, under
-    XLA's default flags: their expert gradients are summed in another order)
-    and part once a top-k choice flips."""
+    """--float64, the verification mode: moe-tiny (2 layers, 8 x 64 tokens
+    here) at ep4 x tp2 and at dp4 x tp2 log the same losses to float64's
+    rounding (< 1e-12 relative; 4.9e-15 measured over 40 steps of the full
+    preset, docs/scale.md), and the losses are float64's (none an fp32
+    value). In fp32 the two differ from the first steps (8.6e-8, an ulp, at
+    step 2 here under XLA's default flags: their expert gradients are summed
+    in another order) and part once a top-k choice flips."""
     import train
 
     runs = {}
@@ -492,7 +492,8 @@ def test_in_float64_ep_logs_the_losses_of_dp(impl, factor, tmp_path, float64_run
         out = tmp_path / axis[2:]
         assert train.main(["--config", "moe-tiny", axis, "4", "--tp", "2", "--float64",
                            "--impl", impl, "--steps", "6", "train.log_every=1",
-                           "train.eval_every=100", "model.n_layers=2",
+                           "train.eval_every=100", "train.eval_batches=1", "model.n_layers=2",
+                           "model.seq_len=64", "train.batch_size=8",
                            f"model.capacity_factor={factor}", "--out", str(out)]) == 0
         runs[axis] = _losses(out)
         assert json_dtype(out) == "float64"
