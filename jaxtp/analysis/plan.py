@@ -41,6 +41,7 @@ from ..parallel import Layout, mesh_for
 from ..hardware import HARDWARE, model_flops_per_token
 from ..model.build import resolve_attention
 from ..model.moe import capacity
+from .backends import on_backend
 from .cp import kv_heads_per_rank
 from .ep import expected_ep, slots
 from .params import param_shards
@@ -195,23 +196,26 @@ def analyze(cfg: Config, mesh=None, *, compile_step: Callable) -> dict:
                                      hlo.by_axis(colls, dict(mesh.shape)).items()},
         "flops_per_device": float(cost.get("flops", float("nan"))),
         "model_flops_per_token": model_flops_per_token(cfg, n_params),
-        **({"moe": moe_facts(cfg, colls, dict(mesh.shape))} if m.n_experts else {}),
+        **({"moe": moe_facts(cfg, colls, device.platform)} if m.n_experts else {}),
     }
 
 
-def moe_facts(cfg: Config, colls, mesh: dict[str, int]) -> dict:
+def moe_facts(cfg: Config, colls, platform: str) -> dict:
     """A MoE step's own numbers per device: its experts (E/ep), the slots
     buffer per layer (E * G_r * C * D elements, `jaxtp.analysis.ep.slots`),
     what a MoE layer keeps (`moe_activation_bytes`), and the all-to-alls'
-    bytes per step, compiled (over ep) and by the ep ledger."""
-    m = cfg.model
-    ledger = per_step(expected_ep(cfg), schedule_of(cfg))
+    bytes per step, compiled (over ep) and by the ep ledger as the compiler
+    for `platform` carries it (XLA:CPU: bf16 slots in fp32)."""
+    m, impl = cfg.model, cfg.parallel.impl
+    ledger = per_step(on_backend(expected_ep(cfg, impl), cfg, impl, platform),
+                      schedule_of(cfg))
     return {"experts_per_device": m.n_experts // cfg.parallel.ep,
             "capacity": capacity(m.seq_len, m.moe_top_k, m.n_experts, m.capacity_factor),
             "slots_bytes_per_layer": slots(cfg) * np.dtype(m.dtype).itemsize,
             "activations_per_layer": moe_activation_bytes(cfg),
             "all_to_all_bytes": sum(c.count * c.bytes for c in colls if c.kind == "all-to-all"),
-            "all_to_all_ledger_bytes": sum(r.bytes * r.count for r in ledger)}
+            "all_to_all_ledger_bytes": sum(r.bytes * r.count for r in ledger
+                                           if r.kind == "all-to-all")}
 
 
 def cp_sweep(n: int) -> list[int]:

@@ -315,6 +315,21 @@ def _moe_tiny(*overrides):
     return apply_overrides(load_config("moe-tiny"), ["model.n_layers=1", *overrides])
 
 
+def test_a_bf16_moe_plan_books_the_all_to_alls_as_the_cpu_carries_them():
+    """A 16-bit plan compiled on CPU: the slots are bf16 (2 B), but XLA:CPU
+    carries bf16 collectives in fp32, so the compiled all-to-alls and the
+    ledger's both come to 4 per layer of the fp32 buffer (E * G_r * C * D =
+    8 * (16/2) * 40 * 128 at ep 2). Before, the plan priced the ledger in
+    bf16 and printed half the compiled bytes (mixtral-8x7b at ep 2: 640 GiB
+    compiled, 320 GiB 'by the ep ledger')."""
+    cfg = apply_overrides(_moe_tiny("model.dtype=bfloat16"),
+                          ["parallel.ep=2", "parallel.tp=4"])
+    r = planner.analyze(cfg, compile_step=compiled_step)
+    elements = 8 * 8 * 40 * 128
+    assert r["moe"]["slots_bytes_per_layer"] == 2 * elements
+    assert r["moe"]["all_to_all_bytes"] == r["moe"]["all_to_all_ledger_bytes"] == 4 * 4 * elements
+
+
 def test_a_moe_plan_sweeps_ep_against_tp_on_one_device_count():
     """--plan --ep 4 --tp 2 of moe-tiny (1 layer) on CPU: ep in {1, 2, 4} at
     ep x tp = 8, the rows asked for kept (ep 4); its state and all-to-alls
