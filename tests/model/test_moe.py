@@ -483,8 +483,8 @@ def test_in_float64_ep_logs_the_losses_of_dp(impl, factor, tmp_path, float64_run
     rounding (< 1e-12 relative; 4.9e-15 measured over 40 steps of the full
     preset, docs/scale.md), and the losses are float64's (none an fp32
     value). In fp32 the two differ from the first steps (8.6e-8, an ulp, at
-    step 2 here under XLA's default flags: their expert gradients are summed
-    in another order) and part once a top-k choice flips."""
+    step 2 here, under the suite's XLA flags and the default: their expert
+    gradients are summed in another order) and part once a top-k choice flips."""
     import train
 
     runs = {}
