@@ -103,7 +103,9 @@ def wide(dtype) -> jnp.dtype:
     input's where it is wider (float64: a verification run, `train.py
     --float64`, which turns on jax_enable_x64). `dtype`: a dtype or an
     array."""
-    return jnp.promote_types(getattr(dtype, "dtype", dtype), jnp.float32)
+    if not isinstance(dtype, type) and hasattr(dtype, "dtype"):  # an array (not np.float32)
+        dtype = dtype.dtype
+    return jnp.promote_types(jnp.dtype(dtype), jnp.float32)
 
 
 def rank():

@@ -6,9 +6,10 @@ them: tests/model/test_mlp.py, test_attention.py.)"""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxtp.parallel import f, g, make_mesh
+from jaxtp.parallel import f, g, make_mesh, wide
 
 # --- f and g against hand-derived gradients ---------------------------------
 # y = (x A) B with A: [D, F] column-parallel and B: [F, D] row-parallel;
@@ -68,3 +69,19 @@ def test_check_vma_supplies_f_when_it_is_left_out():
     got, want = _grads(lambda x, a, b: g(x @ a @ b))
     for gv, wv in zip(got, want):
         np.testing.assert_allclose(gv, wv, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("given", [np.float32, np.float16, "bfloat16", "float32", jnp.bfloat16,
+                                   np.dtype("float16"), jnp.ones(2, jnp.bfloat16)],
+                         ids=["np.float32", "np.float16", "'bfloat16'", "'float32'",
+                              "jnp.bfloat16", "dtype-f16", "bf16-array"])
+def test_wide_is_float32_for_every_dtype_up_to_32_bits(given):
+    """jaxtp.parallel.wide: softmaxes, norms and sums in float32 for fp32 and
+    16-bit inputs, given as a dtype, a scalar type or an array (np.float32
+    has a class attribute `dtype`: it was once taken for an array's)."""
+    assert wide(given) == jnp.float32
+
+
+def test_wide_keeps_float64_under_x64():
+    with jax.enable_x64(True):
+        assert wide(np.float64) == wide("float64") == wide(jnp.ones(2, jnp.float64)) == jnp.float64
