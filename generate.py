@@ -69,6 +69,7 @@ def compare(args) -> int:
 
     base = RunDir(args.run).config() if args.run else load_config(args.config)
     cfg = generation_config(base, args.tp or 8, None, args.attention)
+    x64_for(cfg)
     print(ensure_devices(cfg.parallel.tp), file=sys.stderr)
     from jaxtp.analysis.decode import compare_decode
 
@@ -133,6 +134,15 @@ def tokenizer_of(args):
     return tokenizer
 
 
+def x64_for(cfg) -> None:
+    """A --float64 run's (or config's) weights and decode step need
+    jax_enable_x64, turned on before any array is made."""
+    if cfg is not None and cfg.model.dtype == "float64":
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+
+
 def load(args):
     """(model, mesh) at --tp (default: the run's; 1 for --hf)."""
     from jaxtp.generate.load import from_hf, from_run
@@ -141,10 +151,7 @@ def load(args):
 
     cfg = None if args.hf else RunDir(args.run).config()
     tp = args.tp or (1 if args.hf else cfg.parallel.tp)
-    if cfg is not None and cfg.model.dtype == "float64":  # a --float64 run's weights
-        import jax
-
-        jax.config.update("jax_enable_x64", True)
+    x64_for(cfg)
     print(ensure_devices(tp), file=sys.stderr)
     if args.hf:
         return from_hf(args.hf, tp, args.impl or "gspmd", args.attention,

@@ -172,7 +172,8 @@ class VocabEmbed(nnx.Module):
         logits_BV = jnp.einsum("BD,VD->BV", x_BD.astype(wide(self.dtype)),
                                weight(self.embedding).astype(wide(self.dtype)))
         logits_BV = local.constrain(logits_BV, "batch", "vocab")
-        ids_V = local.vocab_start(logits_BV.shape[-1]) + jnp.arange(logits_BV.shape[-1])
+        ids_V = local.vocab_start(logits_BV.shape[-1]) + jnp.arange(logits_BV.shape[-1],
+                                                                   dtype=jnp.int32)
         logits_BV = jnp.where(ids_V < self.vocab_size, logits_BV, NEG)
         if temperature == 0:
             return local.vocab_argmax(logits_BV)

@@ -101,15 +101,16 @@ class GlobalArrays:
     def vocab_argmax(self, scores_BV):
         """The lowest id of the highest score [B], from each shard's best."""
         s_BRV = self._by_shard(scores_BV)
-        best_BR, at_BR = s_BRV.max(-1), s_BRV.argmax(-1)
-        r_B = best_BR.argmax(-1)
+        # token ids are int32 (jnp.argmax's are int64 under jax_enable_x64)
+        best_BR, at_BR = s_BRV.max(-1), jax.lax.argmax(s_BRV, 2, jnp.int32)
+        r_B = jax.lax.argmax(best_BR, 1, jnp.int32)
         return r_B * s_BRV.shape[-1] + jnp.take_along_axis(at_BR, r_B[:, None], 1)[:, 0]
 
     def vocab_top(self, scores_BV, c: int):
         """Each shard's `c` best (scores, ids), side by side [B, tp*c]."""
         s_BRV = self._by_shard(scores_BV)
         top_BRc, at_BRc = jax.lax.top_k(s_BRV, min(c, s_BRV.shape[-1]))
-        ids_BRc = at_BRc + (jnp.arange(s_BRV.shape[1]) * s_BRV.shape[-1])[:, None]
+        ids_BRc = at_BRc + (jnp.arange(s_BRV.shape[1], dtype=jnp.int32) * s_BRV.shape[-1])[:, None]
         B = top_BRc.shape[0]
         return top_BRc.reshape(B, -1), ids_BRc.reshape(B, -1)
 

@@ -1,6 +1,7 @@
 """The decode step's collectives, read from its compiled HLO, against the budget."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +10,8 @@ from jaxtp.analysis.rows import check
 from jaxtp.analysis.decode import compare_decode, decode_budget, decode_hlo
 from jaxtp.config import ConfigError, apply_overrides, load_config
 from jaxtp.generate.load import generation_config
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
@@ -48,6 +51,30 @@ def test_a_moe_decode_step_matches_its_budget(dispatch, shared, impl):
 
 
 test_a_moe_decode_step_matches_its_budget.fast_cases = {"dense-shard_map"}
+
+
+def test_generate_compare_hlo_of_a_float64_config_books_its_ledger_in_f64(tmp_path, capsys):
+    """generate.py --compare-hlo --config of a float64 model turns on
+    jax_enable_x64 (it was refused: a float64 model without x64) and holds
+    the decode step to the ledger in f64 (`rows.widened`), with the sampled
+    ids still int32 (jnp.argmax's would be int64 under x64)."""
+    import json
+
+    import jax
+
+    import generate
+
+    c = json.loads((ROOT / "configs" / "tiny.json").read_text())
+    c["model"].update(dtype="float64", param_dtype="float64")
+    (tmp_path / "tiny64.json").write_text(json.dumps(c))
+    try:
+        assert generate.main(["--compare-hlo", "--config", str(tmp_path / "tiny64.json")]) == 0
+    finally:
+        jax.config.update("jax_enable_x64", False)
+    printed = capsys.readouterr().out
+    assert "gspmd: matches budget" in printed and "shard_map: matches budget" in printed
+    table = [line.split() for line in printed.splitlines() if line.startswith("all-")]
+    assert {row[3][:4] for row in table} == {"f64[", "s32["}, table
 
 
 @pytest.mark.slow
