@@ -45,6 +45,7 @@ from .backends import on_backend
 from .cp import kv_heads_per_rank
 from .ep import expected_ep, slots
 from .params import param_shards
+from ..parallel import wide
 from .predict import decode_lines, from_hlo, plan_lines
 from .rows import per_step, schedule_of
 from .targets import CPU_OVERSTATES, TargetUnavailable, target_mesh
@@ -114,7 +115,8 @@ def moe_activation_bytes(cfg: Config) -> float:
     s, D, E, w = m.seq_len, m.d_model, m.n_experts, np.dtype(m.dtype).itemsize
     C = capacity(s, m.moe_top_k, E, m.capacity_factor)
     hidden = lambda F: (3 if m.style == "llama" else 2) * F / p.tp
-    return (G * s * D * w + 2 * G * s * E * 4 + 2 * G * s * E * C * w
+    r = np.dtype(wide(m.dtype)).itemsize  # the router's logits and probabilities
+    return (G * s * D * w + 2 * G * s * E * r + 2 * G * s * E * C * w
             + E * G * C * (2 * D + hidden(m.expert_d_ff)) * w
             + G * s * hidden(m.moe_shared_d_ff) * w)
 
@@ -213,9 +215,12 @@ def moe_facts(cfg: Config, colls, platform: str) -> dict:
             "capacity": capacity(m.seq_len, m.moe_top_k, m.n_experts, m.capacity_factor),
             "slots_bytes_per_layer": slots(cfg) * np.dtype(m.dtype).itemsize,
             "activations_per_layer": moe_activation_bytes(cfg),
-            "all_to_all_bytes": sum(c.count * c.bytes for c in colls if c.kind == "all-to-all"),
-            "all_to_all_ledger_bytes": sum(r.bytes * r.count for r in ledger
-                                           if r.kind == "all-to-all")}
+            "all_to_all_bytes": sum(c.count * c.bytes for c in colls if c.kind in A2A),
+            "all_to_all_ledger_bytes": sum(r.bytes * r.count for r in ledger if r.kind in A2A)}
+
+
+# the all-to-alls a MoE plan counts: the dense dispatch's and the ragged path's
+A2A = ("all-to-all", "ragged-all-to-all")
 
 
 def cp_sweep(n: int) -> list[int]:
