@@ -37,7 +37,7 @@ import numpy as np
 
 from .. import hlo
 from ..config import Config, ConfigError, validate
-from ..parallel import Layout, mesh_for
+from ..parallel import Layout, mesh_for, wide
 from ..hardware import HARDWARE, model_flops_per_token
 from ..model.build import resolve_attention
 from ..model.moe import capacity
@@ -45,7 +45,6 @@ from .backends import on_backend
 from .cp import kv_heads_per_rank
 from .ep import expected_ep, slots
 from .params import param_shards
-from ..parallel import wide
 from .predict import decode_lines, from_hlo, plan_lines
 from .rows import per_step, schedule_of
 from .targets import CPU_OVERSTATES, TargetUnavailable, target_mesh
@@ -202,6 +201,10 @@ def analyze(cfg: Config, mesh=None, *, compile_step: Callable) -> dict:
     }
 
 
+# the all-to-alls a MoE plan counts: the dense dispatch's and the ragged path's
+A2A = ("all-to-all", "ragged-all-to-all")
+
+
 def moe_facts(cfg: Config, colls, platform: str) -> dict:
     """A MoE step's own numbers per device: its experts (E/ep), the slots
     buffer per layer (E * G_r * C * D elements, `jaxtp.analysis.ep.slots`),
@@ -218,9 +221,6 @@ def moe_facts(cfg: Config, colls, platform: str) -> dict:
             "all_to_all_bytes": sum(c.count * c.bytes for c in colls if c.kind in A2A),
             "all_to_all_ledger_bytes": sum(r.bytes * r.count for r in ledger if r.kind in A2A)}
 
-
-# the all-to-alls a MoE plan counts: the dense dispatch's and the ragged path's
-A2A = ("all-to-all", "ragged-all-to-all")
 
 
 def cp_sweep(n: int) -> list[int]:

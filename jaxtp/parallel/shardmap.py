@@ -77,7 +77,7 @@ class ShardMap:
         """The lowest id of the highest score over every shard [B]: a max and a
         min of B values over tp."""
         best_B = pmax(scores_BV.max(-1))
-        at_B = scores_BV.argmax(-1).astype(jnp.int32) + self.vocab_start(scores_BV.shape[-1])
+        at_B = jax.lax.argmax(scores_BV, 1, jnp.int32) + self.vocab_start(scores_BV.shape[-1])
         return pmin(jnp.where(scores_BV.max(-1) == best_B, at_B, jnp.iinfo(at_B.dtype).max))
 
     def vocab_top(self, scores_BV, c: int):
