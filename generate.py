@@ -19,6 +19,7 @@ import argparse
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from jaxtp.cli import Parser, positive
 from jaxtp.config import ATTENTIONS, INFERENCE_IMPLS
@@ -121,6 +122,13 @@ def tokenizer_of(args):
     from jaxtp.train.rundir import RunDir
 
     if args.hf:
+        # the checkpoint first: a wrong path is said as one, not as a missing tokenizer
+        if not Path(args.hf).is_dir():
+            raise FileNotFoundError(f"--hf {args.hf}: no such directory (expected a "
+                                    "save_pretrained directory: config.json, *.safetensors)")
+        if not (Path(args.hf) / "config.json").is_file():
+            raise FileNotFoundError(f"--hf {args.hf} has no config.json (expected a "
+                                    "save_pretrained directory)")
         return HFTokenizer(args.tokenizer or args.hf, eos=hf_eos(args.hf))
     run = RunDir(args.run)
     if not run.has_run():
@@ -181,7 +189,9 @@ def stream(gen, ids, prompts, tokenizer, args) -> bool:
                 if done[b]:
                     continue
                 done[b] = int(t) in tokenizer.eos
-                piece = "" if done[b] else decoders[b]([int(t)])
+                # at the end of text, bytes of a character still split come
+                # out as U+FFFD (as a whole decode prints them)
+                piece = decoders[b]([], final=True) if done[b] else decoders[b]([int(t)])
                 texts[b] += piece
                 if len(prompts) == 1:
                     print(piece, end="", flush=True)
@@ -190,6 +200,12 @@ def stream(gen, ids, prompts, tokenizer, args) -> bool:
     finally:  # done, or stopped: what was generated is printed
         if main:
             signal.signal(signal.SIGINT, before)
+        for b in range(len(prompts)):
+            if not done[b]:  # the last token's bytes of a split character
+                piece = decoders[b]([], final=True)
+                texts[b] += piece
+                if len(prompts) == 1:
+                    print(piece, end="", flush=True)
         if len(prompts) == 1:
             print(flush=True)
         else:

@@ -46,7 +46,7 @@ FLAG_KEYS = {"tp": "parallel.tp", "dp": "parallel.dp", "cp": "parallel.cp", "ep"
              "pp_repeats": "parallel.pp_repeats",
              "cp_attention": "parallel.cp_attention", "impl": "parallel.impl",
              "sp": "parallel.sp", "overlap": "parallel.overlap", "fsdp": "parallel.fsdp",
-             "microbatches": "train.microbatches",
+             "microbatches": "train.microbatches", "capacity_factor": "model.capacity_factor",
              "scan": "model.scan_layers", "remat": "model.remat", "attention": "model.attention",
              "steps": "train.steps", "seed": "train.seed",
              "checkpoint_every": "train.checkpoint_every"}
@@ -107,6 +107,10 @@ def _layout_flags(ap) -> None:
                             "shard_map's rings sending half of each step each way")
     group.add_argument("--fsdp", action="store_true", default=None,
                        help="also split parameters and optimizer state over dp (FSDP-style)")
+    group.add_argument("--capacity-factor", type=float, metavar="CF",
+                       help="a mixture of experts' slots per expert: ceil(CF x tokens x top_k "
+                            "/ n_experts) per sequence, later assignments dropped; 0: dropless "
+                            "(the same result at every layout, as --sp and --cp need)")
     group.add_argument("--microbatches", type=int,
                        help="gradient accumulation: run the batch in this many sequential slices")
     group.add_argument("--bf16", action="store_true",
@@ -166,8 +170,9 @@ def _run_flags(ap) -> None:
                        help="also write TensorBoard scalars to --out/tensorboard (needs "
                             "tensorboardX: pip install -e '.[tensorboard]')")
     group.add_argument("--init-from-hf", metavar="PATH",
-                       help="fine-tune a Hugging Face Llama checkpoint (save_pretrained dir); "
-                            "its config.json replaces the model section, then overrides apply")
+                       help="fine-tune a Hugging Face Llama, Mixtral or Qwen3-MoE checkpoint "
+                            "(save_pretrained dir); its config.json replaces the model section, "
+                            "then overrides apply")
 
 
 def _cluster_flags(ap) -> None:
@@ -254,16 +259,20 @@ def resolve_config(args: argparse.Namespace, base: Config | None = None) -> Conf
     asked = {o.split("=", 1)[0] for o in overrides}
     cfg = apply_overrides(cfg, overrides)
     p, t = cfg.parallel, cfg.train
-    if p.pp > 1 and t.microbatches == 1 and "train.microbatches" not in asked:
+    chosen = p.pp > 1 and t.microbatches == 1 and "train.microbatches" not in asked
+    if chosen:
         # 2 per stage where the batch splits so, else 1 (a batch too small for
         # either: validate says which batch sizes work)
         M = next((k * p.pp for k in (2, 1) if t.batch_size % (p.dp * k * p.pp) == 0),
                  2 * p.pp)
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, microbatches=M))
+    cfg = check_asked(validate(cfg), asked)
+    if chosen:  # (once the config is known good: a refused --pp says nothing of its M)
+        M = cfg.train.microbatches
         print(f"note: --pp {p.pp} runs the batch in train.microbatches={M} microbatches "
               f"({M // p.pp} per stage; --microbatches M sets it, M >= {p.pp})",
               file=sys.stderr)
-    return check_asked(validate(cfg), asked)
+    return cfg
 
 
 def resolve_run(args: argparse.Namespace) -> tuple[Config, dict]:
@@ -288,7 +297,14 @@ def resolve_run(args: argparse.Namespace) -> tuple[Config, dict]:
     # a whole config, else the run's with flags
     whole = args.config is not None or args.init_from_hf
     cfg = resolve_config(args, None if whole else run.config())
-    run.changes(cfg)  # refuses what a resume may not change, before JAX starts
+    changes = run.changes(cfg)  # refuses what a resume may not change, before JAX starts
+    t = cfg.train
+    if "parallel.pp" in changes and "train.microbatches" not in changes and t.microbatches > 1:
+        # a fresh run at the new pp would choose its own M; a resume is the same run
+        print(f"note: --pp {cfg.parallel.pp} keeps the run's train.microbatches="
+              f"{t.microbatches}, as a resume keeps what it is not told to change (a mixture "
+              "of experts balances its load per microbatch); --microbatches N changes it",
+              file=sys.stderr)
     return cfg, {"data": args.data or launch.get("data"),
                  "init_from_hf": args.init_from_hf or launch.get("init_from_hf")}
 
@@ -408,6 +424,7 @@ def start_jax(args, cfg: Config) -> str | None:
 
 def plan(args, cfg: Config) -> int:
     from jaxtp.analysis.plan import cp_sweep, plan
+    from jaxtp.sizes import check_plannable
     from jaxtp.train.step import compiled_step
 
     p = cfg.parallel
@@ -418,10 +435,12 @@ def plan(args, cfg: Config) -> int:
     # --ep N: ep over cp_sweep(N) on the N x tp devices, tp taking what ep leaves
     eps = cp_sweep(p.ep) if p.ep > 1 and not (cps or pps) else None
     tps = [args.tp or p.tp] if cps or pps or eps else [args.tp] if args.tp else [1, 2, 4, 8]
+    largest = p.pp * p.dp * p.ep * p.cp * max(tps)
+    check_plannable(cfg, largest)  # a model no accelerator holds: refused before compiling
     if args.cluster:  # the largest mesh against the cluster, before compiling anything
         from jaxtp.analysis.cluster import load
 
-        cluster, need = load(args.cluster), p.pp * p.dp * p.ep * p.cp * max(tps)
+        cluster, need = load(args.cluster), largest
         if need > cluster.devices:
             raise ValueError(f"--cluster {args.cluster}: pp*dp*ep*cp*tp = {need} devices at "
                              f"the largest tp, and {cluster.name} has {cluster.devices}")

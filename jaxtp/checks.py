@@ -77,18 +77,12 @@ def _check_moe(cfg: Config) -> None:
     if not 1 <= m.moe_top_k <= m.n_experts:
         raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be between 1 and "
                           f"model.n_experts={m.n_experts}")
-    if m.capacity_factor < 0:
-        raise ConfigError(f"model.capacity_factor={m.capacity_factor} must be >= 0 "
-                          "(0: dropless)")
     if m.moe_dispatch == "ragged" and m.capacity_factor:
         raise ConfigError(f"model.moe_dispatch='ragged' is dropless, and "
                           f"model.capacity_factor={m.capacity_factor} drops: set "
                           "model.capacity_factor=0, or model.moe_dispatch=dense")
-    _divisible("model.moe_d_ff (0: model.d_ff)", m.expert_d_ff, p.tp)
-    if m.moe_shared_d_ff < 0:
-        raise ConfigError(f"model.moe_shared_d_ff={m.moe_shared_d_ff} must be >= 0 (0: no "
-                          "shared expert)")
-    _divisible("model.moe_shared_d_ff", m.moe_shared_d_ff, p.tp)
+    _divisible("model.moe_d_ff (0: model.d_ff)", m.expert_d_ff, cfg)
+    _divisible("model.moe_shared_d_ff", m.moe_shared_d_ff, cfg)
     if not 1 <= m.moe_every <= m.n_layers:
         raise ConfigError(f"model.moe_every={m.moe_every} must be between 1 (every layer a "
                           f"mixture of experts) and model.n_layers={m.n_layers}")
@@ -133,61 +127,132 @@ def _check_moe_layout(cfg: Config) -> None:
                               f"for {what} yet")
 
 
+# the command-line flags of the keys check_asked names
+_FLAGS = {"parallel.cp_attention": "--cp-attention", "parallel.pp_schedule": "--pp-schedule",
+          "model.capacity_factor": "--capacity-factor"}
+# the keys that act only with a mixture of experts (model.n_experts > 0)
+MOE_KEYS = ("moe_top_k", "moe_d_ff", "moe_norm_topk", "moe_shared_d_ff", "moe_every",
+            "capacity_factor", "moe_dispatch", "moe_balance_coef", "moe_z_coef")
+
+
 def check_asked(cfg: Config, asked) -> Config:
     """`cfg` if what a command line set itself (`asked`: its "section.key"s,
-    from flags and overrides) has an effect in it, else a ConfigError. Not
-    part of `check`: a stored config cannot tell a value asked for from one
-    kept (a run trained at cp=4 with ring and resumed at --cp 1 keeps ring,
-    which then does nothing, as allgather, the default, would not)."""
-    p = cfg.parallel
-    if "parallel.cp_attention" in asked and p.cp_attention == "ring" and p.cp == 1:
-        raise ConfigError("parallel.cp_attention='ring' (--cp-attention ring) passes K/V "
-                          "chunks between the cp ranks, and parallel.cp=1 has none: add --cp "
-                          "N (N > 1) to split the sequence over N devices, or drop "
-                          "--cp-attention")
+    from flags and overrides) has an effect in it, else a ConfigError: a key
+    asked for a value other than its default where what it acts on is absent
+    (a pipeline schedule without --pp, a capacity factor without experts).
+    Not part of `check`: a stored config cannot tell a value asked for from
+    one kept (a run trained at cp=4 with ring and resumed at --cp 1 keeps
+    ring, which then does nothing, as allgather, the default, would not)."""
+    from .config import Config as Default  # (jaxtp.config imports this module)
+
+    p, m = cfg.parallel, cfg.model
+    default = Default()
+    idle = [("parallel.cp_attention", p.cp == 1, "passes K/V chunks between the cp ranks, and "
+             "parallel.cp=1 has none", "add --cp N (N > 1) to split the sequence over N "
+             "devices, or drop --cp-attention"),
+            ("parallel.cp_balance", p.cp == 1, "orders the sequence's chunks over the cp "
+             "ranks, and parallel.cp=1 has none", "add --cp N (N > 1), or drop it"),
+            ("parallel.pp_schedule", p.pp == 1, "orders a pipeline's microbatches, and "
+             "parallel.pp=1 has no stages", "add --pp N (N > 1), or drop --pp-schedule")]
+    idle += [(f"model.{k}", not m.n_experts, "acts on a mixture of experts, and "
+              "model.n_experts=0 has none", "use a MoE config (--config moe-tiny) or set "
+              "model.n_experts, or drop it") for k in MOE_KEYS]
+    for key, absent, why, fix in idle:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if key in asked and absent and value != getattr(getattr(default, section), name):
+            flag = f" ({_FLAGS[key]} {value})" if key in _FLAGS else ""
+            raise ConfigError(f"{key}={value!r}{flag} {why}: {fix}")
     return cfg
 
 
-def _divisible(name: str, value: int, tp: int) -> None:
+def _tp_fits(cfg: Config, tp: int) -> bool:
+    """Whether tensor parallelism of degree `tp` splits every tp-split size
+    of `cfg` (the checks below, each for one size)."""
+    m = cfg.model
+    k = m.kv_heads
+    return (m.n_heads % tp == 0 and m.d_ff % tp == 0 and (k % tp == 0 or tp % k == 0)
+            and m.padded_vocab % tp == 0 and not (cfg.parallel.sp and m.seq_len % tp)
+            and not (m.n_experts and (m.expert_d_ff % tp or m.moe_shared_d_ff % tp)))
+
+
+def valid_tps(cfg: Config, most: int = 64) -> list[int]:
+    """The tp degrees up to `most` that split all of `cfg`'s sizes (what a
+    refusal offers: not a degree that the next check refuses)."""
+    return [t for t in range(1, most + 1) if _tp_fits(cfg, t)]
+
+
+def _divisible(name: str, value: int, cfg: Config) -> None:
+    tp = cfg.parallel.tp
     if value % tp:
-        ok = [t for t in range(1, value + 1) if value % t == 0 and t <= 64]
         raise ConfigError(
-            f"{name}={value} is not divisible by tp={tp}; choose --tp from {ok} "
+            f"{name}={value} is not divisible by tp={tp}; choose --tp from {valid_tps(cfg)} "
             f"or set {name} to a multiple of {tp}"
         )
 
 
+# the largest size a config may give: the step, batch and layer counters of
+# the compiled programs are int32 (a larger value overflows there, or makes a
+# program no accelerator holds: `jaxtp.sizes` refuses those by memory)
+MAX_SIZE = 2**31 - 1
+# sizes (ints >= 1), counts that may be 0 (ints >= 0), positive reals, and
+# coefficients and factors (finite reals >= 0), by "section.key"
+_SIZES = {"model": ("vocab_size", "vocab_multiple", "n_layers", "d_model", "n_heads", "d_ff",
+                    "seq_len", "attention_block", "rope_original_max_len", "moe_top_k",
+                    "moe_every"),
+          "train": ("steps", "batch_size", "microbatches", "log_every", "eval_every",
+                    "eval_batches", "max_skipped_steps", "keep_checkpoints"),
+          "parallel": ("pp", "pp_repeats", "dp", "ep", "tp", "cp")}
+_COUNTS = {"model": ("n_kv_heads", "d_head", "loss_chunk", "n_experts", "moe_d_ff",
+                     "moe_shared_d_ff"),
+           "train": ("warmup_steps", "checkpoint_every", "sample_every")}
+_POSITIVE = {"model": ("ln_eps", "rope_theta", "init_std"), "train": ("lr",)}
+_FINITE = {"model": ("capacity_factor", "moe_balance_coef", "moe_z_coef",
+                     "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor"),
+           "train": ("weight_decay", "grad_clip", "spike_factor", "checkpoint_minutes")}
+_WHAT_ZERO = {"model.n_kv_heads": "0: n_heads", "model.d_head": "0: d_model // n_heads",
+              "model.loss_chunk": "0: no chunking", "model.n_experts": "0: dense MLPs",
+              "model.moe_d_ff": "0: model.d_ff", "model.moe_shared_d_ff": "0: no shared expert",
+              "model.capacity_factor": "0: dropless", "model.rope_scaling_factor": "0: off",
+              "train.checkpoint_every": "0: never", "train.sample_every": "0: off",
+              "train.checkpoint_minutes": "0: never", "train.grad_clip": "0: off",
+              "train.spike_factor": "0: off"}
+
+
+def _keys(table: dict, cfg: Config):
+    for section, names in table.items():
+        for name in names:
+            yield f"{section}.{name}", getattr(getattr(cfg, section), name)
+
+
 def _check_ranges(cfg: Config) -> None:
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    positive = {
-        **{f"model.{k}": getattr(m, k) for k in
-           ("vocab_size", "vocab_multiple", "n_layers", "d_model", "n_heads", "d_ff",
-            "seq_len", "rope_theta", "attention_block")},
-        **{f"train.{k}": getattr(t, k) for k in
-           ("steps", "batch_size", "microbatches", "log_every", "eval_every",
-            "eval_batches", "lr", "max_skipped_steps", "keep_checkpoints")},
-        "model.ln_eps": m.ln_eps, "model.init_std": m.init_std,
-        "parallel.dp": p.dp, "parallel.tp": p.tp, "parallel.cp": p.cp,
-        "parallel.pp": p.pp, "parallel.pp_repeats": p.pp_repeats,
-    }
-    for k, v in positive.items():
+    """Every number in its range before anything is built: sizes positive and
+    at most MAX_SIZE, counts >= 0, coefficients and factors finite and >= 0."""
+    m, t = cfg.model, cfg.train
+    zero = lambda k: f" ({_WHAT_ZERO[k]})" if k in _WHAT_ZERO else ""
+    for k, v in _keys(_SIZES, cfg):
         if not v > 0:
             raise ConfigError(f"{k}={v} must be positive")
-    for k in ("warmup_steps", "weight_decay", "grad_clip", "spike_factor",
-              "checkpoint_every", "checkpoint_minutes", "sample_every"):
-        if not 0 <= getattr(t, k) < math.inf:
-            raise ConfigError(f"train.{k}={getattr(t, k)} must be finite and >= 0")
+    for k, v in _keys(_COUNTS, cfg):
+        if not v >= 0:
+            raise ConfigError(f"{k}={v} must be >= 0{zero(k)}")
+    for k, v in [*_keys(_SIZES, cfg), *_keys(_COUNTS, cfg)]:
+        if v > MAX_SIZE:
+            raise ConfigError(f"{k}={v} is past the largest size jaxtp takes, 2**31 - 1 "
+                              "(token ids, positions and step counters are int32)")
+    for k, v in _keys(_POSITIVE, cfg):
+        if not 0 < v < math.inf:
+            raise ConfigError(f"{k}={v} must be positive and finite")
+    for k, v in _keys(_FINITE, cfg):
+        if not 0 <= v < math.inf:
+            raise ConfigError(f"{k}={v} must be finite and >= 0{zero(k)}")
     for k in ("b1", "b2"):
         if not 0 <= getattr(t, k) < 1:
             raise ConfigError(f"train.{k}={getattr(t, k)} must be in [0, 1)")
-    if not t.lr < math.inf:
-        raise ConfigError(f"train.lr={t.lr} must be finite")
     if not 0 <= m.dropout < 1:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
-    if m.loss_chunk < 0:
-        raise ConfigError(f"model.loss_chunk={m.loss_chunk} must be >= 0 (0: no chunking)")
 
 
 def _check_choices(cfg: Config) -> None:
@@ -216,17 +281,15 @@ def _check_choices(cfg: Config) -> None:
 
 
 def _check_shapes(m: ModelConfig) -> None:
-    if m.d_head < 0:
-        raise ConfigError(f"model.d_head={m.d_head} must be >= 0 (0: d_model // n_heads)")
     if not m.d_head and m.d_model % m.n_heads:
         raise ConfigError(
             f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}: set "
             "model.d_head to the head dim, or d_model to a multiple of n_heads"
         )
-    if m.n_kv_heads < 0 or m.n_heads % m.kv_heads:
+    if m.n_heads % m.kv_heads:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads="
                           f"{m.n_heads} (0 means n_kv_heads = n_heads)")
-    if m.rope_scaling_factor < 0 or (m.rope_scaling_factor and not (
+    if (m.rope_scaling_factor and not (
             0 < m.rope_low_freq_factor < m.rope_high_freq_factor and m.rope_original_max_len > 0)):
         raise ConfigError("llama3 rope scaling needs rope_scaling_factor > 0, 0 < "
                           "rope_low_freq_factor < rope_high_freq_factor and "
@@ -311,12 +374,11 @@ def _check_pp(cfg: Config) -> None:
 def _check_layout(cfg: Config) -> None:
     """What the (dp, cp, tp) mesh must divide."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    _divisible("model.n_heads", m.n_heads, p.tp)
-    _divisible("model.d_ff", m.d_ff, p.tp)
+    _divisible("model.n_heads", m.n_heads, cfg)
+    _divisible("model.d_ff", m.d_ff, cfg)
     k = m.kv_heads
     if k % p.tp and p.tp % k:
-        ok = sorted({t for t in range(1, m.n_heads + 1) if m.n_heads % t == 0
-                     and (k % t == 0 or t % k == 0)})
+        ok = valid_tps(cfg)
         raise ConfigError(
             f"model.n_kv_heads={k} and tp={p.tp}: tp must divide the kv heads (each rank "
             f"holds its own) or be a multiple of them (each kv head replicated on "

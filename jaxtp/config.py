@@ -10,6 +10,7 @@ anything is compiled.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 from pathlib import Path
@@ -134,7 +135,9 @@ class ModelConfig:
 
     @property
     def n_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        # (i + 1) % moe_every == 0 for i < n_layers (a sum over the layers
+        # would take minutes for a size the planner must refuse at once)
+        return self.n_layers // self.moe_every if self.n_experts > 0 else 0
 
     @property
     def padded_vocab(self) -> int:
@@ -283,12 +286,20 @@ def _section_from_dict(sub_cls, d, name):
     fields = {f.name: f for f in dataclasses.fields(sub_cls)}
     unknown = sorted(set(d) - set(fields))
     if unknown:
-        raise ConfigError(
-            f"unknown config key(s) {[f'{name}.{k}' for k in unknown]}; "
-            f"valid keys in '{name}': {sorted(fields)}"
-        )
+        raise ConfigError(f"unknown config key(s) {[f'{name}.{k}' for k in unknown]}"
+                          f"{_did_you_mean(unknown[0], fields, name)}")
     kwargs = {k: _check_type(f"{name}.{k}", v, fields[k].type) for k, v in d.items()}
     return sub_cls(**kwargs)
+
+
+def _did_you_mean(name: str, fields, section: str) -> str:
+    """'; did you mean ...?' naming the closest keys of `section`, else where
+    to find them all (docs/cli.md lists every key)."""
+    close = difflib.get_close_matches(name, list(fields), n=3, cutoff=0.6)
+    if close:
+        return f"; did you mean {' or '.join(f'{section}.{c}' for c in close)}?"
+    return (f"; '{section}' has {len(fields)} keys: the fields of "
+            f"{section.capitalize()}Config in jaxtp/config.py")
 
 
 _TYPES = {"int": int, "float": float, "bool": bool, "str": str}
@@ -333,9 +344,7 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         section, name = parts
         fields = {f.name: f.type for f in dataclasses.fields(type(getattr(cfg, section)))}
         if name not in fields:
-            raise ConfigError(
-                f"unknown config key '{key}'; valid keys in '{section}': {sorted(fields)}"
-            )
+            raise ConfigError(f"unknown config key '{key}'{_did_you_mean(name, fields, section)}")
         d[section][name] = _parse_scalar(key, text, fields[name])
     return Config.from_dict(d)
 

@@ -69,6 +69,8 @@ def hf_model_config(path: str | Path, **overrides) -> ModelConfig:
     except KeyError as e:
         kind = NAMES.get(hf.get("model_type"), "Llama")
         raise ValueError(f"{file} has no {e.args[0]!r}, which a {kind} config needs") from None
+    except ValueError as e:  # a value of the file's: name the file
+        raise ValueError(f"{file}: {e}") from None
 
 
 def read_hf(path: str | Path, **overrides) -> tuple[ModelConfig, dict]:

@@ -90,7 +90,16 @@ def _llama(hf: dict) -> dict:
     return {"d_ff": hf["intermediate_size"], "use_bias": bias}
 
 
-def _moe(hf: dict, experts: int, d_ff: int, expert_d_ff: int, norm_topk: bool) -> dict:
+def _moe(hf: dict, experts: int, d_ff: int, expert_d_ff: int, norm_topk: bool,
+         key: str = "num_local_experts") -> dict:
+    kind = NAMES[hf["model_type"]]
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
+        raise ValueError(f"{key}={experts!r}: a {kind} config names its experts per layer, a "
+                         "positive integer (a dense checkpoint is model_type llama)")
+    k = hf["num_experts_per_tok"]
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= experts:
+        raise ValueError(f"num_experts_per_tok={k!r} must be an integer between 1 and "
+                         f"{key}={experts}")
     if hf.get("attention_bias", False):
         raise ValueError("attention_bias=true: jaxtp's mixture-of-experts checkpoints have no "
                          "attention biases (none of Mixtral's or Qwen3-MoE's has)")
@@ -109,7 +118,11 @@ def _mixtral(hf: dict) -> dict:
 
 def _qwen3_moe(hf: dict) -> dict:
     # Hub configs say num_experts; transformers 5 writes num_local_experts
-    experts = hf.get("num_experts", hf.get("num_local_experts", 0))
+    key = "num_experts" if "num_experts" in hf else "num_local_experts"
+    experts = hf.get(key, 0)
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
+        raise ValueError(f"{key}={experts!r}: a Qwen3-MoE config names its experts per "
+                         "layer, a positive integer (a dense checkpoint is model_type llama)")
     layers = hf["num_hidden_layers"]
     # HF Qwen3MoeDecoderLayer: layer i is MoE iff i is not in mlp_only_layers
     # and (i + 1) % decoder_sparse_step == 0
@@ -128,7 +141,7 @@ def _qwen3_moe(hf: dict) -> dict:
                          "is a mixture of experts")
     return {"qk_norm": True, "moe_every": step,
             **_moe(hf, experts, hf.get("intermediate_size", 0) or hf["moe_intermediate_size"],
-                   hf["moe_intermediate_size"], hf.get("norm_topk_prob", False))}
+                   hf["moe_intermediate_size"], hf.get("norm_topk_prob", False), key)}
 
 
 _FAMILIES = {"llama": _llama, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe}

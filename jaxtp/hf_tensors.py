@@ -72,7 +72,7 @@ def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape} from "
                              "config.json")
         used.add(name)
-        return np.asarray(t, dtype=np.float32)
+        return _checked(name, t)
 
     def table(name):
         t = get(name, (cfg.vocab_size, D))
@@ -139,6 +139,31 @@ def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
     if cfg.scan_layers:
         params = stack_layers(params)
     return jax.tree.map(lambda x: x.astype(np.dtype(cfg.param_dtype)), params)
+
+
+# the dtypes a checkpoint's weights may have: numpy's floats, and the 16-bit
+# and 8-bit floats that safetensors reads through ml_dtypes (bf16, fp8)
+_FLOAT_NAMES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+def _checked(name: str, t) -> np.ndarray:
+    """A checkpoint tensor as float32, refused (ValueError, naming it) when it
+    is not a float (an integer tensor where a weight belongs is a damaged or
+    quantised file, not weights) or holds a NaN or an infinity (one NaN in a
+    router sends every token's output to NaN)."""
+    dtype = np.dtype(t.dtype)
+    if not (np.issubdtype(dtype, np.floating) or dtype.name in _FLOAT_NAMES):
+        raise ValueError(f"checkpoint tensor {name} is {dtype.name}, not a floating-point "
+                         "weight: a quantised or damaged checkpoint? jaxtp reads float32, "
+                         "float16 and bfloat16 weights")
+    out = np.asarray(t, dtype=np.float32)
+    bad = ~np.isfinite(out)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"checkpoint tensor {name} holds {int(bad.sum()):,} non-finite "
+                         f"value(s) (the first, {out[where]}, at index {list(where)}): a "
+                         "damaged checkpoint; fetch it again")
+    return out
 
 
 def params_to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:

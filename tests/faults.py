@@ -152,8 +152,11 @@ def word_tokenizer(path: Path, unknown: bool = True) -> Path:
     return path
 
 
-def hf_checkpoint(path: Path, vocab: int = 64, positions: int = 64, eos: int | None = 1) -> Path:
-    """A 1-layer Llama in Hugging Face's layout (random weights), no tokenizer.json."""
+def hf_checkpoint(path: Path, vocab: int = 64, positions: int = 64, eos: int | None = 1,
+                  experts: int = 0, edit: Callable[[dict, dict], None] | None = None) -> Path:
+    """A 1-layer Llama in Hugging Face's layout (random weights), no
+    tokenizer.json; with `experts`, a Mixtral of that many (top-2); `edit`
+    changes its config and tensors (dicts) before they are written."""
     import numpy as np
     from safetensors.numpy import save_file
 
@@ -176,10 +179,87 @@ def hf_checkpoint(path: Path, vocab: int = 64, positions: int = 64, eos: int | N
                p + "self_attn.v_proj.weight": w(K * H, D),
                p + "self_attn.o_proj.weight": w(D, N * H), p + "mlp.gate_proj.weight": w(F, D),
                p + "mlp.up_proj.weight": w(F, D), p + "mlp.down_proj.weight": w(D, F)}
+    if experts:
+        hf |= {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+               "num_local_experts": experts, "num_experts_per_tok": 2}
+        tensors = {k: v for k, v in tensors.items() if ".mlp." not in k}
+        m = p + "block_sparse_moe."
+        tensors[m + "gate.weight"] = w(experts, D)
+        for j in range(experts):
+            tensors |= {m + f"experts.{j}.w1.weight": w(F, D), m + f"experts.{j}.w3.weight":
+                        w(F, D), m + f"experts.{j}.w2.weight": w(D, F)}
+    if edit is not None:
+        edit(hf, tensors)
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(hf))
     save_file(tensors, str(path / "model.safetensors"))
     return path
+
+
+def _train_out(*argv):
+    """train.py ARGV --out <the case's run>: a refusal must leave no run there."""
+    return lambda work, tmp: run(TRAIN, *argv, "--out", tmp / "run")
+
+
+def _no_run_dir(tmp, r):
+    assert not (tmp / "run").exists(), sorted(p.name for p in (tmp / "run").iterdir())
+
+
+def _done_line(*texts: str):
+    """The run's last line says it is done, and `texts`."""
+    def check(tmp, r):
+        done = [line for line in r.out.splitlines() if line.startswith("done: ")]
+        assert done and all(t in done[0] for t in texts), r.out[-2000:]
+    return check
+
+
+def _printed(text: str):
+    def check(tmp, r):
+        assert text in r.out, r.out[-2000:]
+    return check
+
+
+def _says(text: str):
+    def check(tmp, r):
+        assert text in r.lines[-1], r.lines
+    return check
+
+
+_ROUTER = "model.layers.0.block_sparse_moe.gate.weight"
+_W1 = "model.layers.0.block_sparse_moe.experts.0.w1.weight"
+
+
+def _nan_router(hf, tensors):
+    tensors[_ROUTER][1, 2] = float("nan")
+
+
+def _int_expert(hf, tensors):
+    tensors[_W1] = (tensors[_W1] * 100).astype("int32")
+
+
+def _no_experts(hf, tensors):
+    hf["num_local_experts"] = 0
+
+
+def _hf_moe(edit, tool: str = TRAIN, *argv):
+    """--init-from-hf (or generate.py --hf) of a 4-expert Mixtral changed by `edit`."""
+    def go(work, tmp):
+        hf = hf_checkpoint(tmp / "hf", experts=4, edit=edit)
+        if tool == GENERATE:
+            return run(GENERATE, "--hf", hf, "--tokenizer", word_tokenizer(tmp / "words.json"),
+                       "--prompt", "def x", "--max-new-tokens", "3", "--temperature", "0", *argv)
+        return run(TRAIN, "--init-from-hf", hf, "--tp", "1", "--steps", "2", "--out",
+                   tmp / "run", "model.seq_len=32", "train.batch_size=2", *argv)
+    return go
+
+
+def _resumed_at_pp1(work, tmp):
+    """A --pp 2 run (which chose 4 microbatches) stopped at step 2, resumed at --pp 1."""
+    out = tmp / "run"
+    first = run(TRAIN, "--pp", "2", "--tp", "1", "--steps", "3", "--until", "2", *SMALL,
+                "--out", out)
+    assert first.rc == 0 and "train.microbatches=4" in first.err, first.err[-2000:]
+    return run(TRAIN, "--resume", "--out", out, "--pp", "1")
 
 
 # --- the cases ----------------------------------------------------------------
@@ -768,6 +848,83 @@ CASES = [
     Case("train: a token file header with a string n_tokens",
          _token_file(lambda h: {**h, "n_tokens": "5000"}), 2, "error: ",
          _names_the_file('n_tokens is the string "5000", not an integer >= 0')),
+    # issue 64: finished runs exit 0, every key in range before anything is written,
+    # Hugging Face tensors checked, nothing past what any machine holds compiled
+    Case("train: the first and last logged steps skipped",
+         lambda work, tmp: run(TRAIN, "--tp", "2", "--steps", "3", *SMALL, "--inject-nan-at",
+                               "1,3", "--out", tmp / "run"), 0, None,
+         _done_line("loss ", "(2 steps skipped)")),
+    Case("train: moe_balance_coef nan",
+         _train_out("--config", "moe-tiny", "model.moe_balance_coef=nan", "--steps", "2"), 2,
+         "config error: model.moe_balance_coef=nan must be finite and >= 0", _no_run_dir,
+         slow=False),
+    Case("train: parallel.ep=-2", _train_out("--config", "moe-tiny", "parallel.ep=-2"), 2,
+         "config error: parallel.ep=-2 must be positive", _no_run_dir, slow=False),
+    Case("train: --ep -2", _train_out("--config", "moe-tiny", "--ep", "-2"), 2,
+         "config error: parallel.ep=-2 must be positive", _no_run_dir, slow=False),
+    Case("train: --ep 0", _train_out("--config", "moe-tiny", "--ep", "0"), 2,
+         "config error: parallel.ep=0 must be positive", _no_run_dir, slow=False),
+    Case("train: moe_z_coef=-1", _train_out("--config", "moe-tiny", "model.moe_z_coef=-1"), 2,
+         "config error: model.moe_z_coef=-1.0 must be finite and >= 0", _no_run_dir,
+         slow=False),
+    Case("train: capacity_factor=inf",
+         _train_out("--config", "moe-tiny", "model.capacity_factor=inf"), 2,
+         "config error: model.capacity_factor=inf must be finite and >= 0", _no_run_dir,
+         slow=False),
+    Case("train: --capacity-factor nan", _train_out("--config", "moe-tiny", "--capacity-factor",
+                                                    "nan"), 2,
+         "config error: model.capacity_factor=nan must be finite and >= 0", _no_run_dir,
+         slow=False),
+    Case("train: n_experts=-8", _train_out("--config", "moe-tiny", "model.n_experts=-8"), 2,
+         "config error: model.n_experts=-8 must be >= 0 (0: dense MLPs)", _no_run_dir,
+         slow=False),
+    Case("train: moe_d_ff=-5", _train_out("--config", "moe-tiny", "model.moe_d_ff=-5"), 2,
+         "config error: model.moe_d_ff=-5 must be >= 0", _no_run_dir, slow=False),
+    Case("train: --capacity-factor on a dense model", _train_out("--capacity-factor", "1.25"), 2,
+         "config error: model.capacity_factor=1.25 (--capacity-factor 1.25) acts on a mixture "
+         "of experts, and model.n_experts=0 has none", _no_run_dir, slow=False),
+    Case("train: --pp-schedule 1f1b without --pp", _train_out("--tp", "8", "--pp-schedule",
+                                                              "1f1b"), 2,
+         "config error: parallel.pp_schedule='1f1b' (--pp-schedule 1f1b) orders a pipeline's "
+         "microbatches, and parallel.pp=1 has no stages: add --pp N", _no_run_dir, slow=False),
+    Case("train: a refused --pp says no microbatches", _train_out("--pp", "3"), 2,
+         "config error: pipeline parallelism splits model.n_layers=4 evenly over pp=3",
+         _no_run_dir, slow=False),
+    Case("train: a misspelt key", _train_out("model.d_modle=64"), 2,
+         "config error: unknown config key 'model.d_modle'; did you mean model.d_model?",
+         _no_run_dir, slow=False),
+    Case("train: --resume at --pp 1 of a --pp 2 run", _resumed_at_pp1, 0,
+         "note: --pp 1 keeps the run's train.microbatches=4",
+         lambda tmp, r: _rows_on_stdout(3)(tmp, r) or _printed(
+             "(saved at pp=2 x dp=1 x tp=1; now dp=1 x tp=1)")(tmp, r)),
+    Case("train: --init-from-hf of a Mixtral whose router holds a NaN", _hf_moe(_nan_router), 2,
+         f"error: checkpoint tensor {_ROUTER} holds 1 non-finite value(s)", _no_run_dir),
+    Case("train: --init-from-hf of an int32 expert tensor", _hf_moe(_int_expert), 2,
+         f"error: checkpoint tensor {_W1} is int32, not a floating-point weight", _no_run_dir),
+    Case("train: --init-from-hf of a Mixtral of 0 experts", _hf_moe(_no_experts), 2,
+         "config error: ", lambda tmp, r: (_no_run_dir(tmp, r), _says(
+             "config.json: num_local_experts=0: a Mixtral config names its experts")(tmp, r)),
+         slow=False),
+    Case("generate: --hf of a Mixtral whose router holds a NaN", _hf_moe(_nan_router, GENERATE),
+         2, f"error: checkpoint tensor {_ROUTER} holds 1 non-finite value(s)", status=True),
+    Case("generate: --hf --tp 3 offers only what the model splits into",
+         _hf_moe(None, GENERATE, "--tp", "3"), 2,
+         "error: model.moe_d_ff (0: model.d_ff)=64 is not divisible by tp=3; choose --tp from "
+         "[1, 2, 4] ",
+         status=True),
+    Case("generate: --hf a missing directory",
+         lambda work, tmp: run(GENERATE, "--hf", tmp / "nowhere", "--prompt", "x"), 2,
+         "error: --hf ", _says("no such directory"), slow=False),
+    Case("plan: model.n_layers=10**20", _flag("--plan", "--tp", "8", f"model.n_layers={10**20}"),
+         2, f"config error: model.n_layers={10**20} is past the largest size", slow=False),
+    Case("plan: train.batch_size=10**21",
+         _flag("--plan", "--tp", "8", f"train.batch_size={10**21}"), 2,
+         f"config error: train.batch_size={10**21} is past the largest size", slow=False),
+    Case("plan: 10**9 layers, more than any accelerator holds",
+         _flag("--plan", "--tp", "8", "model.n_layers=1000000000"), 2,
+         "error: the model's weights, gradients and Adam state"),
+    Case("train: mixtral-8x7b on this machine", _train_out("--config", "mixtral-8x7b"), 2,
+         "error: the model's weights, gradients and Adam state", _no_run_dir),
     # python -m jaxtp.plot runs
     Case("plot: a damaged metrics line", _plot(_damage_a_row), 2, "error: "),
     Case("plot: runs in two trees", _plot(lambda d: None, several=True), 0, None, _drawn_here),

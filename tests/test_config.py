@@ -2,6 +2,7 @@
 that names the value and the fix, before anything compiles."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -108,7 +109,7 @@ def test_overrides_are_typed():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["model.n_heads=6", "model.d_model=96", "parallel.tp=4"], r"model.n_heads=6 is not divisible by tp=4.*\[1, 2, 3, 6\]"),
+    (["model.n_heads=6", "model.d_model=96", "parallel.tp=4"], r"model.n_heads=6 is not divisible by tp=4.*\[1, 2\]"),
     (["model.d_ff=100", "parallel.tp=8"], r"model.d_ff=100 is not divisible by tp=8"),
     (["train.batch_size=6", "parallel.dp=4"],
      r"train.batch_size=6 is not divisible by dp\*microbatches=4\*1"),
@@ -139,7 +140,7 @@ def test_overrides_are_typed():
     (["model.style=llama", "model.d_head=7"], r"rotary embeddings need an even head dim, got 7"),
     (["model.n_kv_heads=2", "model.n_heads=6", "model.d_model=96", "model.d_ff=96",
       "parallel.tp=3"],
-     r"n_kv_heads=2 and tp=3: .*valid --tp: \[1, 2, 6\]"),
+     r"n_kv_heads=2 and tp=3: .*valid --tp: \[1, 2\]"),
     (["model.vocab_size=250", "model.vocab_multiple=2", "parallel.tp=8"],
      r"padded to 250 .* tp=8 does not divide"),
     (["model.d_model=100", "model.n_heads=8"], r"d_model=100 is not divisible by model.n_heads=8"),
@@ -218,6 +219,60 @@ def test_ring_attention_is_refused_where_it_was_asked_for_at_cp_1():
     assert check_asked(ring2, {"parallel.cp_attention", "parallel.cp"}) is ring2
     gather1 = Config()
     assert check_asked(gather1, {"parallel.cp_attention"}) is gather1  # the default
+
+
+@pytest.mark.parametrize("over, asked, refused", [
+    (["parallel.pp_schedule=1f1b"], "parallel.pp_schedule", "--pp-schedule 1f1b) orders a "
+     "pipeline's microbatches, and parallel.pp=1 has no stages"),
+    (["parallel.cp_balance=false"], "parallel.cp_balance", "parallel.cp=1 has none"),
+    (["model.capacity_factor=2"], "model.capacity_factor", "acts on a mixture of experts"),
+    (["model.moe_z_coef=0"], "model.moe_z_coef", "acts on a mixture of experts"),
+    (["parallel.pp_schedule=gpipe"], "parallel.pp_schedule", None),  # the default: no effect
+    (["parallel.pp_schedule=1f1b", "parallel.pp=2", "train.microbatches=2"],
+     "parallel.pp_schedule", None),
+    (["model.capacity_factor=2", "model.n_experts=8"], "model.capacity_factor", None),
+    (["parallel.pp_schedule=1f1b"], "parallel.tp", None),  # kept from a run, not asked
+])
+def test_a_key_asked_for_where_it_acts_on_nothing_is_refused(over, asked, refused):
+    from jaxtp.checks import check_asked
+
+    cfg = validate(apply_overrides(Config(), over))
+    if refused is None:
+        assert check_asked(cfg, {asked}) is cfg
+    else:
+        with pytest.raises(ConfigError, match=re.escape(refused)):
+            check_asked(cfg, {asked})
+
+
+@pytest.mark.parametrize("over, match", [
+    (["model.n_layers=2147483648"], "model.n_layers=2147483648 is past the largest size"),
+    (["train.batch_size=" + "1" + "0" * 21], "is past the largest size jaxtp takes, 2**31 - 1"),
+    (["model.moe_balance_coef=-0.5"], "model.moe_balance_coef=-0.5 must be finite and >= 0"),
+    (["model.rope_theta=inf"], "model.rope_theta=inf must be positive and finite"),
+    (["model.ln_eps=0"], "model.ln_eps=0.0 must be positive and finite"),
+    (["train.checkpoint_minutes=nan"], "train.checkpoint_minutes=nan must be finite and >= 0"),
+    (["parallel.pp_repeats=0"], "parallel.pp_repeats=0 must be positive"),
+    (["model.moe_top_k=0"], "model.moe_top_k=0 must be positive"),
+    (["train.sample_every=-1"], "train.sample_every=-1 must be >= 0 (0: off)"),
+])
+def test_every_number_is_range_checked(over, match):
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        validate(apply_overrides(Config(), over))
+
+
+def test_an_unknown_key_is_answered_with_the_closest():
+    for key, said in (("model.capacity_factr=1", "did you mean model.capacity_factor?"),
+                      ("train.batch=2", "did you mean train.batch_size?"),
+                      ("model.zzz=1", "the fields of ModelConfig in jaxtp/config.py")):
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            apply_overrides(Config(), [key])
+
+
+def test_the_device_count_refusal_names_every_axis_asked():
+    from jaxtp.parallel.layout import check_device_count
+
+    with pytest.raises(ValueError, match="lower --pp/--ep/--tp"):
+        check_device_count({"pp": 2, "dp": 1, "ep": 2, "cp": 1, "tp": 4}, 8, "cpu")
 
 
 @pytest.mark.parametrize("argv, match", [

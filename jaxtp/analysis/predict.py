@@ -39,6 +39,7 @@ from ..config import Config
 from ..hlo import DTYPE_BYTES
 from ..parallel import TP_AXIS, Layout
 from ..hardware import model_flops_per_token
+from ..sizes import param_count
 from .budget import expected_collectives
 from .cluster import Cluster, Link, axis_links, describe, load
 from .decode import decode_budget
@@ -235,28 +236,6 @@ def predict_config(cfg: Config, cluster: str | Cluster) -> dict:
     ticks, useful = compute_factor(cfg)
     return predict_step(cluster, mesh, step_flops(cfg) * tokens / p.devices * ticks / useful,
                         traffic, tokens, model_flops_per_token(cfg, param_count(cfg)))
-
-
-def param_count(cfg: Config) -> int:
-    """Parameters of `cfg`'s model, from its sizes (the model's own count is
-    checked against this in the tests)."""
-    m = cfg.model
-    D, F, L, V, H = m.d_model, m.d_ff, m.n_layers, m.padded_vocab, m.head_dim
-    N, K = m.n_heads, m.kv_heads
-    llama, bias = m.style == "llama", m.use_bias
-    attn = D * N * H + 2 * D * K * H + N * H * D + (N * H + 2 * K * H + D if bias else 0)
-    mlp = (3 * D * F if llama else 2 * D * F) + ((2 * F if llama else F) + D if bias else 0)
-    dense_mlp = mlp
-    if m.n_experts:  # the router [D, E], E expert MLPs without biases (jaxtp.model.moe)
-        S = m.moe_shared_d_ff  # and a shared expert: a dense MLP, with biases where asked
-        mlp = D * m.n_experts + m.n_experts * (3 if llama else 2) * D * m.expert_d_ff + \
-            ((3 * D * S if llama else 2 * D * S) + ((2 * S if llama else S) + D if bias else 0)
-             if S else 0)
-    norms = 2 * D * (1 if llama else 2)  # RMSNorm: a scale; LayerNorm: scale and bias
-    table = V * D * (1 if m.tie_embeddings else 2)
-    M = m.n_moe_layers  # (the others are dense: `model.moe_every`)
-    return L * (attn + norms) + M * mlp + (L - M) * dense_mlp + table + (1 if llama else 2) * D + \
-        (0 if llama else m.seq_len * D)
 
 
 def step_flops(cfg: Config) -> float:

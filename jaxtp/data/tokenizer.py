@@ -43,9 +43,10 @@ class ByteTokenizer:
 
     def decoder(self):
         """A function of new token ids -> the text they complete (UTF-8 split
-        across tokens is held back until whole)."""
+        across tokens is held back until whole; `final=True` at the end gives
+        what is held as U+FFFD, as a whole decode would)."""
         dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        return lambda ids: dec.decode(bytes(ids))
+        return lambda ids, final=False: dec.decode(bytes(ids), final=final)
 
 
 class HFTokenizer:
@@ -71,14 +72,15 @@ class HFTokenizer:
 
     def decoder(self):
         """New ids -> the text they add (decoding the whole sequence so far, as
-        byte-level BPE pieces join only in context)."""
+        byte-level BPE pieces join only in context); `final=True` at the end
+        gives a character still split as U+FFFD, as transformers' decode does."""
         ids, said = [], ""
 
-        def more(new):
+        def more(new, final=False):
             nonlocal said
             ids.extend(new)
             text = self.tok.decode(ids)
-            if text.endswith("\ufffd"):  # a character still split across tokens
+            if text.endswith("\ufffd") and not final:  # a character still split
                 return ""
             out, said = text[len(said):], text
             return out

@@ -335,8 +335,9 @@ def check_device_count(sizes: dict[str, int], available: int, platform: str) -> 
     """Refuse a mesh of more devices than `available`, naming each axis."""
     needed = math.prod(sizes.values())
     if needed > available:
-        hint = ("lower --tp/--cp/--dp" if platform == "cpu" else
-                "lower --tp/--cp/--dp, or simulate on CPU with JAX_PLATFORMS=cpu")
+        flags = "/".join(f"--{a}" for a, n in sizes.items() if n > 1) or "--tp"
+        hint = (f"lower {flags}" if platform == "cpu" else
+                f"lower {flags}, or simulate on CPU with JAX_PLATFORMS=cpu")
         raise ValueError(
             f"{'*'.join(sizes)} = {'*'.join(map(str, sizes.values()))} = {needed} devices "
             f"requested but this machine has {available} {platform} device(s); {hint}")

@@ -68,8 +68,9 @@ from .record import run_record
 from .rundir import RunDir, write_atomic
 from .runstate import RunState
 from .sampler import LoopSampler
-from .start import (Signals, check_options, claim, config_warnings, count_params, describe,
-                    idle_summary, load_data, process0, restore_or_init)
+from .start import (Signals, check_memory, check_options, claim, config_warnings,
+                    count_params, describe, idle_summary, load_data, process0,
+                    restore_or_init)
 from .state import decide
 from .step import ReplayCheck, make_eval_step, make_router_stats
 
@@ -115,6 +116,7 @@ def train(cfg: Config, out_dir: str | Path, opts: RunOptions = RunOptions()) -> 
     data, data_id, tokenizer = load_data(o.data_path, cfg, o.init_from_hf)
     asked = cfg  # as given: the run records "auto", not the kernel this machine picks
     cfg, _, mesh = decide(cfg)  # a KernelError before writing
+    check_memory(cfg, mesh)  # a model this machine cannot hold: before allocating any of it
     out = Path(out_dir)
     rerun = o.resume and RunDir(out).has_run()
     changes, lock = claim(RunDir(out), o.resume, o.tensorboard, asked, o.data_path,
@@ -346,9 +348,12 @@ class _Loop:
                 raise SaveFailed(f"cannot write {self.out}/run.json ({e.strerror}); the run "
                                  "itself finished and is checkpointed") from None
         h, steps = self.history, self.cfg.train.steps
+        # the first and last rows with an applied step (a row whose steps
+        # were all skipped has no loss)
+        losses = [r["loss"] for r in h if r["loss"] is not None]
         summary = {
-            "first_loss": h[0]["loss"] if h else None,
-            "final_loss": h[-1]["loss"] if h else None,
+            "first_loss": losses[0] if losses else None,
+            "final_loss": losses[-1] if losses else None,
             "final_eval_loss": self.eval_loss,
             "tokens_per_sec": float(np.median(self.rates)) if self.rates else None,
             "host_ms_per_step": host_ms,
@@ -359,11 +364,17 @@ class _Loop:
             "out_dir": str(self.out),
         }
         if self.interrupted is None and h and self.step == steps:
-            self.log(f"done: loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
-                     f"eval_loss {self.eval_loss:.4f}, median "
+            self.log(f"done: {_losses(losses, h)}, eval_loss {self.eval_loss:.4f}, median "
                      f"{summary['tokens_per_sec'] or 0:,.0f} tok/s, "
                      + (f"host {host_ms:.2f} ms/step outside the step call, " if host_ms else "")
                      + f"{summary['wall_s']:.0f}s; wrote {self.out}")
         return summary | {"params": self.params, "history": h}
 
 
+def _losses(losses: list[float], rows: list[dict]) -> str:
+    """The done line's losses: first and last of the applied steps, and the
+    skipped ones counted."""
+    skipped = sum(r["skipped"] for r in rows)
+    said = (f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else
+            "no logged step applied (each was skipped)")
+    return said + (f" ({skipped} step{'s' * (skipped > 1)} skipped)" if skipped else "")

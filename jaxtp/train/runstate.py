@@ -36,6 +36,9 @@ class RunState:
     data_position: int = 0  # the step saved: batches 1..data_position were consumed
     loop: dict | None = None  # LoopState.to_json() at that step
     row: dict | None = None  # the metrics row logged at that step, if one was
+    # every mesh axis's degree at the save (pp, dp, ep, tp, cp); older
+    # checkpoints have only dp and tp
+    degrees: dict | None = None
 
     @classmethod
     def of(cls, cfg: Config, data: dict) -> "RunState":
@@ -43,7 +46,8 @@ class RunState:
         t = cfg.train
         return cls(model=dataclasses.asdict(cfg.model), dp=cfg.parallel.dp, tp=cfg.parallel.tp,
                    seed=t.seed, batch_size=t.batch_size, data=data,
-                   schedule={k: getattr(t, k) for k in SCHEDULE_KEYS})
+                   schedule={k: getattr(t, k) for k in SCHEDULE_KEYS},
+                   degrees=cfg.parallel.degrees)
 
     @property
     def step(self) -> int:
@@ -81,11 +85,18 @@ class RunState:
         if isinstance(saved.data, dict) and saved.data["source"] != self.data["source"]:
             log(f"note: the run's data ({saved.data['source']}) is now read from "
                 f"{self.data['source']}: the same content")
-        log(f"resumed from {ckpt.directory} step {step} (saved at dp={saved.dp} x "
-            f"tp={saved.tp}; now dp={self.dp} x tp={self.tp})")
+        log(f"resumed from {ckpt.directory} step {step} (saved at "
+            f"{_mesh(saved.degrees or {'dp': saved.dp, 'tp': saved.tp})}; now "
+            f"{_mesh(self.degrees)})")
         state = dataclasses.replace(target, params=params, opt_state=opt_state)
         return state, dataclasses.replace(self, data_position=step, loop=saved.loop,
                                           row=saved.row)
+
+
+def _mesh(degrees: dict) -> str:
+    """A mesh as the log says it: dp and tp always, the other axes where > 1."""
+    return " x ".join(f"{a}={degrees[a]}" for a in ("pp", "dp", "ep", "cp", "tp")
+                      if degrees.get(a, 1) > 1 or a in ("dp", "tp"))
 
 
 def _said(data: dict | str) -> str:

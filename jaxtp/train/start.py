@@ -23,6 +23,7 @@ from ..config import Config
 from ..data.tokenizer import hf_eos
 from ..parallel import known_bugs, xla_overlap
 from ..parallel.distributed import any_process
+from ..sizes import check_fits
 from .checkpoint import SaveFailed
 from .data import Dataset, data_identity, load_tokens
 from .metrics import MetricsLog
@@ -49,6 +50,23 @@ def config_warnings(cfg: Config) -> list[Notice]:
     # the workaround jaxtp applies: `jaxtp.parallel.compiler_options`)
     said += [bug.line() for bug in known_bugs(cfg, jax.default_backend())]
     return [Notice(line) for line in said]
+
+
+def check_memory(cfg: Config, mesh) -> None:
+    """Refuse (ValueError) a run whose weights, gradients and Adam state alone
+    outgrow the memory of this process's devices (`jaxtp.sizes.check_fits`):
+    on CPU the host's, which its fake devices share; on an accelerator each
+    device's allocator limit."""
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    if local[0].platform == "cpu":
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        where = f"this machine's memory (its {len(local)} CPU devices share it)"
+    else:
+        limits = [(d.memory_stats() or {}).get("bytes_limit") for d in local]
+        if not all(limits):
+            return  # a platform that does not say: the allocator will
+        memory, where = sum(limits), f"the {len(local)} {local[0].device_kind} devices here"
+    check_fits(cfg, len(local), memory, where)
 
 
 def check_options(check: bool, resume: bool, until, inject_nan_at, peak_tflops) -> None:

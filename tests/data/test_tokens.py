@@ -222,3 +222,19 @@ def test_streamed_text_holds_back_a_split_character(tmp_path):
     more = tok.decoder()
     pieces = [more([i]) for i in ids]  # é is two byte-level tokens
     assert "".join(pieces) == "café ok" and "\ufffd" not in "".join(pieces)
+
+
+def test_a_character_still_split_at_the_end_is_a_replacement_character(tmp_path):
+    """At the end of the stream (`final=True`) the bytes of a character not yet
+    whole come out as U+FFFD, as a whole decode gives them (they were dropped)."""
+    from jaxtp.data.tokenizer import ByteTokenizer, HFTokenizer
+
+    tok = HFTokenizer(bpe(tmp_path), eos=[], special=False)
+    ids = tok.encode("café")
+    cut = ids[:-1]  # é's first byte-level token only
+    more = tok.decoder()
+    text = "".join(more([i]) for i in cut) + more([], final=True)
+    assert text == tok.tok.decode(cut) and text.endswith("\ufffd"), text
+    more = ByteTokenizer().decoder()
+    text = more(list("caf".encode())) + more(["é".encode()[0]]) + more([], final=True)
+    assert text == "caf\ufffd" == (b"caf" + "é".encode()[:1]).decode("utf-8", "replace")

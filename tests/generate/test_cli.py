@@ -49,3 +49,24 @@ def test_bad_requests_are_one_line(run_dir, tmp_path, capsys):
         assert generate.main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()  # status lines, then the error
         assert said in err[-1] and [x for x in err if x.startswith("error")] == err[-1:], err
+
+
+@pytest.mark.parametrize("prompts", [["p"], ["p", "q"]])
+def test_the_last_tokens_split_character_is_printed(prompts, capsys):
+    """The stream's last token ends inside a UTF-8 character: its byte prints
+    as U+FFFD (as transformers' decode of the whole output does), for one
+    streamed prompt and for a batch."""
+    import argparse
+
+    from jaxtp.data.tokenizer import ByteTokenizer
+
+    class Gen:
+        def stream(self, ids, n, seed, eos):
+            for t in (ord("c"), "é".encode()[0]):
+                yield [t] * len(ids)
+
+    args = argparse.Namespace(max_new_tokens=2, seed=0)
+    assert not generate.stream(Gen(), [[0]] * len(prompts), prompts, ByteTokenizer(), args)
+    out = capsys.readouterr().out
+    want = (b"c" + "é".encode()[:1]).decode("utf-8", "replace")
+    assert all(f"{p}{want}\n" in out for p in prompts), out

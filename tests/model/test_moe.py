@@ -380,7 +380,7 @@ test_the_moe_pipeline_equals_one_device_and_holds_its_ledger.fast_cases = {
     ({"cp": 2, "moe_dispatch": "ragged"}, "not built for model.moe_dispatch='ragged' with --cp"),
     ({"pp": 2, "microbatches": 2, "sp": True, "tp": 2, "capacity_factor": 0.0},
      "--sp in a pipeline under --impl gspmd .* use --impl shard_map"),
-    ({"capacity_factor": -1.0}, "must be >= 0"),
+    ({"capacity_factor": -1.0}, "must be finite and >= 0 \\(0: dropless\\)"),
     ({"moe_dispatch": "ragged", "capacity_factor": 1.0}, "is dropless"),
     ({"moe_dispatch": "sparse"}, "choose one of \\('dense', 'ragged'\\)"),
     ({"ep": 3}, "valid --ep: \\[1, 2, 4\\]"),

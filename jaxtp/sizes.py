@@ -1,0 +1,91 @@
+"""What a config's model holds, from its sizes alone (no JAX, nothing built):
+its parameter count, the least memory a training step needs, and the
+refusal of a config that no accelerator holds, or that this machine does
+not. `--plan` and a training run check it before they build anything: a
+model of 10**9 layers would otherwise trace for minutes before failing, and
+Mixtral 8x7B on a CPU machine allocate for a minute before running out."""
+
+from __future__ import annotations
+
+from .hardware import HARDWARE, GiB
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+def param_count(cfg) -> int:
+    """Parameters of `cfg`'s model, from its sizes (the model's own count is
+    checked against this in the tests)."""
+    m = cfg.model
+    D, F, L, V, H = m.d_model, m.d_ff, m.n_layers, m.padded_vocab, m.head_dim
+    N, K = m.n_heads, m.kv_heads
+    llama, bias = m.style == "llama", m.use_bias
+    attn = D * N * H + 2 * D * K * H + N * H * D + (N * H + 2 * K * H + D if bias else 0)
+    mlp = (3 * D * F if llama else 2 * D * F) + ((2 * F if llama else F) + D if bias else 0)
+    dense_mlp = mlp
+    if m.n_experts:  # the router [D, E], E expert MLPs without biases (jaxtp.model.moe)
+        S = m.moe_shared_d_ff  # and a shared expert: a dense MLP, with biases where asked
+        mlp = D * m.n_experts + m.n_experts * (3 if llama else 2) * D * m.expert_d_ff + \
+            ((3 * D * S if llama else 2 * D * S) + ((2 * S if llama else S) + D if bias else 0)
+             if S else 0)
+    norms = 2 * D * (1 if llama else 2)  # RMSNorm: a scale; LayerNorm: scale and bias
+    table = V * D * (1 if m.tie_embeddings else 2)
+    M = m.n_moe_layers  # (the others are dense: `model.moe_every`)
+    return L * (attn + norms) + M * mlp + (L - M) * dense_mlp + table + (1 if llama else 2) * D + \
+        (0 if llama else m.seq_len * D)
+
+
+def state_bytes(cfg) -> int:
+    """The least a training step holds over all its devices together: the
+    parameters, their gradients and Adam's two moments, each in the param
+    dtype (`jaxtp.train.optim`), and the batch's residual stream [B, T, D]
+    once in the compute dtype. Split without a replica and without
+    temporaries: a floor, never an estimate (`--plan` compiles for that)."""
+    m, t = cfg.model, cfg.train
+    return (4 * param_count(cfg) * ITEMSIZE[m.param_dtype]
+            + t.batch_size * m.seq_len * m.d_model * ITEMSIZE[m.dtype])
+
+
+def _floor(cfg, devices: int) -> str:
+    n = param_count(cfg)
+    return (f"the model's weights, gradients and Adam state and one batch of activations come "
+            f"to at least {_bytes(state_bytes(cfg))} ({_count(n)} parameters in "
+            f"{cfg.model.param_dtype}, batch {cfg.train.batch_size} x {cfg.model.seq_len} "
+            f"tokens)" + (f", {_bytes(-(-state_bytes(cfg) // devices))} a device split "
+                          f"evenly over {devices}" if devices > 1 else ""))
+
+
+def check_plannable(cfg, devices: int) -> None:
+    """Refuse (ValueError) a plan whose floor per device, split evenly over
+    the `devices` of its largest mesh, is past the memory of every
+    accelerator in the hardware table: nothing could run it, and compiling
+    it only takes time."""
+    largest = max((h for h in HARDWARE.values() if h.memory), key=lambda h: h.memory)
+    if -(-state_bytes(cfg) // devices) > largest.memory:
+        raise ValueError(f"{_floor(cfg, devices)}: more than any accelerator holds (the "
+                         f"largest jaxtp knows, {largest.name}, has "
+                         f"{largest.memory / GiB:.0f} GiB); plan a smaller model or batch, "
+                         "or more devices (--dp with --fsdp, --pp, --ep)")
+
+
+def check_fits(cfg, devices: int, memory: int, where: str) -> None:
+    """Refuse (ValueError) a run whose floor, on the `devices` this process
+    holds of the mesh, is past the `memory` they offer (`where` says
+    whose): said before anything is allocated, not as an allocator's
+    traceback a minute later."""
+    mesh = cfg.parallel.devices
+    need = -(-state_bytes(cfg) * devices // mesh)
+    if need > memory:
+        raise ValueError(f"{_floor(cfg, mesh)}: {_bytes(need)} on {where}, which "
+                         f"has {_bytes(memory)}; python train.py --plan shows what it takes "
+                         "on accelerators (memory per device, by layout)")
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 1e9:,.1f} GB" if n < 1e15 else f"{n:.3g} bytes"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:,.1f}B" if n >= 1e9 else f"{n / 1e6:,.1f}M" if n >= 1e6 else f"{n:,}"
+
+
+__all__ = ["ITEMSIZE", "check_fits", "check_plannable", "param_count", "state_bytes"]
