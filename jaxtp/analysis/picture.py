@@ -16,7 +16,7 @@ from pathlib import Path
 from xml.sax.saxutils import quoteattr
 
 from ..plot import NoMatplotlib, pyplot
-from .rows import role_text, shape_text, size_text
+from .rows import ANY_SCOPE, role_text, row_cells, shape_text, size_text
 
 # the modules top to bottom: (slot, label)
 MODULES = (("embedding", "embedding (vocab-parallel), positions"),
@@ -69,17 +69,18 @@ def layout(report: dict) -> tuple[list[tuple], int, int]:
         side = "forward" if r["pass"] == "forward" else "backward"
         for impl in impls:
             got, want = r["counts"][impl], r["budget"][impl]
-            if not got and not want:
-                continue
+            shown, booked, ok = row_cells(r, impl)
+            if (not got and not want) or (r["scope"] == ANY_SCOPE and ok):
+                continue  # (an any-scope total that holds: its collectives are drawn)
             head = f"{got}x {r['kind']}: {role_text(r)}"
             axes = f" over {'+'.join(r['axes'])}" if r.get("axes") else ""
             payload = (f"   {shape_text(r).replace(' ', '')}, {size_text(r['bytes'])}{axes}"
-                       + (f"; budget {want}" if got != want else ""))
+                       + (f"; budget {booked}" if shown != booked else ""))
             data = {"impl": impl, "pass": r["pass"], "kind": r["kind"], "role": role_text(r),
                     "count": got, "budget": want}
             if r.get("axes"):
                 data["axes"] = "+".join(r["axes"])
-            colour = OK if got == want else WARN
+            colour = OK if ok else WARN
             cells.setdefault((slot(r), side, impl), []).extend(
                 [(_fit(head), colour, data), (_fit(payload), colour, None)])
     n = len(impls)

@@ -172,12 +172,17 @@ def lines(check: dict) -> list[str]:
             out.append(f"  {a}: ledger {v['ledger']:.0f} B, which the roofline books to each "
                        f"of {' and '.join(a.split('+'))} (its two-phase model)")
             continue
+        # the two price some collectives by different models (an all-to-all,
+        # a ring): the check is the ledger's rows priced the roofline's way
+        same = ratio is None or abs(ratio - 1) < 1e-6
+        verdict = ("DIFFER" if not v["agree"] else "agree" if same else
+                   "agree, priced the roofline's way (the totals differ by model)")
         out.append(
             f"  {a}: roofline {v['roofline']:.0f} B, ledger {v['ledger']:.0f} B"
-            + (f" (ratio {ratio:.4f})" if ratio is not None else "")
+            + ("" if same else f" (ratio {ratio:.4f}: "
+               f"{'differs by model' if v['agree'] else 'differ'})")
             + f"; GSPMD places {v['placed_by_gspmd']:.0f} B the jaxpr lacks; the rest priced "
-            f"the roofline's way {v['ledger_written_roofline_priced']:.0f} B: "
-            + ("agree" if v["agree"] else "DIFFER"))
+            f"the roofline's way {v['ledger_written_roofline_priced']:.0f} B: {verdict}")
     for name, v in check["named"].items():
         out.append(f"  named on {v['axis']}: {name}, {v['bytes']:.0f} B")
     return out

@@ -189,7 +189,11 @@ def table_rows(colls_by_impl: dict, expected_by_impl: dict,
     `mesh`, the mesh axes it spans) with its count per impl (`counts`) and in
     each impl's budget (`budget`), and the budget's roles for it (Megatron's f
     or g, their SP forms and rings, the loss's reductions): the data of the
-    table and of the picture. Rows are grouped by axes, then pass."""
+    table and of the picture. Rows are grouped by axes, then pass.
+
+    An any-scope budget row (matched by total elements: `check`) is one row
+    per total, whose `total` is [elements found, elements booked] per impl;
+    a collective it counts names it in its roles and the impls in `in_total`."""
     cells: dict[tuple, dict] = {}
     for impl in colls_by_impl:
         for c in colls_by_impl[impl]:
@@ -197,35 +201,76 @@ def table_rows(colls_by_impl: dict, expected_by_impl: dict,
                                     {"shape": c.shape, "bytes": c.bytes})
             cell.setdefault("counts", {})[impl] = cell.get("counts", {}).get(impl, 0) + c.count
         for e in expected_by_impl[impl]:
-            cell = cells.setdefault(_key(e, mesh), {"shape": None, "bytes": e.bytes})
+            key = _key(e, mesh)
+            if e.scope == ANY_SCOPE:  # one row per total, as `check` merges them
+                key = key[:3] + (0,) + key[4:]
+                cell = cells.setdefault(key, {"shape": None, "bytes": 0, "elements": 0})
+                total = cell.setdefault("total", {}).setdefault(impl, [0, 0])
+                total[1] += e.elements * e.count
+                cell["elements"] = max(cell["elements"], total[1])
+                cell["bytes"] = cell["elements"] * hlo.DTYPE_BYTES[e.dtype]
+            else:
+                cell = cells.setdefault(key, {"shape": None, "bytes": e.bytes})
             cell.setdefault("budget", {})[impl] = cell.get("budget", {}).get(impl, 0) + e.count
             roles = cell.setdefault("roles", [])
             if e.role_label not in roles:
                 roles.append(e.role_label)
-    # a collective an any-scope row counts in its total says so
-    totals = [e for rows_ in expected_by_impl.values() for e in rows_ if e.scope == ANY_SCOPE]
-    for key, cell in cells.items():
-        if key[2] == ANY_SCOPE or cell.get("roles"):
-            continue
-        for e in totals:
-            if (key[0], key[4], key[5]) == (e.kind, e.dtype, e.group) and \
-                    (key[6] is None or key[6] == e.axes) and e.pass_ in (key[1], ANY_PASS):
-                label = f"{e.role_label}, in its (any) total"
-                if label not in cell.setdefault("roles", []):
+    for impl in expected_by_impl:
+        # what each collective has beyond its own rows, taken by the totals in
+        # `check`'s order (those of one pass before "forward or backward")
+        left = {key: max(cell.get("counts", {}).get(impl, 0)
+                         - cell.get("budget", {}).get(impl, 0), 0)
+                for key, cell in cells.items() if key[2] != ANY_SCOPE}
+        for any_key in sorted((k for k, cell in cells.items() if impl in cell.get("total", {})),
+                              key=lambda k: k[1] == ANY_PASS):
+            total = cells[any_key]
+            for key, cell in cells.items():
+                if not left.get(key) or not _in_total(key, any_key):
+                    continue
+                total["total"][impl][0] += key[3] * left.pop(key)
+                cell.setdefault("in_total", set()).add(impl)
+                label = f"{total['roles'][0]}, in its (any) total"
+                if not cell.get("budget") and label not in cell.setdefault("roles", []):
                     cell["roles"].append(label)
     order = {"forward": 0, "backward": 1, "other": 2, ANY_PASS: 3}
     rows = []
-    for key in sorted(cells, key=lambda k: (k[6] or (), order.get(k[1], 3), k[2], k[0], -k[3])):
+    # (an any-scope total after the collectives it counts)
+    for key in sorted(cells, key=lambda k: (k[6] or (), order.get(k[1], 3), k[2] == ANY_SCOPE,
+                                            k[2], k[0], -k[3])):
         kind, pass_, scope, n, dt, group, axes = key
         cell = cells[key]
-        rows.append({"kind": kind, "pass": pass_, "scope": scope, "elements": n, "dtype": dt,
+        rows.append({"kind": kind, "pass": pass_, "scope": scope,
+                     "elements": cell.get("elements", n), "dtype": dt,
                      "devices": group, "bytes": cell["bytes"],
                      "axes": list(axes) if axes is not None else None,
                      "shape": list(cell["shape"]) if cell["shape"] is not None else None,
                      "counts": {i: cell.get("counts", {}).get(i, 0) for i in colls_by_impl},
                      "budget": {i: cell.get("budget", {}).get(i, 0) for i in colls_by_impl},
-                     "roles": cell.get("roles", [])})
+                     "roles": cell.get("roles", []),
+                     "total": cell.get("total", {}),
+                     "in_total": sorted(cell.get("in_total", ()))})
     return rows
+
+
+def _in_total(key: tuple, total: tuple) -> bool:
+    """Whether a collective of `key` is one the any-scope total of key
+    `total` counts (`check`)."""
+    return (key[0], key[4], key[5]) == (total[0], total[4], total[5]) and \
+        (key[6] is None or key[6] == total[6]) and total[1] in (key[1], ANY_PASS)
+
+
+def row_cells(row: dict, impl: str) -> tuple[str, str, bool]:
+    """(compiled, budget, whether they agree) of a table row for `impl`: counts;
+    an any-scope row's element totals; "(any)" as the budget of a collective
+    an any-scope row counts."""
+    # (a report written before these fields: counts alone)
+    if row["scope"] == ANY_SCOPE and impl in row.get("total", {}):
+        found, booked = row["total"][impl]
+        return f"{found} el", f"{booked} el", found == booked
+    got, want = row["counts"][impl], row["budget"][impl]
+    if impl in row.get("in_total", ()) and got > want:
+        return str(got), f"{want} + (any)" if want else "(any)", True
+    return str(got), str(want), got == want
 
 
 def ring_bytes_by_axes(expected: list[Expected]) -> dict[str, float]:
@@ -264,7 +309,7 @@ def format_table(colls_by_impl: dict, expected_by_impl: dict,
                size_text(r["bytes"])]
         row = (["+".join(r["axes"]) or "-"] if mesh else []) + row
         for impl in impls:
-            row += [str(r["counts"][impl]), str(r["budget"][impl])]
+            row += list(row_cells(r, impl)[:2])
         rows.append(row + [role_text(r)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

@@ -10,7 +10,7 @@ import pytest
 import train
 from jaxtp import hlo
 from jaxtp.analysis.budget import Budget, expected_collectives
-from jaxtp.analysis.rows import check
+from jaxtp.analysis.rows import ANY_SCOPE, check, row_cells
 from jaxtp.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from jaxtp.parallel import make_mesh
 from jaxtp.train.state import abstract_train_state
@@ -360,6 +360,18 @@ def test_compare_hlo_of_a_pipeline(tmp_path, capsys):
     a = report["analytic"]
     assert (report["layers"], report["pp"]) == (4, 2)
     assert a["ring_bytes_blocks_per_step"] == 2 * 5 * a["ring_bytes_per_layer"]
+    # the table reads without its totals: a dp gradient summed with the others
+    # over pp x dp shows "(any)" as its budget, not 0, and the total's row the
+    # elements it found against those it books
+    folded = [r for r in report["table"] if r["in_total"]]
+    totals = [r for r in report["table"] if r["scope"] == ANY_SCOPE]
+    assert folded and totals and all(r["budget"]["gspmd"] == 0 for r in folded)
+    for r in report["table"]:
+        for impl in report["impls"]:
+            assert row_cells(r, impl)[2], (impl, r)
+    assert all(row_cells(r, "gspmd")[1] == "(any)" for r in folded)
+    found, booked = totals[0]["total"]["gspmd"]
+    assert found == booked > 0 and f"{booked} el  " in printed
 
 
 @pytest.mark.slow

@@ -280,6 +280,13 @@ def test_compare_hlo_of_moe_tiny_at_ep4_tp2(tmp_path, capsys):
     report = json.loads((tmp_path / "comm_report.json").read_text())
     assert report["ok"]
     assert any(line.startswith("ep ") and "all-to-all" in line for line in printed.splitlines())
+    # the roofline prices an all-to-all by another model than the ledger: its
+    # ep total differs (its ratio said beside "agree" read as a contradiction)
+    ep = report["roofline"]["axes"]["ep"]
+    said = next(line for line in printed.splitlines() if line.startswith("  ep: roofline"))
+    assert ep["agree"] and abs(ep["ratio_roofline_to_ledger"] - 1) > 0.1, ep
+    assert "differs by model" in said and said.endswith(
+        "agree, priced the roofline's way (the totals differ by model)"), said
 
 
 @pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
