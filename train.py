@@ -242,6 +242,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_intermixed_args(argv)
 
 
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """The command line's "section.key=value"s: its flags', then its own."""
+    flags = {FLAG_KEYS[k]: getattr(args, k) for k in FLAG_KEYS}
+    if args.bf16 and args.float64:
+        raise ValueError("--bf16 and --float64 ask for two precisions; choose one")
+    flags["model.dtype"] = "bfloat16" if args.bf16 else "float64" if args.float64 else None
+    flags["model.param_dtype"] = "float64" if args.float64 else None
+    return [f"{k}={v}" for k, v in flags.items() if v is not None] + args.overrides
+
+
 def resolve_config(args: argparse.Namespace, base: Config | None = None) -> Config:
     """The config the command line asks for: `base` (else --config, else
     tiny; --init-from-hf's model section), then the flags, then the overrides."""
@@ -250,12 +260,7 @@ def resolve_config(args: argparse.Namespace, base: Config | None = None) -> Conf
         from jaxtp.hf import hf_model_config
 
         cfg = dataclasses.replace(cfg, model=hf_model_config(args.init_from_hf))
-    flags = {FLAG_KEYS[k]: getattr(args, k) for k in FLAG_KEYS}
-    if args.bf16 and args.float64:
-        raise ValueError("--bf16 and --float64 ask for two precisions; choose one")
-    flags["model.dtype"] = "bfloat16" if args.bf16 else "float64" if args.float64 else None
-    flags["model.param_dtype"] = "float64" if args.float64 else None
-    overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + args.overrides
+    overrides = _overrides(args)
     asked = {o.split("=", 1)[0] for o in overrides}
     cfg = apply_overrides(cfg, overrides)
     p, t = cfg.parallel, cfg.train
@@ -478,7 +483,10 @@ def run(args, cfg: Config, given: dict) -> int:
         if not (args.resume and RunDir(args.out).has_run()):
             init = init()  # a new run: a broken download is refused before writing
         # else read only if the run has no checkpoint to continue from
+    asked = {o.split("=", 1)[0] for o in _overrides(args)}
     summary = train(cfg, args.out, RunOptions(
+        # a config's warmup against a --steps of the command line's (a smoke run) is not news
+        warn_warmup="train.steps" not in asked or "train.warmup_steps" in asked,
         data_path=given["data"], check=args.check, init_params=init, resume=args.resume,
         inject_nan_at=args.inject_nan_at, peak_tflops=args.peak_tflops,
         tensorboard=args.tensorboard, until=args.until, init_from_hf=hf, argv=sys.argv,

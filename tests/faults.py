@@ -854,6 +854,10 @@ CASES = [
          lambda work, tmp: run(TRAIN, "--tp", "2", "--steps", "3", *SMALL, "--inject-nan-at",
                                "1,3", "--out", tmp / "run"), 0, None,
          _done_line("loss ", "(2 steps skipped)")),
+    Case("train: a 3-step smoke run of a config's 30-step warmup says nothing of it",
+         lambda work, tmp: run(TRAIN, "--tp", "1", "--steps", "3", *[
+             a for a in SMALL if not a.startswith("train.warmup_steps")], "--out", tmp / "run"),
+         0, None, _rows_on_stdout(1, 2, 3)),
     Case("train: moe_balance_coef nan",
          _train_out("--config", "moe-tiny", "model.moe_balance_coef=nan", "--steps", "2"), 2,
          "config error: model.moe_balance_coef=nan must be finite and >= 0", _no_run_dir,

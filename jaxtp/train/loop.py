@@ -172,7 +172,7 @@ class _Loop:
             lambda: MetricsLog(out, run.step, o.tensorboard, log, saved_row=run.row),
             "open metrics.jsonl")
         self.n_params = count_params(state.params)
-        for line in describe(cfg, self.n_params, data) + config_warnings(cfg):
+        for line in describe(cfg, self.n_params, data) + config_warnings(cfg, o.warn_warmup):
             log(line)
         self.loop = LoopState.start(t.seed, mesh, run.loop, wide(m.dtype))
         self.step_fn, self.record = self._compile(state, o.inject_nan_at)

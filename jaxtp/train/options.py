@@ -35,6 +35,9 @@ class RunOptions:
     until: int | None = None
     init_from_hf: str | None = None  # recorded in launch.json (train.py's --init-from-hf)
     argv: tuple = ()  # the command line, recorded with a resume's changes
+    # say when train.warmup_steps >= train.steps (train.py: not where the
+    # command line set --steps and left the config's warmup, a smoke run)
+    warn_warmup: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "inject_nan_at", frozenset(self.inject_nan_at))

@@ -37,11 +37,12 @@ def count_params(params) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
 
 
-def config_warnings(cfg: Config) -> list[Notice]:
-    """What a legal config does that its user may not expect, a line each."""
+def config_warnings(cfg: Config, warmup: bool = True) -> list[Notice]:
+    """What a legal config does that its user may not expect, a line each
+    (`warmup`: including a warmup as long as the run)."""
     t = cfg.train
     said = []
-    if t.warmup_steps >= t.steps:
+    if warmup and t.warmup_steps >= t.steps:
         said.append(f"warning: train.warmup_steps={t.warmup_steps} is not below train.steps="
                     f"{t.steps}: the learning rate only warms up (to {t.lr:.2e} x "
                     f"{min(t.steps, t.warmup_steps)}/{t.warmup_steps} at the last step) and "
