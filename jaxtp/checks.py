@@ -5,6 +5,7 @@ imports nothing of `jaxtp.config`, which re-exports the choices."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -143,10 +144,7 @@ def check_asked(cfg: Config, asked) -> Config:
     Not part of `check`: a stored config cannot tell a value asked for from
     one kept (a run trained at cp=4 with ring and resumed at --cp 1 keeps
     ring, which then does nothing, as allgather, the default, would not)."""
-    from .config import Config as Default  # (jaxtp.config imports this module)
-
     p, m = cfg.parallel, cfg.model
-    default = Default()
     idle = [("parallel.cp_attention", p.cp == 1, "passes K/V chunks between the cp ranks, and "
              "parallel.cp=1 has none", "add --cp N (N > 1) to split the sequence over N "
              "devices, or drop --cp-attention"),
@@ -159,8 +157,10 @@ def check_asked(cfg: Config, asked) -> Config:
               "model.n_experts, or drop it") for k in MOE_KEYS]
     for key, absent, why, fix in idle:
         section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if key in asked and absent and value != getattr(getattr(default, section), name):
+        part = getattr(cfg, section)
+        value = getattr(part, name)
+        default = next(f.default for f in dataclasses.fields(part) if f.name == name)
+        if key in asked and absent and value != default:
             flag = f" ({_FLAGS[key]} {value})" if key in _FLAGS else ""
             raise ConfigError(f"{key}={value!r}{flag} {why}: {fix}")
     return cfg
@@ -198,13 +198,13 @@ MAX_SIZE = 2**31 - 1
 # sizes (ints >= 1), counts that may be 0 (ints >= 0), positive reals, and
 # coefficients and factors (finite reals >= 0), by "section.key"
 _SIZES = {"model": ("vocab_size", "vocab_multiple", "n_layers", "d_model", "n_heads", "d_ff",
-                    "seq_len", "attention_block", "rope_original_max_len", "moe_top_k",
-                    "moe_every"),
+                    "seq_len", "attention_block", "rope_original_max_len", "moe_every"),
           "train": ("steps", "batch_size", "microbatches", "log_every", "eval_every",
                     "eval_batches", "max_skipped_steps", "keep_checkpoints"),
           "parallel": ("pp", "pp_repeats", "dp", "ep", "tp", "cp")}
-_COUNTS = {"model": ("n_kv_heads", "d_head", "loss_chunk", "n_experts", "moe_d_ff",
-                     "moe_shared_d_ff"),
+# (moe_top_k: 1 to n_experts with experts, `_check_moe`; any count without)
+_COUNTS = {"model": ("n_kv_heads", "d_head", "loss_chunk", "n_experts", "moe_top_k",
+                     "moe_d_ff", "moe_shared_d_ff"),
            "train": ("warmup_steps", "checkpoint_every", "sample_every")}
 _POSITIVE = {"model": ("ln_eps", "rope_theta", "init_std"), "train": ("lr",)}
 _FINITE = {"model": ("capacity_factor", "moe_balance_coef", "moe_z_coef",

@@ -252,7 +252,7 @@ def test_a_key_asked_for_where_it_acts_on_nothing_is_refused(over, asked, refuse
     (["model.ln_eps=0"], "model.ln_eps=0.0 must be positive and finite"),
     (["train.checkpoint_minutes=nan"], "train.checkpoint_minutes=nan must be finite and >= 0"),
     (["parallel.pp_repeats=0"], "parallel.pp_repeats=0 must be positive"),
-    (["model.moe_top_k=0"], "model.moe_top_k=0 must be positive"),
+    (["model.moe_top_k=-1"], "model.moe_top_k=-1 must be >= 0"),
     (["train.sample_every=-1"], "train.sample_every=-1 must be >= 0 (0: off)"),
 ])
 def test_every_number_is_range_checked(over, match):

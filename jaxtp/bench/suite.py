@@ -60,7 +60,7 @@ SECTIONS = ("impl", "scaling", "overlap", "windowed", "cp", "pp", "moe", "compil
 PLANS = {
     "quick": dict(presets=("tiny",), tps=(1, 8), impls=("gspmd",), overlap_impls=("shard_map",),
                   windowed_cases=(("gpt2", "gspmd", "none"),), cps=(4,), cp_layouts=((4, 2),),
-                  warmup=1, steps=3,
+                  warmup=1, steps=3, rounds=3,
                   depths=(2, 8), unscanned=(), payloads=("tiny",), samples=5,
                   attention_seqs=(128,), loop_steps=6, decode_batch=4, decode_prompt=16,
                   decode_tokens=8, decode_reps=1,
@@ -71,7 +71,7 @@ PLANS = {
                  windowed_cases=tuple((m, i, "none") for m in ("gpt2", "llama")
                                       for i in ("gspmd", "explicit"))
                  + (("gpt2", "gspmd", "full"),),
-                 warmup=2, steps=7, depths=(2, 8, 32), unscanned=(2, 8),
+                 warmup=2, steps=7, rounds=5, depths=(2, 8, 32), unscanned=(2, 8),
                  payloads=("tiny", "gpt2-small", "llama-1b"), samples=10,
                  attention_seqs=(256, 512, 1024, 2048), loop_steps=60, decode_batch=8,
                  decode_prompt=64, decode_tokens=64, decode_reps=3, small=()),

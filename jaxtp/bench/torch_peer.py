@@ -12,7 +12,12 @@ cross-entropy, global-norm clipping and decoupled weight decay on matrices
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import os
+import subprocess
+import sys
 
 from ..config import Config
 
@@ -105,3 +110,67 @@ def make_step(cfg: Config):
         return loss.detach().item()
 
     return step
+
+
+def timed(run, cfg: Config, warmup: int, rounds: int) -> dict:
+    """jaxtp's built step `run` (`jaxtp.bench.timing.build`) against PyTorch
+    eager's of `cfg`, one step each per round, the order reversed every
+    other round: each side's tokens/s (from its median step) and the paired
+    ratio of jaxtp's tokens/s to PyTorch's (median, min, max over rounds)."""
+    import numpy as np
+
+    from .timing import paired_ratio, time_alternating
+
+    step = make_step(cfg)
+
+    class Torch:
+        name = "PyTorch eager"
+
+        def __call__(self):
+            return step()
+
+    t = time_alternating([run, Torch()], warmup, rounds)
+    ratio, lo, hi = paired_ratio(t, Torch.name, run.name)  # torch's time / jaxtp's
+    tokens = cfg.train.batch_size * cfg.model.seq_len
+    return {"jaxtp_tokens_per_s": tokens / float(np.median(t[run.name])),
+            "torch_tokens_per_s": tokens / float(np.median(t[Torch.name])),
+            "value": ratio, "ratio_min": lo, "ratio_max": hi}
+
+
+def one_device(cfg: Config, warmup: int, rounds: int, timeout: float = 900) -> dict:
+    """`timed` for `cfg` in a process of its own with one CPU device (the
+    suite's process has 8 fake devices, which share one thread pool: a tp=1
+    step there ran 1.2x slower, jaxlib 0.10.2): the same dict, or
+    {"reason": why not}."""
+    argv = [sys.executable, "-m", "jaxtp.bench.torch_peer", "--warmup", str(warmup),
+            "--rounds", str(rounds), "--config", json.dumps(cfg.to_dict())]
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if "device_count" not in f)
+    r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
+    if r.returncode:
+        return {"reason": (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    """`python -m jaxtp.bench.torch_peer`: `timed` of a config at tp=1 on one
+    CPU device, as one JSON line (what `one_device` runs)."""
+    ap = argparse.ArgumentParser(prog="python -m jaxtp.bench.torch_peer")
+    ap.add_argument("--config", required=True, help="a config as JSON (Config.to_dict)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args(argv)
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 1)
+    from .timing import build
+
+    cfg = Config.from_dict(json.loads(args.config))
+    print(json.dumps(timed(build("jaxtp", cfg), cfg, args.warmup, args.rounds)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -59,33 +59,32 @@ def bench_peer(plan: dict, cache: dict) -> dict:
 
 
 def bench_torch_peer(plan: dict, cache: dict) -> dict:
-    """jaxtp's tiny step at tp=1 against PyTorch eager, where torch imports."""
-    run, cut = _get(plan, cache, "tiny", 1)
-    columns = PAIRED + [("jaxtp_ms", "jaxtp ms (median)"), ("torch_ms", "PyTorch ms (median)"),
-                        ("reason", "reason")]
-    case = _case("tiny tp=1", run.cfg, cut)
+    """jaxtp's tiny step against PyTorch eager's, where torch imports: at
+    tp=1 on one device (a process of its own), at tp=1 among this process's
+    8 fake devices, and the tp=8 step (the README's first command), each
+    alternated with PyTorch's, `plan["rounds"]` rounds."""
+    columns = PAIRED + [("jaxtp_tokens_per_s", "jaxtp tokens/s"),
+                        ("torch_tokens_per_s", "PyTorch tokens/s"), ("reason", "reason")]
     why = torch_peer.available()
-    if why:
-        return section("torch-peer", "jaxtp against PyTorch eager", columns, [
-            {"case": case, "measured": "train step time, jaxtp / PyTorch", "value": None,
-             "unit": "ratio", "ratio_min": None, "ratio_max": None, "jaxtp_ms": None,
-             "torch_ms": None, "reason": why}], ["skipped: torch is not a dependency of jaxtp"])
-    step = torch_peer.make_step(run.cfg)
-
-    class Torch:
-        name = "PyTorch eager"
-
-        def __call__(self):
-            return step()
-
-    t = time_alternating([run, Torch()], plan["warmup"], plan["steps"] + 2)
-    ratio, lo, hi = paired_ratio(t, run.name, Torch.name)
-    rows = [{"case": case, "measured": "train step time, jaxtp / PyTorch", "value": ratio,
-             "unit": "ratio", "ratio_min": lo, "ratio_max": hi,
-             "jaxtp_ms": float(np.median(t[run.name])) * 1e3,
-             "torch_ms": float(np.median(t[Torch.name])) * 1e3, "reason": None}]
-    return section("torch-peer", "jaxtp against PyTorch eager", columns, rows, [
-        f"{torch_peer.describe()}, fp32 "
-        "(jaxtp/bench/torch_peer.py: the same GPT-2 shapes, init scheme and AdamW with "
-        "global-norm clipping; attention by scaled_dot_product_attention)",
-        "timed alternately in one process; < 1: jaxtp faster"])
+    rows = []
+    for tp, where in ((1, "one device"), (1, "8 fake devices"), (8, "8 fake devices")):
+        run, cut = _get(plan, cache, "tiny", tp)
+        row = {"case": _case(f"tiny tp={tp}, {where}", run.cfg, cut),
+               "measured": "tokens/s, jaxtp / PyTorch eager", "unit": "ratio",
+               "value": None, "ratio_min": None, "ratio_max": None,
+               "jaxtp_tokens_per_s": None, "torch_tokens_per_s": None, "reason": why}
+        if why is None:
+            got = (torch_peer.one_device(run.cfg, plan["warmup"], plan["rounds"])
+                   if where == "one device" else
+                   torch_peer.timed(run, run.cfg, plan["warmup"], plan["rounds"]))
+            row.update(got)
+        rows.append(row)
+    notes = ["skipped: torch is not a dependency of jaxtp"] if why else [
+        f"{torch_peer.describe()}, fp32 (jaxtp/bench/torch_peer.py: the same GPT-2 shapes, "
+        "init scheme and AdamW with global-norm clipping; attention by "
+        "scaled_dot_product_attention), the same batch of tokens",
+        "alternated step by step in one process, the order reversed every other round; "
+        "value: the median over rounds of the paired ratio of tokens/s; > 1: jaxtp faster",
+        "tp=8 is the README's first command's step (8 fake CPU devices sharing the cores); "
+        "PyTorch runs one process on all cores"]
+    return section("torch-peer", "jaxtp against PyTorch eager", columns, rows, notes)

@@ -113,9 +113,13 @@ def test_quick_suite_end_to_end(tmp_path):
     assert len(peers) == 3 and all(_positive(r["value"]) for r in peers)
     for r in peers:
         _within_rounds(r, r["ms"] / r["base_ms"])
-    (torch_row,) = by_id["torch-peer"]["rows"]  # measured where torch imports, else why not
-    assert _positive(torch_row["value"]) if torch_row["reason"] is None \
-        else "torch" in torch_row["reason"]
+    # tp=1 on one device, tp=1 among 8, tp=8: measured where torch imports, else why not
+    torch_rows = by_id["torch-peer"]["rows"]
+    assert [r["case"].split(" (")[0] for r in torch_rows] == [
+        "tiny tp=1, one device", "tiny tp=1, 8 fake devices", "tiny tp=8, 8 fake devices"]
+    for r in torch_rows:
+        assert _positive(r["value"]) and _positive(r["jaxtp_tokens_per_s"]) \
+            if r["reason"] is None else "torch" in r["reason"]
 
     json_path, md_path = write_report(report, tmp_path)
     assert json.loads(json_path.read_text())["sections"][0]["id"] == "impl"
