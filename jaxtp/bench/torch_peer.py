@@ -19,7 +19,11 @@ import os
 import subprocess
 import sys
 
+import jax
+import numpy as np
+
 from ..config import Config
+from .timing import build, paired_ratio, time_alternating
 
 
 def available() -> str | None:
@@ -117,10 +121,6 @@ def timed(run, cfg: Config, warmup: int, rounds: int) -> dict:
     eager's of `cfg`, one step each per round, the order reversed every
     other round: each side's tokens/s (from its median step) and the paired
     ratio of jaxtp's tokens/s to PyTorch's (median, min, max over rounds)."""
-    import numpy as np
-
-    from .timing import paired_ratio, time_alternating
-
     step = make_step(cfg)
 
     class Torch:
@@ -161,12 +161,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
-    import jax
-
-    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_platforms", "cpu")  # before the backend starts
     jax.config.update("jax_num_cpu_devices", 1)
-    from .timing import build
-
     cfg = Config.from_dict(json.loads(args.config))
     print(json.dumps(timed(build("jaxtp", cfg), cfg, args.warmup, args.rounds)))
     return 0
