@@ -13,8 +13,8 @@ from .. import parallel
 from ..config import ModelConfig
 from ..parallel import Layout
 from . import kernels
-from .layers import (ColumnParallelLinear, RMSNorm, RowParallelLinear, init_std_out, rope,
-                     rope_inv_freq)
+from .layers import (ColumnParallelLinear, RMSNorm, RowParallelLinear, autodiff_norms,
+                     init_std_out, rope, rope_inv_freq)
 
 
 class Attention(nnx.Module):
@@ -43,7 +43,8 @@ class Attention(nnx.Module):
         # Qwen3's q_norm / k_norm (HF Qwen3MoeAttention): over each head's H
         # dims, so any split of the heads over tp leaves them local
         norm = lambda: RMSNorm(H, layout, eps=cfg.ln_eps, dtype=cfg.dtype,
-                               param_dtype=cfg.param_dtype, axis="head_dim")
+                               param_dtype=cfg.param_dtype, axis="head_dim",
+                               autodiff=autodiff_norms(cfg, layout))
         self.q_norm, self.k_norm = (norm(), norm()) if cfg.qk_norm else (None, None)
         self.rope_theta = cfg.rope_theta if cfg.style == "llama" else None
         self.cfg, self.layout = cfg, layout

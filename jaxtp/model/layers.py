@@ -125,14 +125,16 @@ class Embed(nnx.Module):
 class LayerNorm(nnx.Module):
     """LayerNorm over the model dim, computed in fp32; scale and bias replicated."""
 
-    def __init__(self, d: int, layout: Layout, *, eps: float, dtype, param_dtype):
+    def __init__(self, d: int, layout: Layout, *, eps: float, dtype, param_dtype,
+                 autodiff: bool = False):
         self.scale = param(None, jnp.ones, (d,), ("embed",), param_dtype, layout)
         self.bias = param(None, jnp.zeros, (d,), ("embed",), param_dtype, layout)
         self.eps = eps
         self.dtype = dtype
+        self.autodiff = autodiff  # the backward left to autodiff (`normalised`)
 
     def __call__(self, x):
-        y = _normalised(x.astype(wide(x)), self.eps, True)
+        y = normalised(x.astype(wide(x)), self.eps, True, self.autodiff)
         return (y * weight(self.scale) + weight(self.bias)).astype(self.dtype)
 
 
@@ -142,35 +144,56 @@ class RMSNorm(nnx.Module):
     "head_dim" for a per-head norm, which no rule splits)."""
 
     def __init__(self, d: int, layout: Layout, *, eps: float, dtype, param_dtype,
-                 axis: str = "embed"):
+                 axis: str = "embed", autodiff: bool = False):
         self.scale = param(None, jnp.ones, (d,), (axis,), param_dtype, layout)
         self.eps = eps
         self.dtype = dtype
+        self.autodiff = autodiff  # the backward left to autodiff (`normalised`)
 
     def __call__(self, x):
-        y = _normalised(x.astype(wide(x)), self.eps, False)
+        y = normalised(x.astype(wide(x)), self.eps, False, self.autodiff)
         return (y * weight(self.scale)).astype(self.dtype)
 
 
-# The normalisation's backward pass written out (the standard formula: Ba
-# et al. 2016; Zhang & Sennrich 2019) from the normalised input and 1/sigma
-# the forward keeps; the scale and bias stay with autodiff (inside a
-# shard_map their cotangents' psums are autodiff's). Left to autodiff,
-# XLA:CPU fused each residual-stream gradient with the sums of every later
-# layer's norm terms and recomputed those sums per layer, transposed for the
-# weight gradients' dots: the tiny step at tp=1 took 1.20x the time (jaxlib
-# 0.10.2, `python -m jaxtp.bench --only torch-peer`).
+def normalised(x, eps: float, centre: bool, autodiff: bool = False):
+    """(x - mean) / sigma over the last dim (`centre`: LayerNorm), else x / rms.
+
+    Its backward pass is written out (the standard formula: Ba et al. 2016;
+    Zhang & Sennrich 2019) from the normalised input and 1/sigma the forward
+    keeps; scale and bias stay with autodiff (inside a shard_map their
+    cotangents' psums are autodiff's). Left to autodiff, XLA:CPU fused each
+    residual-stream gradient with the sums of every later layer's norm terms
+    and recomputed those sums per layer, transposed for the weight gradients'
+    dots: the tiny step at tp=1 took 1.20x the time (jaxlib 0.10.2, `python
+    -m jaxtp.bench --only torch-peer`). `autodiff` (`autodiff_norms`: under
+    a remat policy or SP) leaves the backward to autodiff."""
+    return _normalise(x, eps, centre)[0] if autodiff else _normalised(x, eps, centre)
+
+
+def autodiff_norms(cfg, layout: Layout) -> bool:
+    """Whether the norms leave their backward to autodiff: under a remat policy
+    (jax.checkpoint keeps a custom VJP's residuals whatever the policy:
+    measured, minimal remat under SP then kept the norms' outputs and dropped
+    the re-gathered region inputs; what the policy recomputes is the point
+    there) and under SP (the step held 1.4 MB more temporaries, tiny at tp=8:
+    22.7 against 21.3 MB)."""
+    return cfg.remat != "none" or layout.sp
+
+
+def _normalise(x, eps, centre):
+    """(x-hat, 1/sigma)."""
+    xc = x - x.mean(-1, keepdims=True) if centre else x
+    r = jax.lax.rsqrt(jnp.square(xc).mean(-1, keepdims=True) + eps)
+    return xc * r, r
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _normalised(x, eps, centre):
-    """(x - mean) / sigma over the last dim (`centre`: LayerNorm), else x / rms."""
-    return _normalised_fwd(x, eps, centre)[0]
+    return _normalise(x, eps, centre)[0]
 
 
 def _normalised_fwd(x, eps, centre):
-    xc = x - x.mean(-1, keepdims=True) if centre else x
-    r = jax.lax.rsqrt(jnp.square(xc).mean(-1, keepdims=True) + eps)
-    xh = xc * r
+    xh, r = _normalise(x, eps, centre)
     return xh, (xh, r)
 
 
@@ -186,7 +209,7 @@ _normalised.defvjp(_normalised_fwd, _normalised_bwd)
 def make_norm(cfg, layout: Layout):
     cls = RMSNorm if cfg.style == "llama" else LayerNorm
     return cls(cfg.d_model, layout, eps=cfg.ln_eps, dtype=cfg.dtype,
-               param_dtype=cfg.param_dtype)
+               param_dtype=cfg.param_dtype, autodiff=autodiff_norms(cfg, layout))
 
 
 def rope_inv_freq(H: int, cfg) -> jax.Array:
