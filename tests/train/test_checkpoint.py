@@ -4,6 +4,7 @@ a half-written step is never a step; a different model is refused."""
 
 import asyncio
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -15,7 +16,8 @@ import pytest
 import tensorstore as ts
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxtp.train.checkpoint import Checkpointer, CheckpointError, fingerprints
+from jaxtp.train.checkpoint import Checkpointer, CheckpointError
+from jaxtp.train.checkpoint import fingerprints as fingerprints_of
 from jaxtp.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from jaxtp.parallel import Layout, make_mesh
 from jaxtp.train.state import abstract_train_state
@@ -421,7 +423,12 @@ def host_fingerprint(x: np.ndarray) -> int:
     return sums[0] << 32 | sums[1]
 
 
-def test_fingerprint_is_exact_and_layout_independent():
+@pytest.mark.parametrize("path", ["device", "host"])
+def test_fingerprint_is_exact_and_layout_independent(path):
+    """Each way of computing it (on the devices, sharded; by numpy, for an
+    array this process holds whole) is the element-wise definition."""
+    fingerprints = functools.partial(fingerprints_of, host_bytes=0 if path == "device" else
+                                     2**30)
     x = np.random.default_rng(0).standard_normal((64, 8)).astype(np.float32)
     want = host_fingerprint(x)
     for dp, tp, spec in [(1, 8, P("tp", None)), (1, 1, P()), (2, 4, P("dp", "tp")),
@@ -438,6 +445,30 @@ def test_fingerprint_is_exact_and_layout_independent():
     got = fingerprints([jax.device_put(v) for v in variants])
     assert got == [host_fingerprint(v) for v in variants]
     assert len(set(got)) == len(got)
+
+
+def test_the_host_and_device_fingerprints_agree_on_every_dtype():
+    """numpy's path and XLA's give one fingerprint for every dtype a state
+    holds: 1-, 2-, 4- and 8-byte (float64 and int64 under x64: the low word
+    first), scalars and sharded arrays."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(1)
+    arrays = [rng.standard_normal((8, 3)).astype(ml_dtypes.bfloat16),
+              rng.standard_normal(5).astype(np.float16), rng.integers(-9, 9, (7, 5), np.int32),
+              rng.integers(0, 2, 9).astype(bool), rng.integers(0, 255, (4, 4), np.uint8),
+              np.array(3.5, np.float32), rng.standard_normal((16, 8)).astype(np.float32)]
+    placed = [jax.device_put(a) for a in arrays[:-1]] + [jax.device_put(
+        arrays[-1], NamedSharding(make_mesh(2, 4), P("dp", "tp")))]
+    assert fingerprints_of(placed, host_bytes=0) == fingerprints_of(placed, host_bytes=2**30)
+    jax.config.update("jax_enable_x64", True)
+    try:
+        wide = [jax.device_put(rng.standard_normal((6, 2))),
+                jax.device_put(rng.integers(-2**40, 2**40, 5))]
+        assert {x.dtype.itemsize for x in wide} == {8}
+        assert fingerprints_of(wide, host_bytes=0) == fingerprints_of(wide, host_bytes=2**30)
+    finally:
+        jax.config.update("jax_enable_x64", False)
 
 
 def test_orbax_write_errors_logged_by_asyncio_are_dropped_and_others_kept():
