@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 
-from jaxtp.cli import Parser, positive
+from jaxtp.cli import FLAG_KEYS, Parser, positive
 from jaxtp.config import (ATTENTIONS, COORDINATOR_TIMEOUT_S, CP_STRATEGIES, IMPLS, OVERLAPS,
                           PP_SCHEDULES, PP_SCHEDULES_PLANNED, REMATS, Config, ConfigError,
                           apply_overrides, load_config, preset_names, validate)
@@ -40,16 +40,6 @@ from jaxtp.hardware import HARDWARE, TARGET_NAMES
 from jaxtp.train.rundir import RunDir
 
 EXIT_FAILED, EXIT_USAGE, EXIT_SAVE = 1, 2, 3
-# the flags that set one config key (their help says which, and the default)
-FLAG_KEYS = {"tp": "parallel.tp", "dp": "parallel.dp", "cp": "parallel.cp", "ep": "parallel.ep",
-             "pp": "parallel.pp", "pp_schedule": "parallel.pp_schedule",
-             "pp_repeats": "parallel.pp_repeats",
-             "cp_attention": "parallel.cp_attention", "impl": "parallel.impl",
-             "sp": "parallel.sp", "overlap": "parallel.overlap", "fsdp": "parallel.fsdp",
-             "microbatches": "train.microbatches", "capacity_factor": "model.capacity_factor",
-             "scan": "model.scan_layers", "remat": "model.remat", "attention": "model.attention",
-             "steps": "train.steps", "seed": "train.seed",
-             "checkpoint_every": "train.checkpoint_every"}
 
 
 def _steps(text: str) -> set[int]:
@@ -478,7 +468,10 @@ def run(args, cfg: Config, given: dict) -> int:
     init, hf = None, given["init_from_hf"]
     if hf:
         from jaxtp.hf import read_hf
+        from jaxtp.parallel import Layout
+        from jaxtp.train.start import check_memory
 
+        check_memory(cfg, Layout.of(cfg).mesh())  # before reading the checkpoint's tensors
         init = lambda: read_hf(hf, **dataclasses.asdict(cfg.model))[1]
         if not (args.resume and RunDir(args.out).has_run()):
             init = init()  # a new run: a broken download is refused before writing

@@ -9,6 +9,8 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
+from .cli import FLAG_KEYS
+
 if TYPE_CHECKING:  # annotations only: jaxtp.config imports this module
     from .config import Config, ModelConfig
 
@@ -128,9 +130,8 @@ def _check_moe_layout(cfg: Config) -> None:
                               f"for {what} yet")
 
 
-# the command-line flags of the keys check_asked names
-_FLAGS = {"parallel.cp_attention": "--cp-attention", "parallel.pp_schedule": "--pp-schedule",
-          "model.capacity_factor": "--capacity-factor"}
+# the command-line flag of a key, where train.py has one
+_FLAGS = {key: "--" + dest.replace("_", "-") for dest, key in FLAG_KEYS.items()}
 # the keys that act only with a mixture of experts (model.n_experts > 0)
 MOE_KEYS = ("moe_top_k", "moe_d_ff", "moe_norm_topk", "moe_shared_d_ff", "moe_every",
             "capacity_factor", "moe_dispatch", "moe_balance_coef", "moe_z_coef")
@@ -166,27 +167,33 @@ def check_asked(cfg: Config, asked) -> Config:
     return cfg
 
 
-def _tp_fits(cfg: Config, tp: int) -> bool:
-    """Whether tensor parallelism of degree `tp` splits every tp-split size
-    of `cfg` (the checks below, each for one size)."""
-    m = cfg.model
-    k = m.kv_heads
-    return (m.n_heads % tp == 0 and m.d_ff % tp == 0 and (k % tp == 0 or tp % k == 0)
-            and m.padded_vocab % tp == 0 and not (cfg.parallel.sp and m.seq_len % tp)
-            and not (m.n_experts and (m.expert_d_ff % tp or m.moe_shared_d_ff % tp)))
+_offering = False  # while _valid_tps tries degrees: their refusals offer none (no recursion)
 
 
-def valid_tps(cfg: Config, most: int = 64) -> list[int]:
-    """The tp degrees up to `most` that split all of `cfg`'s sizes (what a
-    refusal offers: not a degree that the next check refuses)."""
-    return [t for t in range(1, most + 1) if _tp_fits(cfg, t)]
+def _valid_tps(cfg: Config, most: int = 64) -> list[int]:
+    """The tp degrees up to `most` at which `cfg` passes every check: what a
+    refusal offers, never a degree that the next check refuses."""
+    global _offering
+    if _offering:
+        return []
+    _offering, ok = True, []
+    try:
+        for tp in range(1, most + 1):
+            try:
+                check(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp)))
+                ok.append(tp)
+            except ConfigError:
+                pass
+    finally:
+        _offering = False
+    return ok
 
 
 def _divisible(name: str, value: int, cfg: Config) -> None:
     tp = cfg.parallel.tp
     if value % tp:
         raise ConfigError(
-            f"{name}={value} is not divisible by tp={tp}; choose --tp from {valid_tps(cfg)} "
+            f"{name}={value} is not divisible by tp={tp}; choose --tp from {_valid_tps(cfg)} "
             f"or set {name} to a multiple of {tp}"
         )
 
@@ -253,6 +260,8 @@ def _check_ranges(cfg: Config) -> None:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    if not 0 <= t.seed < 2**63:  # (numpy's generators take no negative seed, JAX's keys int64)
+        raise ConfigError(f"train.seed={t.seed} must be in [0, 2**63)")
 
 
 def _check_choices(cfg: Config) -> None:
@@ -378,7 +387,7 @@ def _check_layout(cfg: Config) -> None:
     _divisible("model.d_ff", m.d_ff, cfg)
     k = m.kv_heads
     if k % p.tp and p.tp % k:
-        ok = valid_tps(cfg)
+        ok = _valid_tps(cfg)
         raise ConfigError(
             f"model.n_kv_heads={k} and tp={p.tp}: tp must divide the kv heads (each rank "
             f"holds its own) or be a multiple of them (each kv head replicated on "

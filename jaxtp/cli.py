@@ -11,6 +11,18 @@ import sys
 
 EXIT_USAGE = 2
 
+# train.py's flags that set one config key, by argparse dest (their help says
+# which, and the default; a refusal of the key names the flag: jaxtp.checks)
+FLAG_KEYS = {"tp": "parallel.tp", "dp": "parallel.dp", "cp": "parallel.cp", "ep": "parallel.ep",
+             "pp": "parallel.pp", "pp_schedule": "parallel.pp_schedule",
+             "pp_repeats": "parallel.pp_repeats",
+             "cp_attention": "parallel.cp_attention", "impl": "parallel.impl",
+             "sp": "parallel.sp", "overlap": "parallel.overlap", "fsdp": "parallel.fsdp",
+             "microbatches": "train.microbatches", "capacity_factor": "model.capacity_factor",
+             "scan": "model.scan_layers", "remat": "model.remat", "attention": "model.attention",
+             "steps": "train.steps", "seed": "train.seed",
+             "checkpoint_every": "train.checkpoint_every"}
+
 
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line on stderr, exit 2."""
@@ -33,4 +45,4 @@ def positive(kind):
     return parse
 
 
-__all__ = ["EXIT_USAGE", "Parser", "positive"]
+__all__ = ["EXIT_USAGE", "FLAG_KEYS", "Parser", "positive"]

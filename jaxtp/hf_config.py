@@ -90,12 +90,18 @@ def _llama(hf: dict) -> dict:
     return {"d_ff": hf["intermediate_size"], "use_bias": bias}
 
 
+def _experts(hf: dict, key: str) -> int:
+    """The config's experts per layer (`key`), refused unless a positive int."""
+    experts = hf[key]  # (a missing key: hf_model_config names it)
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
+        raise ValueError(f"{key}={experts!r}: a {NAMES[hf['model_type']]} config names its "
+                         "experts per layer, a positive integer (a dense checkpoint is "
+                         "model_type llama)")
+    return experts
+
+
 def _moe(hf: dict, experts: int, d_ff: int, expert_d_ff: int, norm_topk: bool,
          key: str = "num_local_experts") -> dict:
-    kind = NAMES[hf["model_type"]]
-    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
-        raise ValueError(f"{key}={experts!r}: a {kind} config names its experts per layer, a "
-                         "positive integer (a dense checkpoint is model_type llama)")
     k = hf["num_experts_per_tok"]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= experts:
         raise ValueError(f"num_experts_per_tok={k!r} must be an integer between 1 and "
@@ -112,17 +118,14 @@ def _moe(hf: dict, experts: int, d_ff: int, expert_d_ff: int, norm_topk: bool,
 
 def _mixtral(hf: dict) -> dict:
     # intermediate_size is each expert's hidden size (HF MixtralExperts)
-    return _moe(hf, hf["num_local_experts"], hf["intermediate_size"],
+    return _moe(hf, _experts(hf, "num_local_experts"), hf["intermediate_size"],
                 hf["intermediate_size"], True)
 
 
 def _qwen3_moe(hf: dict) -> dict:
     # Hub configs say num_experts; transformers 5 writes num_local_experts
     key = "num_experts" if "num_experts" in hf else "num_local_experts"
-    experts = hf.get(key, 0)
-    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
-        raise ValueError(f"{key}={experts!r}: a Qwen3-MoE config names its experts per "
-                         "layer, a positive integer (a dense checkpoint is model_type llama)")
+    experts = _experts(hf, key)
     layers = hf["num_hidden_layers"]
     # HF Qwen3MoeDecoderLayer: layer i is MoE iff i is not in mlp_only_layers
     # and (i + 1) % decoder_sparse_step == 0
@@ -130,7 +133,7 @@ def _qwen3_moe(hf: dict) -> dict:
     if not isinstance(step, int) or step < 1:
         raise ValueError(f"decoder_sparse_step={step!r} must be a positive integer")
     # (decoder_sparse_step is jaxtp's moe_every; mlp_only_layers has no counterpart)
-    dense = [i for i in range(layers) if not experts or i in only]
+    dense = [i for i in range(layers) if i in only]
     if dense:
         raise ValueError(f"decoder_sparse_step={step}, mlp_only_layers={only}, num_experts="
                          f"{experts}: layers {dense[:6]}{' ...' if len(dense) > 6 else ''} "

@@ -141,9 +141,9 @@ def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
     return jax.tree.map(lambda x: x.astype(np.dtype(cfg.param_dtype)), params)
 
 
-# the dtypes a checkpoint's weights may have: numpy's floats, and the 16-bit
-# and 8-bit floats that safetensors reads through ml_dtypes (bf16, fp8)
-_FLOAT_NAMES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+# the dtypes a checkpoint's weights may have (bfloat16 read through ml_dtypes;
+# fp8 weights come with scale tensors jaxtp does not map)
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
 def _checked(name: str, t) -> np.ndarray:
@@ -152,10 +152,9 @@ def _checked(name: str, t) -> np.ndarray:
     quantised file, not weights) or holds a NaN or an infinity (one NaN in a
     router sends every token's output to NaN)."""
     dtype = np.dtype(t.dtype)
-    if not (np.issubdtype(dtype, np.floating) or dtype.name in _FLOAT_NAMES):
+    if dtype.name not in _FLOATS:
         raise ValueError(f"checkpoint tensor {name} is {dtype.name}, not a floating-point "
-                         "weight: a quantised or damaged checkpoint? jaxtp reads float32, "
-                         "float16 and bfloat16 weights")
+                         f"weight of {', '.join(_FLOATS)}: a quantised or damaged checkpoint?")
     out = np.asarray(t, dtype=np.float32)
     bad = ~np.isfinite(out)
     if bad.any():

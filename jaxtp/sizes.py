@@ -19,7 +19,8 @@ def param_count(cfg) -> int:
     D, F, L, V, H = m.d_model, m.d_ff, m.n_layers, m.padded_vocab, m.head_dim
     N, K = m.n_heads, m.kv_heads
     llama, bias = m.style == "llama", m.use_bias
-    attn = D * N * H + 2 * D * K * H + N * H * D + (N * H + 2 * K * H + D if bias else 0)
+    attn = D * N * H + 2 * D * K * H + N * H * D + (N * H + 2 * K * H + D if bias else 0) + \
+        (2 * H if m.qk_norm else 0)  # Qwen3's per-head q and k norms
     mlp = (3 * D * F if llama else 2 * D * F) + ((2 * F if llama else F) + D if bias else 0)
     dense_mlp = mlp
     if m.n_experts:  # the router [D, E], E expert MLPs without biases (jaxtp.model.moe)

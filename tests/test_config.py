@@ -254,6 +254,8 @@ def test_a_key_asked_for_where_it_acts_on_nothing_is_refused(over, asked, refuse
     (["parallel.pp_repeats=0"], "parallel.pp_repeats=0 must be positive"),
     (["model.moe_top_k=-1"], "model.moe_top_k=-1 must be >= 0"),
     (["train.sample_every=-1"], "train.sample_every=-1 must be >= 0 (0: off)"),
+    (["train.seed=-1"], "train.seed=-1 must be in [0, 2**63)"),
+    ([f"train.seed={2**63}"], "must be in [0, 2**63)"),
 ])
 def test_every_number_is_range_checked(over, match):
     with pytest.raises(ConfigError, match=re.escape(match)):

@@ -20,6 +20,8 @@ def work(tmp_path_factory):
 def test_fault(case, work, tmp_path):
     if case.mounts and MOUNT:
         pytest.skip(MOUNT)
+    if case.unless():
+        pytest.skip(case.unless())
     faults.check(case, case.go(work, tmp_path), tmp_path)
 
 

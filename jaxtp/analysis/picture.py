@@ -72,7 +72,7 @@ def layout(report: dict) -> tuple[list[tuple], int, int]:
             shown, booked, ok = row_cells(r, impl)
             if (not got and not want) or (r["scope"] == ANY_SCOPE and ok):
                 continue  # (an any-scope total that holds: its collectives are drawn)
-            head = f"{got}x {r['kind']}: {role_text(r)}"
+            head = f"{shown if r['scope'] == ANY_SCOPE else f'{got}x'} {r['kind']}: {role_text(r)}"
             axes = f" over {'+'.join(r['axes'])}" if r.get("axes") else ""
             payload = (f"   {shape_text(r).replace(' ', '')}, {size_text(r['bytes'])}{axes}"
                        + (f"; budget {booked}" if shown != booked else ""))

@@ -101,8 +101,9 @@ def make_step(cfg: Config):
     groups = [{"params": [p for p in model.parameters() if p.dim() > 1]},
               {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.b1, t.b2), weight_decay=t.weight_decay)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, m.vocab_size, (t.batch_size, m.seq_len + 1), generator=g)
+    # the batch `jaxtp.bench.timing.build` draws for jaxtp's step
+    tokens = torch.from_numpy(np.random.default_rng(0).integers(
+        0, m.vocab_size, (t.batch_size, m.seq_len + 1)))
 
     def step():
         loss = model(tokens[:, :-1], tokens[:, 1:])
@@ -147,10 +148,15 @@ def one_device(cfg: Config, warmup: int, rounds: int, timeout: float = 900) -> d
     env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                                 if "device_count" not in f)
-    r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
-    if r.returncode:
-        return {"reason": (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]}
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"reason": f"the one-device process took over {timeout:.0f} s"}
+    lines = r.stdout.strip().splitlines()
+    if r.returncode or not lines:
+        said = r.stderr.strip().splitlines() or [f"exit {r.returncode}, no output"]
+        return {"reason": said[-1]}
+    return json.loads(lines[-1])
 
 
 def main(argv=None) -> int:

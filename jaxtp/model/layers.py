@@ -164,8 +164,8 @@ def normalised(x, eps: float, centre: bool, autodiff: bool = False):
     cotangents' psums are autodiff's). Left to autodiff, XLA:CPU fused each
     residual-stream gradient with the sums of every later layer's norm terms
     and recomputed those sums per layer, transposed for the weight gradients'
-    dots: the tiny step at tp=1 took 1.20x the time (jaxlib 0.10.2, `python
-    -m jaxtp.bench --only torch-peer`). `autodiff` (`autodiff_norms`: under
+    dots: the tiny step at tp=1 took 1.16x the time (171 against 147 ms on
+    one device, alternated with PyTorch's; jaxlib 0.10.2). `autodiff` (`autodiff_norms`: under
     a remat policy or SP) leaves the backward to autodiff."""
     return _normalise(x, eps, centre)[0] if autodiff else _normalised(x, eps, centre)
 

@@ -60,7 +60,7 @@ def check_memory(cfg: Config, mesh) -> None:
     device's allocator limit."""
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     if local[0].platform == "cpu":
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory = host_memory()
         where = f"this machine's memory (its {len(local)} CPU devices share it)"
     else:
         limits = [(d.memory_stats() or {}).get("bytes_limit") for d in local]
@@ -68,6 +68,20 @@ def check_memory(cfg: Config, mesh) -> None:
             return  # a platform that does not say: the allocator will
         memory, where = sum(limits), f"the {len(local)} {local[0].device_kind} devices here"
     check_fits(cfg, len(local), memory, where)
+
+
+def host_memory() -> int:
+    """The bytes this process may use: the machine's, or its container's
+    limit where a cgroup sets a lower one (v2 memory.max, v1 limit_in_bytes)."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = open(limit).read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            memory = min(memory, int(text))
+    return memory
 
 
 def check_options(check: bool, resume: bool, until, inject_nan_at, peak_tflops) -> None:

@@ -157,7 +157,9 @@ def test_decode_is_latency_bound_at_batch_1_and_bandwidth_bound_at_large_batch()
     ("llama-tiny", ()), ("llama-tiny", ("model.use_bias=true",)), ("gpt2-small", ()),
     ("llama3-8b", ()), ("moe-tiny", ()), ("moe-tiny", ("model.style=gpt2",)),
     ("moe-tiny", ("model.moe_shared_d_ff=64",)),
-    ("moe-tiny", ("model.style=gpt2", "model.use_bias=true", "model.moe_shared_d_ff=64"))])
+    ("moe-tiny", ("model.style=gpt2", "model.use_bias=true", "model.moe_shared_d_ff=64")),
+    ("moe-tiny", ("model.qk_norm=true", "model.d_head=32", "model.moe_every=2",
+                  "model.n_layers=4"))])
 def test_param_count_is_the_models(preset, overrides):
     import jax
 
