@@ -89,8 +89,9 @@ def step_loss_and_grads(cfg: Config, step, tokens, values=None):
     norm = float(metrics["grad_norm"])
     clip = min(1.0, t.grad_clip / max(norm, 1e-30)) if t.grad_clip > 0 else 1.0
     mu = nnx.to_pure_dict(jax.device_get(optax.tree_utils.tree_get(opt_state, "mu")))
-    if layout.stacked(cfg.model):  # in model order (a circular pipeline's interleaves)
-        mu = reorder_layers(mu, np.argsort(layout.layer_order(cfg.model.n_layers)))
+    schedule = Schedule.of(cfg, layout)
+    if schedule.stacked:  # in model order (a circular pipeline's interleaves)
+        mu = reorder_layers(mu, np.argsort(schedule.layer_order()))
     flat = jax.tree_util.tree_flatten_with_path(mu)[0]
     return float(metrics["loss"]), {jax.tree_util.keystr(k): np.asarray(v) / (1 - t.b1) / clip
                                     for k, v in flat}

@@ -41,7 +41,7 @@ from ..config import Config
 from ..model.vocab import loss_chunks
 from ..parallel import CP_AXIS, DATA_AXIS, PP_AXIS, TP_AXIS
 from .params import ParamShard, param_shards
-from .rows import ANY_SCOPE, HLO_DTYPES, Expected, reduces_once
+from .rows import ANY_SCOPE, HLO_DTYPES, Expected, reduces_once, schedule_of
 
 
 def data_group(cfg: Config) -> tuple[int, tuple[str, ...]]:
@@ -73,8 +73,11 @@ def _grads(cfg: Config, impl: str) -> list[_Grad]:
     m, p = cfg.model, cfg.parallel
     sp = p.sequence_parallel
     once = reduces_once(cfg)
-    chunks = loss_chunks(m.loss_chunk, cfg.train.batch_size // (p.dp * cfg.train.microbatches),
-                         m.seq_len // p.cp)[0] if p.cp > 1 and not p.fsdp else 1
+    # the head's gradient is summed over the batch axes once per loss chunk
+    # (XLA sums each chunk's part in the loop over them), and under cp per
+    # chunk of each rank's positions
+    chunks = 1 if p.fsdp else loss_chunks(m.loss_chunk, schedule_of(cfg).head_rows,
+                                          m.seq_len // p.cp)[0]
     out = []
     for s in param_shards(cfg):
         # (a pipeline's stage is manual over cp: its weights' cp part is summed

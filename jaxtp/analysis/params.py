@@ -12,7 +12,7 @@ from flax import nnx
 
 from ..config import Config
 from ..model import Transformer
-from ..parallel import DATA_AXIS, Layout, spec_axes
+from ..parallel import DATA_AXIS, Layout, Schedule, spec_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +44,13 @@ def param_shards(cfg: Config) -> list[ParamShard]:
     # (flax reads each initial value's sharding, and under eval_shape JAX
     # builds an error message from the whole trace for each)
     L = cfg.model.n_layers
-    L0 = layout.pp * layout.repeats if layout.stacked(cfg.model) else L
+    schedule = Schedule.of(cfg, layout)
+    L0 = schedule.stages * schedule.repeats if schedule.stacked else L
     model = dataclasses.replace(cfg.model, attention="xla", n_layers=L0)  # shapes only
     with jax.sharding.use_abstract_mesh(layout.abstract_mesh()):
         params = nnx.state(nnx.eval_shape(
-            lambda: Transformer(model, layout, rngs=nnx.Rngs(0))), nnx.Param)
+            lambda: Transformer(model, layout, rngs=nnx.Rngs(0), schedule=dataclasses.replace(
+                schedule, layers=L0))), nnx.Param)
     out = []
     flat = jax.tree_util.tree_flatten_with_path(
         params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]

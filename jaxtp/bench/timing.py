@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from ..config import Config, ModelConfig, TrainConfig
-from ..parallel import Layout, make_mesh, named
+from ..parallel import Layout, Schedule, make_mesh, named
 from ..train.data import to_mesh
 from ..train.state import init_params, init_train_state
 from ..train.step import compile_train_step, step_controls
@@ -60,7 +60,7 @@ def build(name: str, cfg: Config) -> Run:
     mesh = layout.mesh()
     # a pipeline's blocks are stacked, in model order as a scanned stack's; on
     # an accelerator the sharded init (a preset may fit only when split)
-    stacked = dataclasses.replace(m, scan_layers=layout.stacked(m))
+    stacked = dataclasses.replace(m, scan_layers=Schedule.of(cfg, layout).stacked)
     state = init_train_state(cfg, mesh, initial_values(stacked, t.seed) if
                              mesh.devices.flat[0].platform == "cpu" else None)
     t0 = time.perf_counter()

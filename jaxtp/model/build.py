@@ -9,7 +9,7 @@ import dataclasses
 import jax
 from flax import nnx
 
-from ..parallel import Layout
+from ..parallel import Layout, Schedule
 from . import kernels
 from .transformer import Transformer
 
@@ -49,7 +49,7 @@ def build_model(cfg, layout: Layout, seed: int = 0, device=None) -> Transformer:
     if cfg.model.dtype == "float64" and not jax.config.jax_enable_x64:
         raise ValueError(FLOAT64_NEEDS_X64)
     cfg = resolve_attention(cfg, device)
-    return Transformer(cfg.model, layout, rngs=nnx.Rngs(seed))
+    return Transformer(cfg.model, layout, rngs=nnx.Rngs(seed), schedule=Schedule.of(cfg, layout))
 
 
 def abstract_model(cfg, mesh, layout: Layout | None = None):

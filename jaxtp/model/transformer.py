@@ -14,11 +14,10 @@ import numpy as np
 from flax import nnx
 
 from ..config import REMATS, ModelConfig
-from ..parallel import PP_AXIS, Layout, constrain, vary, wide
+from ..parallel import Layout, Schedule, constrain, wide
 from ..parallel.context import KV_NAME as CP_KV
 from ..parallel.ep import SLOTS_NAME as EP_SLOTS
-from ..parallel.pipeline import pipeline
-from ..parallel.pipeline_1f1b import pipeline_1f1b
+from ..parallel.stack import stack, stack_loss
 from .attention import Attention
 from .layers import Embed, dropout, make_norm
 from .mlp import MLP
@@ -104,7 +103,12 @@ class Transformer(nnx.Module):
     """Vocab-parallel token embedding (+ learned positions for GPT-2), L blocks,
     final norm, vocab-parallel LM head (tied to the embedding or not)."""
 
-    def __init__(self, cfg: ModelConfig, layout: Layout, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layout: Layout, *, rngs: nnx.Rngs,
+                 schedule: Schedule | None = None):
+        # (`schedule`: how the stack runs, `jaxtp.parallel.stack`; default one
+        # batch, the blocks scanned where `cfg.scan_layers` asks)
+        schedule = Schedule(layers=cfg.n_layers, scan=cfg.scan_layers) if schedule is None \
+            else schedule
         self.wte = VocabEmbed(cfg, layout, rngs=rngs)
         self.wpe = None if cfg.style == "llama" else Embed(
             cfg.seq_len, cfg.d_model, layout, std=cfg.init_std, dtype=cfg.dtype,
@@ -114,10 +118,11 @@ class Transformer(nnx.Module):
         # starts from the values of the plain one
         blocks = [Block(cfg, layout, rngs=rngs, moe=cfg.is_moe_layer(i))
                   for i in range(cfg.n_layers)]
-        self.blocks = _stacked(blocks, cfg, layout) if layout.stacked(cfg) else nnx.List(blocks)
+        self.blocks = (_stacked(blocks, cfg, layout, schedule) if schedule.stacked
+                       else nnx.List(blocks))
         self.ln_f = make_norm(cfg, layout)
         self.lm_head = None if cfg.tie_embeddings else VocabEmbed(cfg, layout, rngs=rngs)
-        self.cfg, self.layout = cfg, layout
+        self.cfg, self.layout, self.schedule = cfg, layout, schedule
         self.monitor = False  # the MoE layers' statistics for monitoring (`hidden_and_stats`)
         self.mesh = None  # the mesh the parameters live on, where a loader knows it
 
@@ -134,26 +139,23 @@ class Transformer(nnx.Module):
         keys = (None if dropout_key is None else jax.random.split(dropout_key, L + 1))
         x_BTD = self._embed(tokens_BT, None if keys is None else keys[0])
         stats = jnp.zeros(n_stats(self.cfg.n_experts, self.monitor), wide(self.cfg.dtype))
-        if self.layout.pp > 1 and self.cfg.n_experts:  # (every block MoE: `jaxtp.checks`)
-            n = stats.shape[0]
-            x_BTD, stats = pipeline(
-                lambda blocks, x: self._run_stack(blocks, x, None,
-                                                  vary(jnp.zeros(n, stats.dtype), {PP_AXIS})),
-                self.blocks, x_BTD, self.layout, n_stats=n)
-        elif self.layout.pp > 1:  # (1f1b's forward alone is gpipe's)
-            x_BTD = pipeline(lambda blocks, x: self._run_stack(blocks, x, None), self.blocks,
-                             x_BTD, self.layout)
-        elif self.layout.stacked(self.cfg):
-            x_BTD, stats = self._run_stack(self.blocks, x_BTD, None if keys is None else keys[1:],
-                                           stats)
-        else:
-            block_fn = _block_fn(self.cfg.remat)
-            for i, block in enumerate(self.blocks):
-                x_BTD = block_fn(block, x_BTD, None if keys is None else keys[i + 1])
-                if block.moe:
-                    x_BTD, layer_stats = x_BTD
-                    stats = stats + layer_stats
-        return self.ln_f(x_BTD), stats
+        x_BTD, aux = stack(self.schedule, self.layout, self._layer(), self.blocks, x_BTD,
+                           stats if self.cfg.n_experts else None,
+                           None if keys is None else keys[1:])
+        return self.ln_f(x_BTD), stats if aux is None else aux
+
+    def _layer(self):
+        """One block on (x, the router statistics so far, or None), its
+        activations rematerialised by `model.remat`'s policy."""
+        block_fn = _block_fn(self.cfg.remat)
+
+        def layer(block, carry, key):
+            x_BTD, stats = carry
+            if not block.moe:
+                return block_fn(block, x_BTD, key), stats
+            x_BTD, layer_stats = block_fn(block, x_BTD, key)
+            return x_BTD, stats + layer_stats
+        return layer
 
     def _embed(self, tokens_BT, key):
         """int tokens [B, T] -> the residual stream entering the first block."""
@@ -169,28 +171,6 @@ class Transformer(nnx.Module):
             x_BTD = x_BTD + pos_1TD
         return constrain(dropout(x_BTD, self.cfg.dropout, key), *self.layout.residual)
 
-    def _run_stack(self, blocks, x_BTD, keys_L, stats=None):
-        """The stacked `blocks` on x in order: a while loop over the stacked
-        parameters, so that compile time and HLO size do not grow with depth
-        (jaxtp.hlo multiplies by the trip count). `keys_L`: per-layer dropout
-        keys, or None. With `stats` (MoE blocks): (x, stats plus the layers')."""
-        block_fn = _block_fn(self.cfg.remat)
-        xs = () if keys_L is None else (keys_L,)
-
-        @nnx.scan(in_axes=(nnx.Carry, 0) + (0,) * len(xs), out_axes=nnx.Carry,
-                  transform_metadata={nnx.PARTITION_NAME: self.layout.stack_axis})
-        def body(carry, block, *key):
-            if not block.moe:
-                return block_fn(block, carry, key[0] if key else None)
-            x_BTD, stats = carry
-            x_BTD, layer_stats = block_fn(block, x_BTD, key[0] if key else None)
-            return x_BTD, stats + layer_stats
-
-        if stats is None or not self.cfg.n_experts:
-            out = body(x_BTD, blocks, *xs)
-            return out if stats is None else (out, stats)
-        return body((x_BTD, stats), blocks, *xs)
-
     def extend(self, tokens_BT, pos_BT, k_LBSKH, v_LBSKH, prefill: bool):
         """Inference over new positions with per-layer KV caches [L, B, S, Kc, H]
         (`jaxtp.generate`): final-norm hidden states [B, T, D] and the caches.
@@ -199,9 +179,9 @@ class Transformer(nnx.Module):
         if self.wpe is not None:
             x_BTD = x_BTD + self.wpe(pos_BT)
         x_BTD = constrain(x_BTD, *self.layout.residual)
-        if self.layout.stacked(self.cfg):
+        if self.schedule.stacked:
             @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0, 0),
-                      transform_metadata={nnx.PARTITION_NAME: self.layout.stack_axis})
+                      transform_metadata={nnx.PARTITION_NAME: self.schedule.stack_axis})
             def body(x_BTD, block, k_BSKH, v_BSKH):
                 return block.extend(x_BTD, k_BSKH, v_BSKH, pos_BT, prefill)
 
@@ -228,19 +208,18 @@ class Transformer(nnx.Module):
         """Mean next-token cross-entropy, from vocab-sharded logits.
         `forward_only` (evaluation): a 1F1B pipeline's loss by GPipe's
         forward, not by the schedule that computes the gradients too."""
-        if self.layout.pipeline == "1f1b" and self.layout.pp > 1 and not forward_only:
+        if self.schedule.runs_head and not forward_only:
             # MoE: each stage's router statistics weighted into the loss in
             # the schedule, per microbatch (as `hidden_and_stats`'s pipeline)
             n = n_stats(self.cfg.n_experts, self.monitor) if self.cfg.n_experts else 0
             weights = np.zeros(n, wide(self.cfg.dtype))
             if n:
                 weights[:2] = self.cfg.moe_balance_coef, self.cfg.moe_z_coef
-            return pipeline_1f1b(
-                lambda blocks, x: self._run_stack(
-                    blocks, x, None, vary(jnp.zeros(n, weights.dtype), {PP_AXIS}) if n else None),
-                lambda mods, y, t: mods[1].token_losses(mods[0](y), t).sum(), self.blocks,
+            return stack_loss(
+                self.schedule, self.layout, self._layer(), self.blocks,
+                lambda mods, y, t: mods[1].token_losses(mods[0](y), t).sum(),
                 nnx.List([self.ln_f, self.head]), self._embed(tokens_BT, None), targets_BT,
-                self.layout, weights if n else None)
+                jnp.zeros(n, weights.dtype) if n else None, weights if n else None)
         x_BTD, stats = self.hidden_and_stats(tokens_BT, dropout_key=dropout_key)
         loss = self.head.token_losses(x_BTD, targets_BT).mean()
         if not self.cfg.n_experts:
@@ -249,19 +228,20 @@ class Transformer(nnx.Module):
         return loss + self.cfg.moe_balance_coef * stats[0] + self.cfg.moe_z_coef * stats[1]
 
 
-def _stacked(blocks: list[Block], cfg: ModelConfig, layout: Layout) -> Block:
+def _stacked(blocks: list[Block], cfg: ModelConfig, layout: Layout, schedule: Schedule) -> Block:
     """One Block whose every parameter is the `blocks`' stacked on a leading
-    layer axis [L, ...] (in `Layout.layer_order`), split over the layout's
-    stack axis (None: replicated). Its structure comes from an `nnx.vmap`ped construction
+    layer axis [L, ...] (in `Schedule.layer_order`), split over the
+    schedule's stack axis (None: replicated). Its structure comes from an `nnx.vmap`ped construction
     whose own draws are discarded (unused under jit)."""
     @nnx.split_rngs(splits=cfg.n_layers)
-    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: layout.stack_axis})
+    @nnx.vmap(in_axes=0, out_axes=0,
+              transform_metadata={nnx.PARTITION_NAME: schedule.stack_axis})
     def stack(rngs):
         return Block(cfg, layout, rngs=rngs)
 
     stacked = stack(nnx.Rngs(0))
     state = nnx.state(stacked)
-    order = layout.layer_order(cfg.n_layers)  # (circular pipelines interleave)
+    order = schedule.layer_order(cfg.n_layers)  # (circular pipelines interleave)
     pure = stack_layers({"blocks": dict(enumerate(nnx.to_pure_dict(nnx.state(blocks[i]))
                                                   for i in order))})["blocks"]
     nnx.replace_by_pure_dict(state, pure)
@@ -287,7 +267,7 @@ def unstack_layers(pure: dict) -> dict:
 
 def reorder_layers(pure: dict, order) -> dict:
     """{"blocks": tree of [L, ...]} (a pure dict) with stack position j
-    holding what position order[j] held: `Layout.layer_order` puts model
+    holding what position order[j] held: `Schedule.layer_order` puts model
     order into a circular pipeline's storage, its inverse (np.argsort) takes
     it back. The same dict where the order is the identity."""
     idx = np.asarray(order)

@@ -123,10 +123,9 @@ class GlobalArrays:
 
 
     def batch_per_dp_rank(self, B: int) -> int:
-        # the arrays are global (local over dp inside `jaxtp.train.step`'s
-        # dp-local gradient accumulation)
-        # (pp splits the batch as dp does outside the pipeline)
-        return B if DATA_AXIS in manual_axes() else B // (self.layout.dp * self.layout.pp)
+        # the arrays are global over the axes not manual here (a pipeline's,
+        # `jaxtp.train.step`'s dp-local gradient accumulation's)
+        return self.layout.rows(B, manual_axes())
 
     def vocab_max(self, v):
         return v

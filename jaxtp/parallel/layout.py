@@ -135,12 +135,6 @@ class Layout:
     # the sequence's chunks r and 2cp-1-r (causal load balance) or chunk r
     cp_attention: str = "allgather"
     cp_balance: bool = True
-    # pipeline parallelism (a pp axis): the stacked blocks split over pp by
-    # layer, run as `pipeline` ("gpipe"; jaxtp.config.PP_SCHEDULES) over
-    # `microbatches` microbatches with `repeats` chunks per stage
-    pipeline: str = "gpipe"
-    microbatches: int = 1
-    repeats: int = 1
 
     def __post_init__(self):
         axes = tuple(self.axes.items()) if isinstance(self.axes, dict) else tuple(self.axes)
@@ -168,41 +162,22 @@ class Layout:
                         kv_sharded=m.kv_heads % p.tp == 0,
                         overlap=sp and p.overlap != "none",
                         bidi=sp and p.overlap == "collective_matmul_bidi",
-                        cp_attention=p.cp_attention, cp_balance=p.cp_balance,
-                        **({} if p.pp == 1 else dict(pipeline=p.pp_schedule,
-                                                     microbatches=cfg.train.microbatches,
-                                                     repeats=p.pp_repeats)))
+                        cp_attention=p.cp_attention, cp_balance=p.cp_balance)
 
     @property
     def sizes(self) -> dict[str, int]:
         return dict(self.axes)
 
-    @property
-    def stack_axis(self) -> str | None:
-        """The mesh axis a stacked layer dim is split over: pp (each stage
-        holds its layers), or None (every rank holds every layer)."""
-        return PP_AXIS if self.pp > 1 else None
+    def rows(self, B: int, manual=frozenset()) -> int:
+        """The rows one rank holds of an array of B rows laid out by the
+        "batch" rule (`RULES`: pp, dp and ep split it), where the axes in
+        `manual` (a shard_map's, over which the array is already this rank's
+        part) split it no further.
 
-    def stacked(self, model_cfg) -> bool:
-        """Whether the blocks' parameters are stacked on a leading layer axis
-        (`model.scan_layers`, and always under pp: the stages' layers)."""
-        return model_cfg.scan_layers or self.pp > 1
-
-    def layer_order(self, L: int) -> tuple[int, ...]:
-        """The layer each position of a stacked [L, ...] parameter holds.
-        Position j lies on stage j // (L/p); under the circular schedule
-        (v = `repeats` chunks of L/(p*v) layers per stage) stage r's i-th
-        chunk is the pipeline's chunk i*p + r (Narayanan et al. 2021, Sec.
-        2.2.2), so the stack is stored in that order: on each stage its
-        chunks in the order it runs them. The identity otherwise.
-
-        >>> Layout.make(pp=2, pipeline="circular", microbatches=2, repeats=2).layer_order(8)
-        (0, 1, 4, 5, 2, 3, 6, 7)
+        >>> Layout.make(pp=2, dp=2, ep=2, tp=2).rows(16)
+        2
         """
-        p, v = self.pp, self.repeats
-        c = L // (p * v)  # layers per chunk
-        return tuple((i * p + j // (v * c)) * c + k
-                     for j in range(L) for i, k in [divmod(j % (v * c), c)])
+        return B // math.prod(self.sizes.get(a, 1) for a in RULES["batch"] if a not in manual)
 
     @property
     def pp(self) -> int:

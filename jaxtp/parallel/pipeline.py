@@ -44,7 +44,7 @@ _is_spec = lambda x: isinstance(x, P)
 BATCH_SPLIT = {DATA_AXIS, EP_AXIS, CP_AXIS}
 
 
-def pipeline(stage: Callable, blocks, x_BTD, layout: Layout, n_stats: int = 0):
+def pipeline(stage: Callable, blocks, x_BTD, layout: Layout, schedule, n_stats: int = 0):
     """`stage(blocks, x)` over the stacked `blocks` of every stage, in
     order, on `x_BTD` [B, T, D] (the residual stream, B split over pp and
     dp), by GPipe's schedule: the stream after the last layer, laid out
@@ -62,7 +62,7 @@ def pipeline(stage: Callable, blocks, x_BTD, layout: Layout, n_stats: int = 0):
     once per tick. FSDP's are gathered over dp on entry (by GSPMD, before
     the shard_map, under gspmd; by an all-gather in it under shard_map), so
     a stage holds its layers whole for the step."""
-    p, M, v = layout.pp, layout.microbatches, layout.repeats
+    p, M, v = schedule.stages, schedule.microbatches, schedule.repeats
     everything, manual = _manual(layout)
     graphdef, params = nnx.split(blocks)
     specs = nnx.get_partition_spec(params)

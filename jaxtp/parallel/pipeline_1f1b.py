@@ -87,7 +87,7 @@ def in_flight(ops: np.ndarray, stage: int = 0) -> int:
 
 
 def pipeline_1f1b(stage: Callable, head: Callable, blocks, head_modules, x_BTD, targets_BT,
-                  layout: Layout, stat_weights: np.ndarray | None = None):
+                  layout: Layout, schedule, stat_weights: np.ndarray | None = None):
     """The mean loss of `head(head_modules, stage(blocks, x), targets)` (a
     microbatch's summed token losses) over the batch, by 1F1B over the
     stacked `blocks`; differentiable in the blocks, the head's modules and
@@ -99,7 +99,7 @@ def pipeline_1f1b(stage: Callable, head: Callable, blocks, head_modules, x_BTD, 
     statistics' weighted sum, summed over the stages and averaged over the
     microbatches, as `jaxtp.parallel.pipeline` gives them to the loss. A
     backward tick hands its stage's vjp weights / M as their cotangent."""
-    p, M = layout.pp, layout.microbatches
+    p, M = schedule.stages, schedule.microbatches
     everything, manual = _manual(layout)
     graphdef, params = nnx.split(blocks)
     hgraph, hparams = nnx.split(head_modules)

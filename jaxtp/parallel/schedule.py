@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from .collectives import wide
-from .layout import DATA_AXIS, Layout, constrain, explicit_mesh, keep_axes
+from .layout import DATA_AXIS, PP_AXIS, Layout, constrain, explicit_mesh, keep_axes
 
 MODES = ("whole", "sequential", "over_dp", "pipeline")
 
@@ -45,6 +45,11 @@ class Schedule:
     stages: int = 1
     repeats: int = 1
     pipeline: str = "gpipe"  # the stages' order (jaxtp.config.PP_SCHEDULES)
+    # the blocks' parameters stacked on a leading layer axis and run by a
+    # loop (`model.scan_layers`; always under a pipeline: the stages' layers)
+    scan: bool = False
+    # rows one rank holds of each microbatch (`Layout.rows`; 0: not given)
+    rows: int = 0
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -58,12 +63,17 @@ class Schedule:
     def of(cls, cfg, layout: Layout) -> "Schedule":
         """The schedule of a config (its attention kernel resolved for the
         device: `jaxtp.model.resolve_attention`) on `layout`."""
-        M = cfg.train.microbatches
+        M, p = cfg.train.microbatches, cfg.parallel
+        # a microbatch runs whole through the stages: its rows split over the
+        # batch axes but pp, which splits the layers there
+        rows = layout.rows(cfg.train.batch_size // M, frozenset({PP_AXIS}))
         if layout.pp > 1:
             return cls(microbatches=M, mode="pipeline", layers=cfg.model.n_layers,
-                       stages=layout.pp, repeats=layout.repeats, pipeline=layout.pipeline)
-        return cls(microbatches=M, layers=cfg.model.n_layers,
-                   mode=_mode(layout, M, cfg.model.attention, cfg.train.reduce_once))
+                       stages=layout.pp, repeats=p.pp_repeats, pipeline=p.pp_schedule,
+                       scan=True, rows=rows)
+        return cls(microbatches=M, layers=cfg.model.n_layers, scan=cfg.model.scan_layers,
+                   mode=_mode(layout, M, cfg.model.attention, cfg.train.reduce_once),
+                   rows=rows)
 
     @property
     def reduces_once(self) -> bool:
@@ -80,6 +90,51 @@ class Schedule:
         if self.pipeline == "1f1b" and self.stages > 1:
             return 2 * (self.microbatches + self.stages - 1)
         return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def head_rows(self) -> int:
+        """The rows one rank's LM head and loss take at once: a microbatch's,
+        but under a pipeline that runs them outside its stages the step's
+        own rows of each stage (`jaxtp.parallel.pipeline`: pp splits them
+        there as dp does)."""
+        if self.stages > 1 and not self.runs_head:
+            return self.rows * self.microbatches // self.stages
+        return self.rows
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the blocks' parameters are stacked on a leading layer axis."""
+        return self.scan or self.stages > 1
+
+    @property
+    def runs_head(self) -> bool:
+        """Whether the stack runs the head and the loss inside it (1F1B: a
+        microbatch's backward starts on the last stage as soon as its
+        forward ends), so that the model asks `jaxtp.parallel.stack_loss`."""
+        return self.pipeline == "1f1b" and self.stages > 1
+
+    @property
+    def stack_axis(self) -> str | None:
+        """The mesh axis a stacked layer dim is split over: pp (each stage
+        holds its layers), or None (every rank holds every layer)."""
+        return PP_AXIS if self.stages > 1 else None
+
+    def layer_order(self, L: int | None = None) -> tuple[int, ...]:
+        """The layer each position of a stacked [L, ...] parameter holds
+        (L: `layers`). Position j lies on stage j // (L/p); under the
+        circular schedule (v = `repeats` chunks of L/(p*v) layers per stage)
+        stage r's i-th chunk is the pipeline's chunk i*p + r (Narayanan et
+        al. 2021, Sec. 2.2.2), so the stack is stored in that order: on each
+        stage its chunks in the order it runs them. The identity otherwise.
+
+        >>> Schedule(2, "pipeline", stages=2, repeats=2, pipeline="circular").layer_order(8)
+        (0, 1, 4, 5, 2, 3, 6, 7)
+        """
+        L = self.layers if L is None else L
+        p, v = self.stages, self.repeats
+        c = L // (p * v)  # layers per chunk
+        return tuple((i * p + j // (v * c)) * c + k
+                     for j in range(L) for i, k in [divmod(j % (v * c), c)])
 
     @property
     def layers_per_rank(self) -> int:

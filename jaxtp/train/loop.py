@@ -55,7 +55,7 @@ from flax import nnx
 from ..config import Config
 from ..model.build import abstract_model
 from ..model.moe import STATS
-from ..parallel import Layout, batch_shape, batch_sharding, wide
+from ..parallel import Schedule, batch_shape, batch_sharding, wide
 from ..parallel.distributed import any_process
 from .checkpoint import Checkpointer, SaveFailed, nbytes
 from .data import to_mesh
@@ -115,7 +115,7 @@ def train(cfg: Config, out_dir: str | Path, opts: RunOptions = RunOptions()) -> 
         o = dataclasses.replace(o, log=lambda _: None)
     data, data_id, tokenizer = load_data(o.data_path, cfg, o.init_from_hf)
     asked = cfg  # as given: the run records "auto", not the kernel this machine picks
-    cfg, _, mesh = decide(cfg)  # a KernelError before writing
+    cfg, layout, mesh = decide(cfg)  # a KernelError before writing
     check_memory(cfg, mesh)  # a model this machine cannot hold: before allocating any of it
     out = Path(out_dir)
     rerun = o.resume and RunDir(out).has_run()
@@ -123,7 +123,7 @@ def train(cfg: Config, out_dir: str | Path, opts: RunOptions = RunOptions()) -> 
                           o.init_from_hf, tokenizer, o.log)
     try:
         ckpt = Checkpointer(out / "checkpoints", keep=cfg.train.keep_checkpoints, log=o.log,
-                            layer_order=Layout.of(cfg).layer_order(cfg.model.n_layers))
+                            layer_order=Schedule.of(cfg, layout).layer_order())
     except BaseException:
         if lock is not None:
             lock.release()

@@ -120,8 +120,9 @@ def place_params(cfg: Config, mesh: Mesh, values, layout: Layout | None = None):
     graphdef, abstract = abstract_model(cfg, mesh, layout)
     shardings = nnx.get_named_sharding(abstract, mesh)
     pure = values if isinstance(values, dict) else nnx.to_pure_dict(values)
-    if layout.stacked(cfg.model) and "blocks" in pure:  # model order -> the stack's
-        pure = reorder_layers(pure, layout.layer_order(cfg.model.n_layers))
+    schedule = Schedule.of(cfg, layout)
+    if schedule.stacked and "blocks" in pure:  # model order -> the stack's
+        pure = reorder_layers(pure, schedule.layer_order())
     want = jax.tree.map(lambda x: (x.shape, jnp.dtype(x.dtype)), nnx.to_pure_dict(abstract))
     got = jax.tree.map(lambda x: (tuple(x.shape), jnp.dtype(x.dtype)), pure)
     if jax.tree.structure(want) != jax.tree.structure(got) or want != got:

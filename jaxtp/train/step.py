@@ -22,6 +22,7 @@ from ..config import Config
 from ..parallel import (Layout, Schedule, batch_shape, batch_sharding, inputs_targets,
                         make_mesh)
 from ..model import reorder_layers
+from ..parallel.layout import AXES
 from .optim import clip_by_global_norm
 from .state import TrainState, abstract_train_state, init_train_state
 
@@ -147,6 +148,14 @@ def compiled_step(cfg: Config, mesh, compiler_options: dict | None = None):
                                      compiler_options=compiler_options)
 
 
+def one_device(cfg: Config, stacked: bool) -> Config:
+    """`cfg` on one device: every mesh axis's degree 1 (`AXES`: a new axis
+    is reset with the others), impl gspmd, the blocks stacked or not."""
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, scan_layers=stacked),
+        parallel=dataclasses.replace(cfg.parallel, impl="gspmd", **{a: 1 for a in AXES}))
+
+
 def single_device_check(cfg: Config, params0, batches, keys, loss: float, grad_norm: float,
                         params_n) -> dict:
     """Replay the first steps on a single device (tp=1, dp=1) and compare.
@@ -160,12 +169,11 @@ def single_device_check(cfg: Config, params0, batches, keys, loss: float, grad_n
     # one device, its blocks stacked as the run's are (a pipeline's, scanned),
     # in model order (a circular pipeline's stack is interleaved)
     layout = Layout.of(cfg)
-    stacked = layout.stacked(cfg.model)
-    back = np.argsort(layout.layer_order(cfg.model.n_layers))
+    schedule = Schedule.of(cfg, layout)
+    stacked = schedule.stacked
+    back = np.argsort(schedule.layer_order())
     params0, params_n = (reorder_layers(nnx.to_pure_dict(p), back) for p in (params0, params_n))
-    one = dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, scan_layers=stacked),
-        parallel=dataclasses.replace(cfg.parallel, pp=1, dp=1, tp=1, cp=1, impl="gspmd"))
+    one = one_device(cfg, stacked)
     mesh = make_mesh(1, 1, devices=jax.devices()[:1])
     state = init_train_state(one, mesh, params=params0)
     step = make_train_step(state, use_dropout=cfg.model.dropout > 0)

@@ -35,10 +35,10 @@ B = 16
 @functools.cache
 def compiled(impl: str, factor: float, ep: int = 4, tp: int = 2, dp: int = 1,
              remat: str = "none", dispatch: str = "dense", shared: int = 0, microbatches: int = 1,
-             every: int = 1, fsdp: bool = False, cp: int = 1):
+             every: int = 1, fsdp: bool = False, cp: int = 1, loss_chunk: int = 4096):
     cfg = validate(Config(dataclasses.replace(MOE, capacity_factor=factor, remat=remat,
                                               moe_dispatch=dispatch, moe_shared_d_ff=shared,
-                                              moe_every=every),
+                                              moe_every=every, loss_chunk=loss_chunk),
                           TrainConfig(batch_size=B, microbatches=microbatches),
                           ParallelConfig(dp=dp, ep=ep, tp=tp, cp=cp, impl=impl, fsdp=fsdp)))
     layout = Layout.of(cfg)
@@ -71,6 +71,21 @@ def test_the_all_to_alls_are_the_ep_ledgers(impl, factor):
 
 
 test_the_all_to_alls_are_the_ep_ledgers.fast_cases = {"cf1-gspmd"}
+
+
+@pytest.mark.parametrize("impl", ["gspmd", "shard_map"])
+def test_the_loss_chunks_count_an_ep_ranks_rows(impl):
+    """The chunked loss cuts `loss_chunk` tokens of the rows one rank holds:
+    16 / ep 4 = 4 rows of 32 positions, so 64 tokens are 2 chunks of 16
+    positions under every impl (gspmd once took ep's rows for 16: 8 chunks,
+    8 sets of the loss's reductions, off the ledger)."""
+    from jaxtp.model.vocab import loss_chunks
+    assert loss_chunks(64, 4, 32) == (2, 16)
+    cfg, sizes, colls = compiled(impl, 1.0, loss_chunk=64)
+    assert check(colls, expected_collectives(cfg, impl, "cpu"), sizes) is None
+
+
+test_the_loss_chunks_count_an_ep_ranks_rows.fast_cases = {"gspmd"}
 
 
 def test_the_all_to_all_bytes_follow_the_capacity_factor():

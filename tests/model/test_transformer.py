@@ -21,7 +21,7 @@ from flax import nnx
 
 from jaxtp.config import Config, ModelConfig, ParallelConfig
 from jaxtp.model import unstack_layers
-from jaxtp.parallel import Layout, make_mesh
+from jaxtp.parallel import Layout, Schedule, make_mesh
 from jaxtp.train.state import init_params
 from jaxtp.train.step import loss_fn
 from cached import initial_params, initial_values
@@ -111,7 +111,7 @@ def test_init_is_the_same_in_every_layout(variant):
                    (scanned, ParallelConfig(tp=4)), (model, ParallelConfig(pp=2, tp=4))):
         layout = Layout.of(Config(model=m, parallel=par))
         got = host_params(init_params(Config(model=m, parallel=par), layout.mesh())[1])
-        if layout.stacked(m):
+        if Schedule.of(Config(model=m, parallel=par), layout).stacked:
             got = unstack_layers(got)
         assert jax.tree.structure(got) == jax.tree.structure(want)
         for path, w in jax.tree_util.tree_flatten_with_path(want)[0]:

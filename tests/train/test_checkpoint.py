@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtp.train.checkpoint import Checkpointer, CheckpointError
 from jaxtp.train.checkpoint import fingerprints as fingerprints_of
 from jaxtp.config import Config, ModelConfig, ParallelConfig, TrainConfig
-from jaxtp.parallel import Layout, make_mesh
+from jaxtp.parallel import Layout, Schedule, make_mesh
 from jaxtp.train.state import abstract_train_state
 
 GPT2 = ModelConfig(n_layers=1, d_model=32, n_heads=8, d_ff=64, seq_len=16, vocab_size=256)
@@ -503,7 +503,7 @@ def test_orbax_write_errors_logged_by_asyncio_are_dropped_and_others_kept():
 @pytest.mark.slow
 def test_a_circular_pipelines_save_holds_the_layers_in_model_order(tmp_path):
     """A circular pipeline (pp=2, v=2) stores its stack interleaved, stage
-    r's chunks r, r+2 (`Layout.layer_order`: 0, 2, 1, 3 at one layer a
+    r's chunks r, r+2 (`Schedule.layer_order`: 0, 2, 1, 3 at one layer a
     chunk); its step holds model order, so it restores bit-exactly as a
     list of layers at tp=8 and as GPipe's stack at pp=4, and a tp=8 step
     restores into the interleaved stack."""
@@ -511,7 +511,7 @@ def test_a_circular_pipelines_save_holds_the_layers_in_model_order(tmp_path):
     cfg = lambda pp, tp, **kw: Config(model=model, parallel=ParallelConfig(pp=pp, tp=tp, **kw),
                                       train=TrainConfig(microbatches=2 * pp))
     circular = cfg(2, 4, pp_schedule="circular", pp_repeats=2)
-    order = Layout.of(circular).layer_order(4)
+    order = Schedule.of(circular, Layout.of(circular)).layer_order()
     assert order == (0, 2, 1, 3)
     state = abstract_train_state(circular, Layout.of(circular).mesh())
     rng = np.random.default_rng(6)

@@ -187,3 +187,29 @@ def test_a_float64_run_schedules_its_lr_in_float64():
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=0)
     assert got[1] == pytest.approx(1e-4, rel=1e-15) and abs(want[1] / 1e-4 - 1) > 1e-7
     assert got[30] == 3e-3 and got[40:] == pytest.approx(3e-4, rel=1e-15)
+
+
+def test_the_check_replays_on_one_device_whatever_the_axes():
+    """`--check` replays a run with every mesh axis at degree 1 (ep's was
+    once left as the run's: a replay on one device laid out for ep 2)."""
+    from jaxtp.parallel import Layout
+    from jaxtp.parallel.layout import AXES
+    from jaxtp.train.step import one_device
+    cfg = Config(ModelConfig(n_experts=4, moe_top_k=2), TrainConfig(batch_size=16),
+                 ParallelConfig(**{a: 2 for a in AXES}, impl="shard_map"))
+    one = one_device(cfg, stacked=True)
+    assert Layout.of(one).devices == 1 and one.parallel.impl == "gspmd"
+    assert one.model.scan_layers and one.model == dataclasses.replace(cfg.model, scan_layers=True)
+
+
+@pytest.mark.slow
+def test_the_check_of_an_ep_run_matches_one_device(tmp_path):
+    """`--check --ep 2` (no test ran it): after an AdamW step the
+    replay's parameters are the ep run's to fp32 round-off."""
+    import train as cli
+    out = tmp_path / "run"
+    assert cli.main(["--config", "moe-tiny", "--ep", "2", "--tp", "2", "--steps", "1", "--check",
+                 "--out", str(out), "train.eval_batches=1", "train.warmup_steps=0"]) == 0
+    check = json.loads((out / "run.json").read_text())["check"]
+    assert check["after_step"] == 1 and check["loss_diff"] < 1e-5
+    assert check["param_update_rel_error"] < 1e-3
