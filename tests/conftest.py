@@ -1,4 +1,5 @@
-"""8 fake CPU devices for every test, set before any JAX backend starts.
+"""8 fake CPU devices for every test, set before any JAX backend starts
+(16 in the process tests/test_sixteen.py starts).
 
 `JAXTP_GPU_TESTS=1 python -m pytest -n 0 tests/test_gpu.py` runs the GPU-only
 tests on the machine's GPU instead, in this one process (everything else assumes 8
@@ -62,10 +63,12 @@ if _cpu and os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
 
 import jax  # noqa: E402
 
+# (JAXTP_TEST_DEVICES: the 16-device layouts' process, tests/test_sixteen.py)
+DEVICES = int(os.environ.get("JAXTP_TEST_DEVICES", "8"))
 if _cpu:
     jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", 8)
-    assert jax.device_count() == 8  # start the backend now, so no test can change it
+    jax.config.update("jax_num_cpu_devices", DEVICES)
+    assert jax.device_count() == DEVICES  # start the backend now, so no test can change it
 
 
 def pytest_collection_modifyitems(items):
@@ -83,8 +86,8 @@ def pytest_collection_modifyitems(items):
                 item.add_marker(pytest.mark.slow)
     # the longest tests (processes, the bench suite) first, so that the two
     # workers do not end with one of them running a minute alone
-    first = ("tests/bench/", "tests/parallel/test_distributed.py", "tests/train/test_loop.py",
-             "tests/train/test_cluster.py")
+    first = ("tests/test_sixteen.py", "tests/bench/", "tests/parallel/test_distributed.py",
+             "tests/train/test_loop.py", "tests/train/test_cluster.py")
     items.sort(key=lambda item: not item.nodeid.startswith(first))  # stable
     for fn, seen in ids.items():
         if fn.fast_cases - seen and len(seen) == _cases(fn):

@@ -314,16 +314,14 @@ def as_pipeline_slices(tokens, M: int, pp: int, dp: int, ep: int):
 
 @pytest.mark.parametrize("name, model, pp, dp, ep, tp, M, kw", [
     pytest.param(*case, id=case[0]) for case in [
-        ("llama-pp2xep2xtp2", MOE_LLAMA, 2, 1, 2, 2, 2, {}),
         ("gpt2-pp2xep4-shard_map", MOE, 2, 1, 4, 1, 2, {"impl": "shard_map"}),
         ("llama-pp2xdp2xep2-minimal", MOE_LLAMA, 2, 2, 2, 1, 2, {"remat": "minimal"}),
         ("gpt2-pp2xdp2xep2-shard_map", MOE, 2, 2, 2, 1, 2, {"impl": "shard_map"}),
-        ("llama-pp2-circular2xep2xtp2", dataclasses.replace(MOE_LLAMA, n_layers=4), 2, 1, 2,
-         2, 2, {"pp_schedule": "circular", "pp_repeats": 2}),
         ("llama-pp2xep2xtp2-sp-shard_map-dropless", MOE_LLAMA, 2, 1, 2, 2, 2,
          {"sp": True, "impl": "shard_map", "capacity_factor": 0.0}),
         # 1F1B: every tick a forward and a backward; the statistics in the loss's sum
-        ("llama-pp2xep2xtp2-1f1b", MOE_LLAMA, 2, 1, 2, 2, 2, {"pp_schedule": "1f1b"}),
+        # (each schedule at pp 2 x ep 2 x cp 2 x tp 2 under both impls, dropless:
+        # tests/sixteen.py)
         ("gpt2-pp2xdp2xep2-1f1b-shard_map", MOE, 2, 2, 2, 1, 2,
          {"pp_schedule": "1f1b", "impl": "shard_map"}),
     ]])
@@ -476,7 +474,8 @@ def _losses(out):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("impl, factor", [("gspmd", "1.25"), ("shard_map", "0")])
+@pytest.mark.parametrize("impl, factor", [("gspmd", "1.25")])  # (dropless under four
+# axes against one device: tests/sixteen.py)
 def test_in_float64_ep_logs_the_losses_of_dp(impl, factor, tmp_path, float64_run):
     """--float64, the verification mode: moe-tiny (2 layers, 8 x 64 tokens
     here) at ep4 x tp2 and at dp4 x tp2 log the same losses to float64's
