@@ -430,14 +430,14 @@ def plan(args, cfg: Config) -> int:
     # --ep N: ep over cp_sweep(N) on the N x tp devices, tp taking what ep leaves
     eps = cp_sweep(p.ep) if p.ep > 1 and not (cps or pps) else None
     tps = [args.tp or p.tp] if cps or pps or eps else [args.tp] if args.tp else [1, 2, 4, 8]
-    largest = p.pp * p.dp * p.ep * p.cp * max(tps)
+    largest = p.devices // p.tp * max(tps)
     check_plannable(cfg, largest)  # a model no accelerator holds: refused before compiling
     if args.cluster:  # the largest mesh against the cluster, before compiling anything
         from jaxtp.analysis.cluster import load
 
         cluster, need = load(args.cluster), largest
         if need > cluster.devices:
-            raise ValueError(f"--cluster {args.cluster}: pp*dp*ep*cp*tp = {need} devices at "
+            raise ValueError(f"--cluster {args.cluster}: {'*'.join(p.degrees)} = {need} devices at "
                              f"the largest tp, and {cluster.name} has {cluster.devices}")
     plan(cfg, tps,
          args.hardware or "h100", compile_for_target=args.hardware is not None,
@@ -454,7 +454,7 @@ def compare(args, cfg: Config) -> int:
     if args.hardware:
         from jaxtp.analysis.targets import target_mesh
 
-        mesh = target_mesh(args.hardware, p.dp, p.tp, p.cp, p.pp, p.ep)  # or TargetUnavailable
+        mesh = target_mesh(args.hardware, **p.degrees)  # or TargetUnavailable
     ok = compare_hlo(cfg, default_out(args, cfg), mesh=mesh, compile_step=compiled_step)["ok"]
     return 0 if ok else EXIT_FAILED
 

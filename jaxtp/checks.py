@@ -73,10 +73,13 @@ def _check_moe(cfg: Config) -> None:
         ok = [e for e in range(1, m.n_experts + 1) if m.n_experts % e == 0]
         raise ConfigError(f"model.n_experts={m.n_experts} is not divisible by ep={p.ep}: each "
                           f"ep rank holds n_experts/ep experts; valid --ep: {ok}")
-    if cfg.train.batch_size % (p.pp * p.dp * p.ep):
+    from .parallel.axes import BATCH  # (pp, dp, ep: the axis table; here, not at the
+    # top: jaxtp.parallel imports jaxtp.config, which imports this module)
+    split = math.prod(p.degrees[a] for a in BATCH)
+    if cfg.train.batch_size % split:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not divisible by "
                           f"dp*ep={p.dp}*{p.ep}: ep's ranks split the batch as dp's do; set "
-                          f"train.batch_size to a multiple of {p.pp * p.dp * p.ep}")
+                          f"train.batch_size to a multiple of {split}")
     if not 1 <= m.moe_top_k <= m.n_experts:
         raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be between 1 and "
                           f"model.n_experts={m.n_experts}")

@@ -292,7 +292,7 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
         log(f"[{i + 1}/{len(cases)}] compiling the train step at {name} for {where} "
             "(abstract shapes) ...")
         p = c.parallel
-        mesh = target_mesh(hardware, p.dp, tp, p.cp, p.pp, p.ep) if on_target else None
+        mesh = target_mesh(hardware, **{**p.degrees, "tp": tp}) if on_target else None
         r = analyze(c, mesh, compile_step=compile_step)
         # the base: the swept axis at 1 (an ep sweep keeps the device count: x 1)
         split = degrees[swept or "tp"]

@@ -117,7 +117,8 @@ def _tpu_topology(eight: str, n: int) -> str:
     return f"{eight.split(':')[0]}:{TPU_SLICES[size]}"
 
 
-def target_mesh(name: str, dp: int, tp: int, cp: int = 1, pp: int = 1, ep: int = 1):
-    """A ([pp,] dp, [ep,] [cp,] tp) mesh of compile-only devices of target `name`."""
-    layout = Layout.make(pp=pp, dp=dp, ep=ep, cp=cp, tp=tp)
+def target_mesh(name: str, dp: int = 1, tp: int = 1, **degrees):
+    """A ([pp,] dp, [ep,] [cp,] tp) mesh of compile-only devices of target
+    `name`, of these degrees (named as the mesh axes; 1 where not given)."""
+    layout = Layout.make(dp=dp, tp=tp, **degrees)
     return layout.mesh(devices=compile_only_devices(name, layout.devices))

@@ -10,6 +10,7 @@ import jax
 from flax import nnx
 
 from ..parallel import Layout, Schedule
+from ..parallel.pipeline import stages_leave_axes
 from . import kernels
 from .transformer import Transformer
 
@@ -22,20 +23,14 @@ def resolve_attention(cfg, device=None, cpu_tuned: bool = True):
     m = cfg.model
     device = jax.devices()[0] if device is None else device
     kernel = kernels.choose(m.attention, m.dtype, m.head_dim, m.seq_len, device, cpu_tuned)
-    if kernel == "cudnn" and m.attention == "auto" and (cfg.parallel.cp > 1 or pp_gspmd(cfg)):
+    if kernel == "cudnn" and m.attention == "auto" and (cfg.parallel.cp > 1 or
+                                                       stages_leave_axes(cfg.parallel)):
         # cuDNN gives no log-sum-exp to merge cp's parts by; its custom
         # partitioning fails in a pipeline's shard_map that leaves tp to GSPMD
         kernel = "blockwise"
     block = kernels.choose_block(m.attention, m.attention_block, device, cpu_tuned)
     return dataclasses.replace(cfg, model=dataclasses.replace(m, attention=kernel,
                                                               attention_block=block))
-
-
-def pp_gspmd(cfg) -> bool:
-    """A pipeline whose stages leave axes to GSPMD (impl gspmd): cuDNN's
-    attention does not partition there (jax 0.10.2: its custom partitioner
-    reads a `.spec` the shard_map's GSPMDSharding lacks)."""
-    return cfg.parallel.pp > 1 and cfg.parallel.impl != "shard_map"
 
 
 FLOAT64_NEEDS_X64 = ("model.dtype=float64 needs JAX's 64-bit types: call "

@@ -41,10 +41,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from ..config import ModelConfig
-from ..parallel import EP_AXIS, Layout, constrain, run_sharded, spec
-from ..parallel.layout import manual_axes
-from ..parallel.collectives import f, f_sp, g, g_sp, wide
-from ..parallel.ep import SLOTS_NAME, Slots, over_ep, over_tokens
+from .. import parallel
+from ..parallel import Layout, constrain, spec
+from ..parallel.collectives import f, g, wide
+from ..parallel.ep import SLOTS_NAME, Slots, over_tokens
 from ..parallel.ep import ragged as ragged_rows
 from .layers import gelu, init_std_out, param, weight
 from .mlp import MLP
@@ -198,24 +198,12 @@ class Experts(nnx.Module):
     def __call__(self, x_EGCD):
         """Every expert's slots [E, G, C, D] -> its outputs, summed over tp
         (under SP reduce-scattered over it). gspmd: the slots as the experts
-        take them (`Slots.experts`, placed by `_slots_place`); shard_map: as
+        take them (`Slots.experts`, placed by `jaxtp.parallel.ep.placed`); shard_map: as
         the dispatch made them (`Slots.tokens`), sent to the experts' ranks
         and back in the region (`jaxtp.parallel.ep.over_ep`), there gathered
         over tp and reduce-scattered back under SP (`f_sp`, `g_sp`), else
-        f and g."""
-        if self.layout.impl == "shard_map":
-            s = spec(*self.slots.tokens)
-            enter, leave = (f_sp, g_sp) if self.slots.sp else (f, g)
-            return run_sharded(
-                self, lambda m, x: over_ep(lambda x: leave(m.local(enter(x))), x),
-                x_EGCD, arg_specs=(s,), out_specs=s)
-        if self.layout.impl == "explicit":  # the types carry the split; the sum over
-            # tp is the down-projection's, named by its output's sharding
-            return self.local(x_EGCD, spec(*self.slots.out))
-        if EP_AXIS in manual_axes():  # a pipeline's stage, manual over ep: the slots are
-            # this rank's, and travel as under shard_map (tp left to GSPMD)
-            return over_ep(lambda x: constrain(self.local(x), *self.slots.out), x_EGCD)
-        return constrain(self.local(x_EGCD), *self.slots.out)
+        f and g. (`jaxtp.parallel.experts`: the impl's `Local` decides.)"""
+        return parallel.experts(self, x_EGCD)
 
     def local(self, x_EGCD, out_sharding=None):
         """The experts' math on whatever part of F this rank holds
@@ -253,8 +241,6 @@ class Experts(nnx.Module):
         tokens; tp splits F inside the experts and sums the layer's output
         over tp once (g), after the weighted sum, on [G, T, D] rather than
         on the rows."""
-        if self.layout.impl == "explicit":
-            raise ValueError("MoE is not built for impl 'explicit' yet")
         G, T, k = experts_GTk.shape
         n = self.up.shape[0]
 
@@ -266,29 +252,8 @@ class Experts(nnx.Module):
             return g(y_ND.reshape(x_GTD.shape))
 
         tokens, routing = spec("batch", None, "embed"), spec("batch", None, None)
-        return run_sharded(self, local, x_GTD, experts_GTk, weights_GTk,
-                           arg_specs=(tokens, routing, routing), out_specs=tokens)
-
-
-def _slots_place(x_EGCD, to_experts: bool, slots: Slots, sent: bool = True):
-    """gspmd: the slots as the dispatch makes them (`Slots.tokens`) -> as the
-    experts take them (`Slots.experts`), or from the experts' output
-    (`Slots.out`) back: the same array resharded, an all-to-all over ep each
-    way (GShard's, placed by GSPMD). Named for remat (`SLOTS_NAME`) only
-    where `sent` (ep > 1): at ep 1 nothing travels, and keeping the slots
-    would be memory bought for nothing."""
-    x_EGCD = constrain(x_EGCD, *(slots.tokens if to_experts else slots.out))
-    if slots.sp and to_experts:  # one axis at a time (GSPMD gathers everything to
-        # move both at once): ep's all-to-all, then tp's gather of what arrived
-        x_EGCD = constrain(x_EGCD, *slots.out)
-    x_EGCD = constrain(x_EGCD, *(slots.experts if to_experts else slots.tokens))
-    return checkpoint_name(x_EGCD, SLOTS_NAME) if sent else x_EGCD
-
-
-def _slots_kept(x_EGCD, to_experts: bool, slots: Slots):
-    """shard_map: the slots stay split as the tokens are; the expert region
-    moves them itself (`jaxtp.parallel.ep`)."""
-    return constrain(x_EGCD, *slots.tokens)
+        return parallel.ragged_experts(self, local, x_GTD, experts_GTk, weights_GTk,
+                                       arg_specs=(tokens, routing, routing), out_specs=tokens)
 
 
 def _pin_groups(a, slots: Slots):
@@ -320,9 +285,6 @@ class MoE(nnx.Module):
         self.layout, self.slots = layout, self.experts.slots
         self.splits = layout.cp * (layout.tp if layout.sp else 1)  # groups per sequence
         self.tag = "mlp_out"
-        place = _slots_kept if layout.impl == "shard_map" else \
-            functools.partial(_slots_place, sent=layout.ep > 1)
-        self._place = functools.partial(place, slots=self.slots)
         self.monitor = False  # also the dropped share and the loads (`moe`)
 
     def __call__(self, x_BTD):
@@ -335,7 +297,7 @@ class MoE(nnx.Module):
             logits_GSE = jnp.einsum("GSD,DE->GSE", x_GSD.astype(wide(x_GSD)),
                                     weight(self.router, wide(x_GSD)))
             y_GSD, stats = moe(x_GSD, logits_GSE, self.experts, k=self.k, factor=self.factor,
-                               norm_topk=self.norm, place=self._place,
+                               norm_topk=self.norm, place=functools.partial(parallel.place_slots, self),
                                pin=functools.partial(_pin_groups, slots=self.slots),
                                monitor=self.monitor,
                                ragged=self.experts.ragged if self.ragged else None,

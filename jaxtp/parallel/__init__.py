@@ -14,8 +14,8 @@ from .schedule import Schedule
 from .xla_overlap import compiler_options, known_bugs
 from .global_arrays import GSPMD, Explicit, GlobalArrays
 from .shardmap import BF16_CPU_SHARD_MAP, Ring, ShardMap, act_spec, run_sharded
-from .locals import (LOCALS, Local, cached_region, embed, local_of, region, vocab_losses,
-                     vocab_sample)
+from .locals import (LOCALS, Local, cached_region, embed, experts, local_of, place_slots,
+                     ragged_experts, region, vocab_losses, vocab_sample)
 
 __all__ = ["f", "f_sp", "g", "g_sp", "global_norm", "vary", "wide", "CP_AXIS", "DATA_AXIS", "EP_AXIS",
            "FSDP_PARAM_RULES", "PP_AXIS", "RULES", "TP_AXIS", "Layout", "Schedule", "batch_shape",
@@ -25,4 +25,4 @@ __all__ = ["f", "f_sp", "g", "g_sp", "global_norm", "vary", "wide", "CP_AXIS", "
            "spec_axes", "split_over_tp", "compiler_options", "known_bugs", "GSPMD", "Explicit",
            "GlobalArrays", "BF16_CPU_SHARD_MAP", "Ring", "ShardMap", "act_spec", "run_sharded",
            "LOCALS", "Local", "cached_region", "embed", "local_of", "region", "vocab_losses",
-           "vocab_sample"]
+           "vocab_sample", "experts", "place_slots", "ragged_experts"]

@@ -35,7 +35,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from .collectives import vary, varying_axes
-from .layout import AXES, CP_AXIS, DATA_AXIS, EP_AXIS, TP_AXIS, manual_axes
+from .layout import AXES, CP_AXIS, DATA_AXIS, EP_AXIS, TP_AXIS, constrain, manual_axes
 
 # what a CPU run of the ragged path at ep > 1 is told (train.py refuses it)
 RAGGED_CPU = ("model.moe_dispatch='ragged' at ep > 1 needs a GPU or TPU: XLA:CPU does not "
@@ -84,6 +84,27 @@ def over_tokens(x, sp: bool = False):
     axes = {DATA_AXIS, EP_AXIS, CP_AXIS} | ({TP_AXIS} if sp else set())
     manual = tuple(a for a in AXES if a in axes and a in manual_axes())
     return lax.pmean(x, manual) if manual else x
+
+
+def placed(x_EGCD, to_experts: bool, slots: Slots, sent: bool = True):
+    """On global arrays: the slots as the dispatch makes them (`Slots.tokens`)
+    -> as the experts take them (`Slots.experts`), or from the experts'
+    output (`Slots.out`) back: the same array resharded, an all-to-all over
+    ep each way (GShard's, placed by GSPMD). Named for remat (`SLOTS_NAME`)
+    only where `sent` (ep > 1): at ep 1 nothing travels, and keeping the
+    slots would be memory bought for nothing."""
+    x_EGCD = constrain(x_EGCD, *(slots.tokens if to_experts else slots.out))
+    if slots.sp and to_experts:  # one axis at a time (GSPMD gathers everything to
+        # move both at once): ep's all-to-all, then tp's gather of what arrived
+        x_EGCD = constrain(x_EGCD, *slots.out)
+    x_EGCD = constrain(x_EGCD, *(slots.experts if to_experts else slots.tokens))
+    return checkpoint_name(x_EGCD, SLOTS_NAME) if sent else x_EGCD
+
+
+def kept(x_EGCD, to_experts: bool, slots: Slots):
+    """Under shard_map: the slots stay split as the tokens are; the expert
+    region moves them itself (`over_ep`)."""
+    return constrain(x_EGCD, *slots.tokens)
 
 
 def over_ep(experts: Callable, x_EGCD):

@@ -12,9 +12,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from . import context
+from . import context, ep
 from .overlap import reread
-from .layout import CP_AXIS, DATA_AXIS, Layout, cache_spec, constrain, explicit_mesh, manual_axes, spec
+from .layout import CP_AXIS, DATA_AXIS, EP_AXIS, Layout, cache_spec, constrain, explicit_mesh, manual_axes, spec
 
 
 class GlobalArrays:
@@ -153,6 +153,21 @@ class GlobalArrays:
     def run_sample(self, module, x_BD, key, **sampling):
         return module.sample(x_BD, key, local=self, **sampling)
 
+    # a MoE layer's experts (`jaxtp.model.moe`): GSPMD places ep's all-to-alls
+    # by the slots' layouts; in a pipeline's stage, manual over ep, the slots
+    # are the rank's and travel as under shard_map (tp left to GSPMD)
+    def place_slots(self, module, x_EGCD, to_experts: bool):
+        return ep.placed(x_EGCD, to_experts, module.slots, sent=self.layout.ep > 1)
+
+    def run_experts(self, module, x_EGCD):
+        if EP_AXIS in manual_axes():
+            return ep.over_ep(lambda x: constrain(module.local(x), *module.slots.out), x_EGCD)
+        return constrain(module.local(x_EGCD), *module.slots.out)
+
+    def run_ragged(self, module, local: Callable, *args, arg_specs, out_specs):
+        from .shardmap import run_sharded  # (the ragged path runs per shard under every impl)
+        return run_sharded(module, local, *args, arg_specs=arg_specs, out_specs=out_specs)
+
 
 class GSPMD(GlobalArrays):
     """A region on global arrays: GSPMD partitions it by the layouts pinned here."""
@@ -276,6 +291,14 @@ class Explicit(GlobalArrays):
         return jnp.einsum("BTCKH,KR->BTCRH", kv_BTCKH, pick_KR,
                           precision=jax.lax.Precision.HIGHEST,  # a copy, exact in any dtype
                           out_sharding=spec("batch", "seq", None, "heads", "head_dim"))
+
+    def run_experts(self, module, x_EGCD):
+        """The types carry the split; the sum over tp is the down-projection's,
+        named by its output's sharding."""
+        return module.local(x_EGCD, spec(*module.slots.out))
+
+    def run_ragged(self, module, local: Callable, *args, arg_specs, out_specs):
+        raise ValueError("the ragged MoE dispatch is not built for impl 'explicit' yet")
 
 
 def _free_axes() -> tuple[str, ...]:

@@ -19,15 +19,10 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-PP_AXIS = "pp"  # the axis pipeline parallelism splits the layers over
-DATA_AXIS = "dp"  # the axis data parallelism splits the batch over
-EP_AXIS = "ep"  # the axis a MoE layer's experts are split over (the batch too, as dp)
-CP_AXIS = "cp"  # the axis context parallelism splits the sequence over
-TP_AXIS = "tp"  # the axis tensor parallelism splits
 # every mesh axis, outermost first (tp innermost, on the fastest links); those
-# in OPTIONAL are on a run's mesh only where their degree is above 1
-AXES = (PP_AXIS, DATA_AXIS, EP_AXIS, CP_AXIS, TP_AXIS)
-OPTIONAL = frozenset({PP_AXIS, EP_AXIS, CP_AXIS})
+# in OPTIONAL are on a run's mesh only where their degree is above 1; those in
+# BATCH split the batch: the axis table (`jaxtp.parallel.axes`)
+from .axes import AXES, BATCH, CP_AXIS, DATA_AXIS, EP_AXIS, OPTIONAL, PP_AXIS, TP_AXIS  # noqa: E402
 
 # Megatron layout: the hidden dims of the MLP, the attention heads and the
 # vocabulary are split over tp; the model dim stays whole on every tp rank;
@@ -36,7 +31,7 @@ OPTIONAL = frozenset({PP_AXIS, EP_AXIS, CP_AXIS})
 # (embedding, LM head, loss) pp splits the batch as dp does: every stage
 # runs them on its own rows (`jaxtp.parallel.pipeline`).
 RULES: dict[str, tuple[str, ...]] = {
-    "batch": (PP_AXIS, DATA_AXIS, EP_AXIS),
+    "batch": BATCH,  # (pp, dp, ep)
     "seq": (CP_AXIS,),
     # the residual stream's sequence under sequence parallelism: each cp
     # rank's part split again over tp (Korthikanti et al. 2022)
@@ -73,7 +68,7 @@ def spec(*logical: str | None, rules: dict[str, tuple[str, ...]] | None = None) 
     over one mesh axis names it, over several a tuple of them).
 
     >>> spec("embed", "mlp")
-    PartitionSpec(None, 'tp')
+    P(None, 'tp')
     """
     rules = RULES if rules is None else rules
     mesh = jax.sharding.get_abstract_mesh()

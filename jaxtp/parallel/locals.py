@@ -114,6 +114,17 @@ class Local(Protocol):
     def run_sample(self, module, x_BD, key, **sampling):
         """`module.sample`: the next token [B], no rank holding all logits."""
 
+    def place_slots(self, module, x_EGCD, to_experts: bool):
+        """A MoE layer's slots [E, G, C, D] laid out for its experts
+        (`to_experts`) or back for the combine (`jaxtp.parallel.ep`)."""
+
+    def run_experts(self, module, x_EGCD):
+        """`module.local` on every expert's slots: its outputs, summed over tp
+        (under SP reduce-scattered over it), sent over ep and back."""
+
+    def run_ragged(self, module, local: Callable, *args, arg_specs, out_specs):
+        """`local(module, *args)` per shard (the ragged dispatch)."""
+
 
 # the impl names of jaxtp.config.IMPLS, each with its Local
 LOCALS: dict[str, type] = {"gspmd": GSPMD, "shard_map": ShardMap, "explicit": Explicit}
@@ -157,5 +168,21 @@ def vocab_sample(module, x_BD, key, *, temperature: float, top_k: int, top_p: fl
                                               top_k=top_k, top_p=top_p)
 
 
+def place_slots(module, x_EGCD, to_experts: bool):
+    """A MoE layer's slots laid out for its experts or back (the impl's way)."""
+    return local_of(module.layout).place_slots(module, x_EGCD, to_experts)
+
+
+def experts(module, x_EGCD):
+    """A MoE layer's experts on their slots [E, G, C, D] (`Local.run_experts`)."""
+    return local_of(module.layout).run_experts(module, x_EGCD)
+
+
+def ragged_experts(module, local: Callable, *args, arg_specs, out_specs):
+    """The ragged dispatch's `local(module, *args)` per shard."""
+    return local_of(module.layout).run_ragged(module, local, *args, arg_specs=arg_specs,
+                                              out_specs=out_specs)
+
+
 __all__ = ["LOCALS", "Local", "local_of", "region", "embed", "vocab_losses", "cached_region",
-           "vocab_sample"]
+           "vocab_sample", "place_slots", "experts", "ragged_experts"]

@@ -94,6 +94,15 @@ def pipeline(stage: Callable, blocks, x_BTD, layout: Layout, schedule, n_stats: 
                          axis_names=manual, check_vma=True)(params, x_BTD)
 
 
+def stages_leave_axes(parallel) -> bool:
+    """Whether a run's pipeline stages (`parallel`: a
+    `jaxtp.config.ParallelConfig`) leave axes to GSPMD (every impl but
+    shard_map, whose stages are manual over every axis: `_manual`). cuDNN's
+    attention does not partition there (jax 0.10.2: its custom partitioner
+    reads a `.spec` the shard_map's GSPMDSharding lacks)."""
+    return parallel.pp > 1 and parallel.impl != "shard_map"
+
+
 def _manual(layout: Layout) -> tuple[bool, set]:
     """(whether every axis is manual, the axes the pipeline's shard_map makes
     manual): pp and dp, and under impl shard_map every axis (so that the

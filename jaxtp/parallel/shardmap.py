@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from . import context
+from . import context, ep
 from .collectives import f, f_sp, g, g_sp, gather, pmax, pmin, rank, vary
 from .layout import DATA_AXIS, TP_AXIS, Layout, cache_spec, keep_axes, spec, spec_axes
 from .overlap import (allgather_matmul, allgather_matmul_bidi, matmul_reducescatter,
@@ -48,6 +48,22 @@ class ShardMap:
 
     def constrain(self, x, *logical):
         return x
+
+    # a MoE layer's experts (`jaxtp.model.moe`): the slots stay split as the
+    # tokens are, and the region sends them to the experts' ranks and back
+    # (`jaxtp.parallel.ep.over_ep`), gathered over tp and reduce-scattered
+    # back under SP, else f and g
+    def place_slots(self, module, x_EGCD, to_experts: bool):
+        return ep.kept(x_EGCD, to_experts, module.slots)
+
+    def run_experts(self, module, x_EGCD):
+        s = spec(*module.slots.tokens)
+        enter, leave = (f_sp, g_sp) if module.slots.sp else (f, g)
+        return run_sharded(module, lambda m, x: ep.over_ep(lambda x: leave(m.local(enter(x))), x),
+                           x_EGCD, arg_specs=(s,), out_specs=s)
+
+    def run_ragged(self, module, local: Callable, *args, arg_specs, out_specs):
+        return run_sharded(module, local, *args, arg_specs=arg_specs, out_specs=out_specs)
 
     def attend(self, core: Callable, q, k, v):
         """The core on this rank's heads (under cp, its queries over every

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Callable
 
 from ..config import Config
+from ..parallel.axes import mesh_words
 from .checkpoint import CheckpointError, Checkpointer
 from .data import same_data
 from .state import TrainState, abstract_train_state
@@ -86,17 +87,11 @@ class RunState:
             log(f"note: the run's data ({saved.data['source']}) is now read from "
                 f"{self.data['source']}: the same content")
         log(f"resumed from {ckpt.directory} step {step} (saved at "
-            f"{_mesh(saved.degrees or {'dp': saved.dp, 'tp': saved.tp})}; now "
-            f"{_mesh(self.degrees)})")
+            f"{mesh_words(saved.degrees or {'dp': saved.dp, 'tp': saved.tp})}; now "
+            f"{mesh_words(self.degrees)})")
         state = dataclasses.replace(target, params=params, opt_state=opt_state)
         return state, dataclasses.replace(self, data_position=step, loop=saved.loop,
                                           row=saved.row)
-
-
-def _mesh(degrees: dict) -> str:
-    """A mesh as the log says it: dp and tp always, the other axes where > 1."""
-    return " x ".join(f"{a}={degrees[a]}" for a in ("pp", "dp", "ep", "cp", "tp")
-                      if degrees.get(a, 1) > 1 or a in ("dp", "tp"))
 
 
 def _said(data: dict | str) -> str:

@@ -22,6 +22,7 @@ from .. import data as token_files
 from ..config import Config
 from ..data.tokenizer import hf_eos
 from ..parallel import known_bugs, xla_overlap
+from ..parallel.axes import mesh_words
 from ..parallel.distributed import any_process
 from ..sizes import check_fits
 from .checkpoint import SaveFailed
@@ -256,14 +257,7 @@ def describe(cfg: Config, n_params: int, data: Dataset) -> list[str]:
         f"model: {m.style}, {n_params:,} params, {m.n_layers} layers"
         f"{' (scanned)' if m.scan_layers else ''}, d_model={m.d_model}, heads={m.n_heads}/"
         f"{m.kv_heads} kv, d_ff={m.d_ff}, seq={m.seq_len}, {m.dtype} compute / "
-        f"{m.param_dtype} params | mesh "
-        + (f"pp={p.pp} ({p.pp_schedule}, {m.n_layers // p.pp} "
-           f"layer{'s' if m.n_layers // p.pp > 1 else ''} per stage"
-           f"{f' in {p.pp_repeats} chunks' if p.pp_repeats > 1 else ''}) x "
-           if p.pp > 1 else "") + f"dp={p.dp} x "
-        + (f"ep={p.ep} x " if p.ep > 1 else "")
-        + (f"cp={p.cp} ({p.cp_attention}{', balanced' if p.cp_balance else ''}) x "
-           if p.cp > 1 else "") + f"tp={p.tp}, impl={p.impl}"
+        f"{m.param_dtype} params | mesh {mesh_words(p.degrees, cfg)}, impl={p.impl}"
         f"{', fsdp' if p.fsdp else ''}{', sp' if p.sequence_parallel else ''} | batch "
         f"{t.batch_size}{f' in {t.microbatches} microbatches' if t.microbatches > 1 else ''}"
         f" | data: {len(data.train):,} train / {len(data.val):,} val tokens",

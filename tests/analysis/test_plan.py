@@ -384,7 +384,7 @@ def test_mixtral_compiled_for_h100_holds_the_state_by_hand(dp, ep, tp, fsdp):
     cfg = apply_overrides(load_config("mixtral-8x7b"), [
         f"parallel.dp={dp}", f"parallel.ep={ep}", f"parallel.tp={tp}",
         f"parallel.fsdp={str(fsdp).lower()}", "train.batch_size=8", "model.seq_len=512"])
-    r = analyze(cfg, target_mesh("h100", dp, tp, 1, 1, ep))
+    r = analyze(cfg, target_mesh("h100", dp, tp, ep=ep))
     assert r["compiled_for"] == "gpu (NVIDIA H100 80GB HBM3)"
     n = mixtral_state(dp, ep, tp, fsdp)
     assert r["memory"]["params"] == 4 * n

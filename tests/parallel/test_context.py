@@ -265,7 +265,7 @@ def test_the_cp_ledger_holds_compiled_for_an_h100(impl, layout):
     cfg = validate(apply_overrides(load_config("llama-tiny"), over + [layout] + (
         ["parallel.tp=1"] if layout == "parallel.cp=8" else [])))
     p = cfg.parallel
-    mesh = mesh_for(target_mesh("h100", p.dp, p.tp, p.cp), impl)
+    mesh = mesh_for(target_mesh("h100", p.dp, p.tp, cp=p.cp), impl)
     step = compile_train_step(abstract_train_state(cfg, mesh), cfg.train.batch_size,
                               cfg.model.seq_len)
     assert check(hlo.collectives(step.as_text()), expected_collectives(cfg, impl, "gpu"),
@@ -302,7 +302,7 @@ def test_the_cp_core_travels_in_bf16_compiled_for_an_h100():
     from jaxtp.config import apply_overrides, load_config
     from jaxtp.parallel import mesh_for
 
-    mesh = mesh_for(target_mesh("h100", 1, 2, 4), "shard_map")
+    mesh = mesh_for(target_mesh("h100", 1, 2, cp=4), "shard_map")
     want = {"ring": {("collective-permute", "forward"): 12, ("collective-permute", "backward"): 12},
             "allgather": {("all-gather", "forward"): 4, ("reduce-scatter", "backward"): 4}}
     for strategy, counts in want.items():
