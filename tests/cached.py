@@ -124,3 +124,13 @@ def stacked_grads(grads: dict) -> dict:
         else:
             out[k] = g
     return out | {k: np.stack([v[i] for i in range(len(v))]) for k, v in layers.items()}
+
+
+def as_pipeline_slices(tokens, M: int, pp: int, dp: int, ep: int):
+    """`tokens` reordered so that one device's slice m (rows m, M+m, ...:
+    `jaxtp.parallel.schedule`) holds a pipeline's microbatch m: on each
+    (dp, ep) rank its stages' rows in stage order, cut in M
+    (`jaxtp.parallel.pipeline`), the batch split over (pp, dp, ep)."""
+    ranks = np.arange(len(tokens)).reshape(pp, dp * ep, -1).transpose(1, 0, 2)
+    micro = ranks.reshape(dp * ep, M, -1).transpose(1, 0, 2).reshape(M, -1)  # [M, rows]
+    return tokens[micro.T.reshape(-1)]

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from cached import assert_same, loss_and_grads, stacked_grads, step_loss_and_grads
+from cached import (as_pipeline_slices, assert_same, loss_and_grads, stacked_grads,
+                    step_loss_and_grads)
 from jaxtp import hlo
 from jaxtp.analysis.budget import expected_collectives
 from jaxtp.analysis.rows import check
@@ -33,15 +34,6 @@ MOE = dataclasses.replace(DENSE, n_experts=4, moe_top_k=2, moe_d_ff=32, capacity
                           moe_balance_coef=0.0)
 B = 8
 TOKENS = np.random.default_rng(2).integers(0, 256, (B, DENSE.seq_len + 1)).astype(np.int32)
-
-
-def pipeline_slices(tokens, M: int, pp: int, dp: int, ep: int):
-    """`tokens` reordered so that one device's slice m (rows m, M+m, ...:
-    `jaxtp.parallel.schedule`) holds the pipeline's microbatch m: on each
-    (dp, ep) rank its stages' rows in stage order, cut in M."""
-    ranks = np.arange(len(tokens)).reshape(pp, dp * ep, -1).transpose(1, 0, 2)
-    micro = ranks.reshape(dp * ep, M, -1).transpose(1, 0, 2).reshape(M, -1)  # [M, rows]
-    return tokens[micro.T.reshape(-1)]
 
 
 PIPELINES = {"gpipe": {}, "circular": dict(pp_schedule="circular", pp_repeats=2),
@@ -76,7 +68,7 @@ def test_the_layout_equals_one_device_and_holds_its_ledger(name):
     assert layout.devices == 16
     step = compile_train_step(abstract_train_state(cfg, layout.mesh()), B, model.seq_len)
     p = cfg.parallel
-    ref = loss_and_grads(config(model, {}, M), pipeline_slices(TOKENS, M, p.pp, p.dp, p.ep))
+    ref = loss_and_grads(config(model, {}, M), as_pipeline_slices(TOKENS, M, p.pp, p.dp, p.ep))
     assert_same(step_loss_and_grads(cfg, step, TOKENS), (ref[0], stacked_grads(ref[1])),
                 rtol=1e-10, atol=1e-13)
     if name not in NO_LEDGER:

@@ -160,7 +160,8 @@ import functools  # noqa: E402
 
 from jaxtp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from jaxtp.config import validate  # noqa: E402
-from cached import assert_same, loss_and_grads, stacked_grads, step_loss_and_grads  # noqa: E402
+from cached import (as_pipeline_slices, assert_same, loss_and_grads, stacked_grads,  # noqa: E402
+                    step_loss_and_grads)
 from jaxtp import hlo  # noqa: E402
 from jaxtp.analysis.budget import expected_collectives  # noqa: E402
 from jaxtp.analysis.rows import check  # noqa: E402
@@ -300,16 +301,6 @@ def test_under_sp_and_cp_a_rank_routes_its_part_of_each_sequence(name, model, dp
 
 
 test_under_sp_and_cp_a_rank_routes_its_part_of_each_sequence.fast_cases = {"gpt2-ep2xtp4-sp"}
-
-
-def as_pipeline_slices(tokens, M: int, pp: int, dp: int, ep: int):
-    """`tokens` reordered so that one device's slice m (rows m, M+m, ...:
-    `jaxtp.parallel.schedule`) holds a pipeline's microbatch m: on each
-    (dp, ep) rank its stages' rows in stage order, cut in M
-    (`jaxtp.parallel.pipeline`), the batch split over (pp, dp, ep)."""
-    ranks = np.arange(len(tokens)).reshape(pp, dp * ep, -1).transpose(1, 0, 2)
-    micro = ranks.reshape(dp * ep, M, -1).transpose(1, 0, 2).reshape(M, -1)  # [M, rows]
-    return tokens[micro.T.reshape(-1)]
 
 
 @pytest.mark.parametrize("name, model, pp, dp, ep, tp, M, kw", [
