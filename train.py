@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 
+from jaxtp.axes import AXES
 from jaxtp.cli import FLAG_KEYS, Parser, positive
 from jaxtp.config import (ATTENTIONS, COORDINATOR_TIMEOUT_S, CP_STRATEGIES, IMPLS, OVERLAPS,
                           PP_SCHEDULES, PP_SCHEDULES_PLANNED, REMATS, Config, ConfigError,
@@ -437,7 +438,7 @@ def plan(args, cfg: Config) -> int:
 
         cluster, need = load(args.cluster), largest
         if need > cluster.devices:
-            raise ValueError(f"--cluster {args.cluster}: {'*'.join(p.degrees)} = {need} devices at "
+            raise ValueError(f"--cluster {args.cluster}: {'*'.join(AXES)} = {need} devices at "
                              f"the largest tp, and {cluster.name} has {cluster.devices}")
     plan(cfg, tps,
          args.hardware or "h100", compile_for_target=args.hardware is not None,

@@ -9,6 +9,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
+from .axes import BATCH
 from .cli import FLAG_KEYS
 
 if TYPE_CHECKING:  # annotations only: jaxtp.config imports this module
@@ -73,9 +74,7 @@ def _check_moe(cfg: Config) -> None:
         ok = [e for e in range(1, m.n_experts + 1) if m.n_experts % e == 0]
         raise ConfigError(f"model.n_experts={m.n_experts} is not divisible by ep={p.ep}: each "
                           f"ep rank holds n_experts/ep experts; valid --ep: {ok}")
-    from .parallel.axes import BATCH  # (pp, dp, ep: the axis table; here, not at the
-    # top: jaxtp.parallel imports jaxtp.config, which imports this module)
-    split = math.prod(p.degrees[a] for a in BATCH)
+    split = math.prod(p.degrees[a] for a in BATCH)  # (pp, dp, ep: the axis table)
     if cfg.train.batch_size % split:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not divisible by "
                           f"dp*ep={p.dp}*{p.ep}: ep's ranks split the batch as dp's do; set "

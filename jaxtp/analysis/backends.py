@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..config import Config
 from ..parallel import CP_AXIS, DATA_AXIS, TP_AXIS
-from ..parallel.axes import AXES
+from ..axes import AXES
 
 from .grads import part_dtypes
 from .params import param_shards

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from . import context, ep
 from .overlap import reread
+from .shardmap import run_sharded
 from .layout import CP_AXIS, DATA_AXIS, EP_AXIS, Layout, cache_spec, constrain, explicit_mesh, manual_axes, spec
 
 
@@ -165,7 +166,7 @@ class GlobalArrays:
         return constrain(module.local(x_EGCD), *module.slots.out)
 
     def run_ragged(self, module, local: Callable, *args, arg_specs, out_specs):
-        from .shardmap import run_sharded  # (the ragged path runs per shard under every impl)
+        # (the ragged path runs per shard under every impl)
         return run_sharded(module, local, *args, arg_specs=arg_specs, out_specs=out_specs)
 
 

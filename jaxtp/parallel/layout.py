@@ -21,8 +21,8 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 # every mesh axis, outermost first (tp innermost, on the fastest links); those
 # in OPTIONAL are on a run's mesh only where their degree is above 1; those in
-# BATCH split the batch: the axis table (`jaxtp.parallel.axes`)
-from .axes import AXES, BATCH, CP_AXIS, DATA_AXIS, EP_AXIS, OPTIONAL, PP_AXIS, TP_AXIS  # noqa: E402
+# BATCH split the batch: the axis table (`jaxtp.axes`)
+from ..axes import AXES, BATCH, CP_AXIS, DATA_AXIS, EP_AXIS, OPTIONAL, PP_AXIS, TP_AXIS  # noqa: E402
 
 # Megatron layout: the hidden dims of the MLP, the attention heads and the
 # vocabulary are split over tp; the model dim stays whole on every tp rank;

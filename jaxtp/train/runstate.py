@@ -13,7 +13,7 @@ import dataclasses
 from typing import Callable
 
 from ..config import Config
-from ..parallel.axes import mesh_words
+from ..axes import mesh_words
 from .checkpoint import CheckpointError, Checkpointer
 from .data import same_data
 from .state import TrainState, abstract_train_state

@@ -22,7 +22,7 @@ from .. import data as token_files
 from ..config import Config
 from ..data.tokenizer import hf_eos
 from ..parallel import known_bugs, xla_overlap
-from ..parallel.axes import mesh_words
+from ..axes import mesh_words
 from ..parallel.distributed import any_process
 from ..sizes import check_fits
 from .checkpoint import SaveFailed

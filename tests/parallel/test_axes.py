@@ -1,4 +1,4 @@
-"""The axis table (`jaxtp.parallel.axes`) is the one list of the parallel
+"""The axis table (`jaxtp.axes`) is the one list of the parallel
 dimensions: the config's degrees, the flags, the mesh's order, the batch
 rule and the run's first line all follow it."""
 
@@ -7,7 +7,7 @@ import dataclasses
 from jaxtp.cli import FLAG_KEYS
 from jaxtp.config import Config, ParallelConfig
 from jaxtp.parallel import RULES, Layout
-from jaxtp.parallel.axes import AXES, BATCH, OPTIONAL, TABLE, mesh_words
+from jaxtp.axes import AXES, BATCH, OPTIONAL, TABLE, mesh_words
 
 
 def test_the_config_flags_and_mesh_name_the_table_s_axes():

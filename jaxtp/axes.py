@@ -11,6 +11,9 @@ one-device replay read this table instead of naming the axes; the config's
 `parallel.<name>` degree and the `--<name>` flag carry the same name
 (`tests/parallel/test_axes.py` holds them to it). A new axis is one row here
 plus its own modules (its collectives, its ledger rows).
+
+Pure Python, beside `jaxtp.config` rather than in `jaxtp.parallel`: the config's
+checks read it, and `jaxtp.parallel` imports the config.
 """
 
 from __future__ import annotations
