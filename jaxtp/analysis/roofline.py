@@ -52,15 +52,19 @@ from ..config import Config
 from ..model.build import abstract_model
 from ..parallel import Layout, batch_shape, batch_sharding, inputs_targets
 from .budget import expected_collectives
-from .rows import Expected
+from ..model.vocab import loss_chunks
+from .rows import Expected, schedule_of
 
 
 def unsupported(cfg: Config) -> str | None:
     """Why the roofline cannot read this step whole, or None."""
     m = cfg.model
-    if cfg.train.microbatches > 1 or m.scan_layers or m.remat != "none":
+    chunks = loss_chunks(m.loss_chunk, schedule_of(cfg).head_rows,
+                         m.seq_len // cfg.parallel.cp)[0]
+    if cfg.train.microbatches > 1 or m.scan_layers or m.remat != "none" or chunks > 1:
         return ("jax.experimental.roofline reads a loop's body once (no trip count): the "
-                "cross-check takes train.microbatches=1, an unscanned stack and remat none")
+                "cross-check takes train.microbatches=1, an unscanned stack, remat none and "
+                "the loss in one chunk")
     return None
 
 

@@ -475,13 +475,14 @@ def test_budgets_hold_compiled_for_an_accelerator(target, config, extra, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["--sp"], ["--microbatches", "2"], ["--bf16"],
-                                   ["--bf16", "--sp"]],
-                         ids=["plain", "sp", "mb2", "bf16", "bf16-sp"])
+                                   ["--bf16", "--sp"], ["model.loss_chunk=64"]],
+                         ids=["plain", "sp", "mb2", "bf16", "bf16-sp", "8-loss-chunks"])
 def test_dp_budgets_hold_compiled_for_an_h100(extra, tmp_path):
     """dp=2 x tp=4 compiled for 8 H100s: XLA's GPU pipeline sums the tied
     table's two parts before one dp reduction (shard_map, explicit) and the
     replicated weights on sequence shards over dp and tp at once
-    (jaxtp.analysis.backends); in slices over dp each gradient once; in bf16
+    (jaxtp.analysis.backends); the LM head's gradient once after the loss's
+    chunks (XLA:CPU sums it per chunk); in slices over dp each gradient once; in bf16
     each gradient summed in the dtype its weight is used in (the kernels' in
     bf16, the norms' in fp32: jaxtp.analysis.grads.part_dtypes). (SP in
     slices and FSDP are not yet budgeted for the GPU: docs/scale.md.)"""
