@@ -107,6 +107,10 @@ class Transformer(nnx.Module):
                  schedule: Schedule | None = None):
         # (`schedule`: how the stack runs, `jaxtp.parallel.stack`; default one
         # batch, the blocks scanned where `cfg.scan_layers` asks)
+        if schedule is None and layout.pp > 1:
+            raise ValueError("a pipelined layout (pp > 1) needs its Schedule: build the model "
+                             "with jaxtp.model.build_model, or pass schedule=Schedule.of(cfg, "
+                             "layout)")
         schedule = Schedule(layers=cfg.n_layers, scan=cfg.scan_layers) if schedule is None \
             else schedule
         self.wte = VocabEmbed(cfg, layout, rngs=rngs)
