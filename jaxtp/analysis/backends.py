@@ -15,10 +15,10 @@ from ..config import Config
 from ..parallel import CP_AXIS, DATA_AXIS, TP_AXIS
 from ..axes import AXES
 
-from .grads import part_dtypes
-from .params import param_shards
 from ..model.vocab import loss_chunks
-from .rows import ANY_SCOPE, HLO_DTYPES, reduces_once, schedule_of
+from .grads import scatters
+from .params import part_dtypes, param_shards
+from .rows import ANY_SCOPE, HLO_DTYPES, batch_axes, batch_ranks, reduces_once, schedule_of
 
 if TYPE_CHECKING:
     from .rows import Expected
@@ -57,9 +57,9 @@ def on_backend(rows: list[Expected], cfg: Config, impl: str, platform: str) -> l
     """The budget as each compiler carries it out: what XLA's CPU and GPU
     pipelines and libtpu do differently from the budget's rows (`MEASURED_ON`)."""
     out = [_row_on_backend(r, cfg, impl, platform) for r in rows]
-    if platform in ("gpu", "cuda") and cfg.parallel.dp > 1:
+    if platform in ("gpu", "cuda") and batch_ranks(cfg) > 1:
         out = _gpu_dp(out, cfg, impl)
-    if platform == "tpu" and cfg.parallel.dp > 1:
+    if platform == "tpu" and batch_ranks(cfg) > 1:
         out = _tpu_dp(out, cfg, impl)
     if platform in ("gpu", "cuda") and cfg.parallel.cp > 1:
         out = _gpu_pp_cp(out, cfg, impl) if cfg.parallel.pp > 1 else _gpu_cp(out, cfg)
@@ -182,7 +182,7 @@ def _gpu_cp(rows: list[Expected], cfg: Config) -> list[Expected]:
     after the backward pass (measured on the H100 target, llama-tiny at
     cp=4 x tp=2)."""
     p = cfg.parallel
-    if p.dp > 1 or p.fsdp:
+    if batch_ranks(cfg) > 1 or p.fsdp:
         return rows
     over_cp = lambda r: r.axes == (CP_AXIS,) and r.kind == "all-reduce" and (
         r.scope == ANY_SCOPE or r.role == "loss_mean")
@@ -206,13 +206,14 @@ def _gpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
     p, m = cfg.parallel, cfg.model
     # in slices over dp, dp is manual inside them and reduced once after
     # (jaxtp.parallel.Schedule): nothing is summed over dp and tp at once
-    once = not p.fsdp and not reduces_once(cfg)
+    once = not scatters(cfg) and not reduces_once(cfg)
     moved: dict[str, int] = {}  # elements per dtype
     out = []
     for r in rows:
         if r.role == "seq_shard_param" and once:
             moved[r.dtype] = moved.get(r.dtype, 0) + r.elements * r.count
-            r = dataclasses.replace(r, group=p.dp * p.tp, axes=(DATA_AXIS, TP_AXIS),
+            r = dataclasses.replace(r, group=batch_ranks(cfg) * p.tp,
+                                    axes=batch_axes(cfg) + (TP_AXIS,),
                                     name=r.name + " [over dp and tp]")
         out.append(r)
     head = part_dtypes(cfg, impl, "lm_head/embedding", 1)[0]
@@ -229,7 +230,7 @@ def _gpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
     # from the gradient totals over dp in their dtype (measured at cp = 1: at
     # cp > 1 the GPU's sums over dp are not budgeted, docs/scale.md)
     for i, r in enumerate(out):
-        if r.role == "grads" and r.axes == (DATA_AXIS,) and p.cp == 1 and r.dtype in moved:
+        if r.role == "grads" and r.axes == batch_axes(cfg) and p.cp == 1 and r.dtype in moved:
             out[i] = dataclasses.replace(r, elements=r.elements - moved.pop(r.dtype))
     return out
 
@@ -248,7 +249,7 @@ def _tpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
       all-reduce reassociation; GSPMD's two stay apart, as do shard_map's
       bf16 region sum and the fp32 lookup's)."""
     p, m = cfg.parallel, cfg.model
-    if p.fsdp or p.cp > 1 or reduces_once(cfg):
+    if scatters(cfg) or p.cp > 1 or reduces_once(cfg):
         return rows
     pd, cd = HLO_DTYPES[m.param_dtype], HLO_DTYPES[m.dtype]
     pipelined = p.pp > 1

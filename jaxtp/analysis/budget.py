@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import numpy as np
 
 from ..config import Config
 from ..model.vocab import loss_chunks
-from ..parallel import DATA_AXIS, PP_AXIS, TP_AXIS
+from ..parallel import DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS
 from ..parallel import xla_overlap
 from .backends import on_backend
 from .cp import expected_cp
@@ -41,7 +42,7 @@ from .dp import expected_fsdp
 from .ep import expected_moe
 from .grads import expected_grads
 from .overlap_rows import ring_regions, windowed_head, windowed_regions
-from .rows import HLO_DTYPES, Expected, per_step, schedule_of, widened
+from .rows import HLO_DTYPES, Expected, batch_ranks, on, per_step, schedule_of, widened
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +94,7 @@ def budget_for(cfg: Config) -> Budget:
     M = cfg.train.microbatches
     schedule = schedule_of(cfg)
     return Budget(tp=p.tp, layers=schedule.layers_per_tick,
-                  batch=cfg.train.batch_size // (p.dp * M), seq=m.seq_len // p.cp,
+                  batch=cfg.train.batch_size // (batch_ranks(cfg) * M), seq=m.seq_len // p.cp,
                   d_model=m.d_model, dtype_bytes=np.dtype(m.dtype).itemsize,
                   microbatches=schedule.ticks)
 
@@ -109,51 +110,55 @@ def expected_collectives(cfg: Config, impl: str, platform: str = "",
     out (`backends.on_backend`). `forms`: which of XLA's windowed-einsum
     loops form under GSPMD's overlap (default: `xla_overlap.forms` for the
     platform, a GPU's compiled deviceless)."""
-    if cfg.model.n_experts:  # the dense budget at dp x ep, and the MoE layers' rows
-        return widened(expected_moe(cfg, impl, platform, functools.partial(
-            expected_collectives, forms=forms)), cfg.model.dtype)
     forms = xla_overlap.forms(cfg, platform, deviceless=True) if forms is None else forms
-    rows = per_step(_expected_tp(cfg, impl, forms) + expected_grads(cfg, impl)
-                    + expected_fsdp(cfg, impl) + expected_cp(cfg, impl) + expected_pp(cfg),
+    rows = per_step(_expected_tp(cfg, impl, forms) + _norm(cfg)
+                    + expected_grads(cfg, impl, platform) + expected_fsdp(cfg, impl)
+                    + expected_cp(cfg, impl) + expected_pp(cfg) + expected_moe(cfg, impl),
                     schedule_of(cfg))
     return widened(on_backend(rows, cfg, impl, platform) if platform else rows,
                    cfg.model.dtype)
+
+
+def _norm(cfg: Config) -> list[Expected]:
+    """The gradient norm, once per step: one sum of squares over every axis
+    that splits a gradient (tp; pp's stages; dp under FSDP; ep's experts)."""
+    p = cfg.parallel
+    axes = on(cfg, PP_AXIS, *(DATA_AXIS,) * p.fsdp, *(EP_AXIS,) * bool(cfg.model.n_experts),
+              TP_AXIS)
+    if not axes or (p.tp == 1 and p.pp == 1 and not cfg.model.n_experts):
+        return []
+    return [Expected("gradient norm: one sum of squares", "all-reduce", "other", "", 1, "f32",
+                     math.prod(p.degrees[a] for a in axes), 1, axes=axes)]
 
 
 def _expected_tp(cfg: Config, impl: str, forms: xla_overlap.Forms) -> list[Expected]:
     m, p = cfg.model, cfg.parallel
     tp = p.tp
     # each cp rank's s/cp positions: the tp rows are Megatron's within each cp group
-    b, s, dt = cfg.train.batch_size // (p.dp * cfg.train.microbatches), m.seq_len // p.cp, \
-        HLO_DTYPES[m.dtype]
+    b, s, dt = cfg.train.batch_size // (batch_ranks(cfg) * cfg.train.microbatches), \
+        m.seq_len // p.cp, HLO_DTYPES[m.dtype]
     act = b * s * m.d_model
     # counted per microbatch (E) or per layer and microbatch (EL): `per_step`
     E = lambda name, kind, pass_, scope, n, count, dtype=dt, group=tp, role="", axes=(TP_AXIS,), \
         per="microbatch": Expected(name, kind, pass_, scope, n, dtype, group, count, role, axes,
                                    per=per)
     EL = functools.partial(E, per="layer")
-    # the gradient norm, once per step: over every axis that splits a
-    # gradient (tp; pp's stages; dp under FSDP)
-    split = [(a, n) for a, n in ((PP_AXIS, p.pp), (DATA_AXIS, p.dp if p.fsdp else 1),
-                                 (TP_AXIS, tp)) if n > 1]
-    norm = E("gradient norm: one sum of squares", "all-reduce", "other", "", 1, 1, "f32",
-             group=int(np.prod([n for _, n in split])), axes=tuple(a for a, _ in split),
-             per="step")
-    if tp == 1:  # no tp rows; the norm where a pipeline splits the gradients
-        return [norm] if p.pp > 1 else []
+    if tp == 1:
+        return []
     # outside a pipeline (embedding, head, loss) each stage takes its own
     # B/(pp*dp) rows, once per step; 1F1B's head runs in the loop, on a
     # microbatch per tick (Eh, b_head)
     Eh, b_head = E, b
     if p.pp > 1:
-        b_out = cfg.train.batch_size // (p.pp * p.dp)
+        b_out = cfg.train.batch_size // (p.pp * batch_ranks(cfg))
         E = functools.partial(E, per="step")
         if p.pp_schedule != "1f1b":
             Eh, b_head = E, b_out
     else:
         b_out = b
     if p.sequence_parallel:
-        return _expected_sp(cfg, impl, E, EL, b, s, act, forms, b_out, Eh, b_head) + [norm]
+        return _dense_mlp(cfg, _expected_sp(cfg, impl, E, EL, b, s, act, forms, b_out, Eh,
+                                            b_head))
     out = b_head * s * m.d_model
     n, c = loss_chunks(m.loss_chunk, b_head, s)
     rows = [
@@ -170,9 +175,21 @@ def _expected_tp(cfg: Config, impl: str, forms: xla_overlap.Forms) -> list[Expec
         Eh("f: dX entering the LM head, per loss chunk (GSPMD reduces each chunk's partial "
            "dX; shard_map once after the loop)", "all-reduce", "backward", "cross_entropy",
            b_head * c * m.d_model, n, role="head_dx"),
-        norm,
     ]
-    return rows + _kv_rows(cfg, impl, EL, b * s * 2 * m.kv_heads * m.head_dim)
+    return _dense_mlp(cfg, rows + _kv_rows(cfg, impl, EL, b * s * 2 * m.kv_heads * m.head_dim))
+
+
+def _dense_mlp(cfg: Config, rows: list[Expected]) -> list[Expected]:
+    """tp's rows with the MLP's counted in the layers that have a dense MLP:
+    a MoE layer's experts run their own tp rows (`jaxtp.analysis.ep`), a
+    shared expert is a dense MLP in every layer."""
+    m = cfg.model
+    if not m.n_experts or m.moe_shared_d_ff:
+        return rows
+    dense = schedule_of(cfg).layers_per_tick * (m.n_layers - m.n_moe_layers) // m.n_layers
+    return [dataclasses.replace(r, count=r.count * dense, per="microbatch")
+            if r.scope == "mlp" and r.per == "layer" else r
+            for r in rows if r.scope != "mlp" or (dense and r.per == "layer")]
 
 
 def _kv_rows(cfg: Config, impl: str, EL, kv: int) -> list[Expected]:

@@ -51,7 +51,7 @@ def expected_cp(cfg: Config, impl: str) -> list[Expected]:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.cp == 1:
         return []
-    b = t.batch_size // (p.dp * t.microbatches)
+    b = t.batch_size // (p.dp * p.ep * t.microbatches)
     chunk = 2 * b * (m.seq_len // p.cp) * kv_heads_per_rank(cfg, impl) * m.head_dim
     again = m.remat == "full"  # the only policy that does not keep "cp_kv"
     dt = HLO_DTYPES[m.dtype]

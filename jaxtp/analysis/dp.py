@@ -2,7 +2,7 @@
 (ZeRO-3, Rajbhandari et al. 2020, Sec. 5.1: parameters, gradients and Adam
 state split over dp along the model dim). The gradients' sums over dp and cp,
 FSDP's reduce-scatters among them, are `jaxtp.analysis.grads`'s; the loss
-mean too; a mixture of experts' (its experts split over dp too), `moe_fsdp`'s.
+mean too (a mixture of experts' by the same rule, per parameter).
 
 Per parameter p whose tp shard holds n elements, over dp:
 
@@ -25,14 +25,11 @@ Per parameter p whose tp shard holds n elements, over dp:
 
 from __future__ import annotations
 
-import dataclasses
-import math
 
 from ..config import Config
 from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS
-from .grads import part_dtypes
-from .params import param_shards
-from .rows import ANY_PASS, ANY_SCOPE, HLO_DTYPES, Expected
+from .params import param_shards, part_dtypes
+from .rows import ANY_PASS, ANY_SCOPE, HLO_DTYPES, Expected, Part, on
 
 
 def expected_fsdp(cfg: Config, impl: str) -> list[Expected]:
@@ -116,6 +113,38 @@ def _gathers(cfg: Config, impl: str, split: list, dt: str, tables: int) -> list[
     return [r for r in rows if r.elements]
 
 
+def fsdp_parts(cfg: Config, impl: str, g, platform: str = "") -> list[Part]:
+    """FSDP's sums, per microbatch: over cp first (what is whole over dp; a
+    written gradient in its region), then a dp-split gradient reduce-scattered
+    over dp (n/dp elements per rank: the accumulator stays sharded), any other
+    one all-reduced (with cp at once where written)."""
+    p = cfg.parallel
+    dp, cp = (DATA_AXIS,), on(cfg, CP_AXIS)
+    joint = g.written and not g.shard.dp_split  # one psum over dp x cp
+    out = []
+    for dt in g.dtypes:
+        if cp and not joint and not g.keyed:
+            what = ("the regions' parameter gradients (whole over dp)" if g.written else
+                    "by GSPMD, the gradients outside the regions (norms, biases, positions)")
+            out.append(g.part(f"cp: {what if impl == 'shard_map' else 'every parameter gradient (whole over dp)'} summed over cp before FSDP's reduction",
+                              g.shard.elements, dt, cp, written=g.written or impl != "shard_map",
+                              role="" if g.written else "cp_grads"))
+        if g.shard.dp_split and g.written:
+            out.append(g.part("FSDP: region weights' gradients reduce-scattered (shard_map)",
+                              g.shard.elements // p.dp, dt, dp, kind="reduce-scatter", role=""))
+        elif g.shard.dp_split:
+            out.append(g.part("FSDP: gradients reduce-scattered over dp" + (
+                " (GSPMD: norms, biases, positions)" if impl == "shard_map" else ""),
+                g.dp_elements // p.dp, dt, dp, kind="reduce-scatter", written=False,
+                role="fsdp_gspmd"))
+        else:
+            both = impl == "shard_map" and cp
+            out.append(g.part("FSDP: parameters not split over dp (no model dim): gradient "
+                              "all-reduced" + (" over dp x cp" if both else ""),
+                              g.shard.elements, dt, dp + cp if both else dp, role=""))
+    return out
+
+
 def experts_scattered(cfg: Config, impl: str, platform: str) -> bool:
     """Whether FSDP's experts' gradients are reduce-scattered over dp:
     shard_map's psum_scatter; under gspmd XLA:GPU's reduce-scatter creator
@@ -126,47 +155,24 @@ def experts_scattered(cfg: Config, impl: str, platform: str) -> bool:
         impl == "shard_map" or platform in ("gpu", "cuda") and p.cp == 1)
 
 
-def moe_fsdp(cfg: Config, impl: str, rows: list[Expected],
-             scattered: bool) -> tuple[list, list]:
-    """FSDP's part of a MoE step: (the dense rows, changed; rows to add).
-    FSDP splits every weight's model dim over dp (the experts' and the
-    router's too), not over ep, so each is gathered over dp where used
-    (`expected_fsdp`, on the MoE model's parameters). The gradients,
-    as XLA:CPU sums them (jax 0.10.2, measured): GSPMD all-reduces each one
-    whole over its batch axes (dp x ep; the experts' over dp) and keeps its
-    dp part, with no reduce-scatter (the non-FSDP rows); compiled for an
-    H100, XLA:GPU makes the experts' a reduce-scatter over dp (`scattered`:
-    `experts_scattered`),
-    the rest as on CPU. shard_map's region
-    weights (attention, vocab tables) are summed whole over ep (x cp) and
-    then reduce-scattered over dp, the experts' summed whole over cp and
-    reduce-scattered over dp; the gradients outside the regions (norms, the
-    router) GSPMD all-reduces whole over dp x ep (and cp)."""
-    p, shards = cfg.parallel, param_shards(cfg)
-    add = expected_fsdp(cfg, impl)
-    expert = lambda s: "/mlp/experts/" in s.path
-    split = sum(s.elements for s in shards if s.region and s.dp_split and not expert(s))
-    experts = sum(s.elements for s in shards if expert(s))
-    pd = HLO_DTYPES[cfg.model.param_dtype]
-    E = lambda name, kind, n, group, axes: Expected(name, kind, "backward", ANY_SCOPE, n, pd,
-                                                   group, 1, "grads", axes, True, "microbatch")
-    scatter = E("FSDP: the experts' weight gradients reduce-scattered over dp (ep owns its "
-                "experts)", "reduce-scatter", experts // p.dp, p.dp, (DATA_AXIS,))
-    if impl != "shard_map":
-        return rows, add + ([scatter] if scattered else [])
-    # (cp's ranks hold the same weights, the experts too: their gradients whole over it)
-    whole = [(a, n) for a, n in ((EP_AXIS, p.ep), (CP_AXIS, p.cp)) if n > 1]
-    if whole:
-        over = tuple(a for a, _ in whole)
-        add.append(E(f"{' x '.join(over)}: the region weights' gradients (whole over dp) "
-                     "summed, before FSDP's reduce-scatter", "all-reduce", split,
-                     math.prod(n for _, n in whole), over))
-    if p.cp > 1:
-        add.append(E("cp: the experts' weight gradients (whole over dp) summed, before "
-                     "FSDP's reduce-scatter", "all-reduce", experts, p.cp, (CP_AXIS,)))
-    add += [E("FSDP: the region weights' gradients reduce-scattered over dp",
-              "reduce-scatter", split // p.dp, p.dp, (DATA_AXIS,)), scatter]
-    written = lambda r: r.role == "grads" and r.written and DATA_AXIS in r.axes
-    rows = [dataclasses.replace(r, elements=r.elements - split) if written(r) else r
-            for r in rows]
-    return [r for r in rows if r.elements], add
+def moe_fsdp_parts(cfg: Config, impl: str, g, platform: str = "") -> list[Part]:
+    """FSDP in a MoE model (as XLA:CPU sums it, jax 0.10.2, measured): GSPMD
+    all-reduces each gradient whole over its batch axes and keeps its dp
+    part (`_placed`; XLA:GPU reduce-scatters the experts', `experts_scattered`);
+    shard_map's region weights (attention, vocab tables, experts) are summed
+    whole over ep and cp and then reduce-scattered over dp; GSPMD sums the
+    rest (norms, the router) as `_placed`."""
+    p, pd = cfg.parallel, HLO_DTYPES[cfg.model.param_dtype]
+    whole = on(cfg, CP_AXIS) if g.expert else on(cfg, EP_AXIS, CP_AXIS)
+    scatter = g.part("FSDP: the experts' weight gradients reduce-scattered over dp (ep owns "
+                     "its experts)" if g.expert else "FSDP: the region weights' gradients "
+                     "reduce-scattered over dp", g.shard.elements // p.dp, pd, (DATA_AXIS,),
+                     kind="reduce-scatter")
+    if g.expert and experts_scattered(cfg, impl, platform) and impl != "shard_map":
+        return [scatter]
+    if impl != "shard_map" or not (g.expert or g.shard.region and g.shard.dp_split):
+        return None  # (as without FSDP: `jaxtp.analysis.grads.placed`)
+    over = " x ".join(whole)
+    return [g.part(f"{over}: the {'experts' if g.expert else 'region weights'}' gradients "
+                   "(whole over dp) summed, before FSDP's reduce-scatter", g.shard.elements,
+                   pd, whole)] * bool(whole) + [scatter]

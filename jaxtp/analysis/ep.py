@@ -29,10 +29,7 @@ from typing import Callable
 from ..config import Config
 from ..model.moe import LOSSES, capacity
 from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS
-from .backends import carried, on_backend
-from .dp import experts_scattered, moe_fsdp
-from .params import param_shards
-from .rows import ANY_SCOPE, HLO_DTYPES, Expected, per_step, schedule_of
+from .rows import ANY_SCOPE, HLO_DTYPES, Expected
 
 
 def splits(cfg: Config) -> int:
@@ -131,16 +128,12 @@ def expected_ep(cfg: Config, impl: str = "gspmd") -> list[Expected]:
     return per_moe_layer(cfg, rows)
 
 
-def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list[Expected]:
-    """Every collective of a MoE model's train step, per step. ep splits the
-    batch as dp does for everything but the experts, so the budget is the
-    dense model's with dp x ep as its data axis (`dense`:
-    `jaxtp.analysis.budget.expected_collectives`), less its MLP's rows in
-    the MoE layers (where only every `model.moe_every`-th layer is one, the
-    dense layers keep theirs; kept, for an MLP of `model.moe_shared_d_ff`
-    hidden units, where the layer has a shared expert: a dense MLP's g and
-    f, its weights' gradients over dp x ep), plus the MoE layers' own (per
-    MoE layer and microbatch):
+def expected_moe(cfg: Config, impl: str) -> list[Expected]:
+    """A MoE model's MoE layers' own rows, per MoE layer and microbatch (the
+    rest of its step is the dense ledgers' on the same parameters: tp's in
+    the attention and the dense MLP layers, the gradients' per parameter,
+    `jaxtp.analysis.grads`, where ep splits the batch as dp does for all but
+    the experts):
 
     - tp inside the experts (Megatron's MLP rule over the slots): g, an
       all-reduce of the rank's slots forward, its E/ep experts' for its dp
@@ -148,106 +141,24 @@ def expected_moe(cfg: Config, impl: str, platform: str, dense: Callable) -> list
       dispatch's buffer: `slots`), and f, one of the same backward; under
       remat "full" g again (the block keeps its output, not the experts');
     - ep's all-to-alls (`expected_ep`);
-    - the router's statistics over dp x ep, forward: the z-loss's mean and
-      the balance loss's f and P ([E] each), 1 + 2E elements, in whatever
-      all-reduces XLA combines them (with the loss's mean) into; under any
-      remat policy f's E again in the backward (its rematerialised block
-      recomputes it for the balance loss's gradient);
-    - the gradients: the router's with the dense weights' over dp x ep (under
-      cp or SP apart, over every axis that splits the tokens at once); the
-      experts' over dp (x cp) only (an ep rank owns its experts:
-      Megatron-Core's expert-data-parallel group); the gradient norm over ep
-      too.
+    - the router's statistics over the axes that split the tokens, forward:
+      the z-loss's mean and the balance loss's f and P ([E] each), 1 + 2E
+      elements, in whatever all-reduces XLA combines them (with the loss's
+      mean) into; under any remat policy f's E again in the backward (its
+      rematerialised block recomputes it for the balance loss's gradient).
 
     Under SP tp's rows inside the experts are an entry's all-gather and an
     exit's reduce-scatter (`_sp_rows`), and every size counts a rank's part
-    of each sequence (`splits`).
-    """
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    shared = m.moe_shared_d_ff > 0
-    # (sliced, the step at ep > 1 sums every gradient per microbatch: so does
-    # the dense model's at dp x ep, told not to reduce once)
-    as_dp = dataclasses.replace(cfg, model=dataclasses.replace(
-        m, n_experts=0, d_ff=m.moe_shared_d_ff or m.d_ff),
-        parallel=dataclasses.replace(p, dp=p.dp * p.ep, ep=1, fsdp=False),
-        train=dataclasses.replace(t, reduce_once=t.reduce_once and p.ep == 1))
-    data = tuple(a for a, n in ((DATA_AXIS, p.dp), (EP_AXIS, p.ep)) if n > 1)
-    rename = lambda axes: tuple(b for a in axes for b in (data if a == DATA_AXIS else (a,)))
-    shards = param_shards(cfg)
-    # (a shared expert's weights are the dense MLP's: summed over dp x ep)
-    # (and the dense layers' are theirs: out go the MoE layers' share)
-    L, moe_layers = m.n_layers, m.n_moe_layers
-    dense_mlp = [s for s in param_shards(as_dp) if "/mlp/" in s.path and not shared]
-    # (shard_map sums the row-parallel bias outside the regions, with the norms;
-    # a pipeline's stages, with their weights)
-    outside = lambda s: impl == "shard_map" and p.pp == 1 and s.path.endswith("/mlp/down/bias")
-    mlp = sum(s.elements for s in dense_mlp if not outside(s)) // L * moe_layers
-    mlp_outside = sum(s.elements for s in dense_mlp if outside(s)) // L * moe_layers
-    router = sum(s.elements for s in shards if s.path.endswith("/mlp/router"))
-    experts = sum(s.elements for s in shards if "/mlp/experts/" in s.path)
-    # where the tokens are split over more than the batch (cp, SP's tp), the
-    # router's gradient is summed over all their axes at once, apart
-    # (a pipeline's stages sum it with their weights: over dp x ep once, and
-    # over the sequence's axes with the norms, `jaxtp.analysis.grads`)
-    own_router = (p.cp > 1 or p.sequence_parallel) and p.pp == 1
-    rows, dense_rows = [], dense(as_dp, impl, platform)
-    cd, pd = (carried(platform or "", HLO_DTYPES[d]) for d in (m.dtype, m.param_dtype))
-
-    def totals(role: str, dtype: str, which: int, *axes: str) -> set[int]:
-        """The dense totals of `role` over any of `axes` in (as carried)
-        `dtype`, one per group of axes: the first (`which` 0) or the last
-        (-1), the compute dtype's where both are carried in one."""
-        by_axes: dict[tuple, list] = {}
-        for r in dense_rows:
-            if r.role == role and r.dtype == dtype and any(a in r.axes for a in axes):
-                by_axes.setdefault(r.axes, []).append(r)
-        return {id(rs[which]) for rs in by_axes.values()}
-
-    less_mlp = totals("grads", cd, -1, DATA_AXIS, CP_AXIS)
-    less_outside = totals("grads_placed", cd, -1, DATA_AXIS, CP_AXIS)
-    # (a pipeline's stages hold the router: summed with their weights)
-    with_router = set() if own_router else totals(
-        "grads_placed" if impl == "shard_map" and p.pp == 1 else "grads", pd, 0, DATA_AXIS)
-    for r in dense_rows:
-        # the MLP's weights out of the totals (the compute dtype's), the
-        # router's in (fp32's; shard_map: with the gradients GSPMD sums outside
-        # the regions); a row's elements are one reduction's, its count the
-        # reductions a step runs (M, sliced)
-        r = dataclasses.replace(r, elements=r.elements - mlp * (id(r) in less_mlp)
-                                - mlp_outside * (id(r) in less_outside)
-                                + router * (id(r) in with_router))
-        if r.scope == "mlp" and not shared:  # the dense MLP's f and g, the dense layers'
-            if moe_layers == L:
-                continue
-            r = dataclasses.replace(r, count=r.count // L * (L - moe_layers))
-        if r.name.startswith("gradient norm"):  # (below: over ep too)
-            continue
-        if r.role == "loss_mean":  # XLA combines it with the router's means: one total
-            r = dataclasses.replace(r, scope=ANY_SCOPE)
-        rows.append(dataclasses.replace(r, axes=rename(r.axes)))
-    # the gradient norm over every axis that splits a gradient: ep's experts too
-    split = [(a, n) for a, n in ((PP_AXIS, p.pp), (DATA_AXIS, p.dp if p.fsdp else 1),
-                                 (EP_AXIS, p.ep), (TP_AXIS, p.tp)) if n > 1]
-    if split:
-        rows.append(Expected("gradient norm: one sum of squares", "all-reduce", "other", "", 1,
-                             "f32", math.prod(n for _, n in split), 1,
-                             axes=tuple(a for a, _ in split)))
-    scattered = experts_scattered(cfg, impl, platform)
-    own = _moe_rows(cfg, impl, own_router, experts, scattered)
-    if p.fsdp and p.dp > 1:
-        rows, fsdp = moe_fsdp(cfg, impl, rows, scattered)
-        own += fsdp
-    own = per_step(per_moe_layer(cfg, own) + expected_ep(cfg, impl), schedule_of(cfg))
-    return rows + (on_backend(own, cfg, impl, platform) if platform else own)
+    of each sequence (`splits`)."""
+    if not cfg.model.n_experts:
+        return []
+    return per_moe_layer(cfg, _moe_rows(cfg, impl)) + expected_ep(cfg, impl)
 
 
-def _moe_rows(cfg: Config, impl: str, own_router: bool, experts: int,
-              scattered: bool = False) -> list[Expected]:
+def _moe_rows(cfg: Config, impl: str) -> list[Expected]:
     """The MoE layers' own rows (`expected_moe`'s list, but ep's all-to-alls),
     per MoE layer and microbatch where not said: tp inside the experts, the
-    router's statistics and (`own_router`) gradient, the stages' sum under
-    pp, the `experts` elements of the experts' gradients over dp x cp (unless
-    `scattered` by FSDP)."""
+    router's statistics (a pipeline's stages' summed once)."""
     m, p = cfg.model, cfg.parallel
     dt = HLO_DTYPES[m.dtype]
     E = lambda name, kind, pass_, n, count, group, axes, dtype=dt, per="layer", scope="moe", \
@@ -285,30 +196,11 @@ def _moe_rows(cfg: Config, impl: str, own_router: bool, experts: int,
             own.append(E("remat: the balance loss's f summed again for its gradient",
                          "all-reduce", "backward", m.n_experts, 1, n, routed, "f32",
                          written=False, scope=ANY_SCOPE))
-    if own_router:
-        own.append(E("the router's gradient over every axis that splits the tokens",
-                      "all-reduce", "backward", m.d_model * m.n_experts, 1, n, routed,
-                      HLO_DTYPES[m.param_dtype], scope=ANY_SCOPE, written=False))
-    if p.pp > 1 and sp and impl == "shard_map":  # a stage's router on sequence shards:
-        # its gradient over tp in every layer and tick (dp x ep's part once)
-        own.append(E("the router's gradient over tp (its tokens on sequence shards)",
-                     "all-reduce", "backward", m.d_model * m.n_experts, 1, p.tp, (TP_AXIS,),
-                     HLO_DTYPES[m.param_dtype]))
     # each stage's sum over its layers and microbatches, added up once (1F1B
     # adds them to the loss in its schedule: in the loss's sum, `grads`)
     if p.pp > 1 and p.pp_schedule != "1f1b":
         own.append(E("pp: the stages' router statistics summed", "all-reduce", "forward",
                      len(LOSSES), 1, p.pp, (PP_AXIS,), "f32", per="step", scope=""))
-    owners = tuple(a for a, n in ((DATA_AXIS, p.dp), (CP_AXIS, p.cp)) if n > 1)
-    # every rank that holds the same experts sums their gradients: dp's, and cp's
-    # (their tokens); under FSDP where `scattered`, reduce-scattered (`moe_fsdp`)
-    if owners and not scattered:
-        own.append(E(f"{' x '.join(owners)}: the experts' weight gradients (ep owns its "
-                     "experts)", "all-reduce", "backward", experts, 1, p.dp * p.cp, owners,
-                     # (in the compute dtype they are used in; a pipeline's
-                     # stages sum theirs once, after it, as accumulated)
-                     HLO_DTYPES[m.param_dtype if p.pp > 1 else m.dtype], scope=ANY_SCOPE,
-                     per="step" if p.pp > 1 else "microbatch"))
     return own
 
 

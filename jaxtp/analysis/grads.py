@@ -1,55 +1,68 @@
-"""The gradient ledger: where each parameter's gradient is summed, by one rule.
+"""The gradient ledger: one table of every parameter's gradient sums (`Part`),
+derived per parameter from its sharding and the Schedule, grouped into rows.
 
 A parameter's gradient is summed over the mesh axes that split the tokens it
-sees, minus the parameter's own axes (`reduced_over`, per parameter). dp and cp split the
-batch and the sequence for every parameter; under SP the parameters used on
-the sequence shard (norms, row-parallel biases, learned positions) see tp's
-split of the sequence too; FSDP's parameters own dp, where their gradient is
-reduce-scattered instead (ZeRO-3, Rajbhandari et al. 2020, Sec. 5.1). How a
-sum is carried out (`_placed`):
+sees, minus its own axes (`reduced_over`): the batch axes (dp; ep, but for a
+MoE layer's experts, which ep's ranks own: Megatron-Core's expert-data-
+parallel group; pp for the weights outside a pipeline's stages, whose stages
+split the batch as dp does), cp's sequence split, and under SP tp's for the
+parameters used on the sequence shard (norms, row-parallel biases, learned
+positions). FSDP's parameters own dp, where their gradient is reduce-
+scattered instead (ZeRO-3, Rajbhandari et al. 2020, Sec. 5.1). Where the sum
+runs (`placed`, `_once`, `_fsdp`, `_pipelined`, each a placement of one
+parameter):
 
 - written in a shard_map region (shard_map's region weights, and under SP
-  its replicated kv weight): one psum over all of its axes;
-- placed by GSPMD (every gradient under gspmd and explicit, shard_map's
-  outside its regions): the sequence axes (cp, and tp) in one all-reduce,
-  then dp in another;
+  its replicated kv weight), and a MoE layer's experts under every impl: one
+  psum over all of its axes at once, per microbatch;
+- placed by GSPMD (every other gradient): the sequence axes (cp, and tp) in
+  one all-reduce, then the batch axes in another; a router used on sequence
+  shards (cp, SP) over all of them at once;
 - in slices reduced once (`jaxtp.parallel.Schedule.reduces_once`): the dp
-  part of every gradient once per step, after the slices.
+  part of every gradient once per step, after the slices;
+- around a pipeline: a stage's weights once per step, after it (manual over
+  the batch axes it is); the weights outside the stages over pp too.
 
 What else decides the bytes is the parameter's own (`_Grad`): a tied table is
 summed twice (its lookup's and its head's parts, apart), the head's once per
-loss chunk under cp (the chunks are taken within each rank's positions); the
-learned positions' gradient lives on the rank's own sequence rows, which are
-all that the sum over dp reduces; explicit gathers the positions' gradient
-rows over the sequence axes instead of summing them.
+loss chunk (the chunks are taken within each rank's positions); the learned
+positions' gradient lives on the rank's own sequence rows, which are all
+that the sum over dp reduces; explicit gathers the positions' gradient rows
+over the sequence axes instead of summing them.
 
 And the dtype each part is summed in (`part_dtypes`): a weight cast to the
 compute dtype where it is used (`jaxtp.model.layers.weight(v, dtype)`: the
 linears' kernels and biases, the learned positions, the experts) has its
 gradient summed in that dtype, before the cast back; one used in its own
-dtype (the norms, the vocab lookup, the router) in its own. Each total is
-then one row per dtype (XLA combines only collectives of one dtype).
+dtype (the norms, the vocab lookup, the router) in its own. Rows are the
+table grouped by rule, axes and dtype (XLA combines only collectives of one
+dtype).
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-import numpy as np
+import math
 
 from ..config import Config
 from ..model.vocab import loss_chunks
-from ..parallel import CP_AXIS, DATA_AXIS, PP_AXIS, TP_AXIS
-from .params import ParamShard, param_shards
-from .rows import ANY_SCOPE, HLO_DTYPES, Expected, reduces_once, schedule_of
+from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS
+from .dp import fsdp_parts, moe_fsdp_parts
+from .params import ParamShard, param_shards, part_dtypes
+from .pp import in_pipeline, pipeline_parts
+from .rows import (ANY_SCOPE, HLO_DTYPES, Expected, Part, batch_axes, on, reduces_once,
+                   schedule_of)
 
 
-def data_group(cfg: Config) -> tuple[int, tuple[str, ...]]:
-    """(size, mesh axes) of the axes that split every parameter's tokens: dp
-    and cp (each rank's gradient is its tokens' part)."""
+def scatters(cfg: Config) -> bool:
+    """Whether FSDP reduce-scatters the gradients over dp: at dp > 1 in a
+    dense model (a MoE model's GSPMD sums stay whole over dp x ep, `_moe_fsdp`)."""
     p = cfg.parallel
-    axes = tuple(a for a, n in ((DATA_AXIS, p.dp), (CP_AXIS, p.cp)) if n > 1)
-    return p.dp * p.cp, axes or (DATA_AXIS,)
+    return p.fsdp and p.dp > 1 and not cfg.model.n_experts
+
+
+def _group(cfg: Config, axes: tuple[str, ...]) -> int:
+    return math.prod(cfg.parallel.degrees[a] for a in axes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +74,20 @@ class _Grad:
     seq: tuple[str, ...]  # the sequence axes its sum spans (cp, and tp under SP)
     written: bool  # summed by a psum in a shard_map region
     dp_elements: int  # what the sum over dp alone reduces (positions: its own rows)
-    keyed: bool  # its sum over the sequence axes is a row of its own (`_sequence_rows`)
-    dtypes: tuple[str, ...] = ()  # the dtype each of its `sums` parts is summed in
+    keyed: bool  # its sum over the sequence axes is a row of its own (`_sequence_parts`)
+    dtypes: tuple[str, ...]  # the dtype each of its `sums` parts is summed in
+    batch: tuple[str, ...]  # the batch axes that split its tokens (`batch_axes`)
+    expert: bool  # a MoE layer's experts (ep's ranks own them)
+    router: bool
 
     def parts(self, dtype: str) -> int:
         """How many of its parts are summed in `dtype`."""
         return self.dtypes.count(dtype)
+
+    def part(self, rule: str, elements: int, dtype: str, axes: tuple[str, ...],
+             **kw) -> Part:
+        return Part(self.shard.path, rule, kw.pop("kind", "all-reduce"), elements, dtype,
+                    axes, **kw)
 
 
 def _grads(cfg: Config, impl: str) -> list[_Grad]:
@@ -82,7 +103,7 @@ def _grads(cfg: Config, impl: str) -> list[_Grad]:
     for s in param_shards(cfg):
         # (a pipeline's stage is manual over cp: its weights' cp part is summed
         # once a step, with the stage's, `_pipelined`)
-        seq = (CP_AXIS,) * (p.cp > 1 and not _in_pipeline(cfg, s.path, s.in_stack))
+        seq = (CP_AXIS,) * (p.cp > 1 and not in_pipeline(cfg, s.path, s.in_stack))
         if sp and not s.region and not _whole_over_tp(cfg, impl, s):
             seq += (TP_AXIS,)  # used on the sequence shard: partial over tp
         sums = 1
@@ -93,62 +114,12 @@ def _grads(cfg: Config, impl: str) -> list[_Grad]:
         dp_elements = s.elements
         if s.path == "wpe/embedding" and not once:
             dp_elements = m.seq_len // (p.cp * (p.tp if sp else 1)) * m.d_model
-        keyed = TP_AXIS in seq or _sp_kv(cfg, impl, s) or (
-            s.path == "wpe/embedding" and impl == "explicit" and p.cp > 1)
+        expert, router = "/mlp/experts/" in s.path, s.path.endswith("/mlp/router")
+        keyed = not router and (TP_AXIS in seq or _sp_kv(cfg, impl, s) or (
+            s.path == "wpe/embedding" and impl == "explicit" and p.cp > 1))
         out.append(_Grad(s, sums, seq, impl == "shard_map" and bool(s.region), dp_elements,
-                         keyed, part_dtypes(cfg, impl, s.path, sums)))
-    return out
-
-
-def part_dtypes(cfg: Config, impl: str, path: str, sums: int) -> tuple[str, ...]:
-    """The dtype each of a gradient's `sums` parts is summed in (module
-    docstring): the compute dtype for a weight cast to it where it is used,
-    else its own; a vocab table's head part is the compute dtype's under
-    shard_map (summed in its region) but fp32 where GSPMD places the sum (on
-    the head's fp32 dot, `jaxtp.model.vocab`). (Accumulated over slices reduced
-    once, or over a pipeline's ticks, every gradient is in its own dtype: the
-    rows of those sums say so.)"""
-    m = cfg.model
-    pd, cd = HLO_DTYPES[m.param_dtype], HLO_DTYPES[m.dtype]
-    if pd == cd:
-        return (pd,) * sums
-    module = path.split("/")[-2]
-    if path in ("wte/embedding", "lm_head/embedding"):  # the lookup's, then the head's
-        lookup = int(path == "wte/embedding")
-        head = cd if impl == "shard_map" else pd
-        return (pd,) * lookup + (head,) * (sums - lookup)
-    own = module.startswith("ln") or "norm" in module or path.endswith("/router")
-    return ((pd if own else cd),) * sums
-
-
-def _dtypes(grads: list[_Grad]) -> list[str]:
-    """The dtypes the gradients are summed in (fp32 first)."""
-    return sorted({d for g in grads for d in g.dtypes}, key=lambda d: d != "f32")
-
-
-def _in_pipeline(cfg: Config, path: str, in_stack: bool) -> bool:
-    """Whether a parameter is used inside the pipeline's shard_map: a stage's,
-    and under 1F1B the head's (final norm, LM head, a tied table's head part)."""
-    if cfg.parallel.pp == 1:
-        return False
-    return in_stack or cfg.parallel.pp_schedule == "1f1b" and path in _HEAD_PATHS(cfg)
-
-
-def _HEAD_PATHS(cfg: Config) -> tuple[str, ...]:
-    return ("ln_f/scale", "ln_f/bias", "lm_head/embedding")
-
-
-def reduced_over(cfg: Config, impl: str) -> dict[str, tuple[str, ...]]:
-    """{parameter path: the mesh axes its gradient is summed over}: the axes
-    that split its tokens (dp, cp; tp for a sequence-shard parameter under
-    SP) minus its own (FSDP's dp, where it is reduce-scattered instead)."""
-    p = cfg.parallel
-    batch = (DATA_AXIS,) * (p.dp > 1)
-    out = {}
-    for g in _grads(cfg, impl):
-        own = (DATA_AXIS,) if g.shard.dp_split and p.fsdp else ()
-        kv_tp = (TP_AXIS,) if _sp_kv(cfg, impl, g.shard) else ()
-        out[g.shard.path] = tuple(a for a in batch + g.seq + kv_tp if a not in own)
+                         keyed, part_dtypes(cfg, impl, s.path, sums),
+                         on(cfg, DATA_AXIS, *(EP_AXIS,) * (not expert)), expert, router))
     return out
 
 
@@ -161,213 +132,164 @@ def _whole_over_tp(cfg: Config, impl: str, s: ParamShard) -> bool:
             and cfg.parallel.pp == 1 and cfg.parallel.overlap == "none")
 
 
-def expected_grads(cfg: Config, impl: str) -> list[Expected]:
-    """Every gradient sum of a step (and the loss mean over the same axes),
-    by the module docstring's rule: the sequence-shard rows (per parameter)
-    and the totals over dp and cp (any scope: XLA combines, splits and loops
-    them)."""
-    m, p = cfg.model, cfg.parallel
+def _sp_kv(cfg: Config, impl: str, s: ParamShard) -> bool:
+    """shard_map's replicated kv weight under SP with fewer kv heads than tp:
+    fed the gathered x, its gradient is partial over tp too."""
+    p = cfg.parallel
+    return (s.path.endswith("attn/kv/kernel") and impl == "shard_map" and p.sequence_parallel
+            and cfg.model.kv_heads < p.tp)
+
+
+def gradient_table(cfg: Config, impl: str, platform: str = "") -> list[Part]:
+    """Every sum of every parameter's gradient in a step: the placement the
+    Schedule and the layout give it (module docstring), one `Part` each."""
+    p = cfg.parallel
     grads = _grads(cfg, impl)
-    rows = _sequence_rows(cfg, impl, grads) + _sp_kv_rows(cfg, impl)
+    table = _sequence_parts(cfg, impl, grads) + _sp_kv_parts(cfg, impl, grads)
     if p.pp > 1:
-        return rows + _pipelined(cfg, impl, grads)
-    if data_group(cfg)[0] == 1:
-        return rows
-    pd = HLO_DTYPES[m.param_dtype]
-    if reduces_once(cfg):  # one reduction of each whole gradient at the end
-        total = sum(g.shard.elements for g in grads)
-        return rows + [_loss_mean(p.dp, (DATA_AXIS,), "other"), Expected(
-            f"dp: every parameter gradient (tp shard), summed over dp once after "
-            f"{cfg.train.microbatches} microbatches", "all-reduce", "other", ANY_SCOPE, total,
-            pd, p.dp, 1, "grads", (DATA_AXIS,))]
-    if p.fsdp and p.dp > 1:  # (at dp = 1 FSDP splits nothing)
-        return rows + _fsdp_rows(cfg, impl, grads)
-    # the kv weight's whole sum is its own row (`_sp_kv_rows`)
-    return rows + _placed(cfg, impl, [g for g in grads if not _sp_kv(cfg, impl, g.shard)])
+        place = pipeline_parts
+    elif not (batch_axes(cfg) or on(cfg, CP_AXIS)):
+        return table
+    elif reduces_once(cfg):
+        place = _once
+    elif p.fsdp and p.dp > 1:
+        place = moe_fsdp_parts if cfg.model.n_experts else fsdp_parts
+    else:
+        place = placed
+    # (a placement's None: the parameter is placed as without it)
+    out = [place(cfg, impl, g, platform) for g in grads]
+    return table + [part for g, parts in zip(grads, out)
+                    for part in (placed(cfg, impl, g) if parts is None else parts)]
 
 
-def _pipelined(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]:
-    """The sums around a pipeline (`jaxtp.parallel.pipeline`), once per step.
-
-    A stage's weights (own axis pp) are cast to varying over the batch axes
-    the stage is manual over (dp, cp) on entry: one all-reduce over dp x cp
-    (FSDP's, under shard_map, gathered in the pipeline and reduce-scattered;
-    under gspmd gathered before it and all-reduced). So are 1F1B's head
-    weights, which run in the loop, over pp x dp x cp (pp splits their
-    tokens as dp does). The weights outside the pipeline (embedding; under
-    GPipe the final norm and head) are summed where their tokens are split:
-    written in a shard_map region, one psum over pp x dp x cp; placed by
-    GSPMD, over cp (its sequence split) and then over pp x dp."""
-    p, pd = cfg.parallel, HLO_DTYPES[cfg.model.param_dtype]
-    f1b = p.pp_schedule == "1f1b"
-    outer = tuple(a for a, n in ((PP_AXIS, p.pp), (DATA_AXIS, p.dp)) if n > 1)
-    cp = (CP_AXIS,) * (p.cp > 1)
-    joint = outer + cp
-    rows = ([_loss_mean(p.pp * p.dp * p.cp, joint, per="step")] if f1b else
-            [_loss_mean(p.pp * p.dp, outer, per="step")]
-            + ([_loss_mean(p.cp, cp, per="step")] if cp else []))
-    stage = [g for g in grads if g.shard.in_stack]
-    E = lambda name, kind, n, group, axes, written, role="grads": Expected(
-        name, kind, "backward", ANY_SCOPE, n, pd, group, 1, role, axes, written, "step")
-    inner = tuple(a for a, n in ((DATA_AXIS, p.dp), (CP_AXIS, p.cp)) if n > 1)
-    if inner:
-        split = p.fsdp and impl == "shard_map" and p.dp > 1
-        scattered = sum(g.shard.elements for g in stage if split and g.shard.dp_split)
-        whole = sum(g.shard.elements for g in stage if not (split and g.shard.dp_split))
-        if scattered and cp:
-            rows.append(E("cp: the stages' FSDP weight gradients, summed over cp once",
-                          "all-reduce", scattered, p.cp, cp, True))
-        if scattered:
-            rows.append(E("dp: the stages' FSDP weight gradients, reduce-scattered once",
-                          "reduce-scatter", scattered // p.dp, p.dp, (DATA_AXIS,), True))
-        over = " x ".join(inner)
-        rows.append(E(f"{over}: the stages' weight gradients, summed over {over} once (after "
-                      "the pipeline)", "all-reduce", whole, p.dp * p.cp, inner, True))
-    # the weights outside the stages, each part (a tied table's lookup and
-    # head) summed at once over pp x dp x cp, or over cp and then pp x dp
-    fsdp = lambda g: p.fsdp and p.dp > 1 and g.shard.dp_split and impl == "shard_map"
-    # (in the loop, accumulated over the ticks: in its own dtype)
-    for dt in dict.fromkeys(_dtypes([g for g in grads if not g.shard.in_stack]) + [pd]):
-        at_once = apart_cp = apart = scattered = 0
-        for g in grads:
-            if g.shard.in_stack:
-                continue
-            tied_head = g.shard.path == "wte/embedding" and g.sums > 1
-            for i, in_loop in ([(0, False)] + [(i, f1b) for i in range(1, g.sums)]
-                               if tied_head else
-                               [(i, _in_pipeline(cfg, g.shard.path, False))
-                                for i in range(g.sums)]):
-                if (pd if in_loop else g.dtypes[i]) != dt:
-                    continue
-                if fsdp(g) and g.written:  # FSDP's region: reduce-scattered over dp
-                    scattered += g.shard.elements
-                elif in_loop or (impl == "shard_map" and g.written):
-                    at_once += g.shard.elements
-                else:  # (a learned positions' gradient: its own sequence rows over pp x dp)
-                    apart_cp += 0 if g.keyed else g.shard.elements
-                    apart += g.dp_elements
-        E = lambda name, kind, n, group, axes, written, role="grads": Expected(
-            name, kind, "backward", ANY_SCOPE, n, dt, group, 1, role, axes, written, "step")
-        if at_once:
-            rows.append(E(f"{' x '.join(joint)}: the gradients of the weights outside the "
-                          "stages (embedding, head, final norm), summed at once", "all-reduce",
-                          at_once, p.pp * p.dp * p.cp, joint, impl == "shard_map",
-                          role="grads_outside"))
-        if scattered:  # (pp x cp at once in the region, then FSDP's reduce-scatter over dp)
-            rest = tuple(a for a in joint if a != DATA_AXIS)
-            rows += [E(f"{' x '.join(rest)}: the FSDP vocab tables' gradients outside the "
-                       "stages", "all-reduce", scattered, p.pp * p.cp, rest, True),
-                     E("dp: the FSDP vocab tables' gradients outside the stages, "
-                       "reduce-scattered", "reduce-scatter", scattered // p.dp, p.dp,
-                       (DATA_AXIS,), True)]
-        if apart_cp and cp:
-            rows.append(E("cp: the gradients of the weights outside the pipeline, placed by "
-                          "GSPMD, summed over cp", "all-reduce", apart_cp, p.cp, cp, False,
-                          role="grads_apart_cp"))
-        if apart:
-            rows.append(E(f"{' x '.join(outer)}: the gradients of the weights outside the "
-                          "pipeline (embedding, head, final norm)", "all-reduce", apart,
-                          p.pp * p.dp, outer, False, role="grads_apart"))
-    return rows
+def reduced_over(cfg: Config, impl: str) -> dict[str, tuple[str, ...]]:
+    """{parameter path: the mesh axes its gradient is summed over}, read off
+    the table: what the parts of its sums span together (FSDP's
+    reduce-scatter over dp aside: dp is its own axis there)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for part in gradient_table(cfg, impl):
+        if part.kind == "reduce-scatter":  # (FSDP's own dp: scattered, not summed)
+            continue
+        have = out.setdefault(part.path, ())
+        out[part.path] = have + tuple(a for a in part.axes if a not in have)
+    return {path: tuple(a for a in (PP_AXIS, DATA_AXIS, EP_AXIS, CP_AXIS, TP_AXIS) if a in axes)
+            for path, axes in out.items()}
 
 
-def _placed(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]:
-    """The totals without FSDP, per microbatch and dtype: a written
-    gradient's one psum over dp x cp; GSPMD's sum over the sequence axes (what
-    `_sequence_rows` does not sum) and then over dp; the loss mean as GSPMD's."""
+def expected_grads(cfg: Config, impl: str, platform: str = "") -> list[Expected]:
+    """Every gradient sum of a step, the table grouped (one row per rule,
+    axes, dtype and count), and the loss's mean over the axes that split the
+    tokens."""
+    rows: dict[tuple, Expected] = {}
+    for t in gradient_table(cfg, impl, platform):
+        if not t.elements:
+            continue
+        key = (t.rule, t.kind, t.pass_, t.scope, t.dtype, t.axes, t.per, t.written, t.role) + (
+            () if t.scope == ANY_SCOPE else (t.elements, ))
+        had = rows.get(key)
+        if t.scope == ANY_SCOPE:
+            n = t.elements * t.count + (had.elements if had else 0)
+            rows[key] = Expected(t.rule, t.kind, t.pass_, t.scope, n, t.dtype,
+                                 _group(cfg, t.axes), 1, t.role, t.axes, t.written, t.per)
+        else:
+            rows[key] = Expected(t.rule, t.kind, t.pass_, t.scope, t.elements, t.dtype,
+                                 _group(cfg, t.axes), t.count + (had.count if had else 0),
+                                 t.role, t.axes, t.written, t.per)
+    return _loss_means(cfg, impl) + list(rows.values())
+
+
+def _loss_means(cfg: Config, impl: str) -> list[Expected]:
+    """The loss averaged over the axes that split its tokens, where the
+    gradients are summed: per microbatch over cp and then the batch axes (or
+    at once in a region); once after slices reduced once; once after a
+    pipeline (1F1B, whose loss is in its loop, over all at once). A MoE
+    model's joins its router's statistics' means in one total."""
     p = cfg.parallel
-    group, axes = data_group(cfg)
-    over = lambda a: " x ".join(a)
-    steps = [((CP_AXIS,), p.cp), ((DATA_AXIS,), p.dp)] if p.dp > 1 and p.cp > 1 else \
-        [(axes, group)]
-    rows = [_loss_mean(n, a) for a, n in steps]
-    for dt in _dtypes(grads):
-        for a, n in steps:
-            # every sum over dp; over cp, what no row of its own sums
-            placed = sum((g.dp_elements if a == (DATA_AXIS,) else g.shard.elements) *
-                         g.parts(dt) for g in grads
-                         if not g.written and (a == (DATA_AXIS,) or not g.keyed))
-            if not placed:
-                continue
-            name = (f"{over(axes)}: parameter gradients outside the regions (norms, biases, "
-                    f"positions), summed over {over(a)} by GSPMD" if impl == "shard_map" else
-                    f"{over(a)}: every parameter gradient (tp shard), summed over {over(a)}")
-            rows.append(Expected(name, "all-reduce", "backward", ANY_SCOPE, placed, dt, n, 1,
-                                 "grads_placed" if impl == "shard_map" else "grads", a,
-                                 impl != "shard_map", "microbatch"))
-        written = sum(g.shard.elements * g.parts(dt) for g in grads if g.written)
-        if written:
-            rows.append(Expected(f"{over(axes)}: every parameter gradient (tp shard), summed "
-                                 f"over {over(axes)} in its region", "all-reduce", "backward",
-                                 ANY_SCOPE, written, dt, group, 1, "grads", axes,
-                                 per="microbatch"))
-    return rows
+    batch, cp = batch_axes(cfg), on(cfg, CP_AXIS)
+    if p.pp > 1:
+        outer = on(cfg, PP_AXIS) + batch
+        steps, per = ([outer + cp] if p.pp_schedule == "1f1b" else [outer, cp]), "step"
+    elif not batch + cp:
+        return []
+    elif reduces_once(cfg):
+        return [_loss_mean(cfg, batch, "other", "step")]
+    elif p.fsdp and p.dp > 1 and not cfg.model.n_experts:
+        steps, per = [on(cfg, DATA_AXIS), cp], "microbatch"
+    else:
+        steps, per = ([cp, batch] if batch and cp else [batch + cp]), "microbatch"
+    return [_loss_mean(cfg, a, "forward", per) for a in steps if a]
 
 
-def _fsdp_rows(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]:
-    """FSDP's sums, per microbatch and dtype: over cp first (what is whole
-    over dp; a written gradient in its region), then each dp-split gradient
-    reduce-scattered over dp (n/dp elements per rank: the accumulator stays
-    sharded), each other one all-reduced (with cp at once where written)."""
-    p = cfg.parallel
-    rows = [_loss_mean(p.dp, (DATA_AXIS,))] + [_loss_mean(p.cp, (CP_AXIS,))] * (p.cp > 1)
-    joint = lambda g: g.written and not g.shard.dp_split  # one psum over dp x cp
-    both = dict(group=p.dp * p.cp, axes=(DATA_AXIS, CP_AXIS)) if impl == "shard_map" and \
-        p.cp > 1 else {}
-    for dt in _dtypes(grads):
-        n = lambda pick, elements=lambda g: g.shard.elements: sum(
-            elements(g) * g.parts(dt) for g in grads if pick(g))
-        E = lambda name, kind, n, group=p.dp, axes=(DATA_AXIS,), role="", written=True: \
-            Expected(name, kind, "backward", ANY_SCOPE, n, dt, group, 1, role, axes, written,
-                     "microbatch")
-        if p.cp > 1:
-            cp = lambda pick: n(lambda g: pick(g) and not joint(g) and not g.keyed)
-            name = "cp: {} summed over cp before FSDP's reduction"
-            row = lambda what, k, role, written: E(name.format(what), "all-reduce", k, p.cp,
-                                                   (CP_AXIS,), role, written)
-            rows += [row("the regions' parameter gradients (whole over dp)",
-                         cp(lambda g: g.written), "", True),
-                     row("by GSPMD, the gradients outside the regions (norms, biases, "
-                         "positions)", cp(lambda g: not g.written), "cp_grads", False)] \
-                if impl == "shard_map" else [row("every parameter gradient (whole over dp)",
-                                                 cp(lambda g: True), "cp_grads", True)]
-        region = n(lambda g: g.shard.dp_split and g.written)
-        placed = n(lambda g: g.shard.dp_split and not g.written, lambda g: g.dp_elements)
-        rows += [E("FSDP: region weights' gradients reduce-scattered (shard_map)",
-                   "reduce-scatter", region // p.dp),
-                 E("FSDP: gradients reduce-scattered over dp" +
-                   (" (GSPMD: norms, biases, positions)" if impl == "shard_map" else ""),
-                   "reduce-scatter", placed // p.dp, role="fsdp_gspmd", written=False),
-                 E("FSDP: parameters not split over dp (no model dim): gradient all-reduced"
-                   + (" over dp x cp" if both else ""), "all-reduce",
-                   n(lambda g: not g.shard.dp_split), **both)]
-    return [r for r in rows if r.elements]
-
-
-def _loss_mean(group: int, axes: tuple[str, ...], pass_: str = "forward",
-               per: str | None = None) -> Expected:
-    """The loss averaged over `axes`: in the forward pass of each microbatch,
-    or once after the slices reduced once ("other", written there), or
-    (`per`="step") once after a pipeline."""
+def _loss_mean(cfg: Config, axes: tuple[str, ...], pass_: str, per: str) -> Expected:
     over = " x ".join(axes)
-    return Expected(f"{over}: mean of the loss over {over}", "all-reduce", pass_, "", 1, "f32",
-                    group, 1, "loss_mean", axes, pass_ == "other",
-                    per or ("step" if pass_ == "other" else "microbatch"))
+    return Expected(f"{over}: mean of the loss over {over}", "all-reduce", pass_,
+                    ANY_SCOPE if cfg.model.n_experts else "", 1, "f32", _group(cfg, axes), 1,
+                    "loss_mean", axes, pass_ == "other", per)
 
 
-def _sequence_rows(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]:
+def placed(cfg: Config, impl: str, g: _Grad, platform: str = "") -> list[Part]:
+    """Per microbatch: a written gradient's (and the experts') one psum over
+    its batch axes and cp; a router on sequence shards over all its axes at
+    once; GSPMD's sum over the sequence axes (what `_sequence_parts` does not
+    sum) and then over the batch axes."""
+    p = cfg.parallel
+    cp = on(cfg, CP_AXIS)
+    over = lambda a: " x ".join(a)
+    if _sp_kv(cfg, impl, g.shard):  # (its whole sum is its own part, `_sp_kv_parts`)
+        return []
+    if g.expert:
+        return [g.part(f"{over(g.batch + cp)}: the experts' weight gradients (ep owns its "
+                       "experts)", g.shard.elements, g.dtypes[0], g.batch + cp,
+                       role="moe_grads")] if g.batch + cp else []
+    if g.written:
+        axes = g.batch + cp
+        return [g.part(f"{over(axes)}: every parameter gradient (tp shard), summed over "
+                       f"{over(axes)} in its region", g.shard.elements, dt, axes)
+                for dt in g.dtypes]
+    if g.router and (p.cp > 1 or p.sequence_parallel):
+        axes = g.batch + g.seq
+        return [g.part("the router's gradient over every axis that splits the tokens",
+                       g.shard.elements, g.dtypes[0], axes, role="router", written=False)]
+    every = batch_axes(cfg) + cp
+    out = []
+    for axes in ([cp, g.batch] if g.batch and cp else [g.batch + cp]):
+        n = g.dp_elements if axes == g.batch else 0 if g.keyed else g.shard.elements
+        name = (f"{over(every)}: parameter gradients outside the regions (norms, biases, "
+                f"positions), summed over {over(axes)} by GSPMD" if impl == "shard_map" else
+                f"{over(axes)}: every parameter gradient (tp shard), summed over {over(axes)}")
+        out += [g.part(name, n, dt, axes, written=impl != "shard_map",
+                       role="grads_placed" if impl == "shard_map" else "grads")
+                for dt in g.dtypes]
+    return out
+
+
+def _once(cfg: Config, impl: str, g: _Grad, platform: str = "") -> list[Part]:
+    """Slices reduced once: the whole gradient (tp shard) summed over dp once
+    per step, after them, in its own dtype."""
+    M = cfg.train.microbatches
+    return [g.part(f"dp: every parameter gradient (tp shard), summed over dp once after {M} "
+                   "microbatches", g.shard.elements, HLO_DTYPES[cfg.model.param_dtype],
+                   (DATA_AXIS,), per="step", pass_="other")]
+
+
+def _sequence_parts(cfg: Config, impl: str, grads: list[_Grad]) -> list[Part]:
     """The sums over the sequence axes of the parameters used on the
     sequence shard, per parameter, under SP (over cp x tp at once) or, for
-    explicit's learned positions, under cp (gathered rows)."""
+    explicit's learned positions, under cp (gathered rows); a stage's router
+    on sequence shards over tp in every layer and tick (shard_map)."""
     m, p = cfg.model, cfg.parallel
     once = reduces_once(cfg)
-    rows = []
+    out = []
     for g in grads:
         s = g.shard
+        if g.router and p.pp > 1 and p.sequence_parallel and impl == "shard_map":
+            # (its dp x ep part once, with the stage's weights)
+            out.append(g.part("moe: the router's gradient over tp (its tokens on sequence "
+                              "shards)", m.d_model * m.n_experts, g.dtypes[0], (TP_AXIS,),
+                              per="layer", scope="moe", role="moe"))
         positions = s.path == "wpe/embedding"
-        if TP_AXIS not in g.seq and not (positions and impl == "explicit" and p.cp > 1):
+        if not g.keyed or _sp_kv(cfg, impl, s):
             continue
-        group = int(np.prod([dict(p.degrees)[a] for a in g.seq]))
         # a stacked parameter's (scanned, or a pipeline's stage's: its L/pp
         # layers, a chunk of L/(pp*v) per tick) one layer per loop trip;
         # outside a pipeline once
@@ -389,37 +311,29 @@ def _sequence_rows(cfg: Config, impl: str, grads: list[_Grad]) -> list[Expected]
                 "shards: gradient sum"
                 if bias else "norm weights used on sequence shards: gradient sum")
         scope = ("attention" if module == "out" else "mlp") if bias else ""
-        rows.append(Expected(what, "all-gather" if gather else "all-reduce", "backward", scope,
-                             s.elements // held, g.dtypes[0], group, layers,
-                             "positions" if positions else "seq_shard_param", g.seq, False,
-                             per))
+        out.append(g.part(what, s.elements // held, g.dtypes[0], g.seq,
+                          kind="all-gather" if gather else "all-reduce", per=per,
+                          count=layers, scope=scope, written=False,
+                          role="positions" if positions else "seq_shard_param"))
         if positions and once and impl != "explicit":
             # GSPMD partitions the positions' scatter-add in the dp-manual
             # region by gathering its indices (loop-invariant: once per step)
-            rows.append(Expected("learned positions: the gradient scatter's indices gathered",
-                                 "all-gather", "backward", "", m.seq_len, "s32", group, 1,
-                                 "positions_ids", g.seq, False, "step"))
-    return rows
+            out.append(g.part("learned positions: the gradient scatter's indices gathered",
+                              m.seq_len, "s32", g.seq, kind="all-gather", per="step",
+                              scope="", written=False, role="positions_ids"))
+    return out
 
 
-def _sp_kv(cfg: Config, impl: str, s: ParamShard) -> bool:
-    """shard_map's replicated kv weight under SP with fewer kv heads than tp:
-    fed the gathered x, its gradient is partial over tp too."""
-    p = cfg.parallel
-    return (s.path.endswith("attn/kv/kernel") and impl == "shard_map" and p.sequence_parallel
-            and cfg.model.kv_heads < p.tp)
-
-
-def _sp_kv_rows(cfg: Config, impl: str) -> list[Expected]:
+def _sp_kv_parts(cfg: Config, impl: str, grads: list[_Grad]) -> list[Part]:
     """`_sp_kv`'s weight gradient (in the compute dtype it multiplied), summed
-    over dp, cp and tp at once, one psum per layer; FSDP's dp part is the
-    weight's reduce-scatter, and in slices reduced once dp comes after them."""
+    over the batch axes, cp and tp at once, one psum per layer; FSDP's dp
+    part is the weight's reduce-scatter, and in slices reduced once dp comes
+    after them."""
     m, p = cfg.model, cfg.parallel
-    if not (impl == "shard_map" and p.sequence_parallel and m.kv_heads < p.tp):
+    kv = next((g for g in grads if _sp_kv(cfg, impl, g.shard)), None)
+    if kv is None:
         return []
-    dp = 1 if p.fsdp or reduces_once(cfg) else p.dp
-    over = tuple(a for a, n in ((DATA_AXIS, dp), (CP_AXIS, p.cp)) if n > 1)
-    return [Expected("replicated kv weight gradient: sum over tp" + "".join(
-        f" and {a}" for a in over), "all-reduce", "backward", "attention",
-        m.d_model * 2 * m.kv_heads * m.head_dim, HLO_DTYPES[m.dtype], p.tp * dp * p.cp, 1,
-        "", over + (TP_AXIS,), per="layer")]
+    over = on(cfg, *(DATA_AXIS,) * (not (p.fsdp or reduces_once(cfg))), EP_AXIS, CP_AXIS)
+    return [kv.part("replicated kv weight gradient: sum over tp" + "".join(
+        f" and {a}" for a in over), m.d_model * 2 * m.kv_heads * m.head_dim,
+        HLO_DTYPES[m.dtype], over + (TP_AXIS,), per="layer", scope="attention", role="")]

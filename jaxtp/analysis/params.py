@@ -13,6 +13,7 @@ from flax import nnx
 from ..config import Config
 from ..model import Transformer
 from ..parallel import DATA_AXIS, Layout, Schedule, spec_axes
+from .rows import HLO_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,3 +74,24 @@ def param_shards(cfg: Config) -> list[ParamShard]:
             any(DATA_AXIS in spec_axes(e) for e in spec), names[0] == "blocks", region,
             module == "down" and leaf == "bias"))
     return out
+
+
+def part_dtypes(cfg: Config, impl: str, path: str, sums: int) -> tuple[str, ...]:
+    """The dtype each of a gradient's `sums` parts is summed in (module
+    docstring): the compute dtype for a weight cast to it where it is used,
+    else its own; a vocab table's head part is the compute dtype's under
+    shard_map (summed in its region) but fp32 where GSPMD places the sum (on
+    the head's fp32 dot, `jaxtp.model.vocab`). (Accumulated over slices reduced
+    once, or over a pipeline's ticks, every gradient is in its own dtype: the
+    rows of those sums say so.)"""
+    m = cfg.model
+    pd, cd = HLO_DTYPES[m.param_dtype], HLO_DTYPES[m.dtype]
+    if pd == cd:
+        return (pd,) * sums
+    module = path.split("/")[-2]
+    if path in ("wte/embedding", "lm_head/embedding"):  # the lookup's, then the head's
+        lookup = int(path == "wte/embedding")
+        head = cd if impl == "shard_map" else pd
+        return (pd,) * lookup + (head,) * (sums - lookup)
+    own = module.startswith("ln") or "norm" in module or path.endswith("/router")
+    return ((pd if own else cd),) * sums

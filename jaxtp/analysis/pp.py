@@ -26,10 +26,10 @@ import dataclasses
 
 from .. import hlo
 from ..config import Config
-from ..parallel import PP_AXIS
+from ..parallel import CP_AXIS, DATA_AXIS, PP_AXIS
 from ..parallel.pipeline_1f1b import FORWARD, IDLE
 from ..parallel.pipeline_1f1b import table as f1b_table
-from .rows import HLO_DTYPES, Expected, schedule_of
+from .rows import HLO_DTYPES, Expected, Part, on, schedule_of
 
 
 def expected_pp(cfg: Config) -> list[Expected]:
@@ -40,8 +40,8 @@ def expected_pp(cfg: Config) -> list[Expected]:
         return []
     split = p.tp if p.sequence_parallel else 1
     row = (m.seq_len // p.cp) * m.d_model // split  # one sequence's residual stream per rank
-    shift = t.batch_size // (t.microbatches * p.dp) * row
-    mine = t.batch_size // (p.pp * p.dp) * row  # a stage's own rows outside the pipeline
+    shift = t.batch_size // (t.microbatches * p.dp * p.ep) * row
+    mine = t.batch_size // (p.pp * p.dp * p.ep) * row  # a stage's own rows outside the pipeline
     # a permute's group is its source-target pairs, in each of the
     # devices/p pipelines: p - 1 for a shift, 1 for an entry or exit permute
     pipelines = p.devices // p.pp
@@ -50,7 +50,7 @@ def expected_pp(cfg: Config) -> list[Expected]:
         count, "pp", (PP_AXIS,), per=per)
     hops = p.pp - 1
     if p.pp_schedule == "1f1b":
-        return _expected_1f1b(E, shift, mine, hops, t.batch_size // (p.pp * p.dp)
+        return _expected_1f1b(E, shift, mine, hops, t.batch_size // (p.pp * p.dp * p.ep)
                               * (m.seq_len // p.cp))
     ring = p.pp if p.pp_repeats > 1 else hops  # circular: the last stage's to the first too
     return [
@@ -82,6 +82,80 @@ def _expected_1f1b(E, shift: int, mine: int, hops: int, targets: int) -> list[Ex
                               targets, hops), dtype="s32"),
         E("pp exit: stage 0's input gradients to their stages", "forward", mine, hops),
     ]
+
+
+def in_pipeline(cfg: Config, path: str, in_stack: bool) -> bool:
+    """Whether a parameter is used inside the pipeline's shard_map: a stage's,
+    and under 1F1B the head's (final norm, LM head, a tied table's head part)."""
+    if cfg.parallel.pp == 1:
+        return False
+    return in_stack or cfg.parallel.pp_schedule == "1f1b" and path in (
+        "ln_f/scale", "ln_f/bias", "lm_head/embedding")
+
+
+def pipeline_parts(cfg: Config, impl: str, g, platform: str = "") -> list[Part]:
+    """The sums around a pipeline (`jaxtp.parallel.pipeline`), once per step.
+
+    A stage's weights (own axis pp) are cast to varying over the batch axes
+    the stage is manual over (dp, ep, cp) on entry: one all-reduce over them
+    (FSDP's, under shard_map, gathered in the pipeline and reduce-scattered;
+    under gspmd gathered before it and all-reduced); the experts' over dp x
+    cp. So are 1F1B's head weights, which run in the loop, over pp too (pp
+    splits their tokens as dp does). The weights outside the pipeline
+    (embedding; under GPipe the final norm and head) are summed where their
+    tokens are split: written in a shard_map region, one psum over pp, the
+    batch axes and cp; placed by GSPMD, over cp (its sequence split) and then
+    over pp and the batch axes. (In the loop, accumulated over the ticks: in
+    its own dtype.)"""
+    p, pd = cfg.parallel, HLO_DTYPES[cfg.model.param_dtype]
+    cp = on(cfg, CP_AXIS)
+    outer = on(cfg, PP_AXIS) + g.batch
+    over = lambda a: " x ".join(a)
+    step = dict(per="step")
+    if g.shard.in_stack:
+        inner = g.batch + cp
+        if g.expert:
+            return [g.part(f"{over(inner)}: the experts' weight gradients (ep owns its "
+                           "experts)", g.shard.elements, pd, inner, role="moe_grads",
+                           **step)] * bool(inner)
+        if p.fsdp and impl == "shard_map" and p.dp > 1 and g.shard.dp_split:
+            return [g.part("cp: the stages' FSDP weight gradients, summed over cp once",
+                           g.shard.elements, pd, cp, **step)] * bool(cp) + [
+                g.part("dp: the stages' FSDP weight gradients, reduce-scattered once",
+                       g.shard.elements // p.dp, pd, (DATA_AXIS,), kind="reduce-scatter",
+                       **step)]
+        return [g.part(f"{over(inner)}: the stages' weight gradients, summed over "
+                       f"{over(inner)} once (after the pipeline)", g.shard.elements, pd,
+                       inner, **step)] * bool(inner)
+    fsdp = p.fsdp and p.dp > 1 and g.shard.dp_split and g.written
+    tied_head = g.shard.path == "wte/embedding" and g.sums > 1
+    f1b = p.pp_schedule == "1f1b"
+    in_loop = [False] + [f1b] * (g.sums - 1) if tied_head else \
+        [in_pipeline(cfg, g.shard.path, False)] * g.sums
+    out = []
+    for looped, dt in zip(in_loop, g.dtypes):
+        dt = pd if looped else dt
+        if fsdp:  # (pp x cp at once in the region, then FSDP's reduce-scatter over dp)
+            rest = on(cfg, PP_AXIS, CP_AXIS)
+            out += [g.part(f"{over(rest)}: the FSDP vocab tables' gradients outside the "
+                           "stages", g.shard.elements, dt, rest, **step),
+                    g.part("dp: the FSDP vocab tables' gradients outside the stages, "
+                           "reduce-scattered", g.shard.elements // p.dp, dt, (DATA_AXIS,),
+                           kind="reduce-scatter", **step)]
+        elif looped or (impl == "shard_map" and g.written):
+            out.append(g.part(f"{over(outer + cp)}: the gradients of the weights outside "
+                              "the stages (embedding, head, final norm), summed at once",
+                              g.shard.elements, dt, outer + cp, written=impl == "shard_map",
+                              role="grads_outside", **step))
+        else:  # (a learned positions' gradient: its own sequence rows over pp x dp)
+            if cp and not g.keyed:
+                out.append(g.part("cp: the gradients of the weights outside the pipeline, "
+                                  "placed by GSPMD, summed over cp", g.shard.elements, dt,
+                                  cp, written=False, role="grads_apart_cp", **step))
+            out.append(g.part(f"{over(outer)}: the gradients of the weights outside the "
+                              "pipeline (embedding, head, final norm)", g.dp_elements, dt,
+                              outer, written=False, role="grads_apart", **step))
+    return out
 
 
 def compute_factor(cfg: Config) -> tuple[int, int]:

@@ -10,7 +10,7 @@ import dataclasses
 from collections import Counter
 
 from .. import hlo
-from ..parallel import TP_AXIS, Layout, Schedule
+from ..parallel import DATA_AXIS, EP_AXIS, TP_AXIS, Layout, Schedule
 
 HLO_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
 ANY_SCOPE = "(any)"  # a budget row matched by total elements, whatever the scopes
@@ -72,6 +72,24 @@ class Expected:
         return d | {"bytes": self.bytes}
 
 
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One sum of one parameter's gradient: a line of the table."""
+
+    path: str
+    rule: str  # the placement that sums it: its row's name
+    kind: str
+    elements: int
+    dtype: str
+    axes: tuple[str, ...]
+    per: str = "microbatch"
+    written: bool = True
+    role: str = "grads"  # (a compiler's rule on the row, `jaxtp.analysis.backends`)
+    scope: str = ANY_SCOPE
+    count: int = 1
+    pass_: str = "backward"
+
+
 PER = ("layer", "microbatch", "step")
 
 
@@ -101,6 +119,22 @@ def per_step(rows: list[Expected], schedule: Schedule) -> list[Expected]:
 def schedule_of(cfg) -> Schedule:
     """`cfg`'s `jaxtp.parallel.Schedule` (its attention resolved for the device)."""
     return Schedule.of(cfg, Layout.of(cfg))
+
+
+def on(cfg, *axes: str) -> tuple[str, ...]:
+    """The mesh axes among `axes` whose degree is above 1."""
+    return tuple(a for a in axes if cfg.parallel.degrees[a] > 1)
+
+
+def batch_axes(cfg) -> tuple[str, ...]:
+    """The axes that split the batch outside a pipeline's stages and a MoE
+    layer's experts: dp, ep."""
+    return on(cfg, DATA_AXIS, EP_AXIS)
+
+
+def batch_ranks(cfg) -> int:
+    """The ranks the batch is split over within a pipeline stage: dp x ep."""
+    return cfg.parallel.dp * cfg.parallel.ep
 
 
 def reduces_once(cfg) -> bool:
