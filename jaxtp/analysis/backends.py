@@ -242,7 +242,7 @@ def _tpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
     ep2 x tp2):
     - sums a vocab table's head part in the compute dtype under every impl:
       the head's dot reads bf16 operands (`_on_tpu`), where GSPMD on CPU and
-      GPU sums it in the logits' fp32 (`grads.part_dtypes`); in a 1F1B
+      GPU sums it in the logits' fp32 (`params.part_dtypes`); in a 1F1B
       pipeline that part accumulates in the loop, in the table's dtype;
     - under explicit, and under shard_map where that part is in the lookup's
       dtype, adds a tied table's lookup and head parts before one sum (XLA's

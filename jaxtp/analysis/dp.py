@@ -29,7 +29,7 @@ from __future__ import annotations
 from ..config import Config
 from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS
 from .params import param_shards, part_dtypes
-from .rows import ANY_PASS, ANY_SCOPE, HLO_DTYPES, Expected, Part, on
+from .rows import ANY_PASS, ANY_SCOPE, HLO_DTYPES, Expected, on
 
 
 def expected_fsdp(cfg: Config, impl: str) -> list[Expected]:
@@ -51,7 +51,7 @@ def _fsdp_gathers(cfg: Config, impl: str) -> list[Expected]:
     remat; a row per step (hoisted) and a row per microbatch (in a loop),
     per dtype: a weight travels in the dtype it is used in (`weight`: the
     compute dtype's copy; the norms, the router and the vocab tables in
-    their own, `jaxtp.analysis.grads.part_dtypes`)."""
+    their own, `jaxtp.analysis.params.part_dtypes`)."""
     m = cfg.model
     pd = HLO_DTYPES[m.param_dtype]
     split = [s for s in param_shards(cfg) if s.dp_split]
@@ -113,7 +113,7 @@ def _gathers(cfg: Config, impl: str, split: list, dt: str, tables: int) -> list[
     return [r for r in rows if r.elements]
 
 
-def fsdp_parts(cfg: Config, impl: str, g, platform: str = "") -> list[Part]:
+def fsdp_parts(cfg: Config, impl: str, g, platform: str = "") -> list:
     """FSDP's sums, per microbatch: over cp first (what is whole over dp; a
     written gradient in its region), then a dp-split gradient reduce-scattered
     over dp (n/dp elements per rank: the accumulator stays sharded), any other
@@ -124,9 +124,11 @@ def fsdp_parts(cfg: Config, impl: str, g, platform: str = "") -> list[Part]:
     out = []
     for dt in g.dtypes:
         if cp and not joint and not g.keyed:
-            what = ("the regions' parameter gradients (whole over dp)" if g.written else
+            what = ("every parameter gradient" if impl != "shard_map" else
+                    "the regions' parameter gradients" if g.written else
                     "by GSPMD, the gradients outside the regions (norms, biases, positions)")
-            out.append(g.part(f"cp: {what if impl == 'shard_map' else 'every parameter gradient (whole over dp)'} summed over cp before FSDP's reduction",
+            whole = " (whole over dp)" * (impl != "shard_map" or g.written)
+            out.append(g.part(f"cp: {what}{whole} summed over cp before FSDP's reduction",
                               g.shard.elements, dt, cp, written=g.written or impl != "shard_map",
                               role="" if g.written else "cp_grads"))
         if g.shard.dp_split and g.written:
@@ -155,13 +157,13 @@ def experts_scattered(cfg: Config, impl: str, platform: str) -> bool:
         impl == "shard_map" or platform in ("gpu", "cuda") and p.cp == 1)
 
 
-def moe_fsdp_parts(cfg: Config, impl: str, g, platform: str = "") -> list[Part]:
+def moe_fsdp_parts(cfg: Config, impl: str, g, platform: str = "") -> list:
     """FSDP in a MoE model (as XLA:CPU sums it, jax 0.10.2, measured): GSPMD
     all-reduces each gradient whole over its batch axes and keeps its dp
-    part (`_placed`; XLA:GPU reduce-scatters the experts', `experts_scattered`);
+    part (`jaxtp.analysis.grads.placed`; XLA:GPU reduce-scatters the experts', `experts_scattered`);
     shard_map's region weights (attention, vocab tables, experts) are summed
     whole over ep and cp and then reduce-scattered over dp; GSPMD sums the
-    rest (norms, the router) as `_placed`."""
+    rest (norms, the router) as `placed`."""
     p, pd = cfg.parallel, HLO_DTYPES[cfg.model.param_dtype]
     whole = on(cfg, CP_AXIS) if g.expert else on(cfg, EP_AXIS, CP_AXIS)
     scatter = g.part("FSDP: the experts' weight gradients reduce-scattered over dp (ep owns "

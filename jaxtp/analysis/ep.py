@@ -29,7 +29,7 @@ from typing import Callable
 from ..config import Config
 from ..model.moe import LOSSES, capacity
 from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS
-from .rows import ANY_SCOPE, HLO_DTYPES, Expected
+from .rows import ANY_SCOPE, HLO_DTYPES, Expected, on
 
 
 def splits(cfg: Config) -> int:
@@ -130,26 +130,18 @@ def expected_ep(cfg: Config, impl: str = "gspmd") -> list[Expected]:
 
 def expected_moe(cfg: Config, impl: str) -> list[Expected]:
     """A MoE model's MoE layers' own rows, per MoE layer and microbatch (the
-    rest of its step is the dense ledgers' on the same parameters: tp's in
-    the attention and the dense MLP layers, the gradients' per parameter,
-    `jaxtp.analysis.grads`, where ep splits the batch as dp does for all but
-    the experts):
+    rest of its step is the dense ledgers' on the same parameters, where ep
+    splits the batch as dp does for all but the experts):
 
-    - tp inside the experts (Megatron's MLP rule over the slots): g, an
-      all-reduce of the rank's slots forward, its E/ep experts' for its dp
-      rank's groups, (E/ep) * (B/(dp*M)) * C * D elements (as many as the
-      dispatch's buffer: `slots`), and f, one of the same backward; under
+    - tp inside the experts (Megatron's MLP rule over the slots): g forward
+      and f backward, each an all-reduce of the rank's slots (`slots`); under
       remat "full" g again (the block keeps its output, not the experts');
+      under SP an entry's all-gather and an exit's reduce-scatter (`_sp_rows`);
     - ep's all-to-alls (`expected_ep`);
-    - the router's statistics over the axes that split the tokens, forward:
-      the z-loss's mean and the balance loss's f and P ([E] each), 1 + 2E
-      elements, in whatever all-reduces XLA combines them (with the loss's
-      mean) into; under any remat policy f's E again in the backward (its
-      rematerialised block recomputes it for the balance loss's gradient).
-
-    Under SP tp's rows inside the experts are an entry's all-gather and an
-    exit's reduce-scatter (`_sp_rows`), and every size counts a rank's part
-    of each sequence (`splits`)."""
+    - the router's statistics over the axes that split the tokens: the
+      z-loss's mean and the balance loss's f and P, 1 + 2E elements forward
+      (XLA combines them with the loss's mean), f again backward under any
+      remat (the recomputed block reads it for the balance loss's gradient)."""
     if not cfg.model.n_experts:
         return []
     return per_moe_layer(cfg, _moe_rows(cfg, impl)) + expected_ep(cfg, impl)
@@ -183,8 +175,7 @@ def _moe_rows(cfg: Config, impl: str) -> list[Expected]:
         own.append(T("remat 'full': g again for the backward", "all-reduce", "backward",
                      tp_n, 1, p.tp, (TP_AXIS,)))
     # the axes that split the tokens: the statistics' means run over them
-    routed = tuple(a for a, n in ((DATA_AXIS, p.dp), (EP_AXIS, p.ep), (CP_AXIS, p.cp),
-                                  (TP_AXIS, p.tp if sp else 1)) if n > 1)
+    routed = on(cfg, DATA_AXIS, EP_AXIS, CP_AXIS, *(TP_AXIS,) * sp)
     if routed:
         n = math.prod(p.degrees[a] for a in routed)
         # (in any scope: XLA combines these small sums, and the layers' sum

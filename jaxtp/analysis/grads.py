@@ -9,8 +9,8 @@ split the batch as dp does), cp's sequence split, and under SP tp's for the
 parameters used on the sequence shard (norms, row-parallel biases, learned
 positions). FSDP's parameters own dp, where their gradient is reduce-
 scattered instead (ZeRO-3, Rajbhandari et al. 2020, Sec. 5.1). Where the sum
-runs (`placed`, `_once`, `_fsdp`, `_pipelined`, each a placement of one
-parameter):
+runs (`placed`, `_once`, `jaxtp.analysis.dp.fsdp_parts`,
+`jaxtp.analysis.pp.pipeline_parts`: each places one parameter):
 
 - written in a shard_map region (shard_map's region weights, and under SP
   its replicated kv weight), and a MoE layer's experts under every impl: one
@@ -23,20 +23,11 @@ parameter):
 - around a pipeline: a stage's weights once per step, after it (manual over
   the batch axes it is); the weights outside the stages over pp too.
 
-What else decides the bytes is the parameter's own (`_Grad`): a tied table is
-summed twice (its lookup's and its head's parts, apart), the head's once per
-loss chunk (the chunks are taken within each rank's positions); the learned
-positions' gradient lives on the rank's own sequence rows, which are all
-that the sum over dp reduces; explicit gathers the positions' gradient rows
-over the sequence axes instead of summing them.
-
-And the dtype each part is summed in (`part_dtypes`): a weight cast to the
-compute dtype where it is used (`jaxtp.model.layers.weight(v, dtype)`: the
-linears' kernels and biases, the learned positions, the experts) has its
-gradient summed in that dtype, before the cast back; one used in its own
-dtype (the norms, the vocab lookup, the router) in its own. Rows are the
-table grouped by rule, axes and dtype (XLA combines only collectives of one
-dtype).
+A parameter's own facts (`_Grad`): a tied table is summed in two parts (lookup,
+head), the head's once per loss chunk; the learned positions' sum over dp
+reduces only the rank's own sequence rows; each part is summed in the dtype
+it is used in (`jaxtp.analysis.params.part_dtypes`). Rows are the table
+grouped by rule, axes and dtype (XLA combines only collectives of one dtype).
 """
 
 from __future__ import annotations
@@ -50,8 +41,25 @@ from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS
 from .dp import fsdp_parts, moe_fsdp_parts
 from .params import ParamShard, param_shards, part_dtypes
 from .pp import in_pipeline, pipeline_parts
-from .rows import (ANY_SCOPE, HLO_DTYPES, Expected, Part, batch_axes, on, reduces_once,
-                   schedule_of)
+from .rows import ANY_SCOPE, HLO_DTYPES, Expected, batch_axes, on, reduces_once, schedule_of
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One sum of one parameter's gradient: a line of the table."""
+
+    path: str
+    rule: str  # the placement that sums it: its row's name
+    kind: str
+    elements: int
+    dtype: str
+    axes: tuple[str, ...]
+    per: str = "microbatch"
+    written: bool = True
+    role: str = "grads"  # (a compiler's rule on the row, `jaxtp.analysis.backends`)
+    scope: str = ANY_SCOPE
+    count: int = 1
+    pass_: str = "backward"
 
 
 def scatters(cfg: Config) -> bool:
@@ -79,10 +87,6 @@ class _Grad:
     batch: tuple[str, ...]  # the batch axes that split its tokens (`batch_axes`)
     expert: bool  # a MoE layer's experts (ep's ranks own them)
     router: bool
-
-    def parts(self, dtype: str) -> int:
-        """How many of its parts are summed in `dtype`."""
-        return self.dtypes.count(dtype)
 
     def part(self, rule: str, elements: int, dtype: str, axes: tuple[str, ...],
              **kw) -> Part:
@@ -182,20 +186,15 @@ def expected_grads(cfg: Config, impl: str, platform: str = "") -> list[Expected]
     tokens."""
     rows: dict[tuple, Expected] = {}
     for t in gradient_table(cfg, impl, platform):
-        if not t.elements:
-            continue
-        key = (t.rule, t.kind, t.pass_, t.scope, t.dtype, t.axes, t.per, t.written, t.role) + (
-            () if t.scope == ANY_SCOPE else (t.elements, ))
-        had = rows.get(key)
-        if t.scope == ANY_SCOPE:
-            n = t.elements * t.count + (had.elements if had else 0)
-            rows[key] = Expected(t.rule, t.kind, t.pass_, t.scope, n, t.dtype,
-                                 _group(cfg, t.axes), 1, t.role, t.axes, t.written, t.per)
-        else:
-            rows[key] = Expected(t.rule, t.kind, t.pass_, t.scope, t.elements, t.dtype,
-                                 _group(cfg, t.axes), t.count + (had.count if had else 0),
-                                 t.role, t.axes, t.written, t.per)
-    return _loss_means(cfg, impl) + list(rows.values())
+        total = t.scope == ANY_SCOPE  # (its elements add up; a scoped row's count does)
+        key = (t.rule, t.kind, t.pass_, t.scope, t.dtype, t.axes, t.per, t.written, t.role,
+               None if total else t.elements)
+        had = rows.get(key, Expected("", "", "", "", 0, "", 0, 0))
+        rows[key] = Expected(t.rule, t.kind, t.pass_, t.scope, had.elements + t.elements * t.count
+                             if total else t.elements, t.dtype, _group(cfg, t.axes),
+                             1 if total else had.count + t.count, t.role, t.axes, t.written,
+                             t.per)
+    return _loss_means(cfg, impl) + [r for r in rows.values() if r.elements]
 
 
 def _loss_means(cfg: Config, impl: str) -> list[Expected]:

@@ -31,7 +31,8 @@ def windowed_regions(cfg: Config, EL, act: int, shard: int, xla_kv: bool,
     attention's entry is two dots (q and the replicated kv) of one gathered
     x: plain SP there."""
     ag, rs = forms.all_gather, forms.reduce_scatter
-    hops, pairs = cfg.parallel.tp, cfg.parallel.tp * cfg.parallel.dp * cfg.parallel.ep
+    p = cfg.parallel
+    hops, pairs = p.tp, p.tp * p.dp * p.ep
     loop = lambda what, pass_, scope, role="": EL(
         f"windowed {what}", "collective-permute", pass_, scope, shard, hops,
         group=pairs, role=role)
@@ -105,7 +106,8 @@ def ring_regions(cfg: Config, EL, shard: int) -> list:
     half a chunk each way, two permutes of b*s*h/(2 tp): the same bytes, half
     on each direction of a link."""
     bidi = cfg.parallel.overlap == "collective_matmul_bidi"
-    hops, pairs = (cfg.parallel.tp - 1) * (1 + bidi), cfg.parallel.tp * cfg.parallel.dp * cfg.parallel.ep
+    p = cfg.parallel
+    hops, pairs = (p.tp - 1) * (1 + bidi), p.tp * p.dp * p.ep
     P = lambda name, pass_, scope, n, role="": EL(name, "collective-permute", pass_, scope,
                                                   shard // (1 + bidi), n * hops, group=pairs,
                                                   role=role)

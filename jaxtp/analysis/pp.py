@@ -29,7 +29,7 @@ from ..config import Config
 from ..parallel import CP_AXIS, DATA_AXIS, PP_AXIS
 from ..parallel.pipeline_1f1b import FORWARD, IDLE
 from ..parallel.pipeline_1f1b import table as f1b_table
-from .rows import HLO_DTYPES, Expected, Part, on, schedule_of
+from .rows import HLO_DTYPES, Expected, on, schedule_of
 
 
 def expected_pp(cfg: Config) -> list[Expected]:
@@ -93,20 +93,16 @@ def in_pipeline(cfg: Config, path: str, in_stack: bool) -> bool:
         "ln_f/scale", "ln_f/bias", "lm_head/embedding")
 
 
-def pipeline_parts(cfg: Config, impl: str, g, platform: str = "") -> list[Part]:
+def pipeline_parts(cfg: Config, impl: str, g, platform: str = "") -> list:
     """The sums around a pipeline (`jaxtp.parallel.pipeline`), once per step.
 
-    A stage's weights (own axis pp) are cast to varying over the batch axes
-    the stage is manual over (dp, ep, cp) on entry: one all-reduce over them
-    (FSDP's, under shard_map, gathered in the pipeline and reduce-scattered;
-    under gspmd gathered before it and all-reduced); the experts' over dp x
-    cp. So are 1F1B's head weights, which run in the loop, over pp too (pp
-    splits their tokens as dp does). The weights outside the pipeline
-    (embedding; under GPipe the final norm and head) are summed where their
-    tokens are split: written in a shard_map region, one psum over pp, the
-    batch axes and cp; placed by GSPMD, over cp (its sequence split) and then
-    over pp and the batch axes. (In the loop, accumulated over the ticks: in
-    its own dtype.)"""
+    A stage's weights are summed over the batch axes its stage is manual
+    over (dp, ep, cp; the experts' over dp x cp) in one all-reduce after it
+    (FSDP's under shard_map reduce-scattered over dp); 1F1B's head weights,
+    in the loop, over pp too. The weights outside the stages are summed where
+    their tokens are split: written in a region, one psum over pp, the batch
+    axes and cp; placed by GSPMD, over cp and then over pp and the batch axes.
+    (Accumulated over the ticks in the loop: in its own dtype.)"""
     p, pd = cfg.parallel, HLO_DTYPES[cfg.model.param_dtype]
     cp = on(cfg, CP_AXIS)
     outer = on(cfg, PP_AXIS) + g.batch

@@ -72,24 +72,6 @@ class Expected:
         return d | {"bytes": self.bytes}
 
 
-@dataclasses.dataclass(frozen=True)
-class Part:
-    """One sum of one parameter's gradient: a line of the table."""
-
-    path: str
-    rule: str  # the placement that sums it: its row's name
-    kind: str
-    elements: int
-    dtype: str
-    axes: tuple[str, ...]
-    per: str = "microbatch"
-    written: bool = True
-    role: str = "grads"  # (a compiler's rule on the row, `jaxtp.analysis.backends`)
-    scope: str = ANY_SCOPE
-    count: int = 1
-    pass_: str = "backward"
-
-
 PER = ("layer", "microbatch", "step")
 
 

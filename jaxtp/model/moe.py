@@ -44,7 +44,7 @@ from ..config import ModelConfig
 from .. import parallel
 from ..parallel import Layout, constrain, spec
 from ..parallel.collectives import f, g, wide
-from ..parallel.ep import SLOTS_NAME, Slots, over_tokens
+from ..parallel.ep import Slots, over_tokens
 from ..parallel.ep import ragged as ragged_rows
 from .layers import gelu, init_std_out, param, weight
 from .mlp import MLP

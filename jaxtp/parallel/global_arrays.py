@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from . import context, ep
 from .overlap import reread
 from .shardmap import run_sharded
-from .layout import CP_AXIS, DATA_AXIS, EP_AXIS, Layout, cache_spec, constrain, explicit_mesh, manual_axes, spec
+from .layout import CP_AXIS, EP_AXIS, Layout, cache_spec, constrain, explicit_mesh, manual_axes, spec
 
 
 class GlobalArrays:

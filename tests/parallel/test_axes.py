@@ -2,7 +2,6 @@
 dimensions: the config's degrees, the flags, the mesh's order, the batch
 rule and the run's first line all follow it."""
 
-import dataclasses
 
 from jaxtp.cli import FLAG_KEYS
 from jaxtp.config import Config, ParallelConfig
