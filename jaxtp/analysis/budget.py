@@ -42,7 +42,8 @@ from .dp import expected_fsdp
 from .ep import expected_moe
 from .grads import expected_grads
 from .overlap_rows import ring_regions, windowed_head, windowed_regions
-from .rows import HLO_DTYPES, Expected, batch_ranks, on, per_step, schedule_of, widened
+from .rows import (HLO_DTYPES, Expected, batch_ranks, microbatch_rows, on, per_step,
+                   schedule_of, widened)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +136,7 @@ def _expected_tp(cfg: Config, impl: str, forms: xla_overlap.Forms) -> list[Expec
     m, p = cfg.model, cfg.parallel
     tp = p.tp
     # each cp rank's s/cp positions: the tp rows are Megatron's within each cp group
-    b, s, dt = cfg.train.batch_size // (batch_ranks(cfg) * cfg.train.microbatches), \
-        m.seq_len // p.cp, HLO_DTYPES[m.dtype]
+    b, s, dt = microbatch_rows(cfg), m.seq_len // p.cp, HLO_DTYPES[m.dtype]
     act = b * s * m.d_model
     # counted per microbatch (E) or per layer and microbatch (EL): `per_step`
     E = lambda name, kind, pass_, scope, n, count, dtype=dt, group=tp, role="", axes=(TP_AXIS,), \

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from ..config import Config
 from ..parallel import CP_AXIS
-from .rows import HLO_DTYPES, Expected
+from .rows import HLO_DTYPES, Expected, microbatch_rows
 
 
 def kv_heads_per_rank(cfg: Config, impl: str) -> int:
@@ -48,10 +48,10 @@ def kv_heads_per_rank(cfg: Config, impl: str) -> int:
 
 def expected_cp(cfg: Config, impl: str) -> list[Expected]:
     """The attention core's collectives over cp (see the module docstring)."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    m, p = cfg.model, cfg.parallel
     if p.cp == 1:
         return []
-    b = t.batch_size // (p.dp * p.ep * t.microbatches)
+    b = microbatch_rows(cfg)
     chunk = 2 * b * (m.seq_len // p.cp) * kv_heads_per_rank(cfg, impl) * m.head_dim
     again = m.remat == "full"  # the only policy that does not keep "cp_kv"
     dt = HLO_DTYPES[m.dtype]

@@ -29,7 +29,7 @@ from typing import Callable
 from ..config import Config
 from ..model.moe import LOSSES, capacity
 from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS
-from .rows import ANY_SCOPE, HLO_DTYPES, Expected, on
+from .rows import ANY_SCOPE, HLO_DTYPES, Expected, microbatch_rows, on
 
 
 def splits(cfg: Config) -> int:
@@ -43,8 +43,8 @@ def slots(cfg: Config) -> int:
     """Elements of one rank's slot buffer per MoE layer and microbatch:
     E * G_r * C * D, its G_r = B/(M*dp*ep) groups of s/n tokens (`splits`;
     a pipeline's microbatch, B/M rows, holds every stage's rows)."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    groups = t.batch_size // (t.microbatches * p.dp * p.ep)
+    m = cfg.model
+    groups = microbatch_rows(cfg)
     C = capacity(m.seq_len // splits(cfg), m.moe_top_k, m.n_experts, m.capacity_factor)
     return m.n_experts * groups * C * m.d_model
 
@@ -52,8 +52,8 @@ def slots(cfg: Config) -> int:
 def tokens(cfg: Config) -> int:
     """The tokens N a rank routes per MoE layer and microbatch:
     B/(M*dp*ep) * s/n (a pipeline's microbatch holds every stage's rows)."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    return t.batch_size // (t.microbatches * p.dp * p.ep) * m.seq_len // splits(cfg)
+    m = cfg.model
+    return microbatch_rows(cfg) * m.seq_len // splits(cfg)
 
 
 def _ragged_ep(cfg: Config) -> list[Expected]:

@@ -29,7 +29,7 @@ from ..config import Config
 from ..parallel import CP_AXIS, DATA_AXIS, PP_AXIS
 from ..parallel.pipeline_1f1b import FORWARD, IDLE
 from ..parallel.pipeline_1f1b import table as f1b_table
-from .rows import HLO_DTYPES, Expected, on, schedule_of
+from .rows import HLO_DTYPES, Expected, microbatch_rows, on, schedule_of
 
 
 def expected_pp(cfg: Config) -> list[Expected]:
@@ -40,7 +40,7 @@ def expected_pp(cfg: Config) -> list[Expected]:
         return []
     split = p.tp if p.sequence_parallel else 1
     row = (m.seq_len // p.cp) * m.d_model // split  # one sequence's residual stream per rank
-    shift = t.batch_size // (t.microbatches * p.dp * p.ep) * row
+    shift = microbatch_rows(cfg) * row
     mine = t.batch_size // (p.pp * p.dp * p.ep) * row  # a stage's own rows outside the pipeline
     # a permute's group is its source-target pairs, in each of the
     # devices/p pipelines: p - 1 for a shift, 1 for an entry or exit permute

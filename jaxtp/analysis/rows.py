@@ -119,6 +119,12 @@ def batch_ranks(cfg) -> int:
     return cfg.parallel.dp * cfg.parallel.ep
 
 
+def microbatch_rows(cfg) -> int:
+    """The rows one rank holds of a microbatch: B/(M x dp x ep) (a pipeline's
+    microbatch holds every stage's rows)."""
+    return cfg.train.batch_size // (cfg.train.microbatches * batch_ranks(cfg))
+
+
 def reduces_once(cfg) -> bool:
     """Whether `cfg`'s step reduces its gradients over dp once per step (its
     `jaxtp.parallel.Schedule`; attention resolved for the device)."""
