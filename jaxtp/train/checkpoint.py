@@ -47,7 +47,9 @@ import inspect
 import json
 import os
 import shutil
+import re
 import sys
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -354,7 +356,17 @@ class _QuietAbandonedReads:
 
 
 def _quiet_abandoned_reads() -> None:
-    """Install `_QuietAbandonedReads` once per process (it stays)."""
+    """Install `_QuietAbandonedReads` once per process (it stays), and drop
+    the other trace of the same abandoned restore: a read that orbax had
+    scheduled as a task when the failing one closed its loop never starts,
+    and Python warns "coroutine '<name>' was never awaited" (plus a tracemalloc
+    hint) as it collects it, at exit if not before. Only orbax's
+    serialization coroutines are named in the filter."""
+    from orbax.checkpoint._src.serialization import serialization
+    names = sorted(n for n, f in vars(serialization).items() if inspect.iscoroutinefunction(f))
+    warnings.filterwarnings(
+        "ignore", f"coroutine '({'|'.join(map(re.escape, names))})' was never awaited",
+        RuntimeWarning)
     hook = sys.unraisablehook
     while hook is not None:
         if isinstance(hook, _QuietAbandonedReads):
