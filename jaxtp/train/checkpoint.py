@@ -32,7 +32,7 @@ dtype and fingerprint, and a sha256 of both JSON items).
 - A step that cannot be read, whose JSON fails its checksum or whose arrays
   fail their fingerprints is corrupt: `restore` warns, naming it, and falls
   back to the previous complete step (the reads of it orbax leaves waiting
-  print nothing: `_QuietAbandonedReads`). It is deleted only when `save`
+  print nothing: `orbax_errors.quiet_abandoned_reads`). It is deleted only when `save`
   writes that step (or an earlier one) again. A different model (a shape-changing
   config key, or an array's name, shape or dtype) is an error, not a
   fallback, as the run's older steps share it.
@@ -43,13 +43,9 @@ dtype and fingerprint, and a sha256 of both JSON items).
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import os
 import shutil
-import re
-import sys
-import warnings
 from typing import Any, Callable
 
 import jax
@@ -62,7 +58,7 @@ from ..parallel.distributed import any_process
 from .fingerprint import fingerprints, nbytes
 from .layer_forms import _LAYER, layer_plan
 from .options import Notice
-from .orbax_errors import brief, quiet_orbax
+from .orbax_errors import brief, quiet_abandoned_reads, quiet_orbax
 
 FORMAT = 1
 # Model config keys that change parameter names, shapes or dtypes (a stale
@@ -116,7 +112,7 @@ class Checkpointer:
         self._corrupt: set[int] = set()  # steps restore() found unusable
         self._saving: int | None = None  # the step of the last save started
         self._order = None if layer_order is None else np.asarray(layer_order)
-        _quiet_abandoned_reads()
+        quiet_abandoned_reads()
         quiet_orbax()  # after ours: it looks at the hook on top only
         options = ocp.CheckpointManagerOptions(max_to_keep=keep,
                                                enable_async_checkpointing=async_save)
@@ -332,47 +328,6 @@ class Checkpointer:
             self._mngr.close()
         except Exception:
             pass
-
-
-class _QuietAbandonedReads:
-    """Orbax 0.12.8 runs a restore in an event loop that it closes without
-    cancelling what is left (`asyncio_utils._run_sync_via_new_loop`): when
-    one read of a damaged step fails, the step's other reads stay suspended,
-    and as the garbage collector closes each (at any later time, exit
-    included) orbax turns its GeneratorExit into an Exception that Python
-    prints as "Exception ignored in: <coroutine ...>" with a TensorStore spec,
-    ~60 lines per read. `restore` reports the step in one line: these are
-    dropped; any other unraisable goes on."""
-
-    def __init__(self, hook):
-        self.hook = hook
-
-    def __call__(self, unraisable) -> None:
-        coro, exc = unraisable.object, unraisable.exc_value
-        closed = any(isinstance(e, GeneratorExit)  # orbax raises `from` it
-                     for e in (exc, getattr(exc, "__cause__", None)))
-        if not (closed and inspect.iscoroutine(coro) and "orbax" in coro.cr_code.co_filename):
-            self.hook(unraisable)
-
-
-def _quiet_abandoned_reads() -> None:
-    """Install `_QuietAbandonedReads` once per process (it stays), and drop
-    the other trace of the same abandoned restore: a read that orbax had
-    scheduled as a task when the failing one closed its loop never starts,
-    and Python warns "coroutine '<name>' was never awaited" (plus a tracemalloc
-    hint) as it collects it, at exit if not before. Only orbax's
-    serialization coroutines are named in the filter."""
-    from orbax.checkpoint._src.serialization import serialization
-    names = sorted(n for n, f in vars(serialization).items() if inspect.iscoroutinefunction(f))
-    warnings.filterwarnings(
-        "ignore", f"coroutine '({'|'.join(map(re.escape, names))})' was never awaited",
-        RuntimeWarning)
-    hook = sys.unraisablehook
-    while hook is not None:
-        if isinstance(hook, _QuietAbandonedReads):
-            return
-        hook = getattr(hook, "hook", None)  # a filter wrapping another (orbax_errors)
-    sys.unraisablehook = _QuietAbandonedReads(sys.unraisablehook)
 
 
 def _checksum(manifest: dict, meta: dict) -> str:

@@ -1,15 +1,19 @@
 """What orbax says when something fails, as one line: `brief` names an
 exception's root cause, and `quiet_orbax` silences the tracebacks orbax and
 tensorstore print for errors `jaxtp.train.checkpoint` reports itself (and
-orbax's warning on replacing a half-written step, which it notes itself)."""
+orbax's warning on replacing a half-written step, which it notes itself);
+`quiet_abandoned_reads` drops what the reads of a failed restore print as
+they are collected."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import re
 import sys
 import traceback
+import warnings
 
 
 class _QuietClosedLoop:
@@ -72,3 +76,44 @@ def brief(e: BaseException) -> str:
         return (f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})"
                 + (f" writing {file.group(1)}" if file else ""))
     return f"{type(e).__name__}: {text[:300]}"
+
+
+class _QuietAbandonedReads:
+    """Orbax 0.12.8 runs a restore in an event loop that it closes without
+    cancelling what is left (`asyncio_utils._run_sync_via_new_loop`): when
+    one read of a damaged step fails, the step's other reads stay suspended,
+    and as the garbage collector closes each (at any later time, exit
+    included) orbax turns its GeneratorExit into an Exception that Python
+    prints as "Exception ignored in: <coroutine ...>" with a TensorStore spec,
+    ~60 lines per read. `restore` reports the step in one line: these are
+    dropped; any other unraisable goes on."""
+
+    def __init__(self, hook):
+        self.hook = hook
+
+    def __call__(self, unraisable) -> None:
+        coro, exc = unraisable.object, unraisable.exc_value
+        closed = any(isinstance(e, GeneratorExit)  # orbax raises `from` it
+                     for e in (exc, getattr(exc, "__cause__", None)))
+        if not (closed and inspect.iscoroutine(coro) and "orbax" in coro.cr_code.co_filename):
+            self.hook(unraisable)
+
+
+def quiet_abandoned_reads() -> None:
+    """Install `_QuietAbandonedReads` once per process (it stays), and drop
+    the other trace of the same abandoned restore: a read that orbax had
+    scheduled as a task when the failing one closed its loop never starts,
+    and Python warns "coroutine '<name>' was never awaited" (plus a tracemalloc
+    hint) as it collects it, at exit if not before. Only orbax's
+    serialization coroutines are named in the filter."""
+    from orbax.checkpoint._src.serialization import serialization
+    names = sorted(n for n, f in vars(serialization).items() if inspect.iscoroutinefunction(f))
+    warnings.filterwarnings(
+        "ignore", f"coroutine '({'|'.join(map(re.escape, names))})' was never awaited",
+        RuntimeWarning)
+    hook = sys.unraisablehook
+    while hook is not None:
+        if isinstance(hook, _QuietAbandonedReads):
+            return
+        hook = getattr(hook, "hook", None)  # a filter wrapping another (orbax_errors)
+    sys.unraisablehook = _QuietAbandonedReads(sys.unraisablehook)

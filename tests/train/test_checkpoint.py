@@ -310,7 +310,7 @@ def test_the_reads_a_failed_restore_never_started_warn_nothing():
 
     from orbax.checkpoint._src.serialization import serialization
 
-    from jaxtp.train import checkpoint
+    from jaxtp.train import orbax_errors
 
     async def mine():
         pass
@@ -319,7 +319,7 @@ def test_the_reads_a_failed_restore_never_started_warn_nothing():
     args = {name: None for name in inspect.signature(read).parameters}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        checkpoint._quiet_abandoned_reads()
+        orbax_errors.quiet_abandoned_reads()
         for make in (lambda: read(**args), mine):
             coro = make()  # created, never started
             del coro
