@@ -10,7 +10,8 @@ the batch rule), the checks, the planner, the run's lines and `--check`'s
 one-device replay read this table instead of naming the axes; the config's
 `parallel.<name>` degree and the `--<name>` flag carry the same name
 (`tests/parallel/test_axes.py` holds them to it). A new axis is one row here
-plus its own modules (its collectives, its ledger rows).
+plus its own modules (its collectives, its ledger rows) and its check
+(`jaxtp.axis_checks.CHECKS`, keyed by the same names).
 
 Pure Python, beside `jaxtp.config` rather than in `jaxtp.parallel`: the config's
 checks read it, and `jaxtp.parallel` imports the config.

@@ -32,3 +32,28 @@ def test_the_first_line_names_each_axis_in_the_table_s_order():
     # an axis at degree 1 is named only where every mesh has it
     assert mesh_words({"dp": 4, "tp": 2}) == "dp=4 x tp=2"
     assert [a.name for a in TABLE if a.sweep] == ["pp", "ep", "cp"]
+
+
+def test_each_axis_check_is_keyed_by_a_table_axis_and_refuses_its_own_degree():
+    """`jaxtp.axis_checks`: a check per axis name of the table; each raises
+    (through `validate`) on a layout of its axis alone that it refuses."""
+    import dataclasses
+    import re
+
+    import pytest
+
+    from jaxtp.axis_checks import CHECKS
+    from jaxtp.config import ConfigError, load_config, validate
+
+    assert set(CHECKS) <= set(AXES)
+    tiny, moe = load_config("tiny"), load_config("moe-tiny")
+    bad = {"pp": (tiny, dict(pp=3)),  # 4 layers over 3 stages
+           "cp": (tiny, dict(cp=2, cp_attention="allgather", overlap="collective_matmul",
+                             sp=True)),
+           "ep": (moe, dict(ep=2, impl="explicit", pp=2))}
+    assert set(bad) == set(CHECKS)
+    for axis, (cfg, par) in bad.items():
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **par))
+        assert CHECKS[axis](cfg)
+        with pytest.raises(ConfigError, match=re.escape(CHECKS[axis](cfg))):
+            validate(cfg)
