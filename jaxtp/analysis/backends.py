@@ -15,12 +15,11 @@ from ..config import Config
 from ..parallel import CP_AXIS, DATA_AXIS, TP_AXIS
 from ..axes import AXES
 
-from ..model.vocab import loss_chunks
-from .grads import scatters
-from .params import part_dtypes, param_shards
-from .rows import ANY_SCOPE, HLO_DTYPES, batch_axes, batch_ranks, reduces_once, schedule_of
+from .dp import scatters
+from .rows import ANY_SCOPE, HLO_DTYPES, batch_axes, batch_ranks, reduces_once
 
 if TYPE_CHECKING:
+    from .grads import Part
     from .rows import Expected
 
 
@@ -57,13 +56,24 @@ def on_backend(rows: list[Expected], cfg: Config, impl: str, platform: str) -> l
     """The budget as each compiler carries it out: what XLA's CPU and GPU
     pipelines and libtpu do differently from the budget's rows (`MEASURED_ON`)."""
     out = [_row_on_backend(r, cfg, impl, platform) for r in rows]
-    if platform in ("gpu", "cuda") and batch_ranks(cfg) > 1:
-        out = _gpu_dp(out, cfg, impl)
-    if platform == "tpu" and batch_ranks(cfg) > 1:
-        out = _tpu_dp(out, cfg, impl)
     if platform in ("gpu", "cuda") and cfg.parallel.cp > 1:
-        out = _gpu_pp_cp(out, cfg, impl) if cfg.parallel.pp > 1 else _gpu_cp(out, cfg)
+        out = _joined_loss_means(out) if cfg.parallel.pp > 1 else _gpu_cp(out, cfg)
     return out
+
+
+def gradients_on_backend(parts: list[Part], cfg: Config, impl: str,
+                         platform: str) -> list[Part]:
+    """The gradient table (`jaxtp.analysis.grads`) as the compiler for
+    `platform` sums it, before it is grouped into rows: a part the compiler
+    adds to another before their one sum is dropped (the other's sum carries
+    it); a part it sums over more axes at once, or in another dtype, is
+    changed so. One function a rule, each measured (`MEASURED_ON`)."""
+    gpu = platform in ("gpu", "cuda")
+    rules = [_gpu_seq_over_dp_tp, _gpu_head_once, _gpu_tied_outside, _gpu_pp_cp_lookup] \
+        if gpu else [_tpu_head] if platform == "tpu" else []
+    for rule in rules:
+        parts = rule(parts, cfg, impl)
+    return parts
 
 
 def _whole(r: Expected) -> Expected:
@@ -95,16 +105,6 @@ def _row_on_backend(r: Expected, cfg: Config, impl: str, platform: str) -> Expec
         # each rank's position rows are its own sequence shard's: the
         # gradient rows are gathered, not summed (half the ring bytes)
         r = dataclasses.replace(r, kind="all-gather")
-    if platform in ("gpu", "cuda") and r.role == "grads_outside" and impl == "shard_map" \
-            and m.tie_embeddings and r.dtype == (
-                HLO_DTYPES[m.param_dtype] if cfg.parallel.pp_schedule == "1f1b" else
-                part_dtypes(cfg, impl, "lm_head/embedding", 1)[0]):
-        # around a pipeline XLA:GPU adds the tied table's two gradients
-        # (lookup, head: the head's in its dtype, 1F1B's accumulated in the
-        # table's) before their one sum over pp x dp, in the lookup's fp32
-        table = next(s.elements for s in param_shards(cfg) if s.path == "wte/embedding")
-        r = dataclasses.replace(r, elements=r.elements - table,
-                                name=r.name + " [the tied table's two summed first]")
     return r
 
 
@@ -146,20 +146,6 @@ def _on_tpu(r: Expected, cfg: Config, impl: str) -> Expected:
     return r
 
 
-def _gpu_pp_cp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
-    """Around a pipeline at cp > 1 (no combined cp sum: the stages' is their
-    own, once), XLA's GPU pipeline under gspmd sums a tied table's lookup
-    part over pp x cp at once, with the head's part, not over cp and then
-    over pp (measured on the H100 target, tiny at pp=2 x cp=2 x tp=2, 1F1B)."""
-    table = next(s.elements for s in param_shards(cfg) if s.path == "wte/embedding") \
-        if impl == "gspmd" and cfg.model.tie_embeddings else 0
-    less = {"grads_apart_cp": table, "grads_apart": table, "grads_outside": -table}
-    rows = [dataclasses.replace(r, elements=r.elements - less[r.role],
-                                name=r.name + " [as XLA:GPU sums them]")
-            if less.get(r.role) else r for r in rows]
-    return _joined_loss_means(rows)
-
-
 def _joined_loss_means(rows: list[Expected]) -> list[Expected]:
     """XLA:GPU folds the loss's mean over cp and its mean over the other
     batch axes that follows it into one all-reduce over their union (GPipe
@@ -195,90 +181,110 @@ def _gpu_cp(rows: list[Expected], cfg: Config) -> list[Expected]:
         pass_="other", scope=ANY_SCOPE, elements=total, count=1, written=True)]
 
 
-def _gpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
-    """At dp > 1, XLA's GPU pipeline reduces some gradients over dp and tp at
-    once, or once instead of twice; the dp total (`jaxtp.analysis.grads`) loses them.
-    - replicated weights used on sequence shards (norms, row-parallel biases):
-      one all-reduce over all dp * tp devices;
-    - shard_map and explicit, tied embeddings: the lookup's and the LM
-      head's table gradients are added first and reduced once (XLA's
-      all-reduce reassociation; GSPMD's two stay apart)."""
-    p, m = cfg.parallel, cfg.model
-    # in slices over dp, dp is manual inside them and reduced once after
-    # (jaxtp.parallel.Schedule): nothing is summed over dp and tp at once
-    once = not scatters(cfg) and not reduces_once(cfg)
-    moved: dict[str, int] = {}  # elements per dtype
+
+def _sums_per_microbatch(cfg: Config) -> bool:
+    """The gradients summed over the batch axes in each microbatch (no
+    FSDP reduce-scatter, not in slices reduced once)."""
+    return batch_ranks(cfg) > 1 and not scatters(cfg) and not reduces_once(cfg)
+
+
+def _gpu_seq_over_dp_tp(parts: list[Part], cfg: Config, impl: str) -> list[Part]:
+    """XLA:GPU sums a replicated weight used on sequence shards under SP (a
+    norm, a row-parallel bias) over dp and tp at once, one all-reduce over
+    every dp x tp device; its sum over the batch axes alone goes (measured
+    at cp = 1: at cp > 1 the GPU's sums over dp are not budgeted,
+    docs/scale.md). (In slices reduced once dp is manual inside them:
+    nothing is summed over dp and tp at once.)"""
+    if not _sums_per_microbatch(cfg):
+        return parts
+    batch = batch_axes(cfg)
+    seq = {t.path for t in parts if t.role == "seq_shard_param"}
     out = []
-    for r in rows:
-        if r.role == "seq_shard_param" and once:
-            moved[r.dtype] = moved.get(r.dtype, 0) + r.elements * r.count
-            r = dataclasses.replace(r, group=batch_ranks(cfg) * p.tp,
-                                    axes=batch_axes(cfg) + (TP_AXIS,),
-                                    name=r.name + " [over dp and tp]")
-        out.append(r)
-    head = part_dtypes(cfg, impl, "lm_head/embedding", 1)[0]
-    part = m.padded_vocab // p.tp * m.d_model * cfg.train.microbatches  # per step
-    # the LM head's gradient is summed once after the loss's chunks, not per
-    # chunk as XLA:CPU does (`jaxtp.analysis.grads`; measured on the H100
-    # target, tiny at dp 2 x tp 4, 4 and 8 chunks, every impl)
-    chunks = loss_chunks(m.loss_chunk, schedule_of(cfg).head_rows, m.seq_len)[0]
-    if once and p.cp == 1 and chunks > 1:
-        moved[head] = moved.get(head, 0) + (chunks - 1) * part
-    elif impl != "gspmd" and m.tie_embeddings and once:  # (the head's part, in its dtype;
-        # not after a chunk loop, where the head's sum is its own)
-        moved[head] = moved.get(head, 0) + part
-    # from the gradient totals over dp in their dtype (measured at cp = 1: at
-    # cp > 1 the GPU's sums over dp are not budgeted, docs/scale.md)
-    for i, r in enumerate(out):
-        if r.role == "grads" and r.axes == batch_axes(cfg) and p.cp == 1 and r.dtype in moved:
-            out[i] = dataclasses.replace(r, elements=r.elements - moved.pop(r.dtype))
+    for t in parts:
+        if t.role == "seq_shard_param":
+            t = dataclasses.replace(t, axes=batch + (TP_AXIS,), rule=t.rule + " [over dp and tp]")
+        elif t.path in seq and t.axes == batch and cfg.parallel.cp == 1:
+            continue
+        out.append(t)
     return out
 
 
-def _tpu_dp(rows: list[Expected], cfg: Config, impl: str) -> list[Expected]:
-    """At dp > 1 with the gradients summed per microbatch (no FSDP, cp = 1),
-    libtpu (measured on the v5p target, fp32 and bf16: tiny and llama-tiny
-    at dp4 x tp2, tiny at pp2 x dp2 x tp2, moe-tiny at ep4 x tp2 and dp2 x
-    ep2 x tp2):
+def _gpu_head_once(parts: list[Part], cfg: Config, impl: str) -> list[Part]:
+    """XLA:GPU sums the LM head's gradient over the batch axes once after
+    the loss's chunks, not once per chunk as XLA:CPU does (measured on the
+    H100 target, tiny at dp 2 x tp 4, 4 and 8 chunks, every impl); with one
+    chunk, under shard_map and explicit, it adds a tied table's head part to
+    its lookup part before one sum (XLA's all-reduce reassociation; GSPMD's
+    two stay apart). Measured at cp = 1."""
+    if not _sums_per_microbatch(cfg) or cfg.parallel.cp > 1:
+        return parts
+    batch = batch_axes(cfg)
+    heads = [i for i, t in enumerate(parts) if t.use == "head" and t.axes == batch]
+    if len(heads) == 1 and (impl == "gspmd" or not cfg.model.tie_embeddings):
+        return parts
+    drop = set(heads[1:] if len(heads) > 1 else heads)
+    return [t for i, t in enumerate(parts) if i not in drop]
+
+
+def _gpu_tied_outside(parts: list[Part], cfg: Config, impl: str) -> list[Part]:
+    """Around a pipeline under shard_map, XLA:GPU adds the tied table's two
+    gradients (lookup; head, in its dtype, or 1F1B's accumulated in the
+    table's) before their one sum over pp x dp, in the lookup's fp32."""
+    if impl != "shard_map" or not cfg.model.tie_embeddings:
+        return parts
+    head = next((i for i, t in enumerate(parts)
+                 if t.use == "head" and t.role == "grads_outside"), None)
+    return [t for i, t in enumerate(parts) if i != head]
+
+
+def _gpu_pp_cp_lookup(parts: list[Part], cfg: Config, impl: str) -> list[Part]:
+    """Around a pipeline at cp > 1 under gspmd (measured on the H100 target,
+    tiny at pp=2 x cp=2 x tp=2), XLA:GPU does not sum a tied table's lookup
+    part over cp and then over pp: where the head's part is summed over pp,
+    the batch axes and cp at once (1F1B's, in the loop), the lookup's is
+    summed so too; else (GPipe, circular) it is added to the head's first."""
+    p = cfg.parallel
+    if impl != "gspmd" or not cfg.model.tie_embeddings or p.pp == 1 or p.cp == 1:
+        return parts
+    outside = next((t for t in parts if t.use == "head" and t.role == "grads_outside"), None)
+    out = []
+    for t in parts:
+        if t.use == "lookup" and t.role in ("grads_apart_cp", "grads_apart"):
+            if outside is None or t.role == "grads_apart_cp":
+                continue
+            t = dataclasses.replace(t, axes=outside.axes, role=outside.role,
+                                    rule=t.rule + " [as XLA:GPU sums it]")
+        out.append(t)
+    return out
+
+
+def _tpu_head(parts: list[Part], cfg: Config, impl: str) -> list[Part]:
+    """libtpu, the gradients summed per microbatch over dp at cp = 1
+    (measured on the v5p target, fp32 and bf16: tiny and llama-tiny at dp4 x
+    tp2, tiny at pp2 x dp2 x tp2, moe-tiny at ep4 x tp2 and dp2 x ep2 x tp2):
     - sums a vocab table's head part in the compute dtype under every impl:
       the head's dot reads bf16 operands (`_on_tpu`), where GSPMD on CPU and
       GPU sums it in the logits' fp32 (`params.part_dtypes`); in a 1F1B
       pipeline that part accumulates in the loop, in the table's dtype;
     - under explicit, and under shard_map where that part is in the lookup's
-      dtype, adds a tied table's lookup and head parts before one sum (XLA's
-      all-reduce reassociation; GSPMD's two stay apart, as do shard_map's
-      bf16 region sum and the fp32 lookup's)."""
+      dtype, adds a tied table's head part to its lookup part before one sum
+      (XLA's all-reduce reassociation; GSPMD's two stay apart, as do
+      shard_map's bf16 region sum and the fp32 lookup's)."""
     p, m = cfg.parallel, cfg.model
-    if scatters(cfg) or p.cp > 1 or reduces_once(cfg):
-        return rows
+    if not _sums_per_microbatch(cfg) or p.cp > 1:
+        return parts
     pd, cd = HLO_DTYPES[m.param_dtype], HLO_DTYPES[m.dtype]
-    pipelined = p.pp > 1
-    # the rows a vocab table's head part is summed in: over dp per microbatch,
-    # or in a pipeline the weights' outside it (GSPMD's, and shard_map's)
-    role = {"gspmd": "grads_apart"}.get(impl, "grads_outside") if pipelined else "grads"
-    head = m.padded_vocab // p.tp * m.d_model * (1 if pipelined else cfg.train.microbatches)
-    in_loop = pipelined and p.pp_schedule == "1f1b"
-    booked = pd if in_loop else part_dtypes(cfg, impl, "lm_head/embedding", 1)[0]
-    summed = pd if in_loop else cd  # libtpu's
-    moves: list[tuple[str, str | None]] = []  # (from dtype, to dtype; None: folded)
-    if booked != summed:
-        moves.append((booked, summed))
+    summed = pd if p.pp > 1 and p.pp_schedule == "1f1b" else cd
+    # (the row a head part is summed over dp in: per microbatch, or in a
+    # pipeline the weights' outside it)
+    role = ("grads_apart" if impl == "gspmd" else "grads_outside") if p.pp > 1 else "grads"
+    head = next((i for i, t in enumerate(parts) if t.use == "head" and t.role == role
+                 and t.kind == "all-reduce" and DATA_AXIS in t.axes), None)
+    if head is None:
+        return parts
+    out = list(parts)
     if m.tie_embeddings and (impl == "explicit" or (impl == "shard_map" and summed == pd)):
-        moves.append((summed, None))
-    out = list(rows)
-    at = lambda dt: next((i for i, r in enumerate(out) if r.role == role and r.dtype == dt
-                          and r.kind == "all-reduce" and DATA_AXIS in r.axes), None)
-    for frm, to in moves:
-        i = at(frm)
-        if i is None:
-            continue
-        out[i] = dataclasses.replace(out[i], elements=out[i].elements - head,
-                                     name=out[i].name + " [libtpu: the head's part elsewhere]")
-        if to is not None:
-            j = at(to)
-            if j is None:
-                out.append(dataclasses.replace(out[i], elements=head, dtype=to,
-                                               name=out[i].name + f" [the head's part, {to}]"))
-            else:
-                out[j] = dataclasses.replace(out[j], elements=out[j].elements + head)
-    return [r for r in out if r.elements]
+        del out[head]
+    else:
+        out[head] = dataclasses.replace(out[head], dtype=summed)
+    return out

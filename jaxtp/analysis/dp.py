@@ -32,6 +32,13 @@ from .params import param_shards, part_dtypes
 from .rows import ANY_PASS, ANY_SCOPE, HLO_DTYPES, Expected, on
 
 
+def scatters(cfg: Config) -> bool:
+    """Whether FSDP reduce-scatters the gradients over dp: at dp > 1 in a
+    dense model (a MoE model's GSPMD sums stay whole over dp x ep, `moe_fsdp_parts`)."""
+    p = cfg.parallel
+    return p.fsdp and p.dp > 1 and not cfg.model.n_experts
+
+
 def expected_fsdp(cfg: Config, impl: str) -> list[Expected]:
     """FSDP's all-gathers (see the module docstring), at dp > 1 with FSDP."""
     p = cfg.parallel

@@ -38,6 +38,7 @@ import math
 from ..config import Config
 from ..model.vocab import loss_chunks
 from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS
+from .backends import gradients_on_backend
 from .dp import fsdp_parts, moe_fsdp_parts
 from .params import ParamShard, param_shards, part_dtypes
 from .pp import in_pipeline, pipeline_parts
@@ -60,13 +61,7 @@ class Part:
     scope: str = ANY_SCOPE
     count: int = 1
     pass_: str = "backward"
-
-
-def scatters(cfg: Config) -> bool:
-    """Whether FSDP reduce-scatters the gradients over dp: at dp > 1 in a
-    dense model (a MoE model's GSPMD sums stay whole over dp x ep, `_moe_fsdp`)."""
-    p = cfg.parallel
-    return p.fsdp and p.dp > 1 and not cfg.model.n_experts
+    use: str = ""  # a vocab table's "lookup" or "head" part (else "")
 
 
 def _group(cfg: Config, axes: tuple[str, ...]) -> int:
@@ -84,6 +79,7 @@ class _Grad:
     dp_elements: int  # what the sum over dp alone reduces (positions: its own rows)
     keyed: bool  # its sum over the sequence axes is a row of its own (`_sequence_parts`)
     dtypes: tuple[str, ...]  # the dtype each of its `sums` parts is summed in
+    uses: tuple[str, ...]  # what each part is of: a table's "lookup" or "head", else ""
     batch: tuple[str, ...]  # the batch axes that split its tokens (`batch_axes`)
     expert: bool  # a MoE layer's experts (ep's ranks own them)
     router: bool
@@ -110,11 +106,12 @@ def _grads(cfg: Config, impl: str) -> list[_Grad]:
         seq = (CP_AXIS,) * (p.cp > 1 and not in_pipeline(cfg, s.path, s.in_stack))
         if sp and not s.region and not _whole_over_tp(cfg, impl, s):
             seq += (TP_AXIS,)  # used on the sequence shard: partial over tp
-        sums = 1
+        uses = ("",)
         if s.path in ("wte/embedding", "lm_head/embedding") and not once:
             lookup = s.path == "wte/embedding"
             head = m.tie_embeddings or not lookup
-            sums = int(lookup) + (chunks if head else 0)
+            uses = ("lookup",) * lookup + ("head",) * (chunks if head else 0)
+        sums = len(uses)
         dp_elements = s.elements
         if s.path == "wpe/embedding" and not once:
             dp_elements = m.seq_len // (p.cp * (p.tp if sp else 1)) * m.d_model
@@ -122,7 +119,7 @@ def _grads(cfg: Config, impl: str) -> list[_Grad]:
         keyed = not router and (TP_AXIS in seq or _sp_kv(cfg, impl, s) or (
             s.path == "wpe/embedding" and impl == "explicit" and p.cp > 1))
         out.append(_Grad(s, sums, seq, impl == "shard_map" and bool(s.region), dp_elements,
-                         keyed, part_dtypes(cfg, impl, s.path, sums),
+                         keyed, part_dtypes(cfg, impl, s.path, sums), uses,
                          on(cfg, DATA_AXIS, *(EP_AXIS,) * (not expert)), expert, router))
     return out
 
@@ -185,7 +182,7 @@ def expected_grads(cfg: Config, impl: str, platform: str = "") -> list[Expected]
     axes, dtype and count), and the loss's mean over the axes that split the
     tokens."""
     rows: dict[tuple, Expected] = {}
-    for t in gradient_table(cfg, impl, platform):
+    for t in gradients_on_backend(gradient_table(cfg, impl, platform), cfg, impl, platform):
         total = t.scope == ANY_SCOPE  # (its elements add up; a scoped row's count does)
         key = (t.rule, t.kind, t.pass_, t.scope, t.dtype, t.axes, t.per, t.written, t.role,
                None if total else t.elements)
@@ -243,8 +240,8 @@ def placed(cfg: Config, impl: str, g: _Grad, platform: str = "") -> list[Part]:
     if g.written:
         axes = g.batch + cp
         return [g.part(f"{over(axes)}: every parameter gradient (tp shard), summed over "
-                       f"{over(axes)} in its region", g.shard.elements, dt, axes)
-                for dt in g.dtypes]
+                       f"{over(axes)} in its region", g.shard.elements, dt, axes, use=use)
+                for use, dt in zip(g.uses, g.dtypes)]
     if g.router and (p.cp > 1 or p.sequence_parallel):
         axes = g.batch + g.seq
         return [g.part("the router's gradient over every axis that splits the tokens",
@@ -256,9 +253,9 @@ def placed(cfg: Config, impl: str, g: _Grad, platform: str = "") -> list[Part]:
         name = (f"{over(every)}: parameter gradients outside the regions (norms, biases, "
                 f"positions), summed over {over(axes)} by GSPMD" if impl == "shard_map" else
                 f"{over(axes)}: every parameter gradient (tp shard), summed over {over(axes)}")
-        out += [g.part(name, n, dt, axes, written=impl != "shard_map",
+        out += [g.part(name, n, dt, axes, written=impl != "shard_map", use=use,
                        role="grads_placed" if impl == "shard_map" else "grads")
-                for dt in g.dtypes]
+                for use, dt in zip(g.uses, g.dtypes)]
     return out
 
 

@@ -129,8 +129,9 @@ def pipeline_parts(cfg: Config, impl: str, g, platform: str = "") -> list:
     in_loop = [False] + [f1b] * (g.sums - 1) if tied_head else \
         [in_pipeline(cfg, g.shard.path, False)] * g.sums
     out = []
-    for looped, dt in zip(in_loop, g.dtypes):
+    for looped, dt, use in zip(in_loop, g.dtypes, g.uses):
         dt = pd if looped else dt
+        step = dict(per="step", use=use)
         if fsdp:  # (pp x cp at once in the region, then FSDP's reduce-scatter over dp)
             rest = on(cfg, PP_AXIS, CP_AXIS)
             out += [g.part(f"{over(rest)}: the FSDP vocab tables' gradients outside the "
