@@ -419,18 +419,15 @@ def start_jax(args, cfg: Config) -> str | None:
 
 
 def plan(args, cfg: Config) -> int:
-    from jaxtp.analysis.plan import cp_sweep, plan
+    from jaxtp.analysis.plan import plan, planned_sweep
     from jaxtp.sizes import check_plannable
     from jaxtp.train.step import compiled_step
 
     p = cfg.parallel
-    # --cp N (--pp N): a sweep over cp_sweep(N) = 1, 2, 4, ... below N, and N,
-    # at the one tp
-    cps = cp_sweep(p.cp) if p.cp > 1 else None
-    pps = cp_sweep(p.pp) if p.pp > 1 else None
-    # --ep N: ep over cp_sweep(N) on the N x tp devices, tp taking what ep leaves
-    eps = cp_sweep(p.ep) if p.ep > 1 and not (cps or pps) else None
-    tps = [args.tp or p.tp] if cps or pps or eps else [args.tp] if args.tp else [1, 2, 4, 8]
+    # --cp N (--pp N, --ep N): a sweep of that axis over 1, 2, 4, ... below N,
+    # and N, at the one tp (the axis table's rule: `jaxtp.axes.Axis.sweep`)
+    sweep = planned_sweep(cfg)
+    tps = [args.tp or p.tp] if sweep else [args.tp] if args.tp else [1, 2, 4, 8]
     largest = p.devices // p.tp * max(tps)
     check_plannable(cfg, largest)  # a model no accelerator holds: refused before compiling
     if args.cluster:  # the largest mesh against the cluster, before compiling anything
@@ -442,7 +439,7 @@ def plan(args, cfg: Config) -> int:
                              f"the largest tp, and {cluster.name} has {cluster.devices}")
     plan(cfg, tps,
          args.hardware or "h100", compile_for_target=args.hardware is not None,
-         out_dir=args.out, cps=cps, pps=pps, eps=eps, cluster=args.cluster,
+         out_dir=args.out, sweep=sweep, cluster=args.cluster,
          compile_step=compiled_step)
     return 0
 

@@ -63,6 +63,7 @@ TABLE: tuple[Axis, ...] = (
     Axis(TP_AXIS, False, False, None, "the heads, the MLP and the vocabulary"),
 )
 AXES = tuple(a.name for a in TABLE)
+AXIS = {a.name: a for a in TABLE}
 OPTIONAL = frozenset(a.name for a in TABLE if a.optional)
 BATCH = tuple(a.name for a in TABLE if a.splits_batch)
 

@@ -33,6 +33,8 @@ except under gspmd, whose layout repeats the kv heads once per query head
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..config import Config
 from ..parallel import CP_AXIS
 from .rows import HLO_DTYPES, Expected, microbatch_rows
@@ -76,3 +78,20 @@ def expected_cp(cfg: Config, impl: str) -> list[Expected]:
         rows.append(E("remat 'full': the forward ring again for the backward",
                       "collective-permute", "backward", chunk, hops, p.devices))
     return rows
+
+
+def cp_intensity(cfg: Config) -> float:
+    """Attention flops per byte of K/V a rank receives over cp, per layer
+    forward (MaxText's rule: it grows as s*N/(K*cp)). A rank's s/cp causal
+    queries see s/2 keys on average over N/tp heads: 2*b*s^2*N*H/(cp*tp)
+    flops (two matmuls); the all-gather (or the ring, the same bytes) brings
+    (cp-1)/cp of the sequence's K and V, 2*b*s*Kl*H elements: the ratio is
+    s*N/(tp*Kl*bytes*(cp-1)), s*N/(K*bytes*(cp-1)) where tp divides K (Kl as
+    `jaxtp.analysis.cp.kv_heads_per_rank`: gspmd with K < tp sends N/tp). The
+    cp traffic hides behind the attention while it exceeds C/W of the link
+    cp crosses. inf at cp=1 (nothing moves)."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp == 1:
+        return float("inf")
+    Kl = kv_heads_per_rank(cfg, p.impl)  # gspmd with K < tp sends N/tp copies
+    return m.seq_len * m.n_heads / (p.tp * Kl * np.dtype(m.dtype).itemsize * (p.cp - 1))

@@ -36,17 +36,19 @@ import jax
 import numpy as np
 
 from .. import hlo
+from ..axes import AXIS, TABLE
 from ..config import Config, ConfigError, validate
 from ..parallel import Layout, mesh_for, wide
 from ..hardware import HARDWARE, model_flops_per_token
 from ..model.build import resolve_attention
 from ..model.moe import capacity
 from .backends import on_backend
-from .cp import kv_heads_per_rank
+from .cp import cp_intensity
 from .ep import expected_ep, slots
 from .params import param_shards
 from .predict import decode_lines, from_hlo, plan_lines
 from .rows import per_step, schedule_of
+from .plan_report import print_plan
 from .targets import CPU_OVERSTATES, TargetUnavailable, target_mesh
 
 # Planning on CPU: XLA's CPU scheduler orders work for speed, and keeps more
@@ -132,17 +134,6 @@ def state_bytes(cfg: Config) -> dict[str, int]:
     return {"params": n * width, "grads": n * width, "adam": n * 8}
 
 
-def korthikanti_terms(cfg: Config) -> str:
-    """Which terms of the Korthikanti et al. activation count apply to this model."""
-    m = cfg.model
-    return (f"Korthikanti terms for this model: activations {m.dtype} (estimate scaled by "
-            f"{np.dtype(m.dtype).itemsize / 2:g} from 16-bit); residual/MLP dropout masks "
-            f"(2sbh per block) {'kept' if m.dropout > 0 else 'absent (dropout=0)'}; attention "
-            "dropout (as^2b mask + 2as^2b output of the 5as^2b) absent: jaxtp has none; "
-            + ("SwiGLU keeps gate and up (more than the GELU count)" if m.style == "llama"
-               else "GELU MLP as counted"))
-
-
 def analyze(cfg: Config, mesh=None, *, compile_step: Callable) -> dict:
     """Compile the train step of `cfg` (abstract shapes, by `compile_step`:
     `jaxtp.train.step.compiled_step`) on `mesh` (default: this machine's CPU
@@ -224,87 +215,91 @@ def moe_facts(cfg: Config, colls, platform: str) -> dict:
 
 
 def cp_sweep(n: int) -> list[int]:
-    """The cps `--plan --cp N` compiles (and the pps of `--plan --pp N`, the
-    eps of `--plan --ep N`): 1, the powers of two below N, and N (a degree
-    the model does not split into is skipped, saying why)."""
+    """The degrees `--plan --<axis> N` compiles: 1, the powers of two below
+    N, and N (a degree the model does not split into is skipped, saying why)."""
     return sorted({2 ** i for i in range(n.bit_length()) if 2 ** i < n} | {n})
 
 
-# the axis a sweep varies, each row's name, and what its base row multiplies
-SWEPT = ("cp", "pp", "ep")
+def planned_sweep(cfg: Config) -> tuple[str, list[int]] | None:
+    """(the axis, its degrees) `--plan` sweeps: the innermost axis of the
+    table with a sweep rule (`jaxtp.axes.Axis.sweep`) whose degree is above
+    1, over `cp_sweep` of it, every other degree as given; None: a sweep
+    over tp."""
+    p = cfg.parallel
+    swept = [a.name for a in TABLE if a.sweep and p.degrees[a.name] > 1]
+    return (swept[-1], cp_sweep(p.degrees[swept[-1]])) if swept else None
 
 
-def sweep_cases(cfg: Config, tps, cps=None, pps=None, eps=None) -> list[dict]:
+def sweep_cases(cfg: Config, tps, sweep: tuple[str, list[int]] | None = None) -> list[dict]:
     """The degrees each row of a plan compiles: over tp (tp=1 the base), or
-    over cp or pp at the largest of `tps` (cp=1, pp=1 the base), or over ep
-    at a fixed device count ep x tp = max(eps) x max(tps), tp taking what ep
-    leaves (ep=1 the base: every expert on every rank, tp over the device
-    count)."""
+    over the swept axis (at 1 the base) as its table row says: "alone" at
+    the largest of `tps`; "devices" at a fixed device count, the largest
+    degree x the largest tp, tp taking what it leaves (ep's: every expert
+    on every rank at the base, tp over the device count)."""
     tp = max(tps)
-    if cps:
-        return [dict(cp=cp, tp=tp) for cp in sorted(set(cps) | {1})]
-    if pps:
-        return [dict(pp=pp, tp=tp) for pp in sorted(set(pps) | {1})]
-    if eps:
-        n = max(eps) * tp
-        return [dict(ep=ep, tp=n // ep) for ep in sorted(set(eps) | {1}) if n % ep == 0]
-    return [dict(tp=t) for t in sorted(set(tps) | {1})]
-
-
-def _name(degrees: dict, swept: str | None) -> str:
-    return f"{swept}={degrees[swept]} tp={degrees['tp']}" if swept else f"tp={degrees['tp']}"
+    if sweep is None:
+        return [dict(tp=t) for t in sorted(set(tps) | {1})]
+    axis, degrees = sweep
+    degrees = sorted(set(degrees) | {1})
+    if AXIS[axis].sweep == "alone":
+        return [{axis: d, "tp": tp} for d in degrees]
+    n = max(degrees) * tp
+    return [{axis: d, "tp": n // d} for d in degrees if n % d == 0]
 
 
 def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = False,
-         log: Callable[[str], None] = print, out_dir=None, cps=None,
-         cluster: str | None = None, *, compile_step: Callable, pps=None,
-         eps=None) -> list[dict]:
-    """Analyze `cfg` at each tp (or, with `cps`, at each cp at the largest of
-    `tps`; with `pps`, at each pp: every number per device is its stage's;
-    with `eps`, at each ep x tp of one device count: `sweep_cases`); print
-    the table with a fits / does not fit verdict against `hardware`'s
-    memory; return the rows (and, with `out_dir`, write them to plan.json).
+         log: Callable[[str], None] = print, out_dir=None, sweep=None,
+         cluster: str | None = None, *, compile_step: Callable) -> list[dict]:
+    """Analyze `cfg` at each tp (or, with `sweep` = (axis, degrees), at each
+    degree of that axis: `sweep_cases`; under pp every number per device is
+    its stage's); print the table with a fits / does not fit verdict against
+    `hardware`'s memory; return the rows (and, with `out_dir`, write them to
+    plan.json).
 
     `compile_for_target`: compile for `hardware` itself (`jaxtp.analysis.targets`)
     where its compiler is installed; otherwise, or when it is not, compile for
     this machine's CPU, whose temporaries overstate an accelerator's.
     `cluster` (a preset or JSON file, `jaxtp.analysis.cluster`): also predict
     each row's step there (`jaxtp.analysis.predict`)."""
-
     target = HARDWARE[hardware]
     on_target = compile_for_target and _compiler_here(hardware, log)
     rows, cfgs, base = [], [], None
-    swept = "cp" if cps else "pp" if pps else "ep" if eps else None
-    cases = sweep_cases(cfg, tps, cps, pps, eps)
+    swept = sweep[0] if sweep else None
+    wanted = set(sweep[1]) if sweep else set(tps)
+    cases = sweep_cases(cfg, tps, sweep)
     for i, degrees in enumerate(cases):
         par = dataclasses.replace(cfg.parallel, **degrees)
         if par.pp == 1:  # (no schedule without stages)
             par = dataclasses.replace(par, pp_schedule="gpipe", pp_repeats=1)
-        tp = par.tp
-        c = dataclasses.replace(cfg, parallel=par if tp > 1 else par.without_sp())
-        name = _name(degrees, swept)
+        c = dataclasses.replace(cfg, parallel=par if par.tp > 1 else par.without_sp())
+        name = " ".join(f"{a}={d}" for a, d in degrees.items())
         try:
             validate(c)
         except ConfigError as e:
             log(f"{name}: skipped ({e})")
             continue
-        where = hardware if on_target else "CPU"
-        log(f"[{i + 1}/{len(cases)}] compiling the train step at {name} for {where} "
-            "(abstract shapes) ...")
-        p = c.parallel
-        mesh = target_mesh(hardware, **{**p.degrees, "tp": tp}) if on_target else None
+        log(f"[{i + 1}/{len(cases)}] compiling the train step at {name} for "
+            f"{hardware if on_target else 'CPU'} (abstract shapes) ...")
+        mesh = target_mesh(hardware, **c.parallel.degrees) if on_target else None
         r = analyze(c, mesh, compile_step=compile_step)
-        # the base: the swept axis at 1 (an ep sweep keeps the device count: x 1)
+        # the base: the swept axis at 1 (a sweep at fixed devices keeps their count: x 1)
         split = degrees[swept or "tp"]
         base = r["flops_per_device"] if split == 1 else base
-        _verdict(r, c, 1 if swept == "ep" else split, base, target)
-        if degrees[swept] in {"cp": cps, "pp": pps, "ep": eps}[swept] if swept else tp in tps:
+        _verdict(r, c, 1 if swept and AXIS[swept].sweep == "devices" else split, base, target)
+        if split in wanted:
             rows.append(r)
             cfgs.append(c)
     if not rows:
         log(f"no valid tp among {sorted(tps)}")
         return rows
-    _print(cfg, rows, target, on_target, log)
+    print_plan(cfg, rows, target, swept, log)
+    _report(cfg, rows, cfgs, hardware, target, on_target, cluster, out_dir, log)
+    return rows
+
+
+def _report(cfg, rows, cfgs, hardware, target, on_target, cluster, out_dir, log) -> None:
+    """What follows a plan's table: the CPU's caveat, the cluster's
+    predictions, plan.json."""
     if not on_target:
         log("compiled for CPU: XLA's CPU temporaries overstate a GPU compile's (measured "
             + ", ".join(f"{v:g}x for {k}" for k, v in CPU_OVERSTATES.items())
@@ -319,7 +314,6 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
         out.mkdir(parents=True, exist_ok=True)
         (out / "plan.json").write_text(json.dumps(rows, indent=2) + "\n")
         log(f"wrote {out / 'plan.json'}")
-    return rows
 
 
 def _compiler_here(hardware: str, log) -> bool:
@@ -346,93 +340,3 @@ def _verdict(r: dict, cfg: Config, split: int, base: float | None, target) -> No
     r["target"] = target.name
     r["target_memory"] = target.memory
     r["fits"] = r["memory"]["total"] <= target.memory
-
-
-def cp_intensity(cfg: Config) -> float:
-    """Attention flops per byte of K/V a rank receives over cp, per layer
-    forward (MaxText's rule: it grows as s*N/(K*cp)). A rank's s/cp causal
-    queries see s/2 keys on average over N/tp heads: 2*b*s^2*N*H/(cp*tp)
-    flops (two matmuls); the all-gather (or the ring, the same bytes) brings
-    (cp-1)/cp of the sequence's K and V, 2*b*s*Kl*H elements: the ratio is
-    s*N/(tp*Kl*bytes*(cp-1)), s*N/(K*bytes*(cp-1)) where tp divides K (Kl as
-    `jaxtp.analysis.cp.kv_heads_per_rank`: gspmd with K < tp sends N/tp). The
-    cp traffic hides behind the attention while it exceeds C/W of the link
-    cp crosses. inf at cp=1 (nothing moves)."""
-    m, p = cfg.model, cfg.parallel
-    if p.cp == 1:
-        return float("inf")
-    Kl = kv_heads_per_rank(cfg, p.impl)  # gspmd with K < tp sends N/tp copies
-    return m.seq_len * m.n_heads / (p.tp * Kl * np.dtype(m.dtype).itemsize * (p.cp - 1))
-
-
-def _print(cfg: Config, rows: list[dict], target, on_target: bool, log) -> None:
-    gib = lambda b: f"{b / 2**30:,.2f} G" if b >= 2**30 else f"{b / 2**20:,.1f} M"
-    num = lambda x, f: "-" if x != x else f.format(x)  # NaN: no cost analysis
-    swept = next((a for a in SWEPT if any(r[a] > 1 for r in rows)), None)
-    cp, pp = swept == "cp", swept == "pp"
-    label = lambda r: f"{swept}={r[swept]} tp={r['tp']}" if swept else str(r["tp"])
-    head = [f"{swept}, tp" if swept else "tp", "params B", "optim B", "temps B", "total B", "fits",
-            "acts est. B", "collectives", "coll. B", "GFLOP/dev", "redundancy", "F/tp", "bound"]
-    table = [head] + [[
-        label(r), gib(r["memory"]["params"]), gib(r["memory"]["optimizer"]),
-        gib(r["memory"]["temporaries"]), gib(r["memory"]["total"]),
-        "yes" if r["fits"] else "NO",
-        gib(r["analytic_memory"]["activations_korthikanti"]), str(r["collectives_per_step"]),
-        gib(r["collective_bytes_per_step"]), num(r["flops_per_device"] / 1e9, "{:,.1f}"),
-        num(r["redundancy"], "{:.3f}"), f"{r['f_over_tp']:,.0f}", r["bound"]] for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    m, p = cfg.model, cfg.parallel
-    r0 = rows[0]
-    log(f"plan: {m.style} {r0['n_params']:,} params, L={m.n_layers} h={m.d_model} "
-        f"F={m.d_ff} heads={m.n_heads}/{m.kv_heads} kv, batch {cfg.train.batch_size} x seq "
-        f"{m.seq_len}, {m.dtype}, sp={cfg.parallel.sp}, impl={cfg.parallel.impl}, "
-        + (f"dp={p.dp}, " if p.dp > 1 else "") + ("fsdp, " if p.fsdp else "")
-        + f"attention={r0['attention']}, remat={m.remat}"
-        + (f", loss_chunk={m.loss_chunk}" if m.loss_chunk else "")
-        + (f", pp ({p.pp_schedule}, M={cfg.train.microbatches}, L/pp layers per stage: "
-           "every number per device is its stage's; acts est. the microbatches a stage "
-           "holds at once)" if pp else "")
-        + f"; compiled for {r0['compiled_for']}")
-    for row in table:
-        log("  ".join(c.rjust(w) for c, w in zip(row, widths)))
-    log("B: bytes per device (M = MiB, G = GiB); temps from memory_analysis, acts est. "
-        "from Korthikanti et al. 2022; collectives counted per step from the HLO")
-    log("coll. B by mesh axis: " + "; ".join(
-        f"{label(r) if swept else 'tp=' + str(r['tp'])}: " + (", ".join(f"{a} {gib(b)}" for a, b in
-                                       r["collective_bytes_by_axis"].items()) or "none")
-        for r in rows))
-    log(("ZeRO-3 (Rajbhandari et al. 2020)" if cfg.parallel.fsdp else "state")
-        + " per device, analytic: " + "; ".join(
-            f"{label(r) if swept else 'tp=' + str(r['tp'])}: params {gib(z['params'])}, grads "
-            f"{gib(z['grads'])}, Adam "
-            f"{gib(z['adam'])} (measured params {gib(r['memory']['params'])}, optimizer "
-            f"{gib(r['memory']['optimizer'])})"
-            for r in rows for z in [r["analytic_memory"]["state"]]))
-    log(korthikanti_terms(cfg))
-    if m.n_experts:
-        log(f"MoE ({m.n_experts} experts, top {m.moe_top_k}, capacity factor "
-            f"{m.capacity_factor:g}{' (dropless)' if m.capacity_factor <= 0 else ''}) per "
-            "device: " + "; ".join(
-                f"{label(r) if swept else 'tp=' + str(r['tp'])}: {f['experts_per_device']} "
-                f"experts, C = {f['capacity']} slots per expert and sequence, slots buffer "
-                f"E*G_r*C*D {gib(f['slots_bytes_per_layer'])} per layer, a MoE layer keeps "
-                f"{gib(f['activations_per_layer'])} (est.), all-to-alls "
-                f"{gib(f['all_to_all_bytes'])} per step compiled, "
-                f"{gib(f['all_to_all_ledger_bytes'])} by the ep ledger"
-                for r in rows for f in [r["moe"]]))
-    if cp:
-        log(f"cp roofline (attention flops per K/V byte received, per layer; hidden while > "
-            f"C/W = {target.peak_flops / target.link:,.0f} for {target.name}): " + ", ".join(
-                f"cp={r['cp']} {r['cp_flops_per_kv_byte']:,.0f}" for r in rows if r["cp"] > 1))
-    verdicts = ", ".join(f"{label(r) if swept else 'tp=' + str(r['tp'])} "
-                         f"{r['memory']['total'] / 2**30:,.1f} GiB "
-                         + ("fits" if r["fits"] else "does not fit") for r in rows)
-    log(f"{target.name}: {target.memory / 2**30:,.1f} GiB per device: {verdicts}")
-    if target.platform == "cuda" and any(r["fits"] and r["memory"]["total"] > 0.75 *
-                                         target.memory for r in rows):
-        log("note: JAX's GPU allocator takes 75% of the memory by default; above that set "
-            "XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. 0.95)")
-    log(f"{target.name}: C = {target.peak_flops / 1e12:g} TFLOP/s, W = {target.link / 1e9:g} "
-        f"GB/s along tp, C/W = {target.peak_flops / target.link:,.0f}: tp is compute-bound "
-        f"while F/tp > C/W. Model flops per token 6N + 12Lhs = "
-        f"{r0['model_flops_per_token']:.3e}.")

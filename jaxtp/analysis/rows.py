@@ -238,22 +238,7 @@ def table_rows(colls_by_impl: dict, expected_by_impl: dict,
             if e.role_label not in roles:
                 roles.append(e.role_label)
     for impl in expected_by_impl:
-        # what each collective has beyond its own rows, taken by the totals in
-        # `check`'s order (those of one pass before "forward or backward")
-        left = {key: max(cell.get("counts", {}).get(impl, 0)
-                         - cell.get("budget", {}).get(impl, 0), 0)
-                for key, cell in cells.items() if key[2] != ANY_SCOPE}
-        for any_key in sorted((k for k, cell in cells.items() if impl in cell.get("total", {})),
-                              key=lambda k: k[1] == ANY_PASS):
-            total = cells[any_key]
-            for key, cell in cells.items():
-                if not left.get(key) or not _in_total(key, any_key):
-                    continue
-                total["total"][impl][0] += key[3] * left.pop(key)
-                cell.setdefault("in_total", set()).add(impl)
-                label = f"{total['roles'][0]}, in its (any) total"
-                if not cell.get("budget") and label not in cell.setdefault("roles", []):
-                    cell["roles"].append(label)
+        _take_into_totals(cells, impl)
     order = {"forward": 0, "backward": 1, "other": 2, ANY_PASS: 3}
     rows = []
     # (an any-scope total after the collectives it counts)
@@ -272,6 +257,27 @@ def table_rows(colls_by_impl: dict, expected_by_impl: dict,
                      "total": cell.get("total", {}),
                      "in_total": sorted(cell.get("in_total", ()))})
     return rows
+
+
+def _take_into_totals(cells: dict, impl: str) -> None:
+    """Count into each any-scope total of `impl`'s budget what the
+    collectives it may hold have beyond their own rows (`table_rows`)."""
+    # what each collective has beyond its own rows, taken by the totals in
+    # `check`'s order (those of one pass before "forward or backward")
+    left = {key: max(cell.get("counts", {}).get(impl, 0)
+                     - cell.get("budget", {}).get(impl, 0), 0)
+            for key, cell in cells.items() if key[2] != ANY_SCOPE}
+    for any_key in sorted((k for k, cell in cells.items() if impl in cell.get("total", {})),
+                          key=lambda k: k[1] == ANY_PASS):
+        total = cells[any_key]
+        for key, cell in cells.items():
+            if not left.get(key) or not _in_total(key, any_key):
+                continue
+            total["total"][impl][0] += key[3] * left.pop(key)
+            cell.setdefault("in_total", set()).add(impl)
+            label = f"{total['roles'][0]}, in its (any) total"
+            if not cell.get("budget") and label not in cell.setdefault("roles", []):
+                cell["roles"].append(label)
 
 
 def _in_total(key: tuple, total: tuple) -> bool:

@@ -204,7 +204,7 @@ def test_a_cp_sweep_splits_the_activations_and_prices_the_kv_it_moves():
     from jaxtp.analysis.plan import plan
 
     cfg = apply_overrides(load_config("llama-tiny"), ["parallel.tp=2", "model.n_layers=2"])
-    rows = plan(cfg, [2], cps=[1, 2, 4], log=lambda _: None, compile_step=compiled_step)
+    rows = plan(cfg, [2], sweep=("cp", [1, 2, 4]), log=lambda _: None, compile_step=compiled_step)
     assert [(r["cp"], r["tp"]) for r in rows] == [(1, 2), (2, 2), (4, 2)]
     temps = [r["memory"]["temporaries"] for r in rows]
     b, s, h, L = 16, 128, 128, 2
@@ -230,7 +230,12 @@ def test_plan_cp_n_sweeps_one_the_powers_of_two_below_n_and_n(monkeypatch):
     for n, seq in ((3, 96), (6, 96)):
         args = train.parse_args(["--plan", "--cp", str(n), f"model.seq_len={seq}"])
         assert train.plan(args, train.resolve_config(args)) == 0
-        assert (asked["cps"], asked["tps"]) == (P.cp_sweep(n), [1])
+        assert (asked["sweep"], asked["tps"]) == (("cp", P.cp_sweep(n)), [1])
+    # the innermost swept axis of the table above 1, the others kept
+    args = train.parse_args(["--plan", "--pp", "2", "--cp", "4", "--tp", "2", "--cp-attention",
+                             "ring"])
+    assert train.plan(args, train.resolve_config(args)) == 0
+    assert (asked["sweep"], asked["tps"]) == (("cp", [1, 2, 4]), [2])
 
 
 @pytest.mark.slow
@@ -242,7 +247,7 @@ def test_a_cp_sweep_plans_n_and_skips_a_cp_the_sequence_does_not_split_into():
     cfg = apply_overrides(load_config("tiny"), ["model.n_layers=1", "model.seq_len=36",
                                                 "train.batch_size=2", "parallel.cp=6"])
     lines = []
-    rows = plan(cfg, [1], cps=cp_sweep(6), log=lines.append, compile_step=compiled_step)
+    rows = plan(cfg, [1], sweep=("cp", cp_sweep(6)), log=lines.append, compile_step=compiled_step)
     assert [(r["cp"], r["tp"]) for r in rows] == [(1, 1), (2, 1), (6, 1)]
     assert [line for line in lines if "skipped" in line] == [
         "cp=4 tp=1: skipped (context parallelism splits model.seq_len=36 into 8 chunks (rank r "
@@ -267,7 +272,7 @@ def test_a_pp_sweep_plans_each_stage_and_1f1b_holds_fewer_microbatches():
             "train.microbatches=4",
             f"parallel.pp_schedule={schedule}"])
         lines = []
-        got = planner.plan(cfg, [2], pps=[2], log=lines.append, compile_step=compiled_step)
+        got = planner.plan(cfg, [2], sweep=("pp", [2]), log=lines.append, compile_step=compiled_step)
         assert [(r["pp"], r["tp"]) for r in got] == [(2, 2)]
         assert any("pp=2 tp=2" in line for line in lines)
         rows[schedule] = got[0]
@@ -341,7 +346,7 @@ def test_a_moe_plan_sweeps_ep_against_tp_on_one_device_count():
     over tp, router (128 x 8) and norms whole. All-to-alls: 4 per layer of
     E * G_r * C * D = 8 * (16/4) * 40 * 128 fp32 (C = ceil(1.25 * 128 * 2 / 8))."""
     lines = []
-    rows = planner.plan(_moe_tiny(), [2], eps=[1, 2, 4], log=lines.append,
+    rows = planner.plan(_moe_tiny(), [2], sweep=("ep", [1, 2, 4]), log=lines.append,
                         compile_step=compiled_step)
     assert [(r["ep"], r["tp"]) for r in rows] == [(1, 8), (2, 4), (4, 2)]
     assert any(line.startswith("   ep, tp") or "ep, tp" in line for line in lines)
