@@ -592,14 +592,16 @@ def test_compare_hlo_writes_the_report_of_cp_with_fsdp(layout, tmp_path, capsys)
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", [
     ["gpipe"], ["circular", "--pp-repeats", "2"], ["1f1b"],
-    ["1f1b", "--cp", "2", "--cp-attention", "ring"]],
-    ids=["gpipe", "circular", "1f1b", "1f1b-cp2"])
+    ["1f1b", "--cp", "2", "--cp-attention", "ring"], ["gpipe", "--cp", "2", "--cp-attention",
+                                                      "ring"]],
+    ids=["gpipe", "circular", "1f1b", "1f1b-cp2", "gpipe-cp2"])
 def test_pp_budgets_hold_compiled_for_an_h100(schedule, tmp_path):
     """pp=2 x tp=4 (with cp: pp2 x cp2 x tp2) compiled for 8 H100s under each
     schedule: gspmd and shard_map hold the ledger as XLA's GPU pipeline
     carries it out (it adds the tied table's two gradients before their one
-    sum over pp under shard_map), and each program's loop runs the
-    schedule's ticks."""
+    sum over pp under shard_map; at cp it sums the weights outside the
+    stages over pp and cp at once, the learned positions apart), and each
+    program's loop runs the schedule's ticks."""
     import importlib.util
 
     if importlib.util.find_spec(TARGETS["h100"]) is None:
@@ -618,21 +620,43 @@ def test_the_loss_means_around_a_pipeline_at_cp_join_compiled_for_an_h100(tmp_pa
     """GPipe at pp 2 x dp 2 x cp 2 x tp 2 compiled for 16 H100s: XLA's GPU
     pipeline folds the loss's mean over cp and its mean over pp x dp into
     one all-reduce over all three (XLA:CPU keeps the two), under gspmd and
-    shard_map. (Only the loss: the gradients around a pipeline at cp > 1
-    are off this target's ledger, which rules per axis pair do not hold.)"""
+    shard_map; and the whole step holds its ledger."""
     import importlib.util
 
     if importlib.util.find_spec(TARGETS["h100"]) is None:
         pytest.skip("jax_cuda12_plugin is not installed: cannot compile for h100 here")
-    train.main(["--config", "llama-tiny", "--pp", "2", "--dp", "2", "--cp", "2", "--tp", "2",
-                "--cp-attention", "ring", "--compare-hlo", "--hardware", "h100",
-                "--out", str(tmp_path)])
+    assert train.main(["--config", "llama-tiny", "--pp", "2", "--dp", "2", "--cp", "2", "--tp",
+                       "2", "--cp-attention", "ring", "--compare-hlo", "--hardware", "h100",
+                       "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "comm_report.json").read_text())
     for impl in ("gspmd", "shard_map"):
         r = report["impls"][impl]
+        assert r["matches_budget"], impl
         means = [(tuple(c["axes"]), c["count"]) for c in r["collectives"]
                  if c["kind"] == "all-reduce" and c["pass"] == "forward" and not c["shape"]
                  and c["scope"] == ""]
         booked = [(tuple(e["axes"]), e["count"]) for e in r["expected"]
                   if e["role"] == "loss_mean"]
         assert means == booked == [(("pp", "dp", "cp"), 1)], impl
+
+
+@pytest.mark.slow
+def test_five_axes_hold_their_ledger_compiled_for_32_h100s(tmp_path):
+    """moe-tiny (dropless) at dp 2 x pp 2 x ep 2 x cp 2 x tp 2 compiled for
+    32 H100s without having them: under gspmd and shard_map every collective
+    of the step is on the ledger as XLA's GPU pipeline carries it out, with
+    rows on each of the five axes."""
+    import importlib.util
+
+    if importlib.util.find_spec(TARGETS["h100"]) is None:
+        pytest.skip("jax_cuda12_plugin is not installed: cannot compile for h100 here")
+    assert train.main(["--config", "moe-tiny", "model.capacity_factor=0", "--dp", "2", "--pp",
+                       "2", "--ep", "2", "--cp", "2", "--tp", "2", "--cp-attention", "ring",
+                       "--compare-hlo", "--hardware", "h100", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "comm_report.json").read_text())
+    assert report["platform"] == "gpu" and report["pipeline"]["agree"]
+    for impl in ("gspmd", "shard_map"):
+        r = report["impls"][impl]
+        assert r["matches_budget"], impl
+        axes = {a for c in r["collectives"] for a in c["axes"] or ()}
+        assert axes == {"pp", "dp", "ep", "cp", "tp"}, (impl, axes)
