@@ -20,13 +20,15 @@ def pp(cfg) -> str | None:
             return (f"parallel.pp_repeats={p.pp_repeats} repeats pipeline stages, and "
                     "parallel.pp=1 has none: add --pp N, or drop pp_repeats")
         return None
-    chunks = p.pp * p.pp_repeats
+    k = m.layer_group  # (a stage holds whole groups of moe_every layers)
+    chunks = p.pp * p.pp_repeats * k
     if m.n_layers % chunks:
-        ok = [n for n in range(2, m.n_layers + 1) if m.n_layers % (n * p.pp_repeats) == 0]
+        ok = [n for n in range(2, m.n_layers + 1) if m.n_layers % (n * p.pp_repeats * k) == 0]
+        groups = f" in groups of model.moe_every={k}" if k > 1 else ""
         return (
             f"pipeline parallelism splits model.n_layers={m.n_layers} evenly over pp={p.pp} "
-            f"stages x {p.pp_repeats} repeat(s); valid --pp here: {ok or 'none'}, or set "
-            f"model.n_layers to a multiple of {chunks}")
+            f"stages x {p.pp_repeats} repeat(s){groups}; valid --pp here: {ok or 'none'}, or "
+            f"set model.n_layers to a multiple of {chunks}")
     if t.microbatches < p.pp:
         return (
             f"train.microbatches={t.microbatches} is below pp={p.pp}: a pipeline keeps every "

@@ -99,16 +99,16 @@ def _check_moe(cfg: Config) -> None:
     if not 1 <= m.moe_every <= m.n_layers:
         raise ConfigError(f"model.moe_every={m.moe_every} must be between 1 (every layer a "
                           f"mixture of experts) and model.n_layers={m.n_layers}")
-    if m.moe_every > 1:
-        mixed = [(m.scan_layers, "model.scan_layers (a scanned stack is one Block "
-                  "repeated: set model.scan_layers=false)"),
-                 (p.pp > 1, "--pp (its stages are scanned stacks)"),
-                 (m.moe_shared_d_ff > 0, "model.moe_shared_d_ff (a shared expert where only "
-                  "some layers are MoE)")]
-        for cond, what in mixed:
-            if cond:
-                raise ConfigError(f"model.moe_every={m.moe_every} mixes dense and MoE blocks, "
-                                  f"which is not built with {what}")
+    if m.moe_every > 1 and m.moe_shared_d_ff > 0:
+        raise ConfigError(f"model.moe_every={m.moe_every} mixes dense and MoE blocks, which is "
+                          "not built with model.moe_shared_d_ff (a shared expert where only "
+                          "some layers are MoE)")
+    if m.n_layers % m.moe_every and (m.scan_layers or p.pp > 1):
+        raise ConfigError(f"a {'pipelined' if p.pp > 1 else 'scanned'} stack repeats groups of "
+                          f"model.moe_every={m.moe_every} layers (dense, then MoE), and "
+                          f"model.n_layers={m.n_layers} is not a multiple of it: set "
+                          "model.n_layers to one" + ("" if p.pp > 1 else
+                                                     ", or model.scan_layers=false"))
     _axis(EP_AXIS, cfg)
 
 

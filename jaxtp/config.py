@@ -134,6 +134,12 @@ class ModelConfig:
         return self.n_experts > 0 and (i + 1) % self.moe_every == 0
 
     @property
+    def layer_group(self) -> int:
+        """The layers of the stack's repeated unit: `moe_every` in a mixture
+        of experts (its dense layers, then a MoE layer), else 1."""
+        return self.moe_every if self.n_experts > 0 else 1
+
+    @property
     def n_moe_layers(self) -> int:
         # (i + 1) % moe_every == 0 for i < n_layers (a sum over the layers
         # would take minutes for a size the planner must refuse at once)

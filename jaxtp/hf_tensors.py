@@ -137,7 +137,7 @@ def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
         raise ValueError(f"checkpoint tensors not mapped to jaxtp: {unused[:5]}"
                          f"{' ...' if len(unused) > 5 else ''}")
     if cfg.scan_layers:
-        params = stack_layers(params)
+        params = stack_layers(params, cfg.layer_group)
     return jax.tree.map(lambda x: x.astype(np.dtype(cfg.param_dtype)), params)
 
 

@@ -113,14 +113,16 @@ def assert_same(a, b, rtol=1e-5, atol=1e-6):
 OPTIMISED = {"xla_backend_optimization_level": 1}
 
 
-def stacked_grads(grads: dict) -> dict:
+def stacked_grads(grads: dict, period: int = 1) -> dict:
     """{"['blocks'][i]...": g} -> {"['blocks']...": g stacked over i}: a
-    list model's gradients as a scanned or pipelined one's come."""
+    list model's gradients as a scanned or pipelined one's come (in groups
+    of `period` layers: {"['blocks']['layers'][j]...": layers j, j + period, ...})."""
     out, layers = {}, {}
     for k, g in grads.items():
         if k.startswith("['blocks'][") and k[len("['blocks']["):][:1].isdigit():
             i, rest = k[len("['blocks']["):].split("]", 1)
-            layers.setdefault("['blocks']" + rest, {})[int(i)] = g
+            unit = f"['layers'][{int(i) % period}]" if period > 1 else ""
+            layers.setdefault("['blocks']" + unit + rest, {})[int(i) // period] = g
         else:
             out[k] = g
     return out | {k: np.stack([v[i] for i in range(len(v))]) for k, v in layers.items()}

@@ -29,7 +29,7 @@ from typing import Callable
 from ..config import Config
 from ..model.moe import LOSSES, capacity
 from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS
-from .rows import ANY_SCOPE, HLO_DTYPES, Expected, microbatch_rows, on
+from .rows import ANY_SCOPE, HLO_DTYPES, Expected, microbatch_rows, on, schedule_of
 
 
 def splits(cfg: Config) -> int:
@@ -97,13 +97,14 @@ def _ragged_ep(cfg: Config) -> list[Expected]:
 
 def per_moe_layer(cfg: Config, rows: list[Expected]) -> list[Expected]:
     """Rows counted per layer, for the MoE layers alone: where only every
-    `model.moe_every`-th layer is one (an unscanned stack without a
-    pipeline: a "layer" row would count all L), each counted per microbatch
-    times the MoE layers; else as they are."""
+    `model.moe_every`-th layer is one (a "layer" row would count every layer
+    a loop trip runs), each counted per trip times the MoE layers it runs;
+    else as they are."""
     m = cfg.model
     if m.moe_every == 1:
         return rows
-    return [dataclasses.replace(r, count=r.count * m.n_moe_layers, per="microbatch")
+    moe = schedule_of(cfg).layers_per_tick * m.n_moe_layers // m.n_layers
+    return [dataclasses.replace(r, count=r.count * moe, per="microbatch")
             if r.per == "layer" else r for r in rows]
 
 

@@ -279,17 +279,20 @@ def _sequence_parts(cfg: Config, impl: str, grads: list[_Grad]) -> list[Part]:
     for g in grads:
         s = g.shard
         if g.router and p.pp > 1 and p.sequence_parallel and impl == "shard_map":
-            # (its dp x ep part once, with the stage's weights)
+            # (its dp x ep part once, with the stage's weights; in each MoE
+            # layer of a tick)
             out.append(g.part("moe: the router's gradient over tp (its tokens on sequence "
                               "shards)", m.d_model * m.n_experts, g.dtypes[0], (TP_AXIS,),
-                              per="layer", scope="moe", role="moe"))
+                              scope="moe", role="moe", count=schedule_of(cfg).layers_per_tick
+                              * m.n_moe_layers // m.n_layers))
         positions = s.path == "wpe/embedding"
         if not g.keyed or _sp_kv(cfg, impl, s):
             continue
         # a stacked parameter's (scanned, or a pipeline's stage's: its L/pp
         # layers, a chunk of L/(pp*v) per tick) one layer per loop trip;
         # outside a pipeline once
-        held = m.n_layers // p.pp if s.in_stack and (m.scan_layers or p.pp > 1) else 1
+        held = m.n_layers // m.layer_group // p.pp \
+            if s.in_stack and (m.scan_layers or p.pp > 1) else 1
         layers = held // p.pp_repeats if s.in_stack else 1
         # outside a pipeline's loop once a step, but 1F1B's head (the final
         # norm) runs in it, once a tick

@@ -46,7 +46,7 @@ def param_shards(cfg: Config) -> list[ParamShard]:
     # builds an error message from the whole trace for each)
     L = cfg.model.n_layers
     schedule = Schedule.of(cfg, layout)
-    L0 = schedule.stages * schedule.repeats if schedule.stacked else L
+    L0 = schedule.stages * schedule.repeats * schedule.period if schedule.stacked else L
     model = dataclasses.replace(cfg.model, attention="xla", n_layers=L0)  # shapes only
     with jax.sharding.use_abstract_mesh(layout.abstract_mesh()):
         params = nnx.state(nnx.eval_shape(

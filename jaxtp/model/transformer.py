@@ -63,6 +63,29 @@ class Block(nnx.Module):
         return (x_BTD, stats) if self.moe else x_BTD
 
 
+class Group(nnx.Module):
+    """The stack's unit where its layers are not all of one kind: `period`
+    consecutive blocks (`model.moe_every`: its dense layers, then a MoE
+    layer), so that a scan or a pipeline stage repeats one structure. A
+    stacked stack of them holds, for each position j, the blocks j, j + k,
+    j + 2k, ... on a leading axis (`stack_layers`)."""
+
+    def __init__(self, cfg: ModelConfig, layout: Layout, *, rngs: nnx.Rngs):
+        self.layers = nnx.List([Block(cfg, layout, rngs=rngs, moe=cfg.is_moe_layer(j))
+                                for j in range(cfg.layer_group)])
+
+
+def _unit(cfg: ModelConfig, layout: Layout, rngs: nnx.Rngs):
+    """The stack's unit: a Block, or a Group where the layers mix kinds."""
+    if cfg.layer_group == 1:
+        return Block(cfg, layout, rngs=rngs)
+    return Group(cfg, layout, rngs=rngs)
+
+
+def _layers_of(unit) -> list:
+    return list(unit.layers) if isinstance(unit, Group) else [unit]
+
+
 _names = jax.checkpoint_policies.save_only_these_names
 # The reduced outputs of the attention and MLP regions (after g). Every policy
 # keeps them: recomputing one would repeat its forward all-reduce (or SP
@@ -111,8 +134,8 @@ class Transformer(nnx.Module):
             raise ValueError("a pipelined layout (pp > 1) needs its Schedule: build the model "
                              "with jaxtp.model.build_model, or pass schedule=Schedule.of(cfg, "
                              "layout)")
-        schedule = Schedule(layers=cfg.n_layers, scan=cfg.scan_layers) if schedule is None \
-            else schedule
+        schedule = Schedule(layers=cfg.n_layers, scan=cfg.scan_layers,
+                            period=cfg.layer_group) if schedule is None else schedule
         self.wte = VocabEmbed(cfg, layout, rngs=rngs)
         self.wpe = None if cfg.style == "llama" else Embed(
             cfg.seq_len, cfg.d_model, layout, std=cfg.init_std, dtype=cfg.dtype,
@@ -139,26 +162,34 @@ class Transformer(nnx.Module):
         statistics summed over the layers (`jaxtp.model.moe.moe`; with
         `monitor` set on the model, `model.set_attributes(monitor=True)`, the
         dropped share and loads too); zeros without experts)."""
-        L = self.cfg.n_layers
+        L, k = self.cfg.n_layers, self.cfg.layer_group
         keys = (None if dropout_key is None else jax.random.split(dropout_key, L + 1))
         x_BTD = self._embed(tokens_BT, None if keys is None else keys[0])
         stats = jnp.zeros(n_stats(self.cfg.n_experts, self.monitor), wide(self.cfg.dtype))
+        # (a stacked stack's keys per unit: [L/k, k, ...] for a Group's layers)
+        unit_keys = None if keys is None else keys[1:] if k == 1 or not self.schedule.stacked \
+            else keys[1:].reshape(L // k, k, *keys.shape[1:])
         x_BTD, aux = stack(self.schedule, self.layout, self._layer(), self.blocks, x_BTD,
-                           stats if self.cfg.n_experts else None,
-                           None if keys is None else keys[1:])
+                           stats if self.cfg.n_experts else None, unit_keys)
         return self.ln_f(x_BTD), stats if aux is None else aux
 
     def _layer(self):
-        """One block on (x, the router statistics so far, or None), its
-        activations rematerialised by `model.remat`'s policy."""
+        """One unit of the stack (a block, or a Group's blocks in order) on
+        (x, the router statistics so far, or None), each block's activations
+        rematerialised by `model.remat`'s policy."""
         block_fn = _block_fn(self.cfg.remat)
 
-        def layer(block, carry, key):
+        def layer(unit, carry, key):
             x_BTD, stats = carry
-            if not block.moe:
-                return block_fn(block, x_BTD, key), stats
-            x_BTD, layer_stats = block_fn(block, x_BTD, key)
-            return x_BTD, stats + layer_stats
+            grouped = isinstance(unit, Group)
+            for j, block in enumerate(_layers_of(unit)):
+                k = key[j] if grouped and key is not None else key
+                if not block.moe:
+                    x_BTD = block_fn(block, x_BTD, k)
+                else:
+                    x_BTD, layer_stats = block_fn(block, x_BTD, k)
+                    stats = stats + layer_stats
+            return x_BTD, stats
         return layer
 
     def _embed(self, tokens_BT, key):
@@ -184,12 +215,23 @@ class Transformer(nnx.Module):
             x_BTD = x_BTD + self.wpe(pos_BT)
         x_BTD = constrain(x_BTD, *self.layout.residual)
         if self.schedule.stacked:
+            k, shape = self.cfg.layer_group, k_LBSKH.shape
+
             @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0, 0),
                       transform_metadata={nnx.PARTITION_NAME: self.schedule.stack_axis})
-            def body(x_BTD, block, k_BSKH, v_BSKH):
-                return block.extend(x_BTD, k_BSKH, v_BSKH, pos_BT, prefill)
+            def body(x_BTD, unit, k_kBSKH, v_kBSKH):
+                ks, vs = [], []
+                for j, block in enumerate(_layers_of(unit)):
+                    x_BTD, kj, vj = block.extend(x_BTD, k_kBSKH[j], v_kBSKH[j], pos_BT, prefill)
+                    ks.append(kj)
+                    vs.append(vj)
+                return x_BTD, jnp.stack(ks), jnp.stack(vs)
 
-            x_BTD, k_LBSKH, v_LBSKH = body(x_BTD, self.blocks, k_LBSKH, v_LBSKH)
+            # (the caches per unit: [L/k, k, ...])
+            x_BTD, k_LBSKH, v_LBSKH = body(x_BTD, self.blocks,
+                                           k_LBSKH.reshape(shape[0] // k, k, *shape[1:]),
+                                           v_LBSKH.reshape(shape[0] // k, k, *shape[1:]))
+            k_LBSKH, v_LBSKH = k_LBSKH.reshape(shape), v_LBSKH.reshape(shape)
         else:
             for i, block in enumerate(self.blocks):
                 x_BTD, k_BSKH, v_BSKH = block.extend(x_BTD, k_LBSKH[i], v_LBSKH[i], pos_BT,
@@ -232,41 +274,55 @@ class Transformer(nnx.Module):
         return loss + self.cfg.moe_balance_coef * stats[0] + self.cfg.moe_z_coef * stats[1]
 
 
-def _stacked(blocks: list[Block], cfg: ModelConfig, layout: Layout, schedule: Schedule) -> Block:
-    """One Block whose every parameter is the `blocks`' stacked on a leading
-    layer axis [L, ...] (in `Schedule.layer_order`), split over the
-    schedule's stack axis (None: replicated). Its structure comes from an `nnx.vmap`ped construction
+def _stacked(blocks: list[Block], cfg: ModelConfig, layout: Layout, schedule: Schedule):
+    """One unit (a Block, or a Group: `_unit`) whose every parameter is the
+    `blocks`' stacked on a leading axis over the units [L/k, ...] (in
+    `Schedule.layer_order`), split over the schedule's stack axis (None:
+    replicated). Its structure comes from an `nnx.vmap`ped construction
     whose own draws are discarded (unused under jit)."""
-    @nnx.split_rngs(splits=cfg.n_layers)
+    k = cfg.layer_group
+
+    @nnx.split_rngs(splits=cfg.n_layers // k)
     @nnx.vmap(in_axes=0, out_axes=0,
               transform_metadata={nnx.PARTITION_NAME: schedule.stack_axis})
     def stack(rngs):
-        return Block(cfg, layout, rngs=rngs)
+        return _unit(cfg, layout, rngs)
 
     stacked = stack(nnx.Rngs(0))
     state = nnx.state(stacked)
-    order = schedule.layer_order(cfg.n_layers)  # (circular pipelines interleave)
+    # (circular pipelines interleave the units)
+    order = [u * k + j for u in schedule.layer_order() for j in range(k)]
     pure = stack_layers({"blocks": dict(enumerate(nnx.to_pure_dict(nnx.state(blocks[i]))
-                                                  for i in order))})["blocks"]
+                                                  for i in order))}, k)["blocks"]
     nnx.replace_by_pure_dict(state, pure)
     nnx.update(stacked, state)
     return stacked
 
 
-def stack_layers(pure: dict) -> dict:
+def stack_layers(pure: dict, period: int = 1) -> dict:
     """Per-layer parameters {"blocks": {0: tree, 1: tree, ...}} (a pure dict,
-    `nnx.to_pure_dict`) -> the scanned layout {"blocks": tree of [L, ...]}."""
+    `nnx.to_pure_dict`) -> the scanned layout {"blocks": tree of [L, ...]};
+    in units of `period` layers (`Group`), {"blocks": {"layers": {j: tree of
+    [L/period, ...]}}}, position j holding layers j, j + period, ..."""
     blocks = pure["blocks"]
     layers = [blocks[i] for i in range(len(blocks))]
     stack = lambda *xs: np.stack(xs) if isinstance(xs[0], np.ndarray) else jnp.stack(xs)
-    return {**pure, "blocks": jax.tree.map(stack, *layers)}
+    if period == 1:
+        return {**pure, "blocks": jax.tree.map(stack, *layers)}
+    return {**pure, "blocks": {"layers": {j: jax.tree.map(stack, *layers[j::period])
+                                          for j in range(period)}}}
 
 
 def unstack_layers(pure: dict) -> dict:
-    """The inverse of `stack_layers`."""
-    L = jax.tree.leaves(pure["blocks"])[0].shape[0]
-    return {**pure, "blocks": {i: jax.tree.map(lambda x: x[i], pure["blocks"])
-                               for i in range(L)}}
+    """The inverse of `stack_layers` (the period read off the tree)."""
+    blocks = pure["blocks"]
+    if "layers" not in blocks:
+        L = jax.tree.leaves(blocks)[0].shape[0]
+        return {**pure, "blocks": {i: jax.tree.map(lambda x: x[i], blocks) for i in range(L)}}
+    k = len(blocks["layers"])
+    G = jax.tree.leaves(blocks["layers"][0])[0].shape[0]
+    return {**pure, "blocks": {g * k + j: jax.tree.map(lambda x: x[g], blocks["layers"][j])
+                               for g in range(G) for j in range(k)}}
 
 
 def reorder_layers(pure: dict, order) -> dict:

@@ -50,6 +50,9 @@ class Schedule:
     scan: bool = False
     # rows one rank holds of each microbatch (`Layout.rows`; 0: not given)
     rows: int = 0
+    # the layers of the stack's unit (`model.layer_group`): a stacked
+    # parameter's leading axis runs over the units, L/period of them
+    period: int = 1
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -70,10 +73,10 @@ class Schedule:
         if layout.pp > 1:
             return cls(microbatches=M, mode="pipeline", layers=cfg.model.n_layers,
                        stages=layout.pp, repeats=p.pp_repeats, pipeline=p.pp_schedule,
-                       scan=True, rows=rows)
+                       scan=True, rows=rows, period=cfg.model.layer_group)
         return cls(microbatches=M, layers=cfg.model.n_layers, scan=cfg.model.scan_layers,
                    mode=_mode(layout, M, cfg.model.attention, cfg.train.reduce_once),
-                   rows=rows)
+                   rows=rows, period=cfg.model.layer_group)
 
     @property
     def reduces_once(self) -> bool:
@@ -120,8 +123,9 @@ class Schedule:
         return PP_AXIS if self.stages > 1 else None
 
     def layer_order(self, L: int | None = None) -> tuple[int, ...]:
-        """The layer each position of a stacked [L, ...] parameter holds
-        (L: `layers`). Position j lies on stage j // (L/p); under the
+        """The unit (a layer, or a group of `period`) each position of a
+        stacked [L, ...] parameter holds (L: the units, `layers / period`).
+        Position j lies on stage j // (L/p); under the
         circular schedule (v = `repeats` chunks of L/(p*v) layers per stage)
         stage r's i-th chunk is the pipeline's chunk i*p + r (Narayanan et
         al. 2021, Sec. 2.2.2), so the stack is stored in that order: on each
@@ -130,7 +134,7 @@ class Schedule:
         >>> Schedule(2, "pipeline", stages=2, repeats=2, pipeline="circular").layer_order(8)
         (0, 1, 4, 5, 2, 3, 6, 7)
         """
-        L = self.layers if L is None else L
+        L = self.layers // self.period if L is None else L
         p, v = self.stages, self.repeats
         c = L // (p * v)  # layers per chunk
         return tuple((i * p + j // (v * c)) * c + k

@@ -1,8 +1,11 @@
 """A checkpoint's blocks in either form: a list of L layers
 (`['blocks'][i]`) or one stack of them [L, ...] (scanned, and always under
-pp). A step saved in one form is read in that form, each layer whole over
-the stack's axis, checked, then restacked or sliced into the form the model
-wants (`jaxtp.train.checkpoint`)."""
+pp), or where the stack's unit is a group of k layers
+(`jaxtp.model.transformer.Group`) k stacks [L/k, ...], position j
+(`['blocks']['layers'][j]`) holding layers j, j + k, ... A step saved in
+one form is read in that form, each layer whole over the stack's axis,
+checked, then restacked or sliced into the form the model wants
+(`jaxtp.train.checkpoint`)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,20 @@ import jax
 import jax.numpy as jnp
 
 _LAYER = re.compile(r"\['blocks'\]\[(\d+)\]")
+_POSITION = re.compile(r"\['blocks'\]\['layers'\]\[(\d+)\]")
+
+
+def _period(names) -> int:
+    """The layers of a stack's unit, read off its names (1: no groups)."""
+    return 1 + max((int(m.group(1)) for n in names if (m := _POSITION.search(n))), default=0)
+
+
+def _in_stack(name: str, m: re.Match, k: int) -> tuple[str, int]:
+    """(the stacked name, the index on its leading axis) of list layer
+    `m.group(1)`'s array `name`, in a stack of units of k layers."""
+    i = int(m.group(1))
+    unit = f"['layers'][{i % k}]" if k > 1 else ""
+    return name[:m.start()] + "['blocks']" + unit + name[m.end():], i // k
 
 
 def layer_plan(saved: dict, target: dict) -> tuple[dict, Callable]:
@@ -24,11 +41,12 @@ def layer_plan(saved: dict, target: dict) -> tuple[dict, Callable]:
     if all(name in saved for name in target):
         return target, lambda arrays: arrays
     layers: dict[str, list[str]] = {}  # a stacked name -> its per-layer names, in order
+    k_target, k_saved = _period(target), _period(saved)
     for name in saved:
         m = _LAYER.search(name)
         if m:
-            stacked = name[:m.start()] + "['blocks']" + name[m.end():]
-            layers.setdefault(stacked, []).append((int(m.group(1)), name))
+            stacked, i = _in_stack(name, m, k_target)
+            layers.setdefault(stacked, []).append((i, name))
     layers = {k: [n for _, n in sorted(v)] for k, v in layers.items()}
     read, built = {}, {}
     whole = lambda x, spec: jax.sharding.NamedSharding(x.sharding.mesh, spec)
@@ -42,15 +60,15 @@ def layer_plan(saved: dict, target: dict) -> tuple[dict, Callable]:
             built[name] = lambda a, x=x, names=layers[name]: jax.device_put(
                 jnp.stack([a[n] for n in names]), x.sharding)
         elif (m := _LAYER.search(name)) and (
-                stacked := name[:m.start()] + "['blocks']" + name[m.end():]) in saved:
+                unit := _in_stack(name, m, k_saved))[0] in saved:
             # a layer of a list target from a stack
+            stacked, i = unit
             if stacked not in read:
                 L = saved[stacked]["shape"][0]
                 spec = jax.sharding.PartitionSpec(None, *x.sharding.spec)
                 read[stacked] = jax.ShapeDtypeStruct((L, *x.shape), x.dtype,
                                                      sharding=whole(x, spec))
-            built[name] = lambda a, x=x, i=int(m.group(1)), n=stacked: jax.device_put(
-                a[n][i], x.sharding)
+            built[name] = lambda a, x=x, i=i, n=stacked: jax.device_put(a[n][i], x.sharding)
         else:
             read[name] = x  # not in the step: `_check_arrays` names it
     return read, lambda arrays: {name: built[name](arrays) if name in built else arrays[name]

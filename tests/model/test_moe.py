@@ -226,6 +226,9 @@ def moe_one_device(model, microbatches=1):
     ("llama-ep2xtp2-moe_every2", dataclasses.replace(MOE_LLAMA, moe_every=2), 2, 2, {"ep": 2}),
     ("gpt2-ep4xtp2-moe_every2-shard_map", dataclasses.replace(MOE, moe_every=2), 1, 2,
      {"ep": 4, "impl": "shard_map"}),
+    # scanned in groups of a dense and a MoE layer (`jaxtp.model.transformer.Group`)
+    ("llama-ep2xtp2-moe_every2-scan-minimal", dataclasses.replace(MOE_LLAMA, moe_every=2), 2,
+     2, {"ep": 2, "scan_layers": True, "remat": "minimal"}),
     # the dropless ragged path (at ep 1: XLA:CPU compiles no ragged all-to-all)
     ("gpt2-tp8-ragged", RAGGED, 1, 8, {}),
     ("llama-dp2xtp4-shard_map-ragged", dataclasses.replace(MOE_LLAMA, moe_dispatch="ragged"), 2,
@@ -242,7 +245,7 @@ def test_the_moe_model_in_every_layout_equals_one_device(name, model, dp, tp, kw
     got = loss_and_grads(cfg, TOKENS)
     want = moe_one_device(ref_model, cfg.train.microbatches)
     if kw.get("scan_layers"):  # a scanned model's gradients come stacked
-        want = (want[0], stacked_grads(want[1]))
+        want = (want[0], stacked_grads(want[1], cfg.model.layer_group))
     assert_same(got, want)
 
 
@@ -315,6 +318,10 @@ test_under_sp_and_cp_a_rank_routes_its_part_of_each_sequence.fast_cases = {"gpt2
         # tests/sixteen.py)
         ("gpt2-pp2xdp2xep2-1f1b-shard_map", MOE, 2, 2, 2, 1, 2,
          {"pp_schedule": "1f1b", "impl": "shard_map"}),
+        # a stage of groups of a dense and a MoE layer (model.moe_every 2)
+        ("llama-pp2xep2xtp2-moe_every2-circular",
+         dataclasses.replace(MOE_LLAMA, moe_every=2, n_layers=8), 2, 1, 2, 2, 2,
+         {"pp_schedule": "circular", "pp_repeats": 2}),
     ]])
 def test_the_moe_pipeline_equals_one_device_and_holds_its_ledger(name, model, pp, dp, ep, tp,
                                                                  M, kw):
@@ -335,7 +342,8 @@ def test_the_moe_pipeline_equals_one_device_and_holds_its_ledger(name, model, pp
     step = compile_train_step(abstract_train_state(cfg, layout.mesh()), 8, model.seq_len)
     ref = loss_and_grads(moe_cfg(dataclasses.replace(model, capacity_factor=kw["capacity_factor"]),
                                  microbatches=M), as_pipeline_slices(TOKENS, M, pp, dp, ep))
-    assert_same(step_loss_and_grads(cfg, step, TOKENS), (ref[0], stacked_grads(ref[1])))
+    assert_same(step_loss_and_grads(cfg, step, TOKENS),
+                (ref[0], stacked_grads(ref[1], cfg.model.layer_group)))
     sizes, colls = layout.sizes, hlo.collectives(step.as_text())
     assert check(colls, expected_collectives(cfg, cfg.parallel.impl, "cpu"), sizes) is None
     v, f1b = cfg.parallel.pp_repeats, cfg.parallel.pp_schedule == "1f1b"
@@ -346,7 +354,7 @@ def test_the_moe_pipeline_equals_one_device_and_holds_its_ledger(name, model, pp
     for pass_ in ("forward", "backward"):
         a2a = [c for c in colls if c.kind == "all-to-all" and c.pass_ == pass_]
         assert sum(c.elements * c.count for c in a2a) == \
-            2 * ticks * model.n_layers // (pp * v) * slots
+            2 * ticks * cfg.model.n_moe_layers // (pp * v) * slots
     over_pp = [c for c in colls if c.axes(sizes) == ("pp",) and c.kind == "all-reduce"]
     assert [(c.elements, c.count, c.pass_) for c in over_pp] == ([] if f1b else
                                                                  [(2, 1, "forward")])
@@ -375,7 +383,8 @@ test_the_moe_pipeline_equals_one_device_and_holds_its_ledger.fast_cases = {
     ({"ep": 3}, "valid --ep: \\[1, 2, 4\\]"),
     ({"ep": 2, "n_experts": 0}, "model.n_experts=0 has none"),
     ({"moe_every": 3}, "model.moe_every=3 must be between 1 .* and model.n_layers=2"),
-    ({"moe_every": 2, "scan_layers": True}, "mixes dense and MoE blocks, .* model.scan_layers="),
+    ({"moe_every": 2, "n_layers": 3, "scan_layers": True},
+     "a scanned stack repeats groups of model.moe_every=2 layers .* model.scan_layers=false"),
     ({"moe_every": 2, "moe_shared_d_ff": 32}, "not built with model.moe_shared_d_ff"),
 ])
 def test_moe_refusals_name_the_fix(over, fix):

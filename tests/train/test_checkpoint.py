@@ -618,3 +618,48 @@ def test_a_moe_save_restores_exactly_at_another_ep(tmp_path, saved, restored):
         assert step == 3
         check_restored(p, o, target, values)
     ckpt.close()
+
+
+def test_a_grouped_stack_restores_exactly_as_a_list_and_back(tmp_path):
+    """model.moe_every 2 stacks groups of a dense and a MoE layer
+    (`jaxtp.model.transformer.Group`: position j holds layers j, j + 2, ...).
+    A list model's step (4 layers, tp=2) restores bit-exactly into the
+    scanned groups and into a pipeline's (pp=2, one group a stage); the
+    pipeline's step restores as the list again."""
+    model = dataclasses.replace(MOE, n_layers=4, moe_every=2)
+    listed_cfg = Config(model=model, parallel=ParallelConfig(tp=2))
+    state = abstract_train_state(listed_cfg, Layout.of(listed_cfg).mesh())
+    rng, listed = np.random.default_rng(7), {}
+
+    def fill(path, x):
+        listed[jax.tree_util.keystr(path)] = v = rng.standard_normal(x.shape).astype(x.dtype)
+        return jax.device_put(v, x.sharding)
+
+    params, opt = jax.tree_util.tree_map_with_path(fill, (state.params, state.opt_state))
+    grouped = {}  # the same values as a stack of groups holds them
+    for name, v in listed.items():
+        head, sep, rest = name.partition("['blocks'][")
+        if not sep:
+            grouped[name] = v
+            continue
+        i, rest = rest.split("]", 1)
+        key = f"{head}['blocks']['layers'][{int(i) % 2}]{rest}"
+        grouped.setdefault(key, {})[int(i) // 2] = v
+    grouped = {k: np.stack([v[g] for g in sorted(v)]) if isinstance(v, dict) else v
+               for k, v in grouped.items()}
+    ckpt = Checkpointer(tmp_path / "list", async_save=False)
+    ckpt.save(1, params, opt, meta_of(model, 2))
+    scanned = Config(model=dataclasses.replace(model, scan_layers=True),
+                     parallel=ParallelConfig(tp=2))
+    piped = Config(model=model, parallel=ParallelConfig(pp=2, tp=2),
+                   train=TrainConfig(microbatches=2))
+    for c in (scanned, piped):
+        target = abstract_train_state(c, Layout.of(c).mesh())
+        _, p, o, _ = ckpt.restore(target.params, target.opt_state, dataclasses.asdict(model))
+        check_restored(p, o, target, grouped)
+    ckpt.close()
+    ckpt = Checkpointer(tmp_path / "piped", async_save=False)
+    ckpt.save(1, p, o, meta_of(model, 2))
+    _, p, o, _ = ckpt.restore(state.params, state.opt_state, dataclasses.asdict(model))
+    check_restored(p, o, state, listed)
+    ckpt.close()
