@@ -10,7 +10,6 @@ anything is compiled.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 from .checks import (ATTENTIONS, COORDINATOR_TIMEOUT_S, CP_STRATEGIES, DTYPES, IMPLS,
                      INFERENCE_IMPLS, OVERLAPS, PP_SCHEDULES, PP_SCHEDULES_PLANNED, REMATS,
                      STYLES, ConfigError, check)
+from .config_keys import did_you_mean, parse_scalar, section_from_dict
 
 # the presets: `jaxtp/configs/` in an installed wheel (pyproject maps the
 # repository's top-level `configs/` there), the repository's own in a checkout
@@ -282,57 +282,8 @@ class Config:
         parts = {}
         for f in dataclasses.fields(cls):
             sub_cls = type(getattr(Config(), f.name))
-            parts[f.name] = _section_from_dict(sub_cls, d.get(f.name, {}), f.name)
+            parts[f.name] = section_from_dict(sub_cls, d.get(f.name, {}), f.name)
         return cls(**parts)
-
-
-def _section_from_dict(sub_cls, d, name):
-    if not isinstance(d, dict):
-        raise ConfigError(f"config section '{name}' must be an object, got {d!r}")
-    fields = {f.name: f for f in dataclasses.fields(sub_cls)}
-    unknown = sorted(set(d) - set(fields))
-    if unknown:
-        raise ConfigError(f"unknown config key(s) {[f'{name}.{k}' for k in unknown]}"
-                          f"{_did_you_mean(unknown[0], fields, name)}")
-    kwargs = {k: _check_type(f"{name}.{k}", v, fields[k].type) for k, v in d.items()}
-    return sub_cls(**kwargs)
-
-
-def _did_you_mean(name: str, fields, section: str) -> str:
-    """'; did you mean ...?' naming the closest keys of `section`, else where
-    to find them all (docs/cli.md lists every key)."""
-    close = difflib.get_close_matches(name, list(fields), n=3, cutoff=0.6)
-    if close:
-        return f"; did you mean {' or '.join(f'{section}.{c}' for c in close)}?"
-    return (f"; '{section}' has {len(fields)} keys: the fields of "
-            f"{section.capitalize()}Config in jaxtp/config.py")
-
-
-_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
-
-
-def _check_type(key: str, value: Any, type_name: str) -> Any:
-    want = _TYPES[type_name]
-    ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
-    if want is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not ok:
-        raise ConfigError(
-            f"{key} must be {type_name}, got {value!r} ({type(value).__name__})"
-        )
-    return value
-
-
-def _parse_scalar(key: str, text: str, type_name: str) -> Any:
-    try:
-        if type_name == "bool":
-            low = text.lower()
-            if low not in ("true", "false", "1", "0"):
-                raise ValueError
-            return low in ("true", "1")
-        return _TYPES[type_name](text)
-    except ValueError:
-        raise ConfigError(f"{key}={text!r}: expected a {type_name}") from None
 
 
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
@@ -350,8 +301,8 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         section, name = parts
         fields = {f.name: f.type for f in dataclasses.fields(type(getattr(cfg, section)))}
         if name not in fields:
-            raise ConfigError(f"unknown config key '{key}'{_did_you_mean(name, fields, section)}")
-        d[section][name] = _parse_scalar(key, text, fields[name])
+            raise ConfigError(f"unknown config key '{key}'{did_you_mean(name, fields, section)}")
+        d[section][name] = parse_scalar(key, text, fields[name])
     return Config.from_dict(d)
 
 

@@ -60,8 +60,7 @@ def _moe_prefix(kind: str, pre: str, fused: bool) -> str:
 
 def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
     """HF tensors -> the nested parameter dict of a jaxtp Transformer (numpy)."""
-    D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff
-    kind = family(cfg)
+    D, F, kind = cfg.d_model, cfg.d_ff, family(cfg)
     used = set()
 
     def get(name, shape):
@@ -88,45 +87,15 @@ def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
             mlp["down"]["bias"] = get(m + "down_proj.bias", (D,))
         return mlp
 
-    def experts_mlp(pre):
-        E, Fe = cfg.n_experts, cfg.expert_d_ff
-        fused = pre + "mlp.experts.gate_up_proj" in tensors
-        m = _moe_prefix(kind, pre, fused)
-        if fused:
-            up_E2FD = get(m + "experts.gate_up_proj", (E, 2 * Fe, D))
-            up = up_E2FD.reshape(E, 2, Fe, D).transpose(0, 3, 1, 2)
-            down = get(m + "experts.down_proj", (E, D, Fe)).transpose(0, 2, 1)
-        else:
-            g, u, d = _EXPERT[kind]
-            e = lambda j, c, shape: get(m + f"experts.{j}.{c}.weight", shape).T
-            up = np.stack([np.stack([e(j, g, (Fe, D)), e(j, u, (Fe, D))], 1) for j in range(E)])
-            down = np.stack([e(j, d, (D, Fe)) for j in range(E)])
-        return {"router": get(m + "gate.weight", (E, D)).T,
-                "experts": {"up": up, "down": down}}
-
     blocks = {}
     for i in range(cfg.n_layers):
         pre = f"model.layers.{i}."
-        a = pre + "self_attn."
-        attn = {
-            "q": {"kernel": get(a + "q_proj.weight", (N * H, D)).T.reshape(D, N, H)},
-            "kv": {"kernel": np.stack([get(a + f"{c}_proj.weight", (K * H, D)).T.reshape(D, K, H)
-                                       for c in "kv"], axis=1)},
-            "out": {"kernel": get(a + "o_proj.weight", (D, N * H)).T.reshape(N, H, D)},
-        }
-        if cfg.use_bias:
-            attn["q"]["bias"] = get(a + "q_proj.bias", (N * H,)).reshape(N, H)
-            attn["kv"]["bias"] = np.stack([get(a + f"{c}_proj.bias", (K * H,)).reshape(K, H)
-                                           for c in "kv"])
-            attn["out"]["bias"] = get(a + "o_proj.bias", (D,))
-        if cfg.qk_norm:
-            for c in "qk":
-                attn[f"{c}_norm"] = {"scale": get(a + f"{c}_norm.weight", (H,))}
+        fused = pre + "mlp.experts.gate_up_proj" in tensors
         blocks[i] = {"ln1": {"scale": get(pre + "input_layernorm.weight", (D,))},
-                     "attn": attn,
+                     "attn": _attention(get, cfg, pre + "self_attn."),
                      "ln2": {"scale": get(pre + "post_attention_layernorm.weight", (D,))},
-                     "mlp": experts_mlp(pre) if cfg.is_moe_layer(i) else
-                     dense_mlp(pre + "mlp.")}
+                     "mlp": _experts_mlp(get, cfg, _moe_prefix(kind, pre, fused), fused)
+                     if cfg.is_moe_layer(i) else dense_mlp(pre + "mlp.")}
     params = {"wte": {"embedding": table("model.embed_tokens.weight")}, "blocks": blocks,
               "ln_f": {"scale": get("model.norm.weight", (D,))}}
     if not cfg.tie_embeddings:
@@ -139,6 +108,43 @@ def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
     if cfg.scan_layers:
         params = stack_layers(params, cfg.layer_group)
     return jax.tree.map(lambda x: x.astype(np.dtype(cfg.param_dtype)), params)
+
+
+def _attention(get, cfg: ModelConfig, a: str) -> dict:
+    """A layer's attention weights from the tensors under prefix `a`
+    (`get(name, shape)` reads one, checked)."""
+    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    attn = {
+        "q": {"kernel": get(a + "q_proj.weight", (N * H, D)).T.reshape(D, N, H)},
+        "kv": {"kernel": np.stack([get(a + f"{c}_proj.weight", (K * H, D)).T.reshape(D, K, H)
+                                   for c in "kv"], axis=1)},
+        "out": {"kernel": get(a + "o_proj.weight", (D, N * H)).T.reshape(N, H, D)},
+    }
+    if cfg.use_bias:
+        attn["q"]["bias"] = get(a + "q_proj.bias", (N * H,)).reshape(N, H)
+        attn["kv"]["bias"] = np.stack([get(a + f"{c}_proj.bias", (K * H,)).reshape(K, H)
+                                       for c in "kv"])
+        attn["out"]["bias"] = get(a + "o_proj.bias", (D,))
+    if cfg.qk_norm:
+        for c in "qk":
+            attn[f"{c}_norm"] = {"scale": get(a + f"{c}_norm.weight", (H,))}
+    return attn
+
+
+def _experts_mlp(get, cfg: ModelConfig, m: str, fused: bool) -> dict:
+    """A MoE layer's router and experts from the tensors under prefix `m`:
+    fused [E, 2F, D] (transformers 5) or one tensor per expert."""
+    E, Fe, D = cfg.n_experts, cfg.expert_d_ff, cfg.d_model
+    if fused:
+        up_E2FD = get(m + "experts.gate_up_proj", (E, 2 * Fe, D))
+        up = up_E2FD.reshape(E, 2, Fe, D).transpose(0, 3, 1, 2)
+        down = get(m + "experts.down_proj", (E, D, Fe)).transpose(0, 2, 1)
+    else:
+        g, u, d = _EXPERT[family(cfg)]
+        e = lambda j, c, shape: get(m + f"experts.{j}.{c}.weight", shape).T
+        up = np.stack([np.stack([e(j, g, (Fe, D)), e(j, u, (Fe, D))], 1) for j in range(E)])
+        down = np.stack([e(j, d, (D, Fe)) for j in range(E)])
+    return {"router": get(m + "gate.weight", (E, D)).T, "experts": {"up": up, "down": down}}
 
 
 # the dtypes a checkpoint's weights may have (bfloat16 read through ml_dtypes;

@@ -271,7 +271,7 @@ def test_an_unknown_key_is_answered_with_the_closest():
 
 
 def test_the_device_count_refusal_names_every_axis_asked():
-    from jaxtp.parallel.layout import check_device_count
+    from jaxtp.parallel.distributed import check_device_count
 
     with pytest.raises(ValueError, match="lower --pp/--ep/--tp"):
         check_device_count({"pp": 2, "dp": 1, "ep": 2, "cp": 1, "tp": 4}, 8, "cpu")

@@ -17,6 +17,8 @@ LAZY = {("jaxtp.data.tokenizer", "tokenizers"): "optional [data]",
         ("jaxtp.analysis.picture", "matplotlib.patches"): "optional [plot]",
         ("jaxtp.hlo", "jax"): "the HLO text reader needs no JAX",
         ("jaxtp.parallel.distributed", "jax._src"): "a private API, tried",
+        ("jaxtp.train.orbax_errors", "orbax.checkpoint._src.serialization"):
+            "a private API, tried",
         ("jaxtp.analysis.targets", "jax.experimental"): "after the CUDA plugin's setting",
         ("jaxtp.bench.torch_peer", "torch"): "never a dependency: the bench's optional peer"}
 

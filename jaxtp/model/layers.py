@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..parallel import Layout, first_row, wide
-from ..parallel.layout import gathered
+from ..parallel.collectives import gathered
 
 
 def param(rngs: nnx.Rngs | None, init, shape, axes, dtype, layout: Layout) -> nnx.Param:

@@ -5,10 +5,10 @@ context parallelism's attention core, multi-process start-up."""
 
 from .collectives import f, f_sp, g, g_sp, global_norm, vary, wide
 from .layout import (CP_AXIS, DATA_AXIS, EP_AXIS, FSDP_PARAM_RULES, PP_AXIS, RULES, TP_AXIS, Layout,
-                     cache_spec, check_device_count, constrain, cp_order, first_row,
+                     cache_spec, constrain, cp_order, first_row,
                      in_region, keep_axes, make_mesh, mesh_for, mesh_size, named, spec,
                      spec_axes, split_over_tp)
-from .distributed import ensure_devices
+from .distributed import check_device_count, ensure_devices
 from .batches import batch_shape, batch_sharding, cp_batch, inputs_targets, sequence_split
 from .schedule import Schedule
 from .xla_overlap import compiler_options, known_bugs

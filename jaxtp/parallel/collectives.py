@@ -1,4 +1,5 @@
-"""Megatron's conjugate operators and the one-reduction gradient norm.
+"""Megatron's conjugate operators, the one-reduction gradient norm, and
+FSDP's all-gather of a parameter where it is used (`gathered`).
 
 A *region* is a column-parallel linear, local math, and a row-parallel
 linear: replicated in, partial out. Megatron (Shoeybi et al. 2019, Sec. 3)
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from .layout import TP_AXIS, keep_axes, mesh_size, spec_axes
+from .layout import DATA_AXIS, TP_AXIS, explicit_axes, keep_axes, mesh_size, spec_axes
 
 
 def f(x):
@@ -143,3 +144,20 @@ def global_norm(grads, specs):
 
     return jax.shard_map(local, in_specs=in_specs, out_specs=P(), axis_names=set(axes),
                          check_vma=False)(*leaves)
+
+
+def gathered(x: jax.Array, s: P | None) -> jax.Array:
+    """FSDP's all-gather of a parameter where it is used: `x`, laid out by
+    `s`, pinned whole over dp (its spec without dp), so that GSPMD gathers it
+    right here and the gradient's transpose reduces it over dp and keeps this
+    rank's slice (a reduce-scatter, where the compiler forms one). A no-op
+    for a parameter not split over dp, inside shard_map (`run_sharded`
+    gathers its own) and without a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if s is None or mesh.empty or mesh.manual_axes or not any(
+            DATA_AXIS in spec_axes(e) for e in s):
+        return x
+    whole = keep_axes(s, set(mesh.axis_names) - {DATA_AXIS})
+    if explicit_axes(mesh):
+        return jax.sharding.reshard(x, whole)
+    return jax.lax.with_sharding_constraint(x, whole)

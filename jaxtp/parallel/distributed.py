@@ -25,6 +25,7 @@ Both settings only affect JAX's CPU client, so they are harmless on GPU/TPU.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import sys
 import threading
@@ -244,6 +245,18 @@ def global_batch(batch: np.ndarray, mesh: Mesh | None,
 
 
 __all__ = ["initialize", "requested", "describe", "any_process", "is_main", "global_batch"]
+
+
+def check_device_count(sizes: dict[str, int], available: int, platform: str) -> None:
+    """Refuse a mesh of more devices than `available`, naming each axis."""
+    needed = math.prod(sizes.values())
+    if needed > available:
+        flags = "/".join(f"--{a}" for a, n in sizes.items() if n > 1) or "--tp"
+        hint = (f"lower {flags}" if platform == "cpu" else
+                f"lower {flags}, or simulate on CPU with JAX_PLATFORMS=cpu")
+        raise ValueError(
+            f"{'*'.join(sizes)} = {'*'.join(map(str, sizes.values()))} = {needed} devices "
+            f"requested but this machine has {available} {platform} device(s); {hint}")
 
 
 def ensure_devices(n: int) -> str:

@@ -5,9 +5,8 @@ each to a tuple of mesh axes (empty: not split; two: split over both, the
 first outermost). Weights get their PartitionSpec at construction from
 `Layout.param_spec`, so changing a table changes the layout without
 touching the model. `Layout` is everything the model needs to know about
-parallelism, decided once from the config, and it builds the mesh: an
-ordered mapping of mesh axis name to size (dp, then cp where the sequence
-is split, then tp; a later axis is one more entry).
+parallelism, decided once from the config; it builds the mesh, its axes in
+the axis table's order (`jaxtp.axes`).
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 # in OPTIONAL are on a run's mesh only where their degree is above 1; those in
 # BATCH split the batch: the axis table (`jaxtp.axes`)
 from ..axes import AXES, BATCH, CP_AXIS, DATA_AXIS, EP_AXIS, OPTIONAL, PP_AXIS, TP_AXIS  # noqa: E402
+from .distributed import check_device_count  # noqa: E402
 
 # Megatron layout: the hidden dims of the MLP, the attention heads and the
 # vocabulary are split over tp; the model dim stays whole on every tp rank;
@@ -292,25 +292,13 @@ def mesh_for(mesh: Mesh, impl: str) -> Mesh:
 def explicit_mesh() -> bool:
     """Whether the mesh in context has Explicit axes (sharding in types)."""
     mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and _explicit(mesh)
+    return not mesh.empty and explicit_axes(mesh)
 
 
-def _explicit(mesh) -> bool:
+def explicit_axes(mesh) -> bool:
     """Every axis Explicit, but those a shard_map in context is manual over."""
     return all(t == AxisType.Explicit for a, t in zip(mesh.axis_names, mesh.axis_types)
                if a not in mesh.manual_axes) and len(mesh.manual_axes) < len(mesh.axis_names)
-
-
-def check_device_count(sizes: dict[str, int], available: int, platform: str) -> None:
-    """Refuse a mesh of more devices than `available`, naming each axis."""
-    needed = math.prod(sizes.values())
-    if needed > available:
-        flags = "/".join(f"--{a}" for a, n in sizes.items() if n > 1) or "--tp"
-        hint = (f"lower {flags}" if platform == "cpu" else
-                f"lower {flags}, or simulate on CPU with JAX_PLATFORMS=cpu")
-        raise ValueError(
-            f"{'*'.join(sizes)} = {'*'.join(map(str, sizes.values()))} = {needed} devices "
-            f"requested but this machine has {available} {platform} device(s); {hint}")
 
 
 def mesh_size(name: str) -> int:
@@ -340,23 +328,6 @@ def first_row(B: int):
     return jax.lax.axis_index(DATA_AXIS) * B if DATA_AXIS in manual_axes() else 0
 
 
-def gathered(x: jax.Array, s: P | None) -> jax.Array:
-    """FSDP's all-gather of a parameter where it is used: `x`, laid out by
-    `s`, pinned whole over dp (its spec without dp), so that GSPMD gathers it
-    right here and the gradient's transpose reduces it over dp and keeps this
-    rank's slice (a reduce-scatter, where the compiler forms one). A no-op
-    for a parameter not split over dp, inside shard_map (`run_sharded`
-    gathers its own) and without a mesh."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if s is None or mesh.empty or mesh.manual_axes or not any(
-            DATA_AXIS in spec_axes(e) for e in s):
-        return x
-    whole = keep_axes(s, set(mesh.axis_names) - {DATA_AXIS})
-    if _explicit(mesh):
-        return jax.sharding.reshard(x, whole)
-    return jax.lax.with_sharding_constraint(x, whole)
-
-
 def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
     """Pin an activation's layout: a constraint for GSPMD, a `reshard` of its
     type on an Explicit mesh (where a constraint may only restate the type);
@@ -364,6 +335,6 @@ def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or in_region():
         return x
-    if _explicit(mesh):
+    if explicit_axes(mesh):
         return jax.sharding.reshard(x, spec(*logical))
     return jax.lax.with_sharding_constraint(x, spec(*logical))

@@ -103,14 +103,8 @@ def pipeline_1f1b(stage: Callable, head: Callable, blocks, head_modules, x_BTD, 
     everything, manual = _manual(layout)
     graphdef, params = nnx.split(blocks)
     hgraph, hparams = nnx.split(head_modules)
-    keep = lambda specs, axes: jax.tree.map(lambda s: keep_axes(s, axes), specs,
-                                            is_leaf=_is_spec)
-    # (under gspmd the experts enter split over ep, as `pipeline`'s)
-    param_specs = keep(nnx.get_partition_spec(params),
-                       manual if everything else {PP_AXIS, EP_AXIS} & manual)
-    head_specs = keep(nnx.get_partition_spec(hparams), manual if everything else set())
-    x_spec = keep_axes(spec(*layout.residual), manual)
-    t_spec = keep_axes(spec("batch", "seq"), manual)
+    param_specs, head_specs, x_spec, t_spec = _in_specs(layout, params, hparams, manual,
+                                                        everything)
     tokens = targets_BT.size
     ops, mbs = table(p, M)
 
@@ -149,6 +143,18 @@ def pipeline_1f1b(stage: Callable, head: Callable, blocks, head_modules, x_BTD, 
                             axis_names=manual, check_vma=True)
 
     return _kept_grads(run_all)(params, hparams, x_BTD, targets_BT)
+
+
+def _in_specs(layout: Layout, params, hparams, manual, everything: bool):
+    """The region's in-specs, on its manual axes: the stage's parameters
+    (under gspmd pp and the experts' ep alone, as `pipeline`'s), the head's
+    (none under gspmd), the residual stream's and the targets'."""
+    keep = lambda specs, axes: jax.tree.map(lambda s: keep_axes(s, axes), specs,
+                                            is_leaf=_is_spec)
+    return (keep(nnx.get_partition_spec(params),
+                 manual if everything else {PP_AXIS, EP_AXIS} & manual),
+            keep(nnx.get_partition_spec(hparams), manual if everything else set()),
+            keep_axes(spec(*layout.residual), manual), keep_axes(spec("batch", "seq"), manual))
 
 
 def _kept_grads(run_all: Callable) -> Callable:

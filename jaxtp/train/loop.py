@@ -29,14 +29,13 @@ Faults: a step whose loss or gradient norm is not finite (or, with
 `train.spike_factor`, whose loss exceeds that factor times the mean of the
 last 20 applied losses) leaves parameters and optimizer state unchanged and
 is logged at the next row with its step; `train.max_skipped_steps` of them
-in a row stop the run with `TrainingStopped` (after saving the last good
-state, the one at the step that reached the limit: later steps the host had
-already dispatched change nothing).
+in a row stop the run with `TrainingStopped`, saving the last good state
+(later steps the host had already dispatched change nothing).
 
 Multi-process: every process runs this loop over the same global batches
-(each transfers only its own rows); only process 0 logs and writes files;
-all processes take part in checkpoints, and agree on a stop signal at rows
-and checkpoints (one host allgather there, none per step).
+(each transfers only its own rows); process 0 alone logs and writes files;
+all take part in checkpoints and agree on a stop signal at rows and
+checkpoints (one host allgather there, none per step).
 """
 
 from __future__ import annotations
@@ -54,14 +53,14 @@ from flax import nnx
 
 from ..config import Config
 from ..model.build import abstract_model
-from ..model.moe import STATS
 from ..parallel import Schedule, batch_shape, batch_sharding, wide
 from ..parallel.distributed import any_process
 from .checkpoint import Checkpointer, SaveFailed, nbytes
 from .data import to_mesh
+from .evaluation import evaluate, router_row
 from .loopstep import LoopState, is_row_step, make_loop_step
 from ..hardware import model_flops_per_token, peak_flops
-from .metrics import MetricsLog, metrics_row, progress_line, skip_line, speed
+from .metrics import MetricsLog, losses_said, metrics_row, progress_line, skip_line, speed
 from .optim import lr_schedule
 from .options import Notice, RunOptions
 from .record import run_record
@@ -77,24 +76,6 @@ from .step import ReplayCheck, make_eval_step, make_router_stats
 
 class TrainingStopped(RuntimeError):
     """The run cannot go on (too many skipped steps in a row)."""
-
-
-def router_row(stats_fn, params, batches, mesh, cp_balance: bool, layers: int) -> dict:
-    """A MoE model's router statistics on the evaluation batches, for a
-    metrics row: the balance and z losses summed over the MoE layers (as the
-    training loss adds them), the dropped share and each expert's share of
-    the assignments averaged over the layers."""
-    s = np.mean(jax.device_get([stats_fn(params, to_mesh(b, mesh, cp_balance))
-                                for b in batches]), 0)
-    n = len(STATS)
-    return {"moe_balance": float(s[0]), "moe_z": float(s[1]),
-            "moe_dropped": float(s[2]) / layers,
-            "moe_load": [round(float(x) / layers, 6) for x in s[n:]]}
-
-
-def evaluate(eval_step, params, batches, mesh, cp_balance: bool = True) -> float:
-    losses = [eval_step(params, to_mesh(b, mesh, cp_balance)) for b in batches]
-    return float(np.mean(jax.device_get(losses)))
 
 
 def train(cfg: Config, out_dir: str | Path, opts: RunOptions = RunOptions()) -> dict:
@@ -187,12 +168,10 @@ class _Loop:
         self.params, self.opt_state = state.params, state.opt_state
         self.check = (ReplayCheck(cfg, self.params, lr_schedule(t, wide(m.dtype)))
                       if o.check else None)
-        self.sampler = None
-        if t.sample_every:
-            self.sampler = LoopSampler(cfg, mesh, list(map(int, self.eval_set[0][0][:16])), out)
+        self.sampler = LoopSampler(cfg, mesh, list(map(int, self.eval_set[0][0][:16])),
+                                   out) if t.sample_every else None
         self.history, self.rates, self.host_s = [], [], []
-        self.eval_loss, self.interrupted, self.step = None, None, run.step
-        self.saved_step = None
+        self.eval_loss, self.interrupted, self.step, self.saved_step = None, None, run.step, None
         self.t_start = self.t_last = self.t_saved = time.perf_counter()
         self.last_logged = run.step
 
@@ -364,17 +343,8 @@ class _Loop:
             "out_dir": str(self.out),
         }
         if self.interrupted is None and h and self.step == steps:
-            self.log(f"done: {_losses(losses, h)}, eval_loss {self.eval_loss:.4f}, median "
+            self.log(f"done: {losses_said(losses, h)}, eval_loss {self.eval_loss:.4f}, median "
                      f"{summary['tokens_per_sec'] or 0:,.0f} tok/s, "
                      + (f"host {host_ms:.2f} ms/step outside the step call, " if host_ms else "")
                      + f"{summary['wall_s']:.0f}s; wrote {self.out}")
         return summary | {"params": self.params, "history": h}
-
-
-def _losses(losses: list[float], rows: list[dict]) -> str:
-    """The done line's losses: first and last of the applied steps, and the
-    skipped ones counted."""
-    skipped = sum(r["skipped"] for r in rows)
-    said = (f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else
-            "no logged step applied (each was skipped)")
-    return said + (f" ({skipped} step{'s' * (skipped > 1)} skipped)" if skipped else "")

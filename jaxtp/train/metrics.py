@@ -144,3 +144,12 @@ class MetricsLog:
         self.file.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def losses_said(losses: list[float], rows: list[dict]) -> str:
+    """The done line's losses: first and last of the applied steps, and the
+    skipped ones counted."""
+    skipped = sum(r["skipped"] for r in rows)
+    said = (f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else
+            "no logged step applied (each was skipped)")
+    return said + (f" ({skipped} step{'s' * (skipped > 1)} skipped)" if skipped else "")

@@ -106,11 +106,16 @@ def quiet_abandoned_reads() -> None:
     and Python warns "coroutine '<name>' was never awaited" (plus a tracemalloc
     hint) as it collects it, at exit if not before. Only orbax's
     serialization coroutines are named in the filter."""
-    from orbax.checkpoint._src.serialization import serialization
-    names = sorted(n for n, f in vars(serialization).items() if inspect.iscoroutinefunction(f))
-    warnings.filterwarnings(
-        "ignore", f"coroutine '({'|'.join(map(re.escape, names))})' was never awaited",
-        RuntimeWarning)
+    try:  # (a private module of orbax 0.12: where it moves, no filter)
+        from orbax.checkpoint._src.serialization import serialization
+    except ImportError:
+        serialization = None
+    names = [] if serialization is None else sorted(
+        n for n, f in vars(serialization).items() if inspect.iscoroutinefunction(f))
+    if names:
+        warnings.filterwarnings(
+            "ignore", f"coroutine '({'|'.join(map(re.escape, names))})' was never awaited",
+            RuntimeWarning)
     hook = sys.unraisablehook
     while hook is not None:
         if isinstance(hook, _QuietAbandonedReads):

@@ -1,0 +1,61 @@
+"""A config's keys as typed values: a section from a JSON object, a scalar
+from command-line text, each error a ConfigError naming the key (and the
+closest keys where one is unknown). `jaxtp.config` reads and overrides
+through these."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any
+
+from .checks import ConfigError
+
+
+def section_from_dict(sub_cls, d, name):
+    if not isinstance(d, dict):
+        raise ConfigError(f"config section '{name}' must be an object, got {d!r}")
+    fields = {f.name: f for f in dataclasses.fields(sub_cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {[f'{name}.{k}' for k in unknown]}"
+                          f"{did_you_mean(unknown[0], fields, name)}")
+    kwargs = {k: check_type(f"{name}.{k}", v, fields[k].type) for k, v in d.items()}
+    return sub_cls(**kwargs)
+
+
+def did_you_mean(name: str, fields, section: str) -> str:
+    """'; did you mean ...?' naming the closest keys of `section`, else where
+    to find them all (docs/cli.md lists every key)."""
+    close = difflib.get_close_matches(name, list(fields), n=3, cutoff=0.6)
+    if close:
+        return f"; did you mean {' or '.join(f'{section}.{c}' for c in close)}?"
+    return (f"; '{section}' has {len(fields)} keys: the fields of "
+            f"{section.capitalize()}Config in jaxtp/config.py")
+
+
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def check_type(key: str, value: Any, type_name: str) -> Any:
+    want = _TYPES[type_name]
+    ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        raise ConfigError(
+            f"{key} must be {type_name}, got {value!r} ({type(value).__name__})"
+        )
+    return value
+
+
+def parse_scalar(key: str, text: str, type_name: str) -> Any:
+    try:
+        if type_name == "bool":
+            low = text.lower()
+            if low not in ("true", "false", "1", "0"):
+                raise ValueError
+            return low in ("true", "1")
+        return _TYPES[type_name](text)
+    except ValueError:
+        raise ConfigError(f"{key}={text!r}: expected a {type_name}") from None
