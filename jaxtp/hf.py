@@ -20,8 +20,7 @@ from flax import nnx
 from .config import Config, ModelConfig, ParallelConfig, validate
 from .hf_config import NAMES, family, hf_config, model_config_from_hf
 from .hf_tensors import hf_to_params, params_to_hf
-from .parallel import Layout
-from .train.state import place_params
+from .train.state import decide, place_params
 
 __all__ = ["hf_config", "hf_model_config", "hf_to_params", "load_hf", "model_config_from_hf",
            "params_to_hf", "read_hf", "save_hf"]
@@ -93,7 +92,7 @@ def load_hf(path: str | Path, tp: int = 1, impl: str = "gspmd", ep: int = 1, **o
     """
     model_cfg, values = read_hf(path, **overrides)
     cfg = validate(Config(model=model_cfg, parallel=ParallelConfig(tp=tp, ep=ep, impl=impl)))
-    mesh = Layout.of(cfg).mesh()
+    mesh = decide(cfg)[2]
     graphdef, params, _ = place_params(cfg, mesh, values)
     model = nnx.merge(graphdef, params)
     model.mesh = mesh

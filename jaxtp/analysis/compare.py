@@ -20,14 +20,14 @@ from typing import Callable
 from .. import hlo
 from ..checks import check as check_config
 from ..config import IMPLS, Config, ConfigError
-from ..parallel import Layout, mesh_for, xla_overlap
+from ..parallel import mesh_for, xla_overlap
 from ..hardware import HARDWARE
 from ..model.build import resolve_attention
 from . import pp, roofline, windowed
 from .backends import version_note
 from .budget import budget_for, expected_collectives
 from .picture import write
-from .rows import check, format_table, schedule_of, size_text, table_rows
+from .rows import check, decided, format_table, schedule_of, size_text, table_rows
 
 # XLA's GPU combiners concatenate small collectives into one flat buffer (the
 # CPU ones build tuples, which jaxtp.hlo splits again): the bytes stay, the
@@ -53,7 +53,7 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
     p = cfg.parallel
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    mesh = Layout.of(cfg).mesh() if mesh is None else mesh
+    mesh = decided(cfg)[0].mesh() if mesh is None else mesh
     impls, colls_by_impl, expected_by_impl, refused = _compile_each(cfg, mesh, out, log,
                                                                      compile_step)
     budget, sizes = budget_for(cfg), dict(mesh.shape)

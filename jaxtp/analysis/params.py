@@ -12,8 +12,8 @@ from flax import nnx
 
 from ..config import Config
 from ..model import Transformer
-from ..parallel import DATA_AXIS, Layout, Schedule, spec_axes
-from .rows import HLO_DTYPES
+from ..parallel import DATA_AXIS, spec_axes
+from .rows import HLO_DTYPES, decided
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,13 +39,13 @@ class ParamShard:
 def param_shards(cfg: Config) -> list[ParamShard]:
     """Every parameter of `cfg`'s model as a `ParamShard`, from abstract shapes."""
     # Auto axes whatever the impl: shapes only, no contraction is typed
-    layout = dataclasses.replace(Layout.of(cfg), impl="gspmd")
+    layout, schedule = decided(cfg)
+    layout = dataclasses.replace(layout, impl="gspmd")
     # a stack is built with the fewest layers it splits into and its
     # elements scaled: building every layer of a 405B model takes minutes
     # (flax reads each initial value's sharding, and under eval_shape JAX
     # builds an error message from the whole trace for each)
     L = cfg.model.n_layers
-    schedule = Schedule.of(cfg, layout)
     L0 = schedule.stages * schedule.repeats * schedule.period if schedule.stacked else L
     model = dataclasses.replace(cfg.model, attention="xla", n_layers=L0)  # shapes only
     with jax.sharding.use_abstract_mesh(layout.abstract_mesh()):

@@ -38,7 +38,7 @@ import numpy as np
 from .. import hlo
 from ..axes import AXIS, TABLE
 from ..config import Config, ConfigError, validate
-from ..parallel import Layout, mesh_for, wide
+from ..parallel import mesh_for, wide
 from ..hardware import HARDWARE, model_flops_per_token
 from ..model.build import resolve_attention
 from ..model.moe import capacity
@@ -47,7 +47,7 @@ from .cp import cp_intensity
 from .ep import expected_ep, slots
 from .params import param_shards
 from .predict import decode_lines, from_hlo, plan_lines
-from .rows import per_step, schedule_of
+from .rows import decided, per_step, schedule_of
 from .plan_report import print_plan
 from .targets import CPU_OVERSTATES, TargetUnavailable, target_mesh
 
@@ -143,7 +143,7 @@ def analyze(cfg: Config, mesh=None, *, compile_step: Callable) -> dict:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     t0 = time.perf_counter()
     # fake CPU devices: planning needs no accelerator, nor as many as tp
-    mesh = Layout.of(cfg).mesh(devices=jax.devices("cpu")) if mesh is None else mesh
+    mesh = decided(cfg)[0].mesh(devices=jax.devices("cpu")) if mesh is None else mesh
     mesh = mesh_for(mesh, p.impl)
     # a CPU plan stands in for an accelerator: its kernel choice, not the CPU's own
     cfg = resolve_attention(cfg, mesh.devices.flat[0], cpu_tuned=False)

@@ -50,10 +50,10 @@ from jax.experimental.roofline import roofline
 
 from ..config import Config
 from ..model.build import abstract_model
-from ..parallel import Layout, batch_shape, batch_sharding, inputs_targets
+from ..parallel import batch_shape, batch_sharding, inputs_targets
 from .budget import expected_collectives
 from ..model.vocab import loss_chunks
-from .rows import Expected, schedule_of
+from .rows import Expected, decided, schedule_of
 
 
 def unsupported(cfg: Config) -> str | None:
@@ -71,7 +71,7 @@ def unsupported(cfg: Config) -> str | None:
 def roofline_bytes(cfg: Config, mesh) -> dict[str, int]:
     """`ici_bytes` per mesh axis of the shard_map loss-and-gradient of `cfg`."""
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, impl="shard_map"))
-    mesh = Layout.of(cfg).on(mesh)
+    mesh = decided(cfg)[0].on(mesh)
     graphdef, abstract = abstract_model(cfg, mesh)
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           abstract, nnx.get_named_sharding(abstract, mesh))

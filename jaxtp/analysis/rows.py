@@ -7,6 +7,7 @@ and every collective must be budgeted. The budgets themselves:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 
 from .. import hlo
@@ -98,9 +99,17 @@ def per_step(rows: list[Expected], schedule: Schedule) -> list[Expected]:
     return [dataclasses.replace(r, count=r.count * times[r.per], per="step") for r in rows]
 
 
+@functools.lru_cache(maxsize=512)
+def decided(cfg) -> tuple[Layout, Schedule]:
+    """`cfg`'s `Layout` and `Schedule`, decided once per config for every
+    ledger, the planner and the comparison (a Config is frozen: its own key)."""
+    layout = Layout.of(cfg)
+    return layout, Schedule.of(cfg, layout)
+
+
 def schedule_of(cfg) -> Schedule:
-    """`cfg`'s `jaxtp.parallel.Schedule` (its attention resolved for the device)."""
-    return Schedule.of(cfg, Layout.of(cfg))
+    """`cfg`'s `jaxtp.parallel.Schedule` (`decided`)."""
+    return decided(cfg)[1]
 
 
 def on(cfg, *axes: str) -> tuple[str, ...]:

@@ -9,7 +9,8 @@ from .. import hlo
 from ..analysis.ep import expected_ep, slots
 from ..analysis.rows import per_step, schedule_of
 from ..model.moe import capacity
-from ..parallel import EP_AXIS, Layout
+from ..parallel import EP_AXIS
+from ..train.state import decide
 from ..train.step import compiled_step
 from .cases import _case, preset
 from .report import section
@@ -22,7 +23,7 @@ EP, TP = 4, 2
 def all_to_all_bytes(cfg) -> tuple[int, int]:
     """(compiled, ledger): the all-to-alls' bytes per step over ep, of `cfg`'s
     train step compiled on this machine's devices, and by the ep ledger."""
-    mesh = Layout.of(cfg).mesh()
+    mesh = decide(cfg)[2]
     _, step = compiled_step(cfg, mesh)
     sizes = dict(mesh.shape)
     got = sum(c.count * c.bytes for c in hlo.collectives(step.as_text())

@@ -12,9 +12,9 @@ import numpy as np
 from flax import nnx
 
 from ..config import Config, ModelConfig, TrainConfig
-from ..parallel import Layout, Schedule, make_mesh, named
+from ..parallel import Schedule, make_mesh, named
 from ..train.data import to_mesh
-from ..train.state import init_params, init_train_state
+from ..train.state import decide, init_params, init_train_state
 from ..train.step import compile_train_step, step_controls
 
 
@@ -56,8 +56,7 @@ def build(name: str, cfg: Config) -> Run:
     a batch of random tokens placed (the step's time does not depend on
     their values)."""
     m, t = cfg.model, cfg.train
-    layout = Layout.of(cfg)
-    mesh = layout.mesh()
+    _, layout, mesh = decide(cfg)
     # a pipeline's blocks are stacked, in model order as a scanned stack's; on
     # an accelerator the sharded init (a preset may fit only when split)
     stacked = dataclasses.replace(m, scan_layers=Schedule.of(cfg, layout).stacked)

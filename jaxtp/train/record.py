@@ -32,21 +32,19 @@ BLOCK_SCOPES = ("attention", "mlp", "moe")
 
 def run_record(cfg: Config, mesh, model, hlo_text: str, check: dict | None = None) -> dict:
     """What an engineer records for a TP experiment (written as run.json)."""
-    m, p = cfg.model, cfg.parallel
-    M = cfg.train.microbatches
-    b = cfg.train.batch_size // (p.dp * p.ep * M)  # (ep's ranks split the batch as dp's)
+    m, p, schedule = cfg.model, cfg.parallel, model.schedule
+    M, b = cfg.train.microbatches, schedule.rows  # (a rank's rows of a microbatch)
     colls = hlo.collectives(hlo_text)
     rows = hlo.summarize(colls)
-    # per layer and microbatch (a step runs every layer once per microbatch;
-    # under a pipeline each rank its stage's L/pp layers once per tick)
-    trips = m.n_layers * M if p.pp == 1 else m.n_layers // p.pp * (
-        p.pp_repeats * M + p.pp - 1)
+    # per layer a loop trip runs (every layer once a microbatch; under a
+    # pipeline its chunk once a tick: `jaxtp.analysis.rows.per_step`'s count)
+    trips = schedule.layers_per_tick * schedule.ticks
     per_layer = [{**r, "count_per_layer": r["count"] / trips,
                   "payload_bytes": r["bytes"]}
                  for r in rows if r["scope"] in BLOCK_SCOPES]
     outside = [r for r in rows if r["scope"] not in BLOCK_SCOPES]
     return {
-        **dict(tp=p.tp, dp=p.dp, cp=p.cp, pp=p.pp, ep=p.ep), "impl": p.impl,
+        **p.degrees, "impl": p.impl,  # (each axis of the table, `jaxtp.axes`)
         # pipeline parallelism's schedule and repeats (pp > 1)
         "pp_schedule": p.pp_schedule if p.pp > 1 else None,
         "pp_repeats": p.pp_repeats if p.pp > 1 else None,
