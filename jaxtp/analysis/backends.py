@@ -117,6 +117,8 @@ def _on_cpu(r: Expected, impl: str) -> Expected:
     if r.kind == "reduce-scatter" and r.role != "cp" and (
             impl != "shard_map" or r.role == "fsdp_gspmd"):
         r = _whole(r)
+    if r.role == "moe_z_transposed":  # loop-invariant: hoisted out of the slices' loop
+        r = dataclasses.replace(r, count=1)
     return dataclasses.replace(r, dtype=carried("cpu", r.dtype))
 
 

@@ -29,7 +29,7 @@ from typing import Callable
 from ..config import Config
 from ..model.moe import LOSSES, capacity
 from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS
-from .rows import ANY_SCOPE, HLO_DTYPES, Expected, microbatch_rows, on, schedule_of
+from .rows import ANY_SCOPE, HLO_DTYPES, Expected, microbatch_rows, on, reduces_once, schedule_of
 
 
 def splits(cfg: Config) -> int:
@@ -188,6 +188,21 @@ def _moe_rows(cfg: Config, impl: str) -> list[Expected]:
             own.append(E("remat: the balance loss's f summed again for its gradient",
                          "all-reduce", "backward", m.n_experts, 1, n, routed, "f32",
                          written=False, scope=ANY_SCOPE))
+        if reduces_once(cfg):
+            # in slices reduced once dp is manual: the means' psums are
+            # transposed in the backward, P's in each MoE layer and microbatch,
+            # the z-loss's (the same value in every layer) once a microbatch,
+            # with a remat in each layer (measured, jax 0.10.2: moe-tiny at
+            # dp 2 x tp 4, M 2 and 4, moe_every 1 and 2, remat none, minimal
+            # and full; XLA:CPU hoists the z-loss's out of the slices' loop:
+            # `backends`)
+            remat = m.remat != "none"
+            own += [E("dp manual in the slices: the statistics' means transposed",
+                      "all-reduce", "backward", m.n_experts + remat, 1, n, routed, "f32",
+                      written=False, scope=ANY_SCOPE)] + [
+                E("dp manual in the slices: the z-loss's mean transposed", "all-reduce",
+                  "backward", 1, 1, n, routed, "f32", written=False, scope=ANY_SCOPE,
+                  per="microbatch", role="moe_z_transposed")] * (not remat)
     # each stage's sum over its layers and microbatches, added up once (1F1B
     # adds them to the loss in its schedule: in the loss's sum, `grads`)
     if p.pp > 1 and p.pp_schedule != "1f1b":

@@ -409,3 +409,23 @@ def test_the_all_to_alls_hold_their_ledger_compiled_for_an_accelerator(target, p
         g = [c for c in r["collectives"] if c["kind"] == "all-reduce" and c["scope"] == "moe"
              and math.prod(c["shape"]) == n]  # E/ep x (ep x G) x C x D: the rank's slots
         assert sum(c["count"] for c in g) == 4 and {c["dtype"] for c in g} == {dtype}, impl
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_slices_reduced_once_transpose_the_router_statistics_means(remat):
+    """dp 2 x tp 4, 2 microbatches reduced once (dp manual in the slices):
+    the statistics' means are psums there, transposed in the backward: P's
+    (E elements) in each MoE layer and slice, the z-loss's scalar once (XLA:CPU
+    hoists it out of the loop), or with a remat 1 + E in each; the step holds
+    its ledger."""
+    cfg, sizes, colls = compiled("gspmd", 1.0, ep=1, tp=4, dp=2, microbatches=2, remat=remat)
+    assert check(colls, expected_collectives(cfg, "gspmd", "cpu"), sizes) is None
+    L, M, E = cfg.model.n_layers, 2, cfg.model.n_experts
+    back: dict[int, int] = {}  # elements -> collectives of that size
+    for c in colls:
+        if c.pass_ == "backward" and c.scope == "moe" and c.axes(sizes) == ("dp",):
+            back[c.elements] = back.get(c.elements, 0) + c.count
+    if remat == "none":
+        assert back == {1: 1, E: L * M}
+    else:  # (with the remat's f summed again: 1 + 2E a layer and slice in all)
+        assert sum(n * k for n, k in back.items()) == L * M * (1 + 2 * E)
