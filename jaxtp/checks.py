@@ -96,17 +96,24 @@ def _check_moe(cfg: Config) -> None:
                           "model.capacity_factor=0, or model.moe_dispatch=dense")
     _divisible("model.moe_d_ff (0: model.d_ff)", m.expert_d_ff, cfg)
     _divisible("model.moe_shared_d_ff", m.moe_shared_d_ff, cfg)
-    if not 1 <= m.moe_every <= m.n_layers:
+    if m.first_k_dense >= m.n_layers:
+        raise ConfigError(f"model.first_k_dense={m.first_k_dense} leaves no MoE layer of "
+                          f"model.n_layers={m.n_layers}: set it below n_layers")
+    if m.first_k_dense and p.pp > 1:
+        raise ConfigError("model.first_k_dense (a leading run of dense layers) is not built "
+                          "for --pp yet: its layers would run before the stages")
+    if not 1 <= m.moe_every <= m.stacked_layers:
         raise ConfigError(f"model.moe_every={m.moe_every} must be between 1 (every layer a "
                           f"mixture of experts) and model.n_layers={m.n_layers}")
     if m.moe_every > 1 and m.moe_shared_d_ff > 0:
         raise ConfigError(f"model.moe_every={m.moe_every} mixes dense and MoE blocks, which is "
                           "not built with model.moe_shared_d_ff (a shared expert where only "
                           "some layers are MoE)")
-    if m.n_layers % m.moe_every and (m.scan_layers or p.pp > 1):
+    if m.stacked_layers % m.moe_every and (m.scan_layers or p.pp > 1):
+        lead = f" after model.first_k_dense={m.first_k_dense}" if m.first_k_dense else ""
         raise ConfigError(f"a {'pipelined' if p.pp > 1 else 'scanned'} stack repeats groups of "
-                          f"model.moe_every={m.moe_every} layers (dense, then MoE), and "
-                          f"model.n_layers={m.n_layers} is not a multiple of it: set "
+                          f"model.moe_every={m.moe_every} layers (dense, then MoE), and the "
+                          f"{m.stacked_layers} layers{lead} are not a multiple of it: set "
                           "model.n_layers to one" + ("" if p.pp > 1 else
                                                      ", or model.scan_layers=false"))
     _axis(EP_AXIS, cfg)
@@ -116,6 +123,7 @@ def _check_moe(cfg: Config) -> None:
 _FLAGS = {key: "--" + dest.replace("_", "-") for dest, key in FLAG_KEYS.items()}
 # the keys that act only with a mixture of experts (model.n_experts > 0)
 MOE_KEYS = ("moe_top_k", "moe_d_ff", "moe_norm_topk", "moe_shared_d_ff", "moe_every",
+            "first_k_dense",
             "capacity_factor", "moe_dispatch", "moe_balance_coef", "moe_z_coef")
 
 
@@ -193,7 +201,7 @@ _SIZES = {"model": ("vocab_size", "vocab_multiple", "n_layers", "d_model", "n_he
           "parallel": ("pp", "pp_repeats", "dp", "ep", "tp", "cp")}
 # (moe_top_k: 1 to n_experts with experts, `_check_moe`; any count without)
 _COUNTS = {"model": ("n_kv_heads", "d_head", "loss_chunk", "n_experts", "moe_top_k",
-                     "moe_d_ff", "moe_shared_d_ff"),
+                     "moe_d_ff", "moe_shared_d_ff", "first_k_dense"),
            "train": ("warmup_steps", "checkpoint_every", "sample_every")}
 _POSITIVE = {"model": ("ln_eps", "rope_theta", "init_std"), "train": ("lr",)}
 _FINITE = {"model": ("capacity_factor", "moe_balance_coef", "moe_z_coef",

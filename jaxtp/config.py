@@ -105,6 +105,10 @@ class ModelConfig:
     # the others dense MLPs of d_ff (Qwen-MoE's decoder_sparse_step; 2 is
     # GShard's and Switch's every other layer); 1: every layer
     moe_every: int = 1
+    # a leading run of dense layers: layers 0..k-1 dense MLPs of d_ff, the MoE
+    # pattern (`moe_every`) from layer k on (DeepSeek-V3's
+    # first_k_dense_replace = 3; MaxText's first_num_dense_layers)
+    first_k_dense: int = 0
     # slots per expert: ceil(capacity_factor * tokens * k / E) per sequence,
     # later assignments dropped; 0: dropless
     capacity_factor: float = 0.0
@@ -130,8 +134,10 @@ class ModelConfig:
         return self.moe_d_ff or self.d_ff
 
     def is_moe_layer(self, i: int) -> bool:
-        """Whether layer i (from 0) is a mixture of experts (`moe_every`)."""
-        return self.n_experts > 0 and (i + 1) % self.moe_every == 0
+        """Whether layer i (from 0) is a mixture of experts (`moe_every`,
+        after the `first_k_dense`)."""
+        k = self.first_k_dense
+        return self.n_experts > 0 and i >= k and (i - k + 1) % self.moe_every == 0
 
     @property
     def layer_group(self) -> int:
@@ -141,9 +147,16 @@ class ModelConfig:
 
     @property
     def n_moe_layers(self) -> int:
-        # (i + 1) % moe_every == 0 for i < n_layers (a sum over the layers
-        # would take minutes for a size the planner must refuse at once)
-        return self.n_layers // self.moe_every if self.n_experts > 0 else 0
+        # (i - k + 1) % moe_every == 0 for k <= i < n_layers (a sum over the
+        # layers would take minutes for a size the planner must refuse at once)
+        return self.stacked_layers // self.moe_every if self.n_experts > 0 else 0
+
+    @property
+    def stacked_layers(self) -> int:
+        """The layers a scanned or pipelined stack holds: all but the leading
+        dense run (`first_k_dense`, a mixture of experts'), which runs before
+        it, unstacked."""
+        return self.n_layers - (self.first_k_dense if self.n_experts > 0 else 0)
 
     @property
     def padded_vocab(self) -> int:

@@ -101,7 +101,7 @@ def per_moe_layer(cfg: Config, rows: list[Expected]) -> list[Expected]:
     a loop trip runs), each counted per trip times the MoE layers it runs;
     else as they are."""
     m = cfg.model
-    if m.moe_every == 1:
+    if m.n_moe_layers == m.n_layers:
         return rows
     moe = schedule_of(cfg).layers_per_tick * m.n_moe_layers // m.n_layers
     return [dataclasses.replace(r, count=r.count * moe, per="microbatch")

@@ -291,7 +291,7 @@ def _sequence_parts(cfg: Config, impl: str, grads: list[_Grad]) -> list[Part]:
         # a stacked parameter's (scanned, or a pipeline's stage's: its L/pp
         # layers, a chunk of L/(pp*v) per tick) one layer per loop trip;
         # outside a pipeline once
-        held = m.n_layers // m.layer_group // p.pp \
+        held = m.stacked_layers // m.layer_group // p.pp \
             if s.in_stack and (m.scan_layers or p.pp > 1) else 1
         layers = held // p.pp_repeats if s.in_stack else 1
         # outside a pipeline's loop once a step, but 1F1B's head (the final

@@ -46,8 +46,10 @@ def param_shards(cfg: Config) -> list[ParamShard]:
     # (flax reads each initial value's sharding, and under eval_shape JAX
     # builds an error message from the whole trace for each)
     L = cfg.model.n_layers
-    L0 = schedule.stages * schedule.repeats * schedule.period if schedule.stacked else L
-    model = dataclasses.replace(cfg.model, attention="xla", n_layers=L0)  # shapes only
+    # (the leading dense run, `first_k_dense`, whole: it is no stack)
+    S, lead = cfg.model.stacked_layers, L - cfg.model.stacked_layers
+    L0 = schedule.stages * schedule.repeats * schedule.period if schedule.stacked else S
+    model = dataclasses.replace(cfg.model, attention="xla", n_layers=lead + L0)  # shapes only
     with jax.sharding.use_abstract_mesh(layout.abstract_mesh()):
         params = nnx.state(nnx.eval_shape(
             lambda: Transformer(model, layout, rngs=nnx.Rngs(0), schedule=dataclasses.replace(
@@ -67,7 +69,7 @@ def param_shards(cfg: Config) -> list[ParamShard]:
                   "row" if leaf == "kernel" and module in ("out", "down") else
                   {"up": "column", "down": "row"}.get(leaf, "") if module == "experts" else "")
         split = {a for e in spec for a in spec_axes(e)} - {DATA_AXIS}
-        layers = L // L0 if names[0] == "blocks" else 1
+        layers = S // L0 if names[0] == "blocks" else 1
         out.append(ParamShard(
             "/".join(names), int(np.prod(v.shape)) * layers // int(np.prod(
                 [layout.sizes.get(a, 1) for a in split])),

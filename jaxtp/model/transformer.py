@@ -71,8 +71,9 @@ class Group(nnx.Module):
     j + 2k, ... on a leading axis (`stack_layers`)."""
 
     def __init__(self, cfg: ModelConfig, layout: Layout, *, rngs: nnx.Rngs):
-        self.layers = nnx.List([Block(cfg, layout, rngs=rngs, moe=cfg.is_moe_layer(j))
-                                for j in range(cfg.layer_group)])
+        k = cfg.layer_group  # (its last block the MoE one, `ModelConfig.is_moe_layer`)
+        self.layers = nnx.List([Block(cfg, layout, rngs=rngs, moe=j == k - 1)
+                                for j in range(k)])
 
 
 def _unit(cfg: ModelConfig, layout: Layout, rngs: nnx.Rngs):
@@ -145,8 +146,11 @@ class Transformer(nnx.Module):
         # starts from the values of the plain one
         blocks = [Block(cfg, layout, rngs=rngs, moe=cfg.is_moe_layer(i))
                   for i in range(cfg.n_layers)]
-        self.blocks = (_stacked(blocks, cfg, layout, schedule) if schedule.stacked
-                       else nnx.List(blocks))
+        # (a leading run of dense layers, `first_k_dense`: a list before the stack)
+        lead = cfg.n_layers - cfg.stacked_layers
+        self.dense = nnx.List(blocks[:lead]) if lead else None
+        self.blocks = (_stacked(blocks[lead:], cfg, layout, schedule) if schedule.stacked
+                       else nnx.List(blocks[lead:]))
         self.ln_f = make_norm(cfg, layout)
         self.lm_head = None if cfg.tie_embeddings else VocabEmbed(cfg, layout, rngs=rngs)
         self.cfg, self.layout, self.schedule = cfg, layout, schedule
@@ -162,15 +166,18 @@ class Transformer(nnx.Module):
         statistics summed over the layers (`jaxtp.model.moe.moe`; with
         `monitor` set on the model, `model.set_attributes(monitor=True)`, the
         dropped share and loads too); zeros without experts)."""
-        L, k = self.cfg.n_layers, self.cfg.layer_group
+        L, k, S = self.cfg.n_layers, self.cfg.layer_group, self.cfg.stacked_layers
         keys = (None if dropout_key is None else jax.random.split(dropout_key, L + 1))
         x_BTD = self._embed(tokens_BT, None if keys is None else keys[0])
         stats = jnp.zeros(n_stats(self.cfg.n_experts, self.monitor), wide(self.cfg.dtype))
-        # (a stacked stack's keys per unit: [L/k, k, ...] for a Group's layers)
-        unit_keys = None if keys is None else keys[1:] if k == 1 or not self.schedule.stacked \
-            else keys[1:].reshape(L // k, k, *keys.shape[1:])
-        x_BTD, aux = stack(self.schedule, self.layout, self._layer(), self.blocks, x_BTD,
-                           stats if self.cfg.n_experts else None, unit_keys)
+        carry, layer = (x_BTD, stats if self.cfg.n_experts else None), self._layer()
+        for i, block in enumerate(self.dense or ()):  # (the leading dense run)
+            carry = layer(block, carry, None if keys is None else keys[1 + i])
+        keys = None if keys is None else keys[1 + L - S:]
+        # (a stacked stack's keys per unit: [S/k, k, ...] for a Group's layers)
+        unit_keys = keys if keys is None or k == 1 or not self.schedule.stacked \
+            else keys.reshape(S // k, k, *keys.shape[1:])
+        x_BTD, aux = stack(self.schedule, self.layout, layer, self.blocks, *carry, unit_keys)
         return self.ln_f(x_BTD), stats if aux is None else aux
 
     def _layer(self):
@@ -214,6 +221,11 @@ class Transformer(nnx.Module):
         if self.wpe is not None:
             x_BTD = x_BTD + self.wpe(pos_BT)
         x_BTD = constrain(x_BTD, *self.layout.residual)
+        lead = len(self.dense or ())  # (the leading dense run's caches first)
+        for i, block in enumerate(self.dense or ()):
+            x_BTD, k_BSKH, v_BSKH = block.extend(x_BTD, k_LBSKH[i], v_LBSKH[i], pos_BT, prefill)
+            k_LBSKH, v_LBSKH = k_LBSKH.at[i].set(k_BSKH), v_LBSKH.at[i].set(v_BSKH)
+        k_all, v_all, k_LBSKH, v_LBSKH = k_LBSKH, v_LBSKH, k_LBSKH[lead:], v_LBSKH[lead:]
         if self.schedule.stacked:
             k, shape = self.cfg.layer_group, k_LBSKH.shape
 
@@ -237,6 +249,9 @@ class Transformer(nnx.Module):
                 x_BTD, k_BSKH, v_BSKH = block.extend(x_BTD, k_LBSKH[i], v_LBSKH[i], pos_BT,
                                                      prefill)
                 k_LBSKH, v_LBSKH = k_LBSKH.at[i].set(k_BSKH), v_LBSKH.at[i].set(v_BSKH)
+        if lead:
+            k_LBSKH = k_all.at[lead:].set(k_LBSKH)
+            v_LBSKH = v_all.at[lead:].set(v_LBSKH)
         return self.ln_f(x_BTD), k_LBSKH, v_LBSKH
 
     @property
@@ -282,7 +297,7 @@ def _stacked(blocks: list[Block], cfg: ModelConfig, layout: Layout, schedule: Sc
     whose own draws are discarded (unused under jit)."""
     k = cfg.layer_group
 
-    @nnx.split_rngs(splits=cfg.n_layers // k)
+    @nnx.split_rngs(splits=len(blocks) // k)
     @nnx.vmap(in_axes=0, out_axes=0,
               transform_metadata={nnx.PARTITION_NAME: schedule.stack_axis})
     def stack(rngs):
@@ -291,7 +306,7 @@ def _stacked(blocks: list[Block], cfg: ModelConfig, layout: Layout, schedule: Sc
     stacked = stack(nnx.Rngs(0))
     state = nnx.state(stacked)
     # (circular pipelines interleave the units)
-    order = [u * k + j for u in schedule.layer_order() for j in range(k)]
+    order = [u * k + j for u in schedule.layer_order(len(blocks) // k) for j in range(k)]
     pure = stack_layers({"blocks": dict(enumerate(nnx.to_pure_dict(nnx.state(blocks[i]))
                                                   for i in order))}, k)["blocks"]
     nnx.replace_by_pure_dict(state, pure)

@@ -229,15 +229,18 @@ def test_eos_stops_a_row_and_the_rest_go_on():
         assert got == (row[:row.index(eos) + 1] if eos in row else row)
 
 
-def test_a_scanned_stack_of_groups_generates_as_its_list_of_layers():
+@pytest.mark.parametrize("lead, every", [(0, 2), (1, 3)], ids=["groups", "lead-and-groups"])
+def test_a_scanned_stack_of_groups_generates_as_its_list_of_layers(lead, every):
     """model.moe_every 2 scanned: each loop trip a Group of a dense and a MoE
     layer (`jaxtp.model.transformer.Group`), its KV caches [L/2, 2, ...] per
-    trip; the same values (a stack starts from the plain model's) generate
-    the same tokens as the list of layers, at tp 2."""
+    trip (with model.first_k_dense 1, a dense layer first, unstacked, then a
+    group of three); the same values (a stack starts from the plain model's)
+    generate the same tokens as the list of layers, at tp 2."""
     def moe(scan: bool) -> Config:
         cfg = config("llama-gqa", 2, scan=scan)
         return validate(dataclasses.replace(cfg, model=dataclasses.replace(
-            cfg.model, n_layers=4, n_experts=4, moe_top_k=2, moe_d_ff=32, moe_every=2)))
+            cfg.model, n_layers=4, n_experts=4, moe_top_k=2, moe_d_ff=32, moe_every=every,
+            first_k_dense=lead)))
 
     listed, scanned = (generator(moe(scan))[0] for scan in (False, True))
     assert listed.generate(PROMPTS, NEW) == scanned.generate(PROMPTS, NEW)

@@ -229,6 +229,12 @@ def moe_one_device(model, microbatches=1):
     # scanned in groups of a dense and a MoE layer (`jaxtp.model.transformer.Group`)
     ("llama-ep2xtp2-moe_every2-scan-minimal", dataclasses.replace(MOE_LLAMA, moe_every=2), 2,
      2, {"ep": 2, "scan_layers": True, "remat": "minimal"}),
+    # a leading dense layer (model.first_k_dense), then groups of two dense and a MoE
+    ("llama-ep2xtp2-first_k_dense1-scan", dataclasses.replace(
+        MOE_LLAMA, n_layers=4, first_k_dense=1, moe_every=3), 2, 2,
+     {"ep": 2, "scan_layers": True}),
+    ("gpt2-ep2xtp2-first_k_dense1-shard_map", dataclasses.replace(MOE, first_k_dense=1), 2, 2,
+     {"ep": 2, "impl": "shard_map"}),
     # the dropless ragged path (at ep 1: XLA:CPU compiles no ragged all-to-all)
     ("gpt2-tp8-ragged", RAGGED, 1, 8, {}),
     ("llama-dp2xtp4-shard_map-ragged", dataclasses.replace(MOE_LLAMA, moe_dispatch="ragged"), 2,
@@ -386,6 +392,9 @@ test_the_moe_pipeline_equals_one_device_and_holds_its_ledger.fast_cases = {
     ({"moe_every": 2, "n_layers": 3, "scan_layers": True},
      "a scanned stack repeats groups of model.moe_every=2 layers .* model.scan_layers=false"),
     ({"moe_every": 2, "moe_shared_d_ff": 32}, "not built with model.moe_shared_d_ff"),
+    ({"first_k_dense": 2}, "model.first_k_dense=2 leaves no MoE layer of model.n_layers=2"),
+    ({"first_k_dense": 1, "n_layers": 4, "pp": 2, "microbatches": 2},
+     "first_k_dense .* is not built for --pp yet"),
 ])
 def test_moe_refusals_name_the_fix(over, fix):
     kw = dict(over)
