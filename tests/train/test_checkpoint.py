@@ -397,17 +397,11 @@ def test_a_pp_save_restores_exactly_unpipelined_and_at_another_pp(tmp_path):
     ckpt = Checkpointer(tmp_path / "pp", async_save=False)
     ckpt.save(2, params, opt_state, meta_of(model, 4))
     for pp, tp, want in ((4, 2, stacked), (1, 8, listed)):
-        target = abstract_train_state(cfg(pp, tp), Layout.of(cfg(pp, tp)).mesh())
-        step, p, o, _ = ckpt.restore(target.params, target.opt_state, dataclasses.asdict(model))
+        step, p, o = restore_into(ckpt, cfg(pp, tp), model, want)
         assert step == 2
-        check_restored(p, o, target, want)
     ckpt.close()
     # and back: a list of layers (tp=8) into the stack (pp=2)
-    ckpt = Checkpointer(tmp_path / "tp8", async_save=False)
-    ckpt.save(1, p, o, meta_of(model, 8))
-    _, p2, o2, _ = ckpt.restore(state.params, state.opt_state, dataclasses.asdict(model))
-    check_restored(p2, o2, state, stacked)
-    ckpt.close()
+    saved_and_restored(tmp_path / "tp8", p, o, model, 8, state, stacked)
 
 
 def test_different_model_is_refused(tmp_path, gpt2_tp8):
@@ -585,10 +579,10 @@ def test_a_circular_pipelines_save_holds_the_layers_in_model_order(tmp_path):
 MOE = dataclasses.replace(LLAMA, n_experts=4, moe_top_k=2, moe_d_ff=16)
 
 
-def moe_state(ep, tp, seed=0):
-    """A MoE state at ep x tp holding known random host values."""
-    cfg = Config(model=MOE, parallel=ParallelConfig(ep=ep, tp=tp))
-    state = abstract_train_state(cfg, Layout.make(ep=ep, tp=tp).mesh())
+def filled(cfg, seed=0):
+    """(params, optimizer state, {name: host value}, the abstract state) of
+    `cfg` on its own mesh, holding known random host values."""
+    state = abstract_train_state(cfg, Layout.of(cfg).mesh())
     rng, values = np.random.default_rng(seed), {}
 
     def fill(path, x):
@@ -596,7 +590,32 @@ def moe_state(ep, tp, seed=0):
         return jax.device_put(v, x.sharding)
 
     params, opt = jax.tree_util.tree_map_with_path(fill, (state.params, state.opt_state))
-    return params, opt, values, cfg
+    return params, opt, values, state
+
+
+def restore_into(ckpt, cfg, model, want):
+    """Restore `ckpt`'s latest step into `cfg`'s layout, check it holds `want`
+    exactly; (step, params, optimizer state)."""
+    target = abstract_train_state(cfg, Layout.of(cfg).mesh())
+    step, p, o, _ = ckpt.restore(target.params, target.opt_state, dataclasses.asdict(model))
+    check_restored(p, o, target, want)
+    return step, p, o
+
+
+def saved_and_restored(directory, params, opt, model, tp, state, want):
+    """Save (params, opt) of `model` at `tp` as step 1 in `directory`, restore
+    it into `state`'s layout and check it holds `want` exactly."""
+    ckpt = Checkpointer(directory, async_save=False)
+    ckpt.save(1, params, opt, meta_of(model, tp))
+    _, p, o, _ = ckpt.restore(state.params, state.opt_state, dataclasses.asdict(model))
+    check_restored(p, o, state, want)
+    ckpt.close()
+
+
+def moe_state(ep, tp, seed=0):
+    """A MoE state at ep x tp holding known random host values."""
+    cfg = Config(model=MOE, parallel=ParallelConfig(ep=ep, tp=tp))
+    return (*filled(cfg, seed)[:3], cfg)
 
 
 @pytest.mark.parametrize("saved, restored", [
@@ -629,15 +648,7 @@ def test_a_grouped_stack_restores_exactly_as_a_list_and_back(tmp_path, lead):
     pipeline's step restores as the list again. With model.first_k_dense 1
     (no pipeline yet) the leading dense layer is the same list in each form."""
     model = dataclasses.replace(MOE, n_layers=4 + lead, moe_every=2, first_k_dense=lead)
-    listed_cfg = Config(model=model, parallel=ParallelConfig(tp=2))
-    state = abstract_train_state(listed_cfg, Layout.of(listed_cfg).mesh())
-    rng, listed = np.random.default_rng(7), {}
-
-    def fill(path, x):
-        listed[jax.tree_util.keystr(path)] = v = rng.standard_normal(x.shape).astype(x.dtype)
-        return jax.device_put(v, x.sharding)
-
-    params, opt = jax.tree_util.tree_map_with_path(fill, (state.params, state.opt_state))
+    params, opt, listed, state = filled(Config(model=model, parallel=ParallelConfig(tp=2)), 7)
     grouped = {}  # the same values as a stack of groups holds them
     for name, v in listed.items():
         head, sep, rest = name.partition("['blocks'][")
@@ -656,12 +667,6 @@ def test_a_grouped_stack_restores_exactly_as_a_list_and_back(tmp_path, lead):
     piped = Config(model=model, parallel=ParallelConfig(pp=2, tp=2),
                    train=TrainConfig(microbatches=2))
     for c in (scanned, piped)[:2 - lead]:
-        target = abstract_train_state(c, Layout.of(c).mesh())
-        _, p, o, _ = ckpt.restore(target.params, target.opt_state, dataclasses.asdict(model))
-        check_restored(p, o, target, grouped)
+        _, p, o = restore_into(ckpt, c, model, grouped)
     ckpt.close()
-    ckpt = Checkpointer(tmp_path / "piped", async_save=False)
-    ckpt.save(1, p, o, meta_of(model, 2))
-    _, p, o, _ = ckpt.restore(state.params, state.opt_state, dataclasses.asdict(model))
-    check_restored(p, o, state, listed)
-    ckpt.close()
+    saved_and_restored(tmp_path / "piped", p, o, model, 2, state, listed)
