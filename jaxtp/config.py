@@ -20,7 +20,7 @@ from typing import Any
 from .checks import (ATTENTIONS, COORDINATOR_TIMEOUT_S, CP_STRATEGIES, DTYPES, IMPLS,
                      INFERENCE_IMPLS, OVERLAPS, PP_SCHEDULES, PP_SCHEDULES_PLANNED, REMATS,
                      STYLES, ConfigError, check)
-from .config_keys import did_you_mean, parse_scalar, section_from_dict
+from .config_keys import apply_overrides, section_from_dict
 
 # the presets: `jaxtp/configs/` in an installed wheel (pyproject maps the
 # repository's top-level `configs/` there), the repository's own in a checkout
@@ -297,26 +297,6 @@ class Config:
             sub_cls = type(getattr(Config(), f.name))
             parts[f.name] = section_from_dict(sub_cls, d.get(f.name, {}), f.name)
         return cls(**parts)
-
-
-def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
-    """Apply `section.key=value` strings (e.g. `model.d_model=256`)."""
-    d = cfg.to_dict()
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like section.key=value")
-        key, text = item.split("=", 1)
-        parts = key.split(".")
-        if len(parts) != 2 or parts[0] not in d:
-            raise ConfigError(
-                f"override key {key!r} must be <section>.<key> with section in {sorted(d)}"
-            )
-        section, name = parts
-        fields = {f.name: f.type for f in dataclasses.fields(type(getattr(cfg, section)))}
-        if name not in fields:
-            raise ConfigError(f"unknown config key '{key}'{did_you_mean(name, fields, section)}")
-        d[section][name] = parse_scalar(key, text, fields[name])
-    return Config.from_dict(d)
 
 
 def preset_names() -> list[str]:

@@ -1,7 +1,7 @@
 """A config's keys as typed values: a section from a JSON object, a scalar
 from command-line text, each error a ConfigError naming the key (and the
 closest keys where one is unknown). `jaxtp.config` reads and overrides
-through these."""
+through these, and applies `section.key=value` overrides."""
 
 from __future__ import annotations
 
@@ -59,3 +59,23 @@ def parse_scalar(key: str, text: str, type_name: str) -> Any:
         return _TYPES[type_name](text)
     except ValueError:
         raise ConfigError(f"{key}={text!r}: expected a {type_name}") from None
+
+
+def apply_overrides(cfg, overrides: list[str]):  # (a Config; its own type builds the result)
+    """Apply `section.key=value` strings (e.g. `model.d_model=256`)."""
+    d = cfg.to_dict()
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        key, text = item.split("=", 1)
+        parts = key.split(".")
+        if len(parts) != 2 or parts[0] not in d:
+            raise ConfigError(
+                f"override key {key!r} must be <section>.<key> with section in {sorted(d)}"
+            )
+        section, name = parts
+        fields = {f.name: f.type for f in dataclasses.fields(type(getattr(cfg, section)))}
+        if name not in fields:
+            raise ConfigError(f"unknown config key '{key}'{did_you_mean(name, fields, section)}")
+        d[section][name] = parse_scalar(key, text, fields[name])
+    return type(cfg).from_dict(d)

@@ -122,6 +122,16 @@ def _on_cpu(r: Expected, impl: str) -> Expected:
     return dataclasses.replace(r, dtype=carried("cpu", r.dtype))
 
 
+def widened(rows: list[Expected], dtype: str) -> list[Expected]:
+    """`rows` for a model of compute `dtype`: under float64 (a verification
+    run, `train.py --float64`) the rows booked in fp32, the wide dtype of the
+    softmaxes, norms and sums (`jaxtp.parallel.wide`), are float64; else
+    `rows` as they are."""
+    if dtype != "float64":
+        return rows
+    return [dataclasses.replace(r, dtype="f64") if r.dtype == "f32" else r for r in rows]
+
+
 def carried(platform: str, dtype: str) -> str:
     """The dtype the compiler for `platform` carries a collective of `dtype`
     in: the CPU runtime carries bf16 collectives in fp32 (f16 in f16)."""

@@ -35,15 +35,14 @@ from ..config import Config
 from ..model.vocab import loss_chunks
 from ..parallel import DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS
 from ..parallel import xla_overlap
-from .backends import on_backend
+from .backends import on_backend, widened
 from .cp import expected_cp
 from .pp import expected_pp
 from .dp import expected_fsdp
 from .ep import expected_moe
 from .grads import expected_grads
 from .overlap_rows import ring_regions, windowed_head, windowed_regions
-from .rows import (HLO_DTYPES, Expected, batch_ranks, microbatch_rows, on, per_step,
-                   schedule_of, widened)
+from .rows import HLO_DTYPES, Expected, batch_ranks, microbatch_rows, on, per_step, schedule_of
 
 
 @dataclasses.dataclass(frozen=True)

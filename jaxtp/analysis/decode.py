@@ -38,7 +38,8 @@ from ..config import INFERENCE_IMPLS, Config
 from ..generate import Generator
 from ..parallel import cache_spec, make_mesh, spec
 from ..model.build import abstract_model
-from .rows import HLO_DTYPES, Expected, check, format_table, widened
+from .backends import widened
+from .rows import HLO_DTYPES, Expected, check, format_table
 
 
 def decode_budget(cfg: Config, batch: int, impl: str) -> list[Expected]:

@@ -175,8 +175,22 @@ def _moe_rows(cfg: Config, impl: str) -> list[Expected]:
     if own and m.remat == "full" and not sp:  # the block's output is kept, the experts' not
         own.append(T("remat 'full': g again for the backward", "all-reduce", "backward",
                      tp_n, 1, p.tp, (TP_AXIS,)))
-    # the axes that split the tokens: the statistics' means run over them
-    routed = on(cfg, DATA_AXIS, EP_AXIS, CP_AXIS, *(TP_AXIS,) * sp)
+    own += _statistics_rows(cfg, E)
+    # each stage's sum over its layers and microbatches, added up once (1F1B
+    # adds them to the loss in its schedule: in the loss's sum, `grads`)
+    if p.pp > 1 and p.pp_schedule != "1f1b":
+        own.append(E("pp: the stages' router statistics summed", "all-reduce", "forward",
+                     len(LOSSES), 1, p.pp, (PP_AXIS,), "f32", per="step", scope=""))
+    return own
+
+
+
+def _statistics_rows(cfg: Config, E: Callable) -> list[Expected]:
+    """The router statistics' means over the axes that split the tokens,
+    per MoE layer and microbatch where not said (`_moe_rows`; `E` its row
+    maker)."""
+    m, p, own = cfg.model, cfg.parallel, []
+    routed = on(cfg, DATA_AXIS, EP_AXIS, CP_AXIS, *(TP_AXIS,) * p.sequence_parallel)
     if routed:
         n = math.prod(p.degrees[a] for a in routed)
         # (in any scope: XLA combines these small sums, and the layers' sum
@@ -203,13 +217,7 @@ def _moe_rows(cfg: Config, impl: str) -> list[Expected]:
                 E("dp manual in the slices: the z-loss's mean transposed", "all-reduce",
                   "backward", 1, 1, n, routed, "f32", written=False, scope=ANY_SCOPE,
                   per="microbatch", role="moe_z_transposed")] * (not remat)
-    # each stage's sum over its layers and microbatches, added up once (1F1B
-    # adds them to the loss in its schedule: in the loss's sum, `grads`)
-    if p.pp > 1 and p.pp_schedule != "1f1b":
-        own.append(E("pp: the stages' router statistics summed", "all-reduce", "forward",
-                     len(LOSSES), 1, p.pp, (PP_AXIS,), "f32", per="step", scope=""))
     return own
-
 
 
 def _sp_rows(cfg: Config, impl: str, E: Callable, n: int) -> list[Expected]:

@@ -76,16 +76,6 @@ class Expected:
 PER = ("layer", "microbatch", "step")
 
 
-def widened(rows: list[Expected], dtype: str) -> list[Expected]:
-    """`rows` for a model of compute `dtype`: under float64 (a verification
-    run, `train.py --float64`) the rows booked in fp32, the wide dtype of the
-    softmaxes, norms and sums (`jaxtp.parallel.wide`), are float64; else
-    `rows` as they are."""
-    if dtype != "float64":
-        return rows
-    return [dataclasses.replace(r, dtype="f64") if r.dtype == "f32" else r for r in rows]
-
-
 def per_step(rows: list[Expected], schedule: Schedule) -> list[Expected]:
     """The rows' counts per step: a "layer" row's times the layers a rank
     runs per loop trip and the trips it runs (`Schedule.ticks`: M without a
@@ -130,8 +120,8 @@ def batch_ranks(cfg) -> int:
 
 def microbatch_rows(cfg) -> int:
     """The rows one rank holds of a microbatch: B/(M x dp x ep) (a pipeline's
-    microbatch holds every stage's rows)."""
-    return cfg.train.batch_size // (cfg.train.microbatches * batch_ranks(cfg))
+    microbatch holds every stage's rows: `Schedule.rows`)."""
+    return schedule_of(cfg).rows
 
 
 def reduces_once(cfg) -> bool:

@@ -72,8 +72,7 @@ class Group(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, layout: Layout, *, rngs: nnx.Rngs):
         k = cfg.layer_group  # (its last block the MoE one, `ModelConfig.is_moe_layer`)
-        self.layers = nnx.List([Block(cfg, layout, rngs=rngs, moe=j == k - 1)
-                                for j in range(k)])
+        self.layers = nnx.List([Block(cfg, layout, rngs=rngs, moe=j == k - 1) for j in range(k)])
 
 
 def _unit(cfg: ModelConfig, layout: Layout, rngs: nnx.Rngs):

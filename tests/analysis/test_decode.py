@@ -56,7 +56,7 @@ test_a_moe_decode_step_matches_its_budget.fast_cases = {"dense-shard_map"}
 def test_generate_compare_hlo_of_a_float64_config_books_its_ledger_in_f64(tmp_path, capsys):
     """generate.py --compare-hlo --config of a float64 model turns on
     jax_enable_x64 (it was refused: a float64 model without x64) and holds
-    the decode step to the ledger in f64 (`rows.widened`), with the sampled
+    the decode step to the ledger in f64 (`backends.widened`), with the sampled
     ids still int32 (jnp.argmax's would be int64 under x64)."""
     import json
 
