@@ -160,5 +160,5 @@ class Attention(nnx.Module):
         q_BTNH, kv_BTCKH = checkpoint_name(q_BTNH, "qkv"), checkpoint_name(kv_BTCKH, "qkv")
         kv_BTCKH = local.kv_for_heads(kv_BTCKH, q_BTNH.shape[2])
         B, T, N, H = q_BTNH.shape
-        K = kv_BTCKH.shape[3]  # kv heads this rank sees: one, N copies (GSPMD), tp (explicit)
+        K = kv_BTCKH.shape[3]  # kv heads this rank sees: one, N copies (partitioned), tp (typed)
         return q_BTNH.reshape(B, T, K, N // K, H), kv_BTCKH[:, :, 0], kv_BTCKH[:, :, 1]

@@ -83,7 +83,7 @@ def _diag_mask(G: int, b: int):
 
 def _full(likes, shape, value):
     """A constant in the wide dtype of `likes` (`wide`) that varies over the
-    manual axes any of `likes` varies over: inside shard_map a loop carry must
+    manual axes any of `likes` varies over: inside a manual region a loop carry must
     keep one type, and what the loop adds to it varies with the inputs (over
     tp, for a rank's heads)."""
     return vary(jnp.full(shape, value, wide(jnp.result_type(*likes))),

@@ -26,7 +26,7 @@ def resolve_attention(cfg, device=None, cpu_tuned: bool = True):
     if kernel == "cudnn" and m.attention == "auto" and (cfg.parallel.cp > 1 or
                                                        stages_leave_axes(cfg.parallel)):
         # cuDNN gives no log-sum-exp to merge cp's parts by; its custom
-        # partitioning fails in a pipeline's shard_map that leaves tp to GSPMD
+        # partitioning fails in a pipeline's manual region that leaves tp to the partitioner
         kernel = "blockwise"
     block = kernels.choose_block(m.attention, m.attention_block, device, cpu_tuned)
     return dataclasses.replace(cfg, model=dataclasses.replace(m, attention=kernel,

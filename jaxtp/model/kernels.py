@@ -2,8 +2,8 @@
 
 All take q [B, T, K, G, H] (K kv heads, G query heads per kv head) and k, v
 [B, T, K, H], and return o [B, T, K, G, H]: o = softmax(q k^T / sqrt(H) +
-causal mask) v per head. Each works on global arrays (GSPMD partitions the
-head dims) and on one rank's heads inside shard_map; none moves data between
+causal mask) v per head. Each works on global arrays (the SPMD partitioner splits
+the head dims) and on one rank's heads inside a manual region; none moves data between
 heads, so none adds a collective.
 
 - `xla`: einsum, fp32 softmax, einsum; the reference. It materialises the
@@ -157,7 +157,7 @@ def cached_attention(q_BTKGH, k_BSKH, v_BSKH, pos_BT):
 def xla_attention(q_BTKGH, k_BTKH, v_BTKH, return_lse: bool = False):
     """The reference: scores, fp32 softmax, weighted sum.
 
-    With one query head per kv head (MHA, and GSPMD's replicated-kv layout)
+    With one query head per kv head (MHA, and the partitioner's replicated-kv layout)
     the scores are 4-D [B, N, T, S]: XLA's CPU compiler turns the 5-D grouped
     form into separate copy and select passes (measured 227 vs 117 ms of a
     tiny step's attention). The mask is a select fused into the max and exp.

@@ -3,8 +3,8 @@
 Every weight is created with its PartitionSpec in the metadata
 (`out_sharding=layout.param_spec(...)`), so the parameters themselves carry
 their split over the mesh. A layer's math is plain local math written as an
-einsum over shape letters: correct on global arrays (GSPMD partitions it) and
-on per-shard arrays inside `jax.shard_map` (`jaxtp.parallel.locals`).
+einsum over shape letters: correct on global arrays (the SPMD partitioner splits it)
+and on per-shard arrays inside a manual region (`jaxtp.parallel.locals`).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class ColumnParallelLinear(nnx.Module):
     def matmul(self):
         """x -> X W + b with the weights fetched now (under FSDP gathered
         here, not again in a rematerialised matmul's backward pass).
-        `out_sharding` (impl explicit, x split along T) names the output's
+        `out_sharding` (typed shardings, x split along T) names the output's
         sharding, which the types cannot tell when both operands are split
         over tp (`jaxtp.parallel.Explicit.project`)."""
         w, b = self.weights()
@@ -100,7 +100,7 @@ class RowParallelLinear(nnx.Module):
         self.dtype, self.letters = dtype, letters
 
     def partial(self, x, out_sharding=None):
-        """X W; `out_sharding` (impl explicit) names the summed output's
+        """X W; `out_sharding` (typed shardings) names the summed output's
         sharding, which makes the contraction over tp a reduction."""
         return jnp.einsum(f"...{self.letters},{self.letters}D->...D", x.astype(self.dtype),
                           weight(self.kernel, self.dtype), out_sharding=out_sharding)
@@ -160,7 +160,7 @@ def normalised(x, eps: float, centre: bool, autodiff: bool = False):
 
     Its backward pass is written out (the standard formula: Ba et al. 2016;
     Zhang & Sennrich 2019) from the normalised input and 1/sigma the forward
-    keeps; scale and bias stay with autodiff (inside a shard_map their
+    keeps; scale and bias stay with autodiff (inside a manual region their
     cotangents' psums are autodiff's). Left to autodiff, XLA:CPU fused each
     residual-stream gradient with the sums of every later layer's norm terms
     and recomputed those sums per layer, transposed for the weight gradients'

@@ -15,7 +15,7 @@ depend on how the batch is split):
   token picks an expert twice;
 - dispatch and combine as dense one-hot tensors [G, T, E, C]: the experts'
   inputs are `einsum("GTEC,GTD->GECD")`, their outputs combined by the kept
-  routing weights (GShard's form, which GSPMD partitions by the expert dim).
+  routing weights (GShard's form, which the partitioner splits by the expert dim).
 
 The two router losses, per microbatch over all its tokens:
 
@@ -73,7 +73,7 @@ def route(logits_GTE, k: int, norm_topk: bool = True):
     """(weights [G, T, k], experts [G, T, k] int32, probs [G, T, E]): the top
     k of the softmax over experts, in descending probability (ties: the
     lower expert id first, as `lax.top_k`). By k argmaxes, not `lax.top_k`,
-    which GSPMD partitions by gathering its operand whole (measured on jax
+    which the partitioner splits by gathering its operand whole (measured on jax
     0.10.2: the router's [B, T, E] all-gathered over ep in every layer)."""
     probs_GTE = jax.nn.softmax(logits_GTE.astype(wide(logits_GTE)), axis=-1)
     picked, left = [], probs_GTE
@@ -117,7 +117,7 @@ def combine(experts_GTk, weights_GTk, kept_GTk, E: int, C: int, dispatch_GTEC):
 def balance_loss(probs_GTE, experts_GTk, mean: Callable = lambda x: x) -> jax.Array:
     """Switch's load-balancing loss for top-k: E/k * sum_e f_e P_e over all
     G*T tokens (1 when uniform). `mean(a)`: a rank's mean over its tokens
-    -> the mean over every rank's (`over_tokens`; outside a shard_map the
+    -> the mean over every rank's (`over_tokens`; outside a manual region the
     partitioner's)."""
     E, k = probs_GTE.shape[-1], experts_GTk.shape[-1]
     tokens = probs_GTE.shape[0] * probs_GTE.shape[1]
@@ -197,8 +197,8 @@ class Experts(nnx.Module):
 
     def __call__(self, x_EGCD):
         """Every expert's slots [E, G, C, D] -> its outputs, summed over tp
-        (under SP reduce-scattered over it). gspmd: the slots as the experts
-        take them (`Slots.experts`, placed by `jaxtp.parallel.ep.placed`); shard_map: as
+        (under SP reduce-scattered over it). Partitioned: the slots as the
+        experts take them (`Slots.experts`, placed by `jaxtp.parallel.ep.placed`); written: as
         the dispatch made them (`Slots.tokens`), sent to the experts' ranks
         and back in the region (`jaxtp.parallel.ep.over_ep`), there gathered
         over tp and reduce-scattered back under SP (`f_sp`, `g_sp`), else
@@ -207,7 +207,7 @@ class Experts(nnx.Module):
 
     def local(self, x_EGCD, out_sharding=None):
         """The experts' math on whatever part of F this rank holds
-        (`out_sharding`: impl explicit's, which makes the contraction over
+        (`out_sharding`: typed shardings', which makes the contraction over
         tp a reduction)."""
         w_up, w_down = weight(self.up, self.dtype), weight(self.down, self.dtype)
         x_EGCD = x_EGCD.astype(self.dtype)
@@ -216,7 +216,7 @@ class Experts(nnx.Module):
             h_EGCF = jax.nn.silu(h_EGCXF[..., 0, :]) * h_EGCXF[..., 1, :]
         else:
             h_EGCF = gelu(jnp.einsum("EGCD,EDF->EGCF", x_EGCD, w_up))
-        # F over tp, as the weights (else GSPMD may trade the down-projection's
+        # F over tp, as the weights (else the partitioner may trade the down-projection's
         # partial sum for an all-to-all of h and the gathered weight)
         h_EGCF = constrain(h_EGCF, "expert", "expert_batch", None, "mlp")
         return jnp.einsum("EGCF,EFD->EGCD", checkpoint_name(h_EGCF, "mlp_up"), w_down,
@@ -236,7 +236,7 @@ class Experts(nnx.Module):
         return jax.lax.ragged_dot(checkpoint_name(h_RF, "mlp_up"), w_down, sizes_E)
 
     def ragged(self, x_GTD, experts_GTk, weights_GTk):
-        """The dropless ragged path (`jaxtp.parallel.ep.ragged`) in a shard_map
+        """The dropless ragged path (`jaxtp.parallel.ep.ragged`) in a region
         manual over every axis, under both impls: each rank routes its own
         tokens; tp splits F inside the experts and sums the layer's output
         over tp once (g), after the weighted sum, on [G, T, D] rather than
@@ -312,7 +312,7 @@ class MoE(nnx.Module):
         (`to`: its shape) back: through [n, B, T/n, D], the part of each
         sequence major, so that a rank's groups are one tile (`Slots`:
         split over cp (x tp), then the batch's axes) and no token moves
-        (a group index b*n + j would tile a rank's tokens apart: GSPMD moves
+        (a group index b*n + j would tile a rank's tokens apart: the partitioner moves
         them, an all-to-all over tp)."""
         n, (_, seq, _) = self.splits, self.layout.residual
         if n == 1:  # the sequences are the groups

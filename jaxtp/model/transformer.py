@@ -206,7 +206,7 @@ class Transformer(nnx.Module):
         x_BTD = self.wte(tokens_BT)
         if self.wpe is not None:
             pos_1TD = self.wpe(jnp.asarray(self.layout.positions(T)))[None]
-            if self.layout.sp:  # on the token rows' sequence shard, so GSPMD adds
+            if self.layout.sp:  # on the token rows' sequence shard, so the partitioner adds
                 # them after the embedding's reduce-scatter, not before it
                 pos_1TD = constrain(pos_1TD, None, *self.layout.residual[1:])
             x_BTD = x_BTD + pos_1TD
@@ -266,8 +266,8 @@ class Transformer(nnx.Module):
 
     def loss(self, tokens_BT, targets_BT, *, dropout_key=None, forward_only: bool = False):
         """Mean next-token cross-entropy, from vocab-sharded logits.
-        `forward_only` (evaluation): a 1F1B pipeline's loss by GPipe's
-        forward, not by the schedule that computes the gradients too."""
+        `forward_only` (evaluation): where the schedule runs the head, the loss
+        by a forward alone, not by the one that computes the gradients too."""
         if self.schedule.runs_head and not forward_only:
             # MoE: each stage's router statistics weighted into the loss in
             # the schedule, per microbatch (as `hidden_and_stats`'s pipeline)
@@ -304,7 +304,7 @@ def _stacked(blocks: list[Block], cfg: ModelConfig, layout: Layout, schedule: Sc
 
     stacked = stack(nnx.Rngs(0))
     state = nnx.state(stacked)
-    # (circular pipelines interleave the units)
+    # (an interleaved pipeline stores its units out of order)
     order = [u * k + j for u in schedule.layer_order(len(blocks) // k) for j in range(k)]
     pure = stack_layers({"blocks": dict(enumerate(nnx.to_pure_dict(nnx.state(blocks[i]))
                                                   for i in order))}, k)["blocks"]
@@ -342,7 +342,7 @@ def unstack_layers(pure: dict) -> dict:
 def reorder_layers(pure: dict, order) -> dict:
     """{"blocks": tree of [L, ...]} (a pure dict) with stack position j
     holding what position order[j] held: `Schedule.layer_order` puts model
-    order into a circular pipeline's storage, its inverse (np.argsort) takes
+    order into an interleaved pipeline's storage, its inverse (np.argsort) takes
     it back. The same dict where the order is the identity."""
     idx = np.asarray(order)
     if (idx == np.arange(idx.size)).all():

@@ -203,7 +203,7 @@ class VocabEmbed(nnx.Module):
     def logits(self, x_BTD):
         """Full fp32 logits [B, T, vocab_size] (unpadded), for inference:
         x whole along T (under SP gathered), the vocab gathered before the
-        padding is cut (impl explicit types both moves; GSPMD needs them too)."""
+        padding is cut (typed shardings type both moves; the partitioner needs them too)."""
         x_BTD = parallel.constrain(x_BTD, "batch", "seq", "embed")
         logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD.astype(wide(self.dtype)),
                                 weight(self.embedding).astype(wide(self.dtype)))
