@@ -349,7 +349,7 @@ def _main(args: argparse.Namespace) -> int:
     if refusal:
         print(f"error: {refusal}", file=sys.stderr)
         return EXIT_USAGE
-    from jaxtp.analysis.targets import TargetUnavailable
+    from jaxtp.parallel.targets import TargetUnavailable
     from jaxtp.train.checkpoint import CheckpointError, SaveFailed
     from jaxtp.train.loop import TrainingStopped
 
@@ -378,7 +378,7 @@ def start_jax(args, cfg: Config) -> str | None:
         return "--hardware applies to --plan and --compare-hlo"
     if args.hardware and HARDWARE[args.hardware].platform == "cuda":
         # compiling for a GPU this machine lacks: the CUDA plugin must not insist
-        # on finding one when JAX starts (jaxtp.analysis.targets)
+        # on finding one when JAX starts (jaxtp.parallel.targets)
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     import jax
 
@@ -450,7 +450,7 @@ def compare(args, cfg: Config) -> int:
 
     p, mesh = cfg.parallel, None
     if args.hardware:
-        from jaxtp.analysis.targets import target_mesh
+        from jaxtp.parallel.targets import target_mesh
 
         mesh = target_mesh(args.hardware, **p.degrees)  # or TargetUnavailable
     ok = compare_hlo(cfg, default_out(args, cfg), mesh=mesh, compile_step=compiled_step)["ok"]

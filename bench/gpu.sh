@@ -29,7 +29,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 OUT=${OUT:-runs/bench-gpu-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
-# planned at 44.6 GiB for an H100 (jaxtp.analysis.targets compile): above JAX's
+# planned at 44.6 GiB for an H100 (jaxtp.parallel.targets compile): above JAX's
 # default 75% pool on smaller cards; let it take 90%
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 
@@ -65,7 +65,7 @@ else
     | tee "$OUT/overlap.txt"
 fi
 
-# compile-only devices of the GPU model (jaxtp.analysis.targets): the device stays free
+# compile-only devices of the GPU model (jaxtp.parallel.targets): the device stays free
 JAX_PLATFORMS=cpu "$PY" train.py --config llama3-8b --plan --tp 8 --hardware "$HW" \
   | tee "$OUT/plan-llama3-8b-tp8.txt"
 {

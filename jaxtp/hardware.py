@@ -27,7 +27,7 @@ class Hardware:
 
 
 # The one hardware table: MFU's peak by device kind, the planner's memory and
-# link, the compile-only targets (jaxtp.analysis.targets). First match of a
+# link, the compile-only targets (jaxtp.parallel.targets). First match of a
 # device kind wins: "TPU v5" (what a v5p VM reports) after the v5e names.
 HARDWARE = {
     # NVIDIA H100 SXM5 datasheet: 132 SMs, 80 GB HBM3 at 3.35 TB/s, 989 TFLOP/s

@@ -7,6 +7,8 @@ Mixtral 8x7B on a CPU machine allocate for a minute before running out."""
 
 from __future__ import annotations
 
+import math
+
 from .hardware import HARDWARE, GiB
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -90,3 +92,79 @@ def _count(n: int) -> str:
 
 
 __all__ = ["ITEMSIZE", "check_fits", "check_plannable", "param_count", "state_bytes"]
+
+
+# the analytic activation memory `--plan` prints beside the compiled one
+
+
+def capacity(T: int, k: int, E: int, factor: float) -> int:
+    """Slots per expert per group of T tokens: ceil(factor * T * k / E), at
+    most T (no token takes an expert twice); factor 0: T (dropless)."""
+    if factor <= 0:
+        return T
+    return max(1, min(T, math.ceil(factor * T * k / E)))
+
+
+def activation_bytes(cfg) -> float:
+    """Korthikanti et al. 2022 activation memory of all layers, per device
+    (under cp for a rank's s/cp positions, whose scores span all s keys),
+    for the microbatches a device holds at once: one without a pipeline
+    (slices run one after another); under pp a stage's L/p layers, for all
+    M microbatches (GPipe, circular: the backward starts after every
+    forward; Huang et al. 2019), or, under 1F1B (Narayanan et al. 2021), p
+    microbatches' stage inputs (b*s*h each) and one microbatch's layers
+    recomputed from them (`jaxtp.parallel.pipeline_1f1b`)."""
+    m, p = cfg.model, cfg.parallel
+    t, M = p.tp, cfg.train.microbatches
+    # (ep splits the batch as dp does)
+    s, b, h, a = m.seq_len, cfg.train.batch_size // (p.dp * p.ep * M), m.d_model, m.n_heads
+    sl = s // p.cp  # a cp rank's positions; its queries still see s keys
+    if p.sequence_parallel:
+        per_layer = sl * b * h / t * (34 + 5 * a * s / h)
+    else:
+        per_layer = sl * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    width = ITEMSIZE[m.dtype] / 2
+    if m.n_experts:  # the MLP's 19sbh (2 + 1 replicated, 16/t split) for the MoE's own,
+        # in the MoE layers' share of the layers (`model.moe_every`)
+        per_layer += (-sl * b * h * (3 + 16 / t) + moe_activation_bytes(cfg) / width) * \
+            m.n_moe_layers / m.n_layers
+    layers = m.n_layers // p.pp
+    if p.pp == 1:
+        return layers * per_layer * width
+    if p.pp_schedule == "1f1b":
+        inputs = p.pp * sl * b * h / (t if p.sequence_parallel else 1) * 2
+        return (layers * per_layer + inputs) * width
+    return M * layers * per_layer * width
+
+
+def moe_activation_bytes(cfg) -> float:
+    """What one MoE layer keeps for the backward pass per device and
+    microbatch, in place of Korthikanti's MLP terms: the layer's input
+    (b*s*D, replicated over tp), the router's fp32 logits and probabilities
+    (2 x b*s*E), the dispatch and combine tensors ([G_r, s, E, C] each), and
+    over the slots (E * G_r * C of them: `jaxtp.analysis.ep.slots`, the
+    experts' buffer after the all-to-all as before it) the experts' input
+    and output (D each) and their hidden units (F/tp: gate, up and SwiGLU's
+    product, or GELU's input and output); a shared expert's hidden units
+    over the tokens (the same count with its own F). b = G_r: the rank's
+    sequences."""
+    m, p = cfg.model, cfg.parallel
+    G = cfg.train.batch_size // (p.dp * p.ep * cfg.train.microbatches)
+    s, D, E, w = m.seq_len, m.d_model, m.n_experts, ITEMSIZE[m.dtype]
+    C = capacity(s, m.moe_top_k, E, m.capacity_factor)
+    hidden = lambda F: (3 if m.style == "llama" else 2) * F / p.tp
+    r = 8 if m.dtype == "float64" else 4  # the router's fp32 logits, probabilities (`wide`)
+    return (G * s * D * w + 2 * G * s * E * r + 2 * G * s * E * C * w
+            + E * G * C * (2 * D + hidden(m.expert_d_ff)) * w
+            + G * s * hidden(m.moe_shared_d_ff) * w)
+
+
+def korthikanti_terms(cfg) -> str:
+    """Which terms of the Korthikanti et al. activation count apply to this model."""
+    m = cfg.model
+    return (f"Korthikanti terms for this model: activations {m.dtype} (estimate scaled by "
+            f"{ITEMSIZE[m.dtype] / 2:g} from 16-bit); residual/MLP dropout masks "
+            f"(2sbh per block) {'kept' if m.dropout > 0 else 'absent (dropout=0)'}; attention "
+            "dropout (as^2b mask + 2as^2b output of the 5as^2b) absent: jaxtp has none; "
+            + ("SwiGLU keeps gate and up (more than the GELU count)" if m.style == "llama"
+               else "GELU MLP as counted"))

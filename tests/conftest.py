@@ -11,7 +11,7 @@ import sys
 # tests in subfolders import the shared single-device reference as `reference`
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-# compile-only GPU devices (jaxtp.analysis.targets) where the CUDA plugin is installed:
+# compile-only GPU devices (jaxtp.parallel.targets) where the CUDA plugin is installed:
 # the plugin must not insist on a GPU when JAX starts
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 

@@ -19,7 +19,7 @@ LAZY = {("jaxtp.data.tokenizer", "tokenizers"): "optional [data]",
         ("jaxtp.parallel.distributed", "jax._src"): "a private API, tried",
         ("jaxtp.train.orbax_errors", "orbax.checkpoint._src.serialization"):
             "a private API, tried",
-        ("jaxtp.analysis.targets", "jax.experimental"): "after the CUDA plugin's setting",
+        ("jaxtp.parallel.targets", "jax.experimental"): "after the CUDA plugin's setting",
         ("jaxtp.bench.torch_peer", "torch"): "never a dependency: the bench's optional peer"}
 
 

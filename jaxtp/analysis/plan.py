@@ -38,10 +38,10 @@ import numpy as np
 from .. import hlo
 from ..axes import AXIS, TABLE
 from ..config import Config, ConfigError, validate
-from ..parallel import mesh_for, wide
+from ..parallel import mesh_for
 from ..hardware import HARDWARE, model_flops_per_token
 from ..model.build import resolve_attention
-from ..model.moe import capacity
+from ..sizes import activation_bytes, capacity, moe_activation_bytes
 from .backends import on_backend
 from .cp import cp_intensity
 from .ep import expected_ep, slots
@@ -49,7 +49,7 @@ from .params import param_shards
 from .predict import decode_lines, from_hlo, plan_lines
 from .rows import decided, per_step, schedule_of
 from .plan_report import print_plan
-from .targets import CPU_OVERSTATES, TargetUnavailable, target_mesh
+from ..parallel.targets import CPU_OVERSTATES, TargetUnavailable, target_mesh
 
 # Planning on CPU: XLA's CPU scheduler orders work for speed, and keeps more
 # live than the memory-aware schedulers of the GPU and TPU compilers; its
@@ -68,60 +68,6 @@ def _per_device_bytes(tree) -> int:
     return total
 
 
-def activation_bytes(cfg: Config) -> float:
-    """Korthikanti et al. 2022 activation memory of all layers, per device
-    (under cp for a rank's s/cp positions, whose scores span all s keys),
-    for the microbatches a device holds at once: one without a pipeline
-    (slices run one after another); under pp a stage's L/p layers, for all
-    M microbatches (GPipe, circular: the backward starts after every
-    forward; Huang et al. 2019), or, under 1F1B (Narayanan et al. 2021), p
-    microbatches' stage inputs (b*s*h each) and one microbatch's layers
-    recomputed from them (`jaxtp.parallel.pipeline_1f1b`)."""
-    m, p = cfg.model, cfg.parallel
-    t, M = p.tp, cfg.train.microbatches
-    # (ep splits the batch as dp does)
-    s, b, h, a = m.seq_len, cfg.train.batch_size // (p.dp * p.ep * M), m.d_model, m.n_heads
-    sl = s // p.cp  # a cp rank's positions; its queries still see s keys
-    if p.sequence_parallel:
-        per_layer = sl * b * h / t * (34 + 5 * a * s / h)
-    else:
-        per_layer = sl * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-    width = np.dtype(m.dtype).itemsize / 2
-    if m.n_experts:  # the MLP's 19sbh (2 + 1 replicated, 16/t split) for the MoE's own,
-        # in the MoE layers' share of the layers (`model.moe_every`)
-        per_layer += (-sl * b * h * (3 + 16 / t) + moe_activation_bytes(cfg) / width) * \
-            m.n_moe_layers / m.n_layers
-    layers = m.n_layers // p.pp
-    if p.pp == 1:
-        return layers * per_layer * width
-    if p.pp_schedule == "1f1b":
-        inputs = p.pp * sl * b * h / (t if p.sequence_parallel else 1) * 2
-        return (layers * per_layer + inputs) * width
-    return M * layers * per_layer * width
-
-
-def moe_activation_bytes(cfg: Config) -> float:
-    """What one MoE layer keeps for the backward pass per device and
-    microbatch, in place of Korthikanti's MLP terms: the layer's input
-    (b*s*D, replicated over tp), the router's fp32 logits and probabilities
-    (2 x b*s*E), the dispatch and combine tensors ([G_r, s, E, C] each), and
-    over the slots (E * G_r * C of them: `jaxtp.analysis.ep.slots`, the
-    experts' buffer after the all-to-all as before it) the experts' input
-    and output (D each) and their hidden units (F/tp: gate, up and SwiGLU's
-    product, or GELU's input and output); a shared expert's hidden units
-    over the tokens (the same count with its own F). b = G_r: the rank's
-    sequences."""
-    m, p = cfg.model, cfg.parallel
-    G = cfg.train.batch_size // (p.dp * p.ep * cfg.train.microbatches)
-    s, D, E, w = m.seq_len, m.d_model, m.n_experts, np.dtype(m.dtype).itemsize
-    C = capacity(s, m.moe_top_k, E, m.capacity_factor)
-    hidden = lambda F: (3 if m.style == "llama" else 2) * F / p.tp
-    r = np.dtype(wide(m.dtype)).itemsize  # the router's logits and probabilities
-    return (G * s * D * w + 2 * G * s * E * r + 2 * G * s * E * C * w
-            + E * G * C * (2 * D + hidden(m.expert_d_ff)) * w
-            + G * s * hidden(m.moe_shared_d_ff) * w)
-
-
 def state_bytes(cfg: Config) -> dict[str, int]:
     """Per-device bytes of the parameters, their gradients and Adam's two
     moments, analytically: each parameter's elements divided by tp where it
@@ -138,7 +84,7 @@ def analyze(cfg: Config, mesh=None, *, compile_step: Callable) -> dict:
     """Compile the train step of `cfg` (abstract shapes, by `compile_step`:
     `jaxtp.train.step.compiled_step`) on `mesh` (default: this machine's CPU
     devices; or compile-only devices of an accelerator,
-    `jaxtp.analysis.targets`) and account for it."""
+    `jaxtp.parallel.targets`) and account for it."""
 
     m, p, t = cfg.model, cfg.parallel, cfg.train
     t0 = time.perf_counter()
@@ -256,7 +202,7 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
     `hardware`'s memory; return the rows (and, with `out_dir`, write them to
     plan.json).
 
-    `compile_for_target`: compile for `hardware` itself (`jaxtp.analysis.targets`)
+    `compile_for_target`: compile for `hardware` itself (`jaxtp.parallel.targets`)
     where its compiler is installed; otherwise, or when it is not, compile for
     this machine's CPU, whose temporaries overstate an accelerator's.
     `cluster` (a preset or JSON file, `jaxtp.analysis.cluster`): also predict

@@ -3,21 +3,9 @@ collectives and compute per layout, and the lines that read it."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..axes import CP_AXIS, PP_AXIS
 from ..config import Config
-
-
-def korthikanti_terms(cfg: Config) -> str:
-    """Which terms of the Korthikanti et al. activation count apply to this model."""
-    m = cfg.model
-    return (f"Korthikanti terms for this model: activations {m.dtype} (estimate scaled by "
-            f"{np.dtype(m.dtype).itemsize / 2:g} from 16-bit); residual/MLP dropout masks "
-            f"(2sbh per block) {'kept' if m.dropout > 0 else 'absent (dropout=0)'}; attention "
-            "dropout (as^2b mask + 2as^2b output of the 5as^2b) absent: jaxtp has none; "
-            + ("SwiGLU keeps gate and up (more than the GELU count)" if m.style == "llama"
-               else "GELU MLP as counted"))
+from ..sizes import korthikanti_terms
 
 
 def _gib(b: float) -> str:

@@ -26,7 +26,7 @@ from ..parallel import TP_AXIS
 from ..parallel.xla_overlap import Forms, activation_bytes
 from .budget import expected_collectives
 from .rows import check
-from .targets import compile_only_devices
+from ..parallel.targets import compile_only_devices
 
 CAP_LOG = re.compile(r"Set SPMD max windowed einsum iteration to (-?\d+)")
 LOG_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "stateful_rng_spmd_partitioner=3"}

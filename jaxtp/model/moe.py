@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Callable
 
 import jax
@@ -41,6 +40,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from ..config import ModelConfig
+from ..sizes import capacity  # (pure arithmetic: `--plan` and the ledgers read it too)
 from .. import parallel
 from ..parallel import Layout, constrain, spec
 from ..parallel.collectives import f, g, wide
@@ -59,14 +59,6 @@ STATS = (*LOSSES, "moe_dropped")
 def n_stats(E: int, monitor: bool) -> int:
     """The length of a MoE layer's statistics vector."""
     return len(STATS) + E if monitor else len(LOSSES)
-
-
-def capacity(T: int, k: int, E: int, factor: float) -> int:
-    """Slots per expert per group of T tokens: ceil(factor * T * k / E), at
-    most T (no token takes an expert twice); factor 0: T (dropless)."""
-    if factor <= 0:
-        return T
-    return max(1, min(T, math.ceil(factor * T * k / E)))
 
 
 def route(logits_GTE, k: int, norm_topk: bool = True):

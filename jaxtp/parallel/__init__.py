@@ -1,7 +1,8 @@
 """The only place that knows the mesh axes and how tp communicates: the
 `Layout` (and the mesh it builds), how a batch is placed on it, who consumes
 its microbatches (the `Schedule`), Megatron's f and g, one `Local` per impl,
-context parallelism's attention core, multi-process start-up."""
+context parallelism's attention core, multi-process start-up, and meshes of
+compile-only accelerator devices (`jaxtp.parallel.targets`)."""
 
 from .collectives import f, f_sp, g, g_sp, global_norm, vary, wide
 from .layout import (CP_AXIS, DATA_AXIS, EP_AXIS, FSDP_PARAM_RULES, PP_AXIS, RULES, TP_AXIS, Layout,

@@ -264,7 +264,7 @@ def _mesh_of(params):
 
 def _platform(mesh) -> str:
     """The platform a (concrete or abstract) mesh compiles for: a compile-only
-    GPU mesh (jaxtp.analysis.targets) is not this machine's CPU."""
+    GPU mesh (jaxtp.parallel.targets) is not this machine's CPU."""
     device = getattr(mesh, "abstract_device", None)
     if device is None and hasattr(mesh, "devices"):
         device = mesh.devices.flat[0]

@@ -541,7 +541,7 @@ def test_cudnn_attention_in_slices_over_dp_compiles_for_an_h100():
 
     if importlib.util.find_spec(TARGETS["h100"]) is None:
         pytest.skip("jax_cuda12_plugin is not installed: cannot compile for h100 here")
-    from jaxtp.analysis.targets import target_mesh
+    from jaxtp.parallel.targets import target_mesh
     from jaxtp.config import apply_overrides, load_config
     from jaxtp.parallel import mesh_for
     from jaxtp.model.build import resolve_attention

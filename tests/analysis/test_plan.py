@@ -384,7 +384,7 @@ def test_mixtral_compiled_for_h100_holds_the_state_by_hand(dp, ep, tp, fsdp):
     compiled parameters per device are the count by hand (`mixtral_state`),
     Adam's two moments twice them (+ its step counts), and the verdict
     against 79.1 GiB agrees with the compiled total."""
-    from jaxtp.analysis.targets import target_mesh
+    from jaxtp.parallel.targets import target_mesh
 
     cfg = apply_overrides(load_config("mixtral-8x7b"), [
         f"parallel.dp={dp}", f"parallel.ep={ep}", f"parallel.tp={tp}",

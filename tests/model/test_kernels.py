@@ -64,7 +64,7 @@ def test_cudnn_lowers_for_an_h100_inside_each_impl(impl):
     from jaxtp.analysis.budget import expected_collectives
     from jaxtp.analysis.rows import check
     from jaxtp.config import apply_overrides, load_config, validate
-    from jaxtp.analysis.targets import target_mesh
+    from jaxtp.parallel.targets import target_mesh
     from jaxtp.model.build import resolve_attention
     from jaxtp.train.state import abstract_train_state
     from jaxtp.train.step import compile_train_step

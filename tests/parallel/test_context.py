@@ -257,7 +257,7 @@ def test_the_cp_ledger_holds_compiled_for_an_h100(impl, layout):
 
     if importlib.util.find_spec("jax_cuda12_plugin") is None:
         pytest.skip("jax_cuda12_plugin is not installed: cannot compile for h100 here")
-    from jaxtp.analysis.targets import target_mesh
+    from jaxtp.parallel.targets import target_mesh
     from jaxtp.config import apply_overrides, load_config
     from jaxtp.parallel import mesh_for
 
@@ -298,7 +298,7 @@ def test_the_cp_core_travels_in_bf16_compiled_for_an_h100():
 
     if importlib.util.find_spec("jax_cuda12_plugin") is None:
         pytest.skip("jax_cuda12_plugin is not installed: cannot compile for h100 here")
-    from jaxtp.analysis.targets import target_mesh
+    from jaxtp.parallel.targets import target_mesh
     from jaxtp.config import apply_overrides, load_config
     from jaxtp.parallel import mesh_for
 

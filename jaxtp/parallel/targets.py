@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-from ..parallel import Layout
+from .layout import Layout
 from ..hardware import HARDWARE, Hardware
 
 # CPU temporaries / the H100 compile's for the same step (XLA's CPU backend
