@@ -53,7 +53,7 @@ def param_shards(cfg: Config) -> list[ParamShard]:
     with jax.sharding.use_abstract_mesh(layout.abstract_mesh()):
         params = nnx.state(nnx.eval_shape(
             lambda: Transformer(model, layout, rngs=nnx.Rngs(0), schedule=dataclasses.replace(
-                schedule, layers=L0))), nnx.Param)
+                schedule, layers=lead + L0))), nnx.Param)
     out = []
     flat = jax.tree_util.tree_flatten_with_path(
         params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]

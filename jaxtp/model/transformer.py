@@ -134,8 +134,10 @@ class Transformer(nnx.Module):
             raise ValueError("a pipelined layout (pp > 1) needs its Schedule: build the model "
                              "with jaxtp.model.build_model, or pass schedule=Schedule.of(cfg, "
                              "layout)")
-        schedule = Schedule(layers=cfg.n_layers, scan=cfg.scan_layers,
-                            period=cfg.layer_group) if schedule is None else schedule
+        # (a leading run of dense layers, `first_k_dense`: a list before the stack)
+        lead = cfg.n_layers - cfg.stacked_layers
+        schedule = schedule or Schedule(layers=cfg.n_layers, scan=cfg.scan_layers,
+                                        period=cfg.layer_group, lead=lead)
         self.wte = VocabEmbed(cfg, layout, rngs=rngs)
         self.wpe = None if cfg.style == "llama" else Embed(
             cfg.seq_len, cfg.d_model, layout, std=cfg.init_std, dtype=cfg.dtype,
@@ -145,8 +147,6 @@ class Transformer(nnx.Module):
         # starts from the values of the plain one
         blocks = [Block(cfg, layout, rngs=rngs, moe=cfg.is_moe_layer(i))
                   for i in range(cfg.n_layers)]
-        # (a leading run of dense layers, `first_k_dense`: a list before the stack)
-        lead = cfg.n_layers - cfg.stacked_layers
         self.dense = nnx.List(blocks[:lead]) if lead else None
         self.blocks = (_stacked(blocks[lead:], cfg, layout, schedule) if schedule.stacked
                        else nnx.List(blocks[lead:]))
@@ -305,7 +305,7 @@ def _stacked(blocks: list[Block], cfg: ModelConfig, layout: Layout, schedule: Sc
     stacked = stack(nnx.Rngs(0))
     state = nnx.state(stacked)
     # (an interleaved pipeline stores its units out of order)
-    order = [u * k + j for u in schedule.layer_order(len(blocks) // k) for j in range(k)]
+    order = [u * k + j for u in schedule.layer_order() for j in range(k)]
     pure = stack_layers({"blocks": dict(enumerate(nnx.to_pure_dict(nnx.state(blocks[i]))
                                                   for i in order))}, k)["blocks"]
     nnx.replace_by_pure_dict(state, pure)

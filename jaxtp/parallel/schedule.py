@@ -51,8 +51,9 @@ class Schedule:
     # rows one rank holds of each microbatch (`Layout.rows`; 0: not given)
     rows: int = 0
     # the layers of the stack's unit (`model.layer_group`): a stacked
-    # parameter's leading axis runs over the units, L/period of them
+    # parameter's leading axis runs over the units, (L - lead)/period of them
     period: int = 1
+    lead: int = 0  # the layers before the stack (`model.first_k_dense`)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -73,10 +74,12 @@ class Schedule:
         if layout.pp > 1:
             return cls(microbatches=M, mode="pipeline", layers=cfg.model.n_layers,
                        stages=layout.pp, repeats=p.pp_repeats, pipeline=p.pp_schedule,
-                       scan=True, rows=rows, period=cfg.model.layer_group)
+                       scan=True, rows=rows, period=cfg.model.layer_group,
+                       lead=cfg.model.n_layers - cfg.model.stacked_layers)
         return cls(microbatches=M, layers=cfg.model.n_layers, scan=cfg.model.scan_layers,
                    mode=_mode(layout, M, cfg.model.attention, cfg.train.reduce_once),
-                   rows=rows, period=cfg.model.layer_group)
+                   rows=rows, period=cfg.model.layer_group,
+                   lead=cfg.model.n_layers - cfg.model.stacked_layers)
 
     @property
     def reduces_once(self) -> bool:
@@ -124,7 +127,7 @@ class Schedule:
 
     def layer_order(self, L: int | None = None) -> tuple[int, ...]:
         """The unit (a layer, or a group of `period`) each position of a
-        stacked [L, ...] parameter holds (L: the units, `layers / period`).
+        stacked [L, ...] parameter holds (L: the units, `(layers - lead) / period`).
         Position j lies on stage j // (L/p); under the
         circular schedule (v = `repeats` chunks of L/(p*v) layers per stage)
         stage r's i-th chunk is the pipeline's chunk i*p + r (Narayanan et
@@ -134,7 +137,7 @@ class Schedule:
         >>> Schedule(2, "pipeline", stages=2, repeats=2, pipeline="circular").layer_order(8)
         (0, 1, 4, 5, 2, 3, 6, 7)
         """
-        L = self.layers // self.period if L is None else L
+        L = (self.layers - self.lead) // self.period if L is None else L
         p, v = self.stages, self.repeats
         c = L // (p * v)  # layers per chunk
         return tuple((i * p + j // (v * c)) * c + k
