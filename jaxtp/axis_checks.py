@@ -34,13 +34,17 @@ def pp(cfg) -> str | None:
             f"train.microbatches={t.microbatches} is below pp={p.pp}: a pipeline keeps every "
             f"stage busy only with at least one microbatch per stage; set --microbatches "
             f"{2 * p.pp} (the default with --pp {p.pp}) or more")
-    circular = p.pp_schedule == "circular"
-    if circular != (p.pp_repeats > 1):
+    chunked = p.pp_schedule in ("circular", "interleaved")
+    if chunked != (p.pp_repeats > 1):
         return (
             f"parallel.pp_repeats={p.pp_repeats} with parallel.pp_schedule={p.pp_schedule!r}: "
-            "the circular schedule runs v >= 2 chunks per stage (at v = 1 it is gpipe), "
-            "gpipe one; set parallel.pp_schedule=circular parallel.pp_repeats=2, or "
-            "parallel.pp_repeats=1 with gpipe")
+            "the circular and interleaved schedules run v >= 2 chunks per stage (at v = 1 "
+            "they are gpipe and 1f1b), gpipe and 1f1b one; set parallel.pp_repeats=2 with "
+            "circular or interleaved, or parallel.pp_repeats=1 with gpipe or 1f1b")
+    if p.pp_schedule == "interleaved" and t.microbatches % p.pp:
+        return (f"the interleaved schedule runs microbatches in groups of pp={p.pp} "
+                f"(Megatron's order): train.microbatches={t.microbatches} is not a multiple; "
+                f"set --microbatches {p.pp * max(1, t.microbatches // p.pp)}")
     if m.attention == "cudnn" and p.impl == "gspmd":
         return ("model.attention='cudnn' does not run in a pipeline under --impl "
                 "gspmd (jax 0.10.2: cuDNN's custom partitioning fails in a shard_map "

@@ -40,7 +40,11 @@ CP_STRATEGIES = ("allgather", "ring")
 MOE_DISPATCHES = ("dense", "ragged")
 # how the pipeline stages run their microbatches (jaxtp.parallel.pipeline);
 # and those planned, refused by name until they are built
-PP_SCHEDULES = ("gpipe", "circular", "1f1b")
+PP_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved")
+# the pipelines that run a stage's forward and backward apart, in one table
+# with the head (`jaxtp.parallel.pipeline_1f1b`): 1F1B, and interleaved 1F1B
+# with v chunks per stage
+ONE_F_ONE_B = ("1f1b", "interleaved")
 PP_SCHEDULES_PLANNED = ()
 # how long a multi-process start waits for every process (jaxtp.parallel.distributed)
 COORDINATOR_TIMEOUT_S = 300

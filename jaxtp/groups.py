@@ -105,4 +105,13 @@ def axes_of(groups, mesh: dict[str, int]) -> tuple[str, ...]:
     return tuple(a for a in names if a in varying)
 
 
-__all__ = ["axes_of", "replica_groups"]
+def hops_on(pairs, mesh: dict[str, int], axis: str) -> frozenset[int]:
+    """The steps along `axis` a permute's (source, target) pairs take
+    (target's coordinate minus source's): {1} for a shift to the next
+    stage, {-1} for one back, {1, 1 - p} for a ring of p."""
+    names, shape = list(mesh), list(mesh.values())
+    k = names.index(axis)
+    return frozenset(_coords(b, shape)[k] - _coords(a, shape)[k] for a, b in pairs or ())
+
+
+__all__ = ["axes_of", "hops_on", "replica_groups"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from .checks import ONE_F_ONE_B
 from .hardware import HARDWARE, GiB
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -111,9 +112,11 @@ def activation_bytes(cfg) -> float:
     for the microbatches a device holds at once: one without a pipeline
     (slices run one after another); under pp a stage's L/p layers, for all
     M microbatches (GPipe, circular: the backward starts after every
-    forward; Huang et al. 2019), or, under 1F1B (Narayanan et al. 2021), p
-    microbatches' stage inputs (b*s*h each) and one microbatch's layers
-    recomputed from them (`jaxtp.parallel.pipeline_1f1b`)."""
+    forward; Huang et al. 2019), or, under 1F1B (Narayanan et al. 2021),
+    the 2p - 1 microbatches its stage 0 holds from forward to backward
+    (`jaxtp.parallel.pipeline_1f1b`: a lock-step tick's forward output
+    reaches the next stage a tick later, so a round trip is 2p - 2 ticks);
+    interleaved over v chunks, v*p + p - 1 chunks of L/(p*v) layers."""
     m, p = cfg.model, cfg.parallel
     t, M = p.tp, cfg.train.microbatches
     # (ep splits the batch as dp does)
@@ -131,9 +134,9 @@ def activation_bytes(cfg) -> float:
     layers = m.n_layers // p.pp
     if p.pp == 1:
         return layers * per_layer * width
-    if p.pp_schedule == "1f1b":
-        inputs = p.pp * sl * b * h / (t if p.sequence_parallel else 1) * 2
-        return (layers * per_layer + inputs) * width
+    if p.pp_schedule in ONE_F_ONE_B:  # its stash: v*p + p - 1 chunks' (v*M when fewer)
+        v = p.pp_repeats
+        return min(v * M, v * p.pp + p.pp - 1) * layers / v * per_layer * width
     return M * layers * per_layer * width
 
 

@@ -16,7 +16,7 @@ from ..parallel import CP_AXIS, DATA_AXIS, TP_AXIS
 from ..axes import AXES
 
 from .dp import scatters
-from .rows import ANY_SCOPE, HLO_DTYPES, batch_axes, batch_ranks, reduces_once
+from .rows import ANY_SCOPE, HLO_DTYPES, batch_axes, batch_ranks, reduces_once, runs_head
 
 if TYPE_CHECKING:
     from .grads import Part
@@ -281,7 +281,7 @@ def _tpu_head(parts: list[Part], cfg: Config, impl: str) -> list[Part]:
     if not _sums_per_microbatch(cfg) or p.cp > 1:
         return parts
     pd, cd = HLO_DTYPES[m.param_dtype], HLO_DTYPES[m.dtype]
-    summed = pd if p.pp > 1 and p.pp_schedule == "1f1b" else cd
+    summed = pd if p.pp > 1 and runs_head(cfg) else cd
     # (the row a head part is summed over dp in: per microbatch, or in a
     # pipeline the weights' outside it)
     role = ("grads_apart" if impl == "gspmd" else "grads_outside") if p.pp > 1 else "grads"

@@ -42,7 +42,8 @@ from .dp import expected_fsdp
 from .ep import expected_moe
 from .grads import expected_grads
 from .overlap_rows import ring_regions, windowed_head, windowed_regions
-from .rows import HLO_DTYPES, Expected, batch_ranks, microbatch_rows, on, per_step, schedule_of
+from .rows import (HLO_DTYPES, Expected, batch_ranks, microbatch_rows, on, per_step, runs_head,
+                   schedule_of)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +152,7 @@ def _expected_tp(cfg: Config, impl: str, forms: xla_overlap.Forms) -> list[Expec
     if p.pp > 1:
         b_out = cfg.train.batch_size // (p.pp * batch_ranks(cfg))
         E = functools.partial(E, per="step")
-        if p.pp_schedule != "1f1b":
+        if not runs_head(cfg):
             Eh, b_head = E, b_out
     else:
         b_out = b
@@ -186,7 +187,7 @@ def _dense_mlp(cfg: Config, rows: list[Expected]) -> list[Expected]:
     if not m.n_experts or m.moe_shared_d_ff:
         return rows
     dense = schedule_of(cfg).layers_per_tick * (m.n_layers - m.n_moe_layers) // m.n_layers
-    return [dataclasses.replace(r, count=r.count * dense, per="microbatch")
+    return [dataclasses.replace(r, count=r.count * dense, per="tick")
             if r.scope == "mlp" and r.per == "layer" else r
             for r in rows if r.scope != "mlp" or (dense and r.per == "layer")]
 

@@ -27,7 +27,7 @@ from . import pp, roofline, windowed
 from .backends import version_note
 from .budget import budget_for, expected_collectives
 from .picture import write
-from .rows import check, decided, format_table, schedule_of, size_text, table_rows
+from .rows import check, decided, format_table, runs_head, schedule_of, size_text, table_rows
 
 # XLA's GPU combiners concatenate small collectives into one flat buffer (the
 # CPU ones build tuples, which jaxtp.hlo splits again): the bytes stay, the
@@ -62,7 +62,8 @@ def compare_hlo(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = p
     report = _report(cfg, mesh, budget, ring, impls, colls_by_impl, expected_by_impl)
     report["refused"] = refused
     if p.pp > 1:
-        report["pipeline"] = _pipeline(cfg, colls_by_impl, dict(mesh.shape))
+        report["pipeline"] = _pipeline(cfg, colls_by_impl, dict(mesh.shape), out,
+                                       _unpipelined_flops(cfg, mesh, compile_step, log, out))
         report["ok"] = report["ok"] and report["pipeline"]["agree"]
     (out / "comm_report.json").write_text(json.dumps(report, indent=2) + "\n")
     for line in format_table(colls_by_impl, expected_by_impl, sizes):
@@ -149,29 +150,64 @@ def _report(cfg: Config, mesh, budget, ring: dict, impls: dict, colls_by_impl: d
     return report
 
 
-def _pipeline(cfg: Config, colls_by_impl: dict, sizes: dict) -> dict:
-    """The pipeline's ticks and bubble read from each compiled program (the
-    trip count of the loop holding its shift) beside the analytic ones."""
+def _unpipelined_flops(cfg: Config, mesh, compile_step: Callable, log,
+                       out: Path) -> dict[str, int] | None:
+    """The blocks' matmul FLOPs by pass of the same step without a pipeline
+    (pp 1, gspmd, its layers scanned as a stage's are, in slices of a
+    pipeline microbatch's rows (a MoE's dropless capacity is a slice's
+    tokens), on the first devices of `mesh`), per
+    device: each stage's useful share is 1/pp of them. (Its HLO:
+    `hlo_unpipelined.txt`.) None on a GPU or TPU, whose matmuls are
+    library calls the HLO reader does not count (`jaxtp.hlo.dots`), and for
+    a MoE, whose one-hot dispatch einsums XLA:CPU rewrites differently in
+    and out of the pipeline (measured: moe-tiny pp 2 x ep 2 x cp 2 x tp 2,
+    dots in the pipeline, none in the unpipelined step's slices)."""
+    if mesh.devices.flat[0].platform != "cpu" or cfg.model.n_experts:
+        return None
+    one = dataclasses.replace(cfg, parallel=dataclasses.replace(
+        cfg.parallel, pp=1, pp_schedule="gpipe", pp_repeats=1, impl="gspmd"),
+        model=dataclasses.replace(cfg.model, scan_layers=True))  # (as a stage's are)
+    log("compiling the step without a pipeline, for its useful block FLOPs ...")
+    one = resolve_attention(one, mesh.devices.flat[0])
+    ref = decided(one)[0].mesh(list(mesh.devices.flat))
+    text = compile_step(one, ref, None)[1].as_text()
+    (out / "hlo_unpipelined.txt").write_text(text)
+    return pp.block_flops(text)
+
+
+def _pipeline(cfg: Config, colls_by_impl: dict, sizes: dict, out: Path,
+              useful_all: dict[str, int] | None) -> dict:
+    """The pipeline's ticks, bubble and compiled/useful block FLOPs read
+    from each compiled program (the trips of the loops holding its shift;
+    its dots per pass against the unpipelined step's, `useful_all`, over
+    pp) beside the schedule's formulas."""
     p, M = cfg.parallel, cfg.train.microbatches
-    f1b = p.pp_schedule == "1f1b"
-    want = schedule_of(cfg).ticks
-    useful = 2 * M if f1b else p.pp_repeats * M  # the ticks that run a microbatch
-    work = "{}/{}".format(*pp.compute_factor(cfg))
+    want, useful = pp.compute_factor(cfg)
     ticks = {impl: pp.compiled_ticks(colls, sizes) for impl, colls in colls_by_impl.items()}
+    flops = {impl: pp.block_flops((out / f"hlo_{impl}.txt").read_text())
+             for impl in colls_by_impl}
+    ratio = {impl: {k: f[k] * p.pp / useful_all[k] if useful_all and useful_all[k] else None
+                    for k in f} for impl, f in flops.items()}
     analytic = pp.bubble(p.pp, M, p.pp_repeats)
-    cost = (f"each tick runs a forward and a backward (a forward tick's backward, a "
-            f"backward tick's recomputed forward: dropped), so compiled/useful block FLOPs = "
-            f"{work}" if f1b else
-            f"every stage computes in every tick, so compiled/useful block FLOPs = {work}")
-    line = (f"pipeline ({p.pp_schedule}, pp={p.pp}, M={M}): ticks compiled " + ", ".join(
-        f"{t} ({impl})" for impl, t in ticks.items())
-        + (f", analytic 2(M + p - 1) = {want}; " if f1b else
-           f", analytic v*M + p - 1 = {want}; ")
-        + f"bubble (p-1)/(v*M+p-1) = {analytic:.1%} analytic, " + ", ".join(
-            f"{(t - useful) / t:.1%} ({impl})" if t else f"none ({impl})"
-            for impl, t in ticks.items()) + f" compiled; {cost}")
+    formula = "(v*M + p - 1)/(v*M)" + (" (1F1B's fill and drain loops run one kind each)"
+                                        if runs_head(cfg) else "")
+    read = lambda k: ", ".join(f"{r[k]:.4f} ({impl})" if r[k] else f"unread ({impl})"
+                               for impl, r in ratio.items())
+    line = (f"pipeline ({p.pp_schedule}, pp={p.pp}, M={M}"
+            + (f", v={p.pp_repeats}" if p.pp_repeats > 1 else "") + "): forward ticks compiled "
+            + ", ".join(f"{t} ({impl})" for impl, t in ticks.items())
+            + f", analytic v*M + p - 1 = {want}"
+            + (f" (in {schedule_of(cfg).span} ticks)" if runs_head(cfg) else "")
+            + f"; bubble (p-1)/(v*M+p-1) = {analytic:.1%} analytic, " + ", ".join(
+                f"{(t - p.pp_repeats * M) / t:.1%} ({impl})" if t else f"none ({impl})"
+                for impl, t in ticks.items()) + " compiled; compiled/useful block FLOPs "
+            f"(the dots' against pp x the unpipelined step's) forward {read('forward')}, "
+            f"backward {read('backward')}; formula {formula} = {want}/{useful} = "
+            f"{want / useful:.4f}")
+    agree = all(t == want for t in ticks.values()) and all(
+        x is None or abs(x - want / useful) < 1e-9 for r in ratio.values() for x in r.values())
     return {"ticks": ticks, "ticks_analytic": want, "bubble": analytic, "line": line,
-            "agree": all(t == want for t in ticks.values())}
+            "flops_ratio": ratio, "flops_ratio_analytic": want / useful, "agree": agree}
 
 
 def _windowed_forms(cfg: Config, mesh) -> xla_overlap.Forms:

@@ -29,7 +29,8 @@ from typing import Callable
 from ..config import Config
 from ..model.moe import LOSSES, capacity
 from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS
-from .rows import ANY_SCOPE, HLO_DTYPES, Expected, microbatch_rows, on, reduces_once, schedule_of
+from .rows import (ANY_SCOPE, HLO_DTYPES, Expected, microbatch_rows, on, reduces_once, runs_head,
+                   schedule_of)
 
 
 def splits(cfg: Config) -> int:
@@ -104,7 +105,7 @@ def per_moe_layer(cfg: Config, rows: list[Expected]) -> list[Expected]:
     if m.n_moe_layers == m.n_layers:
         return rows
     moe = schedule_of(cfg).layers_per_tick * m.n_moe_layers // m.n_layers
-    return [dataclasses.replace(r, count=r.count * moe, per="microbatch")
+    return [dataclasses.replace(r, count=r.count * moe, per="tick")
             if r.per == "layer" else r for r in rows]
 
 
@@ -178,7 +179,7 @@ def _moe_rows(cfg: Config, impl: str) -> list[Expected]:
     own += _statistics_rows(cfg, E)
     # each stage's sum over its layers and microbatches, added up once (1F1B
     # adds them to the loss in its schedule: in the loss's sum, `grads`)
-    if p.pp > 1 and p.pp_schedule != "1f1b":
+    if p.pp > 1 and not runs_head(cfg):
         own.append(E("pp: the stages' router statistics summed", "all-reduce", "forward",
                      len(LOSSES), 1, p.pp, (PP_AXIS,), "f32", per="step", scope=""))
     return own

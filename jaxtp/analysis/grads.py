@@ -42,7 +42,8 @@ from .backends import gradients_on_backend
 from .dp import fsdp_parts, moe_fsdp_parts
 from .params import ParamShard, param_shards, part_dtypes
 from .pp import in_pipeline, pipeline_parts
-from .rows import ANY_SCOPE, HLO_DTYPES, Expected, batch_axes, on, reduces_once, schedule_of
+from .rows import (ANY_SCOPE, HLO_DTYPES, Expected, batch_axes, on, reduces_once, runs_head,
+                   schedule_of)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +205,7 @@ def _loss_means(cfg: Config, impl: str) -> list[Expected]:
     batch, cp = batch_axes(cfg), on(cfg, CP_AXIS)
     if p.pp > 1:
         outer = on(cfg, PP_AXIS) + batch
-        steps, per = ([outer + cp] if p.pp_schedule == "1f1b" else [outer, cp]), "step"
+        steps, per = ([outer + cp] if runs_head(cfg) else [outer, cp]), "step"
     elif not batch + cp:
         return []
     elif reduces_once(cfg):
@@ -284,7 +285,7 @@ def _sequence_parts(cfg: Config, impl: str, grads: list[_Grad]) -> list[Part]:
             out.append(g.part("moe: the router's gradient over tp (its tokens on sequence "
                               "shards)", m.d_model * m.n_experts, g.dtypes[0], (TP_AXIS,),
                               scope="moe", role="moe", count=schedule_of(cfg).layers_per_tick
-                              * m.n_moe_layers // m.n_layers))
+                              * m.n_moe_layers // m.n_layers, per="tick"))
         positions = s.path == "wpe/embedding"
         if not g.keyed or _sp_kv(cfg, impl, s):
             continue
@@ -295,9 +296,10 @@ def _sequence_parts(cfg: Config, impl: str, grads: list[_Grad]) -> list[Part]:
             if s.in_stack and (m.scan_layers or p.pp > 1) else 1
         layers = held // p.pp_repeats if s.in_stack else 1
         # outside a pipeline's loop once a step, but 1F1B's head (the final
-        # norm) runs in it, once a tick
-        in_loop = s.in_stack or (p.pp_schedule == "1f1b" and s.path.startswith("ln_f/"))
-        per = "step" if p.pp > 1 and not in_loop else "microbatch"
+        # norm) runs in it, once a microbatch; a stage's layers once a tick
+        in_loop = s.in_stack or (runs_head(cfg) and s.path.startswith("ln_f/"))
+        per = ("step" if not in_loop else "tick" if s.in_stack else "microbatch") \
+            if p.pp > 1 else "microbatch"
         module = s.path.split("/")[-2]
         bias = module in ("out", "down")  # a row-parallel bias (its kernel is a region's)
         # explicit reshards the positions from replicated to the sequence

@@ -27,9 +27,9 @@ import dataclasses
 from .. import hlo
 from ..config import Config
 from ..parallel import CP_AXIS, DATA_AXIS, PP_AXIS
-from ..parallel.pipeline_1f1b import FORWARD, IDLE
-from ..parallel.pipeline_1f1b import table as f1b_table
-from .rows import HLO_DTYPES, Expected, microbatch_rows, on, schedule_of
+from ..checks import ONE_F_ONE_B
+from ..parallel.pipeline_1f1b import BACK_SHIFT, decode, phases, table as f1b_table
+from .rows import HLO_DTYPES, Expected, microbatch_rows, on, runs_head, schedule_of
 
 
 def expected_pp(cfg: Config) -> list[Expected]:
@@ -45,19 +45,19 @@ def expected_pp(cfg: Config) -> list[Expected]:
     # a permute's group is its source-target pairs, in each of the
     # devices/p pipelines: p - 1 for a shift, 1 for an entry or exit permute
     pipelines = p.devices // p.pp
-    E = lambda name, pass_, n, count, pairs=1, per="step": Expected(
-        name, "collective-permute", pass_, "", n, HLO_DTYPES[m.dtype], pairs * pipelines,
+    E = lambda name, pass_, n, count, pairs=1, per="step", scope="": Expected(
+        name, "collective-permute", pass_, scope, n, HLO_DTYPES[m.dtype], pairs * pipelines,
         count, "pp", (PP_AXIS,), per=per)
     hops = p.pp - 1
-    if p.pp_schedule == "1f1b":
-        return _expected_1f1b(E, shift, mine, hops, t.batch_size // (p.pp * p.dp * p.ep)
-                              * (m.seq_len // p.cp))
     ring = p.pp if p.pp_repeats > 1 else hops  # circular: the last stage's to the first too
+    if runs_head(cfg):
+        return _expected_1f1b(E, shift, mine, hops, t.batch_size // (p.pp * p.dp * p.ep)
+                              * (m.seq_len // p.cp), schedule_of(cfg).ticks, ring)
     return [
         E("pp shift: each stage's output to the next, every tick", "forward", shift, 1, ring,
-          per="microbatch"),
+          per="tick"),
         E("pp shift, backward: each stage's input gradient to the one before, every tick",
-          "backward", shift, 1, ring, per="microbatch"),
+          "backward", shift, 1, ring, per="tick"),
         E("pp entry: each stage's rows to stage 0", "forward", mine, hops),
         E("pp exit: the last stage's outputs to their stages", "forward", mine, hops),
         E("pp exit and entry, backward: the same permutes reversed", "backward", mine,
@@ -65,18 +65,21 @@ def expected_pp(cfg: Config) -> list[Expected]:
     ]
 
 
-def _expected_1f1b(E, shift: int, mine: int, hops: int, targets: int) -> list[Expected]:
-    """1F1B's rows (`jaxtp.parallel.pipeline_1f1b`): every tick each stage
-    sends its output forward (+1) and its input gradient back (-1), both in
-    the step's forward program (the schedule runs its own backward); the
-    entry brings stage 0 the stages' rows and the last stage their targets,
-    and stage 0 returns each stage its rows' input gradient, once. No
-    transposes: the step's autodiff only scales the schedule's gradients."""
+def _expected_1f1b(E, shift: int, mine: int, hops: int, targets: int,
+                   ticks: int, ring: int) -> list[Expected]:
+    """1F1B's rows (`jaxtp.parallel.pipeline_1f1b`): each tick that runs a
+    forward sends its output on (+1), each that runs a backward but the last
+    its input gradient back (-1), all in the step's forward program (the
+    schedule runs its own backward); the entry brings stage 0 the stages'
+    rows and the last stage their targets, and stage 0 returns each stage
+    its rows' input gradient, once. No transposes: the step's autodiff only
+    scales the schedule's gradients. Interleaved: both shifts rings of p
+    pairs (`ring`)."""
     return [
-        E("pp shift +1: each stage's output to the next, every tick", "forward", shift, 1,
-          hops, per="microbatch"),
-        E("pp shift -1: each stage's input gradient to the one before, every tick",
-          "forward", shift, 1, hops, per="microbatch"),
+        E("pp shift +1: each stage's output to the next, each forward tick", "forward",
+          shift, ticks, ring),
+        E("pp shift -1: each stage's input gradient to the one before, each backward tick "
+          "but the last", "forward", shift, ticks - 1, ring, scope=BACK_SHIFT),
         E("pp entry: each stage's rows to stage 0", "forward", mine, hops),
         dataclasses.replace(E("pp entry: each stage's targets to the last stage", "forward",
                               targets, hops), dtype="s32"),
@@ -89,7 +92,7 @@ def in_pipeline(cfg: Config, path: str, in_stack: bool) -> bool:
     and under 1F1B the head's (final norm, LM head, a tied table's head part)."""
     if cfg.parallel.pp == 1:
         return False
-    return in_stack or cfg.parallel.pp_schedule == "1f1b" and path in (
+    return in_stack or runs_head(cfg) and path in (
         "ln_f/scale", "ln_f/bias", "lm_head/embedding")
 
 
@@ -125,7 +128,7 @@ def pipeline_parts(cfg: Config, impl: str, g, platform: str = "") -> list:
                        inner, **step)] * bool(inner)
     fsdp = p.fsdp and p.dp > 1 and g.shard.dp_split and g.written
     tied_head = g.shard.path == "wte/embedding" and g.sums > 1
-    f1b = p.pp_schedule == "1f1b"
+    f1b = runs_head(cfg)
     in_loop = [False] + [f1b] * (g.sums - 1) if tied_head else \
         [in_pipeline(cfg, g.shard.path, False)] * g.sums
     out = []
@@ -156,15 +159,30 @@ def pipeline_parts(cfg: Config, impl: str, g, platform: str = "") -> list:
 
 
 def compute_factor(cfg: Config) -> tuple[int, int]:
-    """(ticks, useful ticks) of a stage's loop: compiled block FLOPs over the
-    useful ones, as every stage computes in every tick (GPipe (M+p-1)/M,
-    circular (v*M+p-1)/(v*M); 1F1B 2(M+p-1)/M, its ticks each a forward and
-    a backward); (1, 1) without a pipeline."""
+    """(ticks, useful ticks) of a stage's forward (and of its backward):
+    compiled block FLOPs over the useful ones, as every stage computes in
+    every tick (GPipe and 1F1B (M+p-1)/M, 1F1B's forward-only and
+    backward-only ticks each in a loop of their own; circular
+    (v*M+p-1)/(v*M)); (1, 1) without a pipeline."""
     p, M = cfg.parallel, cfg.train.microbatches
     if p.pp == 1:
         return 1, 1
-    # (the ticks are the Schedule's; 1F1B's each run a whole forward and backward)
-    return schedule_of(cfg).ticks, M if p.pp_schedule == "1f1b" else p.pp_repeats * M
+    return schedule_of(cfg).ticks, p.pp_repeats * M
+
+
+BLOCK_SCOPES = ("attention", "mlp", "moe")
+
+
+def block_flops(text: str) -> dict[str, int]:
+    """The blocks' matmul FLOPs per step and device by pass ("forward",
+    "backward"), read from compiled HLO (`hlo.dots`: every dot at its
+    loops' trip counts; XLA:CPU's dots, none where the compiler calls
+    cuBLAS)."""
+    out = {"forward": 0, "backward": 0}
+    for d in hlo.dots(text):
+        if d.scope in BLOCK_SCOPES and d.pass_ in out:
+            out[d.pass_] += d.flops
+    return out
 
 
 def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
@@ -173,12 +191,17 @@ def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
 
 
 def compiled_ticks(colls: list[hlo.Collective], mesh: dict[str, int]) -> int | None:
-    """The pipeline's ticks as the compiled program runs them: the trip count
-    of the loop holding the forward shift (a collective-permute over pp);
+    """The pipeline's forward ticks as the compiled program runs them: the
+    trips of the forward shift (a floating-point collective-permute over pp
+    whose pairs step +1 along pp, or wrap round a ring, in a loop's body;
+    not 1F1B's backward shift, named `BACK_SHIFT`),
+    summed over the loops that hold it (1F1B's fill and steady loops);
     None without one."""
-    counts = {c.count for c in colls if c.kind == "collective-permute"
-              and c.pass_ == "forward" and c.axes(mesh) == (PP_AXIS,)}
-    return max(counts) if counts else None
+    p = mesh.get(PP_AXIS, 1)
+    counts = [c.count for c in colls if c.kind == "collective-permute" and c.dtype[0] in "fb"
+              and c.pass_ == "forward" and "while" in c.op_name and BACK_SHIFT not in c.op_name and c.axes(mesh) == (PP_AXIS,) and 1 in (hops := c.hops(mesh, PP_AXIS))
+              and hops <= {1, 1 - p}]
+    return sum(counts) if counts else None
 
 
 def cells(stages: int, microbatches: int, repeats: int = 1,
@@ -187,12 +210,16 @@ def cells(stages: int, microbatches: int, repeats: int = 1,
     tick: v*M + p - 1 forward ticks, then the scan's transpose, the same
     ticks in reverse. "F3": the forward of microbatch 3; "B3": its
     backward; circular (v > 1) adds the chunk, "F3:1"; "": a bubble tick
-    (computed on dropped data)."""
+    (computed on dropped data). 1F1B: its M + 2p - 2 ticks, "F3/B1" a
+    tick's forward of microbatch 3 and backward of 1 (interleaved:
+    v*M + (v+1)p - 2 ticks, with the chunks)."""
     p, M, v = stages, microbatches, repeats
-    if schedule == "1f1b":  # its own table: one op per tick
-        ops, mbs = f1b_table(p, M)
-        return [["" if o == IDLE else f"{'F' if o == FORWARD else 'B'}{m}"
-                 for o, m in zip(ops[:, r], mbs[:, r])] for r in range(p)]
+    if schedule in ONE_F_ONE_B:  # its own table: a forward, a backward or both a tick
+        fwd, bwd = f1b_table(p, M, v)
+        name = lambda kind, n: "{}{}".format(kind, decode(n, p, v)[0]) + (
+            f":{decode(n, p, v)[1]}" if v > 1 else "")
+        return [["/".join([name("F", f)] * int(f >= 0) + [name("B", b)] * int(b >= 0))
+                 for f, b in zip(fwd[:, r], bwd[:, r])] for r in range(p)]
     T = v * M + p - 1
 
     def op(kind: str, k: int) -> str:
@@ -208,7 +235,7 @@ def picture(stages: int, microbatches: int, schedule: str = "gpipe", repeats: in
     """`pipeline.svg`: stages down, ticks across; forward, backward and
     bubble cells (circular: a chunk's cells a shade of their own)."""
     grid = cells(stages, microbatches, repeats, schedule)
-    f1b = schedule == "1f1b"
+    f1b = schedule in ONE_F_ONE_B
     w, h, left, top = 34, 26, 70, 44
     ticks = len(grid[0])
     width, height = left + ticks * w + 10, top + stages * h + 40
@@ -220,23 +247,35 @@ def picture(stages: int, microbatches: int, schedule: str = "gpipe", repeats: in
              f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
              f'<text x="6" y="18" font-size="13" font-weight="bold">{schedule}: {stages} stages, '
              f'{microbatches} microbatches{f", {repeats} chunks each" if repeats > 1 else ""}, '
-             + (f'{ticks} ticks, one forward or backward each; ' if f1b else
+             + (f'{ticks} ticks, a forward (top) and a backward (bottom) in the steady ones; '
+                if f1b else
                 f'{ticks // 2} ticks forward + {ticks // 2} backward; ')
              + f'bubble {bubble(stages, microbatches, repeats):.1%} (grey: computed, '
              'dropped)</text>']
+    runs = [(f, b) for begin, end, f, b in phases(stages, microbatches, repeats)
+            for _ in range(begin, end)] if f1b else []
     for r, row in enumerate(grid):
         y = top + r * h
         parts.append(f'<text x="6" y="{y + 17}" font-size="11">stage {r}</text>')
         for t, cell in enumerate(row):
             x = left + t * w
-            parts.append(f'<rect x="{x}" y="{y}" width="{w - 2}" height="{h - 2}" '
-                         f'fill="{fill(cell)}" class="cell" data-stage="{r}" '
-                         f'data-tick="{t}" data-op="{cell or "bubble"}"/>')
-            if cell:
-                parts.append(f'<text x="{x + 5}" y="{y + 17}" font-size="11" '
-                             f'fill="#ffffff">{cell.partition(":")[0]}</text>')
+            # 1F1B: a tick's forward above its backward; white where the
+            # tick's loop does not compute that kind at all
+            halves = ([(kind, next((c for c in cell.split("/") if c[:1] == kind), ""), on)
+                       for kind, on in zip("FB", runs[t])] if f1b else [("", cell, True)])
+            hh = (h - 2) // len(halves)
+            for i, (_, op, on) in enumerate(halves):
+                parts.append(f'<rect x="{x}" y="{y + i * hh}" width="{w - 2}" height="{hh}" '
+                             f'fill="{fill(op) if on else "#ffffff"}" class="cell" '
+                             f'data-stage="{r}" data-tick="{t}" '
+                             f'data-op="{op or ("bubble" if on else "none")}"/>')
+                if op:
+                    parts.append(f'<text x="{x + 5}" y="{y + i * hh + (hh - 2 if f1b else 17)}" '
+                                 f'font-size="{9 if f1b else 11}" fill="#ffffff">'
+                                 f'{op.partition(":")[0]}</text>')
     parts.append(f'<text x="{left}" y="{top + stages * h + 24}" font-size="11">ticks across: '
-                 + ('forward (blue) and backward (green) as 1F1B interleaves them' if f1b else
+                 + ('forward (blue) and backward (green) as 1F1B interleaves them, the fill '
+                    'and drain ticks in loops of one kind (white: not computed)' if f1b else
                     'forward (blue), then backward (green, the scan reversed)')
                  + ('; a darker shade: an odd chunk' if repeats > 1 else '') + '</text>')
     return "\n".join(parts + ["</svg>"]) + "\n"

@@ -35,8 +35,9 @@ class Expected:
     # under shard_map: written in its code (a collective in the jaxpr), or
     # placed by GSPMD outside the regions (False: `jaxtp.analysis.roofline`)
     written: bool = True
-    # what `count` is counted per: "layer" (one layer's, one microbatch's),
-    # "microbatch" or "step"; `per_step` multiplies it out, once (`PER`)
+    # what `count` is counted per: "layer" (one layer's, one loop trip's),
+    # "tick" (a loop trip's), "microbatch" or "step"; `per_step` multiplies
+    # it out, once (`PER`)
     per: str = "step"
 
     @property
@@ -73,16 +74,17 @@ class Expected:
         return d | {"bytes": self.bytes}
 
 
-PER = ("layer", "microbatch", "step")
+PER = ("layer", "tick", "microbatch", "step")
 
 
 def per_step(rows: list[Expected], schedule: Schedule) -> list[Expected]:
     """The rows' counts per step: a "layer" row's times the layers a rank
     runs per loop trip and the trips it runs (`Schedule.ticks`: M without a
-    pipeline), a "microbatch" row's times the trips; the one place a ledger
-    multiplies by the layer count and the schedule."""
-    times = {"layer": schedule.layers_per_tick * schedule.ticks, "microbatch": schedule.ticks,
-             "step": 1}
+    pipeline), a "tick" row's times the trips, a "microbatch" row's times
+    the head's trips (M; 1F1B's head runs in each tick of its steady loop);
+    the one place a ledger multiplies by the layer count and the schedule."""
+    times = {"layer": schedule.layers_per_tick * schedule.ticks, "tick": schedule.ticks,
+             "microbatch": schedule.head_trips, "step": 1}
     for r in rows:
         if r.per not in times:
             raise ValueError(f"budget row {r.name!r} is counted per {r.per!r}: one of {PER}")
@@ -100,6 +102,12 @@ def decided(cfg) -> tuple[Layout, Schedule]:
 def schedule_of(cfg) -> Schedule:
     """`cfg`'s `jaxtp.parallel.Schedule` (`decided`)."""
     return decided(cfg)[1]
+
+
+def runs_head(cfg) -> bool:
+    """Whether `cfg`'s pipeline runs the head in its loop (1F1B, interleaved:
+    `Schedule.runs_head`)."""
+    return schedule_of(cfg).runs_head
 
 
 def on(cfg, *axes: str) -> tuple[str, ...]:

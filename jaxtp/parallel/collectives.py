@@ -86,8 +86,9 @@ def gather(x, axis: int):
 
 
 def varying_axes(x) -> frozenset:
-    """The manual mesh axes x varies over, inside shard_map (check_vma)."""
-    aval = jax.typeof(x)
+    """The manual mesh axes x (an array, or a `jax.ShapeDtypeStruct` from
+    `jax.eval_shape`) varies over, inside shard_map (check_vma)."""
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; earlier: aval.vma
     return mat.varying if mat is not None else frozenset(getattr(aval, "vma", ()))
 

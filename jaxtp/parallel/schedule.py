@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ..checks import ONE_F_ONE_B
 from .collectives import wide
 from .layout import DATA_AXIS, PP_AXIS, Layout, constrain, explicit_mesh, keep_axes
 
@@ -89,13 +90,32 @@ class Schedule:
 
     @property
     def ticks(self) -> int:
-        """Loop trips of one step: v*M + p - 1 (a pipeline's fill and drain:
-        Huang et al. 2019, GPipe); 2(M + p - 1) for 1F1B, whose ticks run a
-        forward or a backward each (`jaxtp.parallel.pipeline_1f1b`); M
-        without a pipeline."""
-        if self.pipeline == "1f1b" and self.stages > 1:
-            return 2 * (self.microbatches + self.stages - 1)
+        """Loop trips of one step that run a stage's forward (and as many
+        its backward): v*M + p - 1 (a pipeline's fill and drain: Huang et
+        al. 2019, GPipe; 1F1B's too, over `span` ticks); M without a
+        pipeline."""
         return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def span(self) -> int:
+        """The schedule's ticks from the first forward to the last backward:
+        1F1B's forwards and backwards share ticks, v*M + (v+1)p - 2 in all
+        (M + 2p - 2 at v = 1: `jaxtp.parallel.pipeline_1f1b.table`); GPipe's
+        and circular's run 2(v*M + p - 1)."""
+        if self.runs_head:
+            v, p = self.repeats, self.stages
+            return v * self.microbatches + (v + 1) * p - 2
+        return 2 * self.ticks
+
+    @property
+    def head_trips(self) -> int:
+        """The loop trips that run the head and the loss: M, but where the
+        pipeline runs the head in its loop, the ticks of its steady loop
+        (v(M - p) + p: M at v = 1), each computing it on every stage."""
+        if self.runs_head:
+            p, v = self.stages, self.repeats
+            return v * (self.microbatches - p) + p
+        return self.microbatches
 
     @property
     def head_rows(self) -> int:
@@ -116,8 +136,9 @@ class Schedule:
     def runs_head(self) -> bool:
         """Whether the stack runs the head and the loss inside it (1F1B: a
         microbatch's backward starts on the last stage as soon as its
-        forward ends), so that the model asks `jaxtp.parallel.stack_loss`."""
-        return self.pipeline == "1f1b" and self.stages > 1
+        forward ends; interleaved 1F1B too), so that the model asks
+        `jaxtp.parallel.stack_loss`."""
+        return self.pipeline in ONE_F_ONE_B and self.stages > 1
 
     @property
     def stack_axis(self) -> str | None:

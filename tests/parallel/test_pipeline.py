@@ -3,7 +3,9 @@ train step computes one device's loss and gradients, and its collectives
 on the pp axis are the pp ledger's (jaxtp.analysis.pp), counted by hand."""
 
 import dataclasses
+from collections import Counter
 import functools
+import re
 
 import jax
 import numpy as np
@@ -18,7 +20,7 @@ from jaxtp.analysis.rows import per_step, schedule_of
 from jaxtp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
 from jaxtp.model import stack_layers
 from jaxtp.parallel import Layout
-from jaxtp.parallel.pipeline_1f1b import in_flight, table as f1b_table
+from jaxtp.parallel.pipeline_1f1b import decode, in_flight, phases, slots, table as f1b_table
 from jaxtp.train.data import to_mesh
 from jaxtp.train.state import abstract_train_state, place_params
 from jaxtp.train.step import compile_train_step, cross_entropy_of
@@ -90,6 +92,15 @@ LAYOUTS = {
                                                           "sp": True}),
     "gpt2-pp4xtp2-1f1b-shard_map-M8": (MODEL, 4, 2, 1, {"schedule": "1f1b", "impl": "shard_map",
                                                        "microbatches": 8}),
+    # interleaved 1F1B: circular's chunks in 1F1B's order, microbatches in
+    # groups of p, the shifts rings; M = p and M = 2p, pp 4 with SP
+    "gpt2-pp2xtp4-interleaved": (MODEL, 2, 4, 1, {"schedule": "interleaved", "repeats": 2}),
+    "llama-gqa-dp2xpp2xtp2-interleaved-M2-shard_map": (
+        GQA, 2, 2, 2, {"schedule": "interleaved", "repeats": 2, "microbatches": 2,
+                       "impl": "shard_map"}),
+    "gpt2-pp4xtp2-interleaved-M4-sp": (MODEL, 4, 2, 1, {"schedule": "interleaved",
+                                                        "repeats": 2, "microbatches": 4,
+                                                        "sp": True}),
     # cp: each stage's tokens split along T, the pipeline manual over cp too
     # (under gspmd with the ring: `jaxtp.checks`)
     "gpt2-dp2xcp2xpp2-shard_map-fsdp": (MODEL, 2, 1, 2, {"cp": 2, "impl": "shard_map",
@@ -133,7 +144,7 @@ def test_the_pipelined_step_holds_the_pp_ledger_and_one_devices_gradients(name, 
         # (scanning and remat change no value: one reference per model)
         ref = one_device(dataclasses.replace(cfg.model, scan_layers=False, remat="none"))
         assert_same(step_loss_and_grads(cfg, step, TOKENS, values), ref)
-        if cfg.parallel.pp_schedule == "1f1b":  # evaluation: GPipe's forward, the same loss
+        if schedule_of(cfg).runs_head:  # evaluation: GPipe's forward, the same loss
             mesh = Layout.of(cfg).mesh()
             graphdef, params, _ = place_params(cfg, mesh, values)
             with jax.set_mesh(mesh):
@@ -146,8 +157,8 @@ def test_the_pipelined_step_holds_the_pp_ledger_and_one_devices_gradients(name, 
     pp = _pipeline_own(colls, sizes)
     assert check_rows(pp, per_step(expected_pp(cfg), schedule_of(cfg)), sizes) is None
     p, M, v = cfg.parallel.pp, cfg.train.microbatches, cfg.parallel.pp_repeats
-    f1b = cfg.parallel.pp_schedule == "1f1b"
-    ticks = 2 * (M + p - 1) if f1b else v * M + p - 1
+    f1b = schedule_of(cfg).runs_head
+    ticks = v * M + p - 1  # (1F1B's: its forwards, in its fill and steady loops)
     assert compiled_ticks(colls, sizes) == ticks
     # by hand: the forward shift, a microbatch's rows of the stream per dp
     # rank, every tick; the entry and exit, a stage's rows once each
@@ -155,11 +166,26 @@ def test_the_pipelined_step_holds_the_pp_ledger_and_one_devices_gradients(name, 
     dp, split = cfg.parallel.dp, cfg.parallel.tp if cfg.parallel.sp else 1
     s = MODEL.seq_len // cfg.parallel.cp  # a cp rank's positions
     row = s * MODEL.d_model // split
-    if f1b:  # the shifts both ways every tick, in the step's forward program; the
+    if f1b:  # the shifts, +1 in the fill and steady loops, -1 in the steady and
+        # drain loops (v*M + p - 1 trips, one fewer back: the last tick's goes
+        # nowhere; interleaved: rings), in the step's forward program; the
         # entry, the targets' entry and the input gradients' exit once
-        assert sorted((c.dtype, c.elements, c.count) for c in shift) == sorted(
-            [("f32", B // (M * dp) * row, ticks)] * 2 + [("f32", B // (p * dp) * row, 1)]
-            * 2 * (p - 1) + [("s32", B // (p * dp) * s, 1)] * (p - 1))
+        trips = Counter()
+        for c in shift:
+            trips[c.dtype, c.elements, tuple(sorted(c.hops(sizes, "pp")))] += c.count
+        n_in = B // (p * dp) * row
+        on, back = ((1,), (-1,)) if v == 1 else (tuple(sorted({1, 1 - p})),
+                                                 tuple(sorted({-1, p - 1})))
+        assert trips == Counter({("f32", B // (M * dp) * row, on): ticks}) + Counter(
+            {("f32", B // (M * dp) * row, back): ticks - 1}) + Counter(
+            {("f32", n_in, (-k,)): 1 for k in range(1, p)}) + Counter(
+            {("f32", n_in, (k,)): 1 for k in range(1, p)}) + Counter(
+            {("s32", B // (p * dp) * s, (p - 1 - k,)): 1 for k in range(p - 1)})
+        # the loops: fill (v*p - 1), steady (v(M - p) + p, both ways), drain
+        # (v*p - 2: the last tick apart)
+        loops = sorted(c.count for c in shift if "while" in c.op_name)
+        steady = v * (M - p) + p
+        assert loops == sorted([v * p - 1, steady, steady] + [v * p - 2] * (v * p > 2))
         assert not [c for c in pp if c.pass_ == "backward"]
         return
     assert sorted((c.elements, c.count) for c in shift) == sorted(
@@ -189,18 +215,72 @@ test_the_pipelined_step_holds_the_pp_ledger_and_one_devices_gradients.fast_cases
     "gpt2-pp2xtp4-ledger", "gpt2-pp2xtp4-one-device"}
 
 
+def test_the_1f1b_table_runs_each_op_after_what_it_needs_at_gpipes_cost():
+    """1F1B's and interleaved 1F1B's table, checked without JAX, at several
+    p, M and v: every stage runs each (microbatch, chunk)'s forward and
+    backward once, microbatches in order per chunk; a chunk's forward after
+    the virtual stage before it ran it (the stage before; stage 0's chunk i
+    after the last stage's chunk i - 1), a backward after the virtual stage
+    after it ran its own (the last stage's last chunk: in the tick of its
+    forward, after it); no stash slot is written again before its backward
+    has read it; v*M + (v+1)p - 2 ticks, whose loops (`phases`) compute
+    v*M + p - 1 chunk forwards and as many backwards per stage, GPipe's and
+    circular's; stage 0 holds v*p + p - 1 ops (2p - 1 at v = 1; v*M when
+    fewer), the most of any stage, the stash's slots; the last stage 1 at
+    v = 1."""
+    cases = [(2, 1, 1), (2, 2, 1), (2, 8, 1), (4, 4, 1), (4, 16, 1), (8, 8, 1), (3, 7, 1),
+             (4, 2, 1), (2, 2, 2), (2, 8, 2), (4, 8, 2), (4, 4, 3), (3, 6, 2)]
+    for p, M, v in cases:
+        fwd, bwd = f1b_table(p, M, v)
+        T = v * M + (v + 1) * p - 2
+        fslot, bslot, S = slots(fwd, bwd)
+        assert fwd.shape == bwd.shape == (T, p)
+        runs = [(f, b) for begin, end, f, b in phases(p, M, v) for _ in range(begin, end)]
+        assert len(runs) == T
+        assert sum(f for f, _ in runs) == sum(b for _, b in runs) == v * M + p - 1
+        at_f = {(r, n): t for r in range(p) for t, n in enumerate(fwd[:, r]) if n >= 0}
+        at_b = {(r, n): t for r in range(p) for t, n in enumerate(bwd[:, r]) if n >= 0}
+        ops = {(r, n) for r in range(p) for n in range(v * M)}
+        assert set(at_f) == set(at_b) == ops and len(at_f) == len(ops)  # each once
+        assert all(runs[t][0] for t in at_f.values()) and all(runs[t][1] for t in at_b.values())
+        chunk = {n: decode(n, p, v) for n in range(v * M)}  # (microbatch, chunk)
+        index = {mi: n for n, mi in chunk.items()}
+        assert sorted(chunk.values()) == [(m, i) for m in range(M) for i in range(v)]
+        for (r, n), t in at_f.items():
+            m, i = chunk[n]
+            if r:
+                assert t > at_f[r - 1, n]
+            elif i:
+                assert t > at_f[p - 1, index[m, i - 1]]
+            if r < p - 1:
+                assert at_b[r, n] > at_b[r + 1, n]
+            elif i < v - 1:
+                assert at_b[r, n] > at_b[0, index[m, i + 1]]
+            else:
+                assert at_b[r, n] == t  # (the tick runs its forward first)
+            # its backward reads its slot, not written again before that
+            j = fslot[t, r]
+            assert 0 <= j < S and bslot[at_b[r, n], r] == j
+            assert not [k for k in range(v * M) if k != n and fslot[at_f[r, k], r] == j
+                        and t < at_f[r, k] <= at_b[r, n]]
+        assert in_flight(fwd, bwd) == S == min(v * M, v * p + p - 1)
+        assert v > 1 or in_flight(fwd, bwd, p - 1) == 1
+
+
 @pytest.mark.slow
-def test_1f1b_holds_p_microbatches_where_gpipe_holds_m():
-    """1F1B's table keeps at most p microbatches' inputs on stage 0 (GPipe:
-    all M) in 2(M + p - 1) ticks; the compiled step's temporaries show it:
-    at M = 4 and 8 (B fixed), GPipe's hold every microbatch's activations,
-    1F1B's a fraction that shrinks as p/M."""
-    for p, M in ((2, 2), (2, 8), (4, 4), (4, 16), (8, 8), (3, 7)):
-        ops, _ = f1b_table(p, M)
-        assert len(ops) == 2 * (M + p - 1) and in_flight(ops) == p
-        assert in_flight(ops, p - 1) == 1
-    temp = lambda name: _step(name)[1].memory_analysis().temp_size_in_bytes
-    assert temp("gpt2-pp2xtp4-1f1b") < temp("gpt2-pp2xtp4") / 3
+def test_1f1b_holds_2p_minus_1_microbatches_where_gpipe_holds_m():
+    """The compiled step's temporaries at p = 2, B fixed, M = 4 and 8:
+    GPipe's autodiff keeps every tick's residuals (M + p - 1 ticks of B/M
+    rows: 5/4 of the batch's, then 9/8), 1F1B's stash 2p - 1 microbatches'
+    (3/4, then 3/8): below GPipe's at M = 8, and falling faster with M,
+    under remat none and full (measured: 6.6 against 3.5 MB, 2.1 against
+    1.2, at M = 8)."""
+    temp = lambda step: step.memory_analysis().temp_size_in_bytes
+    for remat in ("none", "full"):
+        gp = {M: temp(pp_step(MODEL, 2, 4, 1, microbatches=M, remat=remat)[1]) for M in (4, 8)}
+        f1 = {M: temp(pp_step(MODEL, 2, 4, 1, schedule="1f1b", microbatches=M,
+                              remat=remat)[1]) for M in (4, 8)}
+        assert f1[8] < gp[8] and f1[8] / f1[4] < gp[8] / gp[4]
 
 
 def test_the_ledger_catches_a_wrong_tick_count():
@@ -260,30 +340,30 @@ def test_the_circular_picture_runs_each_chunk_after_the_one_before():
     assert f"bubble {bubble(p, M, v):.1%}" in svg
 
 
-def test_the_1f1b_picture_runs_each_op_after_what_it_needs():
-    """1F1B at p=4, M=8 (PipeDream-flush): each stage runs every forward and
-    every backward once, in microbatch order; a forward after the stage
-    before ran it, a backward after the stage after ran its own (the last
-    stage: after its forward); stage r starts backwards after p-1-r
-    forwards and then alternates; 2(M + p - 1) ticks."""
+def test_the_1f1b_picture_draws_its_table_and_what_each_loop_computes():
+    """The picture's cells are the table's ("F3/B1": a tick's forward of
+    microbatch 3 and backward of 1), a tick's forward above its backward;
+    grey where the tick's loop computes a kind the stage drops, white where
+    the loop does not compute that kind at all (the fill's backwards, the
+    drain's forwards)."""
     p, M = 4, 8
     grid = cells(p, M, 1, "1f1b")
-    at = {}
+    fwd, bwd = f1b_table(p, M)
     for r, row in enumerate(grid):
-        assert len(row) == 2 * (M + p - 1)
-        ops = [c for c in row if c]
-        assert [c for c in ops if c[0] == "F"] == [f"F{m}" for m in range(M)]
-        assert [c for c in ops if c[0] == "B"] == [f"B{m}" for m in range(M)]
-        warm = p - 1 - r
-        assert ops[:warm + 1] == [f"F{m}" for m in range(warm + 1)] and ops[warm + 1] == "B0"
-        at.update({(r, c): t for t, c in enumerate(row) if c})
-    for m in range(M):
-        for r in range(p):
-            if r:
-                assert at[r, f"F{m}"] > at[r - 1, f"F{m}"]
-            after = at[r, f"F{m}"] if r == p - 1 else at[r + 1, f"B{m}"]
-            assert at[r, f"B{m}"] > after
-    assert "one forward or backward each" in picture(p, M, "1f1b")
+        assert len(row) == M + 2 * p - 2
+        for t, cell in enumerate(row):
+            assert cell == "/".join([f"F{fwd[t, r]}"] * int(fwd[t, r] >= 0)
+                                    + [f"B{bwd[t, r]}"] * int(bwd[t, r] >= 0))
+    svg = picture(p, M, "1f1b")
+    ops = re.findall(r'data-stage="(\d+)" data-tick="(\d+)" data-op="([^"]+)"', svg)
+    assert len(ops) == 2 * p * (M + 2 * p - 2)
+    # per stage: M forwards, M backwards; (p - 1) dropped of each kind; the
+    # fill's p - 1 backwards and the drain's p - 1 forwards not computed
+    for r in range(p):
+        mine = [op for stage, _, op in ops if int(stage) == r]
+        assert sum(o[0] == "F" for o in mine) == sum(o[0] == "B" for o in mine) == M
+        assert mine.count("bubble") == 2 * (p - 1) and mine.count("none") == 2 * (p - 1)
+    assert "a forward (top) and a backward (bottom)" in svg
 
 
 def test_bubble():
