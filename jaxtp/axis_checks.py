@@ -41,6 +41,10 @@ def pp(cfg) -> str | None:
             "the circular and interleaved schedules run v >= 2 chunks per stage (at v = 1 "
             "they are gpipe and 1f1b), gpipe and 1f1b one; set parallel.pp_repeats=2 with "
             "circular or interleaved, or parallel.pp_repeats=1 with gpipe or 1f1b")
+    if p.pp_stash != "residuals" and p.pp_schedule not in ("1f1b", "interleaved"):
+        return (f"parallel.pp_stash={p.pp_stash!r} chooses what 1f1b and interleaved keep for "
+                f"a stage's backward; {p.pp_schedule} keeps what autodiff keeps: drop it, or "
+                "use --pp-schedule 1f1b")
     if p.pp_schedule == "interleaved" and t.microbatches % p.pp:
         return (f"the interleaved schedule runs microbatches in groups of pp={p.pp} "
                 f"(Megatron's order): train.microbatches={t.microbatches} is not a multiple; "

@@ -45,6 +45,11 @@ PP_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved")
 # with the head (`jaxtp.parallel.pipeline_1f1b`): 1F1B, and interleaved 1F1B
 # with v chunks per stage
 ONE_F_ONE_B = ("1f1b", "interleaved")
+# what those keep from a stage's forward for its backward: the residuals its
+# VJP needs (as the blocks' remat leaves them: GPipe's compiled FLOPs), or
+# only the stage's input, the forward recomputed in the backward (one more
+# forward per tick, for the least memory)
+PP_STASHES = ("residuals", "inputs")
 PP_SCHEDULES_PLANNED = ()
 # how long a multi-process start waits for every process (jaxtp.parallel.distributed)
 COORDINATOR_TIMEOUT_S = 300
@@ -274,7 +279,8 @@ def _check_choices(cfg: Config) -> None:
                                  ("parallel.cp_attention", cfg.parallel.cp_attention,
                                   CP_STRATEGIES),
                                  ("parallel.pp_schedule", cfg.parallel.pp_schedule,
-                                  PP_SCHEDULES)):
+                                  PP_SCHEDULES),
+                                 ("parallel.pp_stash", cfg.parallel.pp_stash, PP_STASHES)):
         if value not in choices:
             raise ConfigError(f"{name}={value!r}; choose one of {choices}")
     if "float64" in (m.dtype, m.param_dtype) and m.dtype != m.param_dtype:

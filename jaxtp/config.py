@@ -212,6 +212,9 @@ class ParallelConfig:
     pp: int = degree()
     pp_schedule: str = resumable("gpipe")
     pp_repeats: int = resumable(1)  # (checkpoints hold the layers in model order)
+    # under 1f1b and interleaved: what a stage keeps for its backward
+    # (`jaxtp.checks.PP_STASHES`: the VJP's residuals, or its input alone)
+    pp_stash: str = resumable("residuals")
     dp: int = degree()
     # expert parallelism: a MoE layer's experts split over an ep axis, whose
     # ranks split the batch as dp's do everywhere else (jaxtp.model.moe)

@@ -116,7 +116,9 @@ def activation_bytes(cfg) -> float:
     the 2p - 1 microbatches its stage 0 holds from forward to backward
     (`jaxtp.parallel.pipeline_1f1b`: a lock-step tick's forward output
     reaches the next stage a tick later, so a round trip is 2p - 2 ticks);
-    interleaved over v chunks, v*p + p - 1 chunks of L/(p*v) layers."""
+    interleaved over v chunks, v*p + p - 1 chunks of L/(p*v) layers; with
+    `parallel.pp_stash=inputs` only those chunks' inputs (b*s*h each) and
+    one chunk's layers, recomputed from its input."""
     m, p = cfg.model, cfg.parallel
     t, M = p.tp, cfg.train.microbatches
     # (ep splits the batch as dp does)
@@ -136,7 +138,11 @@ def activation_bytes(cfg) -> float:
         return layers * per_layer * width
     if p.pp_schedule in ONE_F_ONE_B:  # its stash: v*p + p - 1 chunks' (v*M when fewer)
         v = p.pp_repeats
-        return min(v * M, v * p.pp + p.pp - 1) * layers / v * per_layer * width
+        held = min(v * M, v * p.pp + p.pp - 1)
+        if p.pp_stash == "inputs":  # their inputs, and one chunk's layers recomputed
+            return (held * sl * b * h / (t if p.sequence_parallel else 1) * 2
+                    + layers / v * per_layer) * width
+        return held * layers / v * per_layer * width
     return M * layers * per_layer * width
 
 

@@ -3,9 +3,11 @@ collectives and compute per layout, and the lines that read it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..axes import CP_AXIS, PP_AXIS
 from ..config import Config
-from ..sizes import korthikanti_terms
+from ..sizes import activation_bytes, korthikanti_terms
 
 
 def _gib(b: float) -> str:
@@ -37,6 +39,8 @@ def print_plan(cfg: Config, rows: list[dict], target, swept: str | None, log) ->
             f"{gib(r['memory']['optimizer'])})"
             for r in rows for z in [r["analytic_memory"]["state"]]))
     log(korthikanti_terms(cfg))
+    if any(r["pp"] > 1 for r in rows):
+        log(_schedules(cfg, rows, name))
     m = cfg.model
     if m.n_experts:
         log(f"MoE ({m.n_experts} experts, top {m.moe_top_k}, capacity factor "
@@ -54,6 +58,25 @@ def print_plan(cfg: Config, rows: list[dict], target, swept: str | None, log) ->
             f"C/W = {target.peak_flops / target.link:,.0f} for {target.name}): " + ", ".join(
                 f"cp={r['cp']} {r['cp_flops_per_kv_byte']:,.0f}" for r in rows if r["cp"] > 1))
     _verdicts(rows, target, name, log)
+
+
+def _schedules(cfg: Config, rows: list[dict], name) -> str:
+    """Each pipeline schedule's activations per device (stage 0's, the
+    Korthikanti estimate of `jaxtp.sizes.activation_bytes`) at each row's
+    pp and tp: the row's own schedule is the one compiled."""
+    def acts(r, schedule, v):
+        p = dataclasses.replace(cfg.parallel, pp=r["pp"], tp=r["tp"], pp_schedule=schedule,
+                                pp_repeats=v)
+        M, L = cfg.train.microbatches, cfg.model.n_layers
+        if L % (r["pp"] * v) or schedule == "interleaved" and M % r["pp"]:
+            return "-"
+        return _gib(activation_bytes(dataclasses.replace(cfg, parallel=p)))
+    kinds = [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved", 2)]
+    return ("activations per device by schedule (est.; stage 0 holds M microbatches under "
+            "gpipe and circular, 2p - 1 under 1f1b, v*p + p - 1 chunks interleaved): " + "; ".join(
+                f"{name(r)}: " + ", ".join(f"{s}{f' v={v}' if v > 1 else ''} {acts(r, s, v)}"
+                                           for s, v in kinds)
+                for r in rows if r["pp"] > 1))
 
 
 def _headline(cfg: Config, r0: dict, pp: bool) -> str:

@@ -88,7 +88,11 @@ def per_step(rows: list[Expected], schedule: Schedule) -> list[Expected]:
     for r in rows:
         if r.per not in times:
             raise ValueError(f"budget row {r.name!r} is counted per {r.per!r}: one of {PER}")
-    return [dataclasses.replace(r, count=r.count * times[r.per], per="step") for r in rows]
+    # (a stage's forward again in each backward: its forward rows twice a trip)
+    again = lambda r: 2 if schedule.recomputes and r.per in ("layer", "tick") and \
+        r.pass_ == "forward" else 1
+    return [dataclasses.replace(r, count=r.count * times[r.per] * again(r), per="step")
+            for r in rows]
 
 
 @functools.lru_cache(maxsize=512)

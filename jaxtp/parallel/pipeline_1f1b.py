@@ -170,7 +170,7 @@ def pipeline_1f1b(stage: Callable, head: Callable, blocks, head_modules, x_BTD, 
             jnp.asarray(stat_weights / M), math.prod(jax.lax.axis_size(a) for a in axes
                                                      if a != PP_AXIS))
         grads = _ticks(run, head_loss, w, h, xs_MbTD, ts_MbT, p, schedule.repeats, vary_all,
-                       router)
+                       router, schedule.stash == "inputs")
         loss, dw, dh, dxs_MbTD = grads
         return (jax.lax.psum(loss, axes), w_back(dw)[0], h_back(dh)[0],
                 _from_last_stage(dxs_MbTD, p, pin, frm=0))
@@ -213,14 +213,17 @@ def _kept_grads(run_all: Callable) -> Callable:
     return loss_of
 
 
-def _ticks(run, head_loss, w, h, xs_MbTD, ts_MbT, p, v, vary_all, router=None):
+def _ticks(run, head_loss, w, h, xs_MbTD, ts_MbT, p, v, vary_all, router=None,
+           inputs: bool = False):
     """The table's ticks (`table`, looped by `phases`): (summed loss, stage
     weights' gradient, head's gradient, stage 0's input gradients [M, b, T,
     D]). `run(w, x)` runs a chunk of the stage's layers (`w` a chunk of
     its v, `_chunk`). A forward files its VJP's residuals that depend on
     its input in the stash; a backward takes them out and applies them to
-    its gradient. `router`: (the statistics' weights / M, the batch ranks
-    that add them) where `run` returns (y, statistics)."""
+    its gradient; with `inputs`, a forward files its input alone and the
+    backward runs the forward again from it (`jaxtp.checks.PP_STASHES`).
+    `router`: (the statistics' weights / M, the batch ranks that add them)
+    where `run` returns (y, statistics)."""
     r = jax.lax.axis_index(PP_AXIS)
     M = xs_MbTD.shape[0]
     fwd_table, bwd_table = table(p, M, v)
@@ -242,11 +245,16 @@ def _ticks(run, head_loss, w, h, xs_MbTD, ts_MbT, p, v, vary_all, router=None):
     # what a forward keeps for its backward: the residuals that depend on its
     # input, stashed per op; those of a chunk's weights alone (the weights,
     # their casts and reshapes, masks) are computed once per chunk, here
+    if inputs:  # (the stash: the input; the forward runs again in the backward)
+        def forward(w, x):
+            return run(w, x), [x]
     out_type, kept_types, on_x, known = _split_residuals(
-        forward, [_chunk(w, i, v) for i in range(v)], xs_MbTD[0])
+        forward, [_chunk(w, i, v) for i in range(v)], xs_MbTD[0], inputs)
     stats_type = out_type[1] if router is not None else None
 
     def backward(i, kept, g):
+        if inputs:
+            return jax.vjp(run, _chunk(w, i, v), kept[0])[1](g)
         kept, known_ = iter(kept), iter(known)
         leaves = [next(kept) if x else next(known_)[i] for x in on_x]
         return jax.tree.unflatten(vjp_tree["tree"], leaves)(g)
@@ -324,14 +332,16 @@ def _add_chunk(acc, g, i, v: int):
     return jax.tree.map(one, acc, g)
 
 
-def _split_residuals(forward, chunks: list, x):
+def _split_residuals(forward, chunks: list, x, inputs: bool = False):
     """(`forward`'s output type, the types of its residuals that depend on
     `x`, a flag per residual: whether it does, and for each of those that
     depend on the weights alone its values on every chunk's weights
     [v, ...]), by JAX's partial evaluation of `forward(w, x) -> (out,
     residuals)` with `w` known (private in jax 0.10.2, so tried: without it
-    every residual is stashed)."""
+    every residual is stashed). With `inputs`, `forward` keeps `x` alone."""
     closed, (out_type, types) = jax.make_jaxpr(forward, return_shape=True)(chunks[0], x)
+    if inputs:
+        return out_type, types, [True], []
     n_w, n_out = len(jax.tree.leaves(chunks[0])), len(jax.tree.leaves(out_type))
     try:
         from jax._src.interpreters.partial_eval import partial_eval_jaxpr_nounits

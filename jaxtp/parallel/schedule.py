@@ -46,6 +46,7 @@ class Schedule:
     stages: int = 1
     repeats: int = 1
     pipeline: str = "gpipe"  # the stages' order (jaxtp.config.PP_SCHEDULES)
+    stash: str = "residuals"  # what 1F1B keeps for a backward (jaxtp.checks.PP_STASHES)
     # the blocks' parameters stacked on a leading layer axis and run by a
     # loop (`model.scan_layers`; always under a pipeline: the stages' layers)
     scan: bool = False
@@ -75,6 +76,7 @@ class Schedule:
         if layout.pp > 1:
             return cls(microbatches=M, mode="pipeline", layers=cfg.model.n_layers,
                        stages=layout.pp, repeats=p.pp_repeats, pipeline=p.pp_schedule,
+                       stash=p.pp_stash,
                        scan=True, rows=rows, period=cfg.model.layer_group,
                        lead=cfg.model.n_layers - cfg.model.stacked_layers)
         return cls(microbatches=M, layers=cfg.model.n_layers, scan=cfg.model.scan_layers,
@@ -106,6 +108,12 @@ class Schedule:
             v, p = self.repeats, self.stages
             return v * self.microbatches + (v + 1) * p - 2
         return 2 * self.ticks
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether a stage's backward runs its forward again (1F1B keeping
+        its inputs alone): the forward's collectives twice a tick."""
+        return self.runs_head and self.stash == "inputs"
 
     @property
     def head_trips(self) -> int:

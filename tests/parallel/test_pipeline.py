@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxtp import hlo
 from jaxtp.analysis.budget import expected_collectives
-from jaxtp.analysis.pp import bubble, cells, compiled_ticks, expected_pp, picture
+from jaxtp.analysis.pp import block_flops, bubble, cells, compiled_ticks, expected_pp, picture
 from jaxtp.analysis.rows import check as check_rows
 from jaxtp.analysis.rows import per_step, schedule_of
 from jaxtp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
@@ -36,7 +36,8 @@ TOKENS = np.random.default_rng(0).integers(0, 256, (B, MODEL.seq_len + 1)).astyp
 
 
 def cfg_of(model, pp, tp=1, dp=1, microbatches=None, **kw):
-    par = {k: kw.pop(k) for k in ("impl", "sp", "fsdp", "cp", "cp_attention") if k in kw}
+    par = {k: kw.pop(k) for k in ("impl", "sp", "fsdp", "cp", "cp_attention", "pp_stash")
+           if k in kw}
     if "schedule" in kw:
         par["pp_schedule"] = kw.pop("schedule")
     if "repeats" in kw:
@@ -90,6 +91,8 @@ LAYOUTS = {
     "gpt2-pp2xtp4-1f1b": (MODEL, 2, 4, 1, {"schedule": "1f1b"}),
     "llama-gqa-dp2xpp2xtp2-1f1b-fsdp-sp": (GQA, 2, 2, 2, {"schedule": "1f1b", "fsdp": True,
                                                           "sp": True}),
+    # (keeping a stage's input alone, its forward run again in the backward)
+    "gpt2-pp2xtp4-1f1b-inputs": (MODEL, 2, 4, 1, {"schedule": "1f1b", "pp_stash": "inputs"}),
     "gpt2-pp4xtp2-1f1b-shard_map-M8": (MODEL, 4, 2, 1, {"schedule": "1f1b", "impl": "shard_map",
                                                        "microbatches": 8}),
     # interleaved 1F1B: circular's chunks in 1F1B's order, microbatches in
@@ -281,6 +284,27 @@ def test_1f1b_holds_2p_minus_1_microbatches_where_gpipe_holds_m():
         f1 = {M: temp(pp_step(MODEL, 2, 4, 1, schedule="1f1b", microbatches=M,
                               remat=remat)[1]) for M in (4, 8)}
         assert f1[8] < gp[8] and f1[8] / f1[4] < gp[8] / gp[4]
+
+
+@pytest.mark.slow
+def test_each_schedule_computes_its_formulas_block_flops():
+    """The blocks' matmul FLOPs read from each compiled step (`hlo.dots`, at
+    the loops' trip counts), pp 2 x tp 4, M = 4: 1F1B's equal GPipe's in
+    both passes (each (M + p - 1) ticks of a forward and a backward);
+    keeping its inputs alone, its forward twice; interleaved's equal
+    circular's ((v*M + p - 1) ticks of 1/v of the layers), and circular's
+    are GPipe's x (v*M + p - 1)/(v(M + p - 1)) = 9/10."""
+    flops = {name: block_flops(_step(name)[1].as_text()) for name in (
+        "gpt2-pp2xtp4", "gpt2-pp2xtp4-1f1b", "gpt2-pp2xtp4-1f1b-inputs",
+        "gpt2-pp2xtp4-circular", "gpt2-pp2xtp4-interleaved")}
+    gpipe = flops["gpt2-pp2xtp4"]
+    assert gpipe["forward"] > 0 and gpipe["backward"] > 2 * gpipe["forward"] - 1
+    assert flops["gpt2-pp2xtp4-1f1b"] == gpipe
+    assert flops["gpt2-pp2xtp4-1f1b-inputs"] == {"forward": 2 * gpipe["forward"],
+                                                  "backward": gpipe["backward"]}
+    assert flops["gpt2-pp2xtp4-interleaved"] == flops["gpt2-pp2xtp4-circular"]
+    for k in gpipe:
+        assert flops["gpt2-pp2xtp4-circular"][k] * 10 == gpipe[k] * 9
 
 
 def test_the_ledger_catches_a_wrong_tick_count():
