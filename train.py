@@ -34,7 +34,7 @@ import time
 from jaxtp.axes import AXES
 from jaxtp.cli import FLAG_KEYS, Parser, positive
 from jaxtp.config import (ATTENTIONS, COORDINATOR_TIMEOUT_S, CP_STRATEGIES, IMPLS, OVERLAPS,
-                          PP_SCHEDULES, PP_SCHEDULES_PLANNED, REMATS, Config, ConfigError,
+                          PP_SCHEDULES, REMATS, Config, ConfigError,
                           apply_overrides, load_config, preset_names, validate)
 from jaxtp.checks import check_asked
 from jaxtp.hardware import HARDWARE, TARGET_NAMES
@@ -66,7 +66,7 @@ def _layout_flags(ap) -> None:
                        help="pipeline-parallel degree (mesh axis 'pp', the outermost): the "
                             "layers split evenly over pp stages, the batch run through them in "
                             "train.microbatches microbatches (default with --pp N: 2N, or N where the batch does not split so)")
-    group.add_argument("--pp-schedule", choices=PP_SCHEDULES + PP_SCHEDULES_PLANNED,
+    group.add_argument("--pp-schedule", choices=PP_SCHEDULES,
                        help="with --pp: how the stages run the microbatches (gpipe: all "
                             "forwards, then all backwards, M + pp - 1 ticks each; circular: "
                             "each stage holds --pp-repeats v chunks of layers, v*M + pp - 1 "

@@ -38,27 +38,18 @@ ATTENTIONS = ("auto", "xla", "blockwise", "cudnn")  # jaxtp.model.kernels (auto:
 CP_STRATEGIES = ("allgather", "ring")
 # how a MoE layer's tokens reach their experts (jaxtp.model.moe, jaxtp.parallel.ep)
 MOE_DISPATCHES = ("dense", "ragged")
-# how the pipeline stages run their microbatches (jaxtp.parallel.pipeline);
-# and those planned, refused by name until they are built
+# how the pipeline stages run their microbatches (jaxtp.parallel.pipeline)
 PP_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved")
-# the pipelines that run a stage's forward and backward apart, in one table
-# with the head (`jaxtp.parallel.pipeline_1f1b`): 1F1B, and interleaved 1F1B
-# with v chunks per stage
-ONE_F_ONE_B = ("1f1b", "interleaved")
-# what those keep from a stage's forward for its backward: the residuals its
-# VJP needs (as the blocks' remat leaves them: GPipe's compiled FLOPs), or
-# only the stage's input, the forward recomputed in the backward (one more
-# forward per tick, for the least memory)
-PP_STASHES = ("residuals", "inputs")
-PP_SCHEDULES_PLANNED = ()
+# those that run a stage's forward and backward apart, with the head, in one
+# table (`jaxtp.parallel.pipeline_1f1b`), and what they keep for a backward:
+# its VJP's residuals (GPipe's FLOPs), or the stage's input (the forward again)
+ONE_F_ONE_B, PP_STASHES = ("1f1b", "interleaved"), ("residuals", "inputs")
 # how long a multi-process start waits for every process (jaxtp.parallel.distributed)
 COORDINATOR_TIMEOUT_S = 300
 
 
 class ConfigError(ValueError):
     """A configuration value is unknown, of the wrong type or inconsistent."""
-
-
 
 
 def _axis(name: str, cfg: Config) -> None:
@@ -265,9 +256,6 @@ def _check_ranges(cfg: Config) -> None:
 
 def _check_choices(cfg: Config) -> None:
     m = cfg.model
-    if cfg.parallel.pp_schedule in PP_SCHEDULES_PLANNED:
-        raise ConfigError(f"parallel.pp_schedule={cfg.parallel.pp_schedule!r} is not built yet; "
-                          f"the pipeline runs {PP_SCHEDULES}")
     for name, value, choices in (("model.dtype", m.dtype, DTYPES),
                                  ("model.param_dtype", m.param_dtype, DTYPES),
                                  ("model.remat", m.remat, REMATS),

@@ -18,7 +18,7 @@ from typing import Any
 # the choices a config may make, the error of one it may not, and the rules
 # (jaxtp.checks, which imports nothing of this module)
 from .checks import (ATTENTIONS, COORDINATOR_TIMEOUT_S, CP_STRATEGIES, DTYPES, IMPLS,
-                     INFERENCE_IMPLS, OVERLAPS, PP_SCHEDULES, PP_SCHEDULES_PLANNED, REMATS,
+                     INFERENCE_IMPLS, OVERLAPS, PP_SCHEDULES, REMATS,
                      STYLES, ConfigError, check)
 from .config_keys import apply_overrides, section_from_dict
 
@@ -338,6 +338,6 @@ def validate(cfg: Config) -> Config:
 
 __all__ = ["ATTENTIONS", "CONFIG_DIR", "COORDINATOR_TIMEOUT_S", "Config", "ConfigError",
            "CP_STRATEGIES", "DTYPES", "IMPLS", "INFERENCE_IMPLS", "ModelConfig", "OVERLAPS",
-           "PP_SCHEDULES", "PP_SCHEDULES_PLANNED",
+           "PP_SCHEDULES",
            "ParallelConfig", "REMATS", "STYLES", "TrainConfig", "apply_overrides",
            "load_config", "preset_names", "validate"]

@@ -104,6 +104,9 @@ COMPOSED = {
         "train.microbatches=2"],
     "`--pp 2 --pp-schedule 1f1b`": ["parallel.pp=2", "parallel.pp_schedule=1f1b",
                                     "train.microbatches=2"],
+    "`--pp 2 --pp-schedule interleaved --pp-repeats 2`": [
+        "parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_repeats=2",
+        "train.microbatches=2"],
     "MoE with `--ep 2` (capacity factor 1.25)": ["model.n_experts=8", "parallel.ep=2"],
     "`--impl shard_map`": ["parallel.impl=shard_map"],
     "`--impl explicit`": ["parallel.impl=explicit"],
@@ -112,7 +115,8 @@ COMPOSED = {
 _ALTERNATIVES = ({"`--cp 2` (allgather)", "`--cp 2 --cp-attention ring`"},
                  {"`--impl shard_map`", "`--impl explicit`"},
                  {"`--pp 2` (GPipe)", "`--pp 2 --pp-schedule circular --pp-repeats 2`",
-                  "`--pp 2 --pp-schedule 1f1b`"})
+                  "`--pp 2 --pp-schedule 1f1b`",
+                  "`--pp 2 --pp-schedule interleaved --pp-repeats 2`"})
 
 
 def composition() -> list[str]:

@@ -26,8 +26,8 @@ from ..model.build import resolve_attention
 from . import pp, roofline, windowed
 from .backends import version_note
 from .budget import budget_for, expected_collectives
-from .picture import write
-from .rows import check, decided, format_table, runs_head, schedule_of, size_text, table_rows
+from .picture import format_table, write
+from .rows import check, decided, runs_head, schedule_of, size_text, table_rows
 
 # XLA's GPU combiners concatenate small collectives into one flat buffer (the
 # CPU ones build tuples, which jaxtp.hlo splits again): the bytes stay, the
@@ -158,7 +158,7 @@ def _unpipelined_flops(cfg: Config, mesh, compile_step: Callable, log,
     tokens), on the first devices of `mesh`), per
     device: each stage's useful share is 1/pp of them. (Its HLO:
     `hlo_unpipelined.txt`.) None on a GPU or TPU, whose matmuls are
-    library calls the HLO reader does not count (`jaxtp.hlo.dots`), and for
+    library calls the HLO reader does not count (`jaxtp.hlo_dots.dots`), and for
     a MoE, whose one-hot dispatch einsums XLA:CPU rewrites differently in
     and out of the pipeline (measured: moe-tiny pp 2 x ep 2 x cp 2 x tp 2,
     dots in the pipeline, none in the unpipelined step's slices)."""

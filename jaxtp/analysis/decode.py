@@ -39,7 +39,8 @@ from ..generate import Generator
 from ..parallel import cache_spec, make_mesh, spec
 from ..model.build import abstract_model
 from .backends import widened
-from .rows import HLO_DTYPES, Expected, check, format_table
+from .picture import format_table
+from .rows import HLO_DTYPES, Expected, check
 
 
 def decode_budget(cfg: Config, batch: int, impl: str) -> list[Expected]:

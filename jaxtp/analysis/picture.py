@@ -7,7 +7,8 @@ column per impl, each marked with its Megatron role (f, g, their SP forms,
 the loss's reductions), payload and bytes; a count that differs from the
 budget is drawn in a warning colour. It is drawn from `comm_report.json`'s
 `table` (`jaxtp.analysis.rows.table_rows`), never by hand. The SVG needs
-nothing; the PNG (the same layout) needs matplotlib.
+nothing; the PNG (the same layout) needs matplotlib. The same rows as text:
+`format_table`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from xml.sax.saxutils import quoteattr
 
 from ..plot import NoMatplotlib, pyplot
-from .rows import ANY_SCOPE, role_text, row_cells, shape_text, size_text
+from .rows import ANY_SCOPE, Expected, role_text, row_cells, shape_text, size_text, table_rows
 
 # the modules top to bottom: (slot, label)
 MODULES = (("embedding", "embedding (vocab-parallel), positions"),
@@ -182,3 +183,43 @@ def write(report: dict, out_dir: Path, log=print) -> list[Path]:
         written.append(out_dir / "collectives.png")
     log(f"drew {' and '.join(str(p) for p in written)}")
     return written
+
+
+def ring_bytes_by_axes(expected: list[Expected]) -> dict[str, float]:
+    """A budget's ring traffic per rank per step, by the mesh axes of its rows
+    ("tp", "dp", "dp+tp"): what each communication group's links carry."""
+    out: dict[str, float] = {}
+    for e in expected:
+        key = "+".join(e.axes)
+        out[key] = out.get(key, 0.0) + e.count * e.ring_bytes
+    return dict(sorted(out.items()))
+
+
+def format_table(colls_by_impl: dict, expected_by_impl: dict,
+                 mesh: dict[str, int] | None = None) -> list[str]:
+    """`table_rows` side by side: per impl its count and its budget's, then
+    the role; with `mesh`, an axes column, rows grouped by it, and a line per
+    axis with each impl's budgeted ring bytes per rank per step."""
+    impls = list(colls_by_impl)
+    head = ["kind", "pass", "scope", "dtype[shape]", "devices", "bytes each"]
+    head = (["axes"] if mesh else []) + head
+    for impl in impls:
+        head += [impl, "budget"]
+    head.append("role")
+    rows = [head]
+    for r in table_rows(colls_by_impl, expected_by_impl, mesh):
+        row = [r["kind"], r["pass"], r["scope"] or "-", shape_text(r), str(r["devices"]),
+               size_text(r["bytes"])]
+        row = (["+".join(r["axes"]) or "-"] if mesh else []) + row
+        for impl in impls:
+            row += list(row_cells(r, impl)[:2])
+        rows.append(row + [role_text(r)])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    if mesh:
+        ring = {impl: ring_bytes_by_axes(expected_by_impl[impl]) for impl in impls}
+        for axes in sorted({a for r in ring.values() for a in r}):
+            lines.append(f"ring traffic per rank per step over {axes}: " + ", ".join(
+                f"{size_text(ring[impl].get(axes, 0))} ({impl})" for impl in impls))
+    return lines

@@ -25,10 +25,13 @@ from __future__ import annotations
 import dataclasses
 
 from .. import hlo
+from ..groups import hops_on
+from ..hlo_dots import dots
 from ..config import Config
 from ..parallel import CP_AXIS, DATA_AXIS, PP_AXIS
 from ..checks import ONE_F_ONE_B
-from ..parallel.pipeline_1f1b import BACK_SHIFT, decode, phases, table as f1b_table
+from ..parallel.pipeline_1f1b import BACK_SHIFT
+from ..parallel.pipeline_table import decode, phases, table as f1b_table
 from .rows import HLO_DTYPES, Expected, microbatch_rows, on, runs_head, schedule_of
 
 
@@ -175,11 +178,11 @@ BLOCK_SCOPES = ("attention", "mlp", "moe")
 
 def block_flops(text: str) -> dict[str, int]:
     """The blocks' matmul FLOPs per step and device by pass ("forward",
-    "backward"), read from compiled HLO (`hlo.dots`: every dot at its
+    "backward"), read from compiled HLO (`jaxtp.hlo_dots.dots`: every dot at its
     loops' trip counts; XLA:CPU's dots, none where the compiler calls
     cuBLAS)."""
     out = {"forward": 0, "backward": 0}
-    for d in hlo.dots(text):
+    for d in dots(text):
         if d.scope in BLOCK_SCOPES and d.pass_ in out:
             out[d.pass_] += d.flops
     return out
@@ -199,7 +202,7 @@ def compiled_ticks(colls: list[hlo.Collective], mesh: dict[str, int]) -> int | N
     None without one."""
     p = mesh.get(PP_AXIS, 1)
     counts = [c.count for c in colls if c.kind == "collective-permute" and c.dtype[0] in "fb"
-              and c.pass_ == "forward" and "while" in c.op_name and BACK_SHIFT not in c.op_name and c.axes(mesh) == (PP_AXIS,) and 1 in (hops := c.hops(mesh, PP_AXIS))
+              and c.pass_ == "forward" and "while" in c.op_name and BACK_SHIFT not in c.op_name and c.axes(mesh) == (PP_AXIS,) and 1 in (hops := hops_on(c.groups, mesh, PP_AXIS))
               and hops <= {1, 1 - p}]
     return sum(counts) if counts else None
 

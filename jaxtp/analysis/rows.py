@@ -88,9 +88,8 @@ def per_step(rows: list[Expected], schedule: Schedule) -> list[Expected]:
     for r in rows:
         if r.per not in times:
             raise ValueError(f"budget row {r.name!r} is counted per {r.per!r}: one of {PER}")
-    # (a stage's forward again in each backward: its forward rows twice a trip)
-    again = lambda r: 2 if schedule.recomputes and r.per in ("layer", "tick") and \
-        r.pass_ == "forward" else 1
+    again = lambda r: 1 + (schedule.recomputes and r.per in ("layer", "tick")  # (the
+                           and r.pass_ == "forward")  # stage's forward again in a backward)
     return [dataclasses.replace(r, count=r.count * times[r.per] * again(r), per="step")
             for r in rows]
 
@@ -109,8 +108,7 @@ def schedule_of(cfg) -> Schedule:
 
 
 def runs_head(cfg) -> bool:
-    """Whether `cfg`'s pipeline runs the head in its loop (1F1B, interleaved:
-    `Schedule.runs_head`)."""
+    """`cfg`'s `Schedule.runs_head` (1F1B, interleaved: the head in the loop)."""
     return schedule_of(cfg).runs_head
 
 
@@ -312,16 +310,6 @@ def row_cells(row: dict, impl: str) -> tuple[str, str, bool]:
     return str(got), str(want), got == want
 
 
-def ring_bytes_by_axes(expected: list[Expected]) -> dict[str, float]:
-    """A budget's ring traffic per rank per step, by the mesh axes of its rows
-    ("tp", "dp", "dp+tp"): what each communication group's links carry."""
-    out: dict[str, float] = {}
-    for e in expected:
-        key = "+".join(e.axes)
-        out[key] = out.get(key, 0.0) + e.count * e.ring_bytes
-    return dict(sorted(out.items()))
-
-
 def role_text(row: dict) -> str:
     return " / ".join(row["roles"]) or "(not in the budget)"
 
@@ -329,33 +317,3 @@ def role_text(row: dict) -> str:
 def shape_text(row: dict) -> str:
     shape = row["shape"] if row["shape"] is not None else f"[{row['elements']} elements]"
     return f"{row['dtype']}{shape}"
-
-
-def format_table(colls_by_impl: dict, expected_by_impl: dict,
-                 mesh: dict[str, int] | None = None) -> list[str]:
-    """`table_rows` side by side: per impl its count and its budget's, then
-    the role; with `mesh`, an axes column, rows grouped by it, and a line per
-    axis with each impl's budgeted ring bytes per rank per step."""
-    impls = list(colls_by_impl)
-    head = ["kind", "pass", "scope", "dtype[shape]", "devices", "bytes each"]
-    head = (["axes"] if mesh else []) + head
-    for impl in impls:
-        head += [impl, "budget"]
-    head.append("role")
-    rows = [head]
-    for r in table_rows(colls_by_impl, expected_by_impl, mesh):
-        row = [r["kind"], r["pass"], r["scope"] or "-", shape_text(r), str(r["devices"]),
-               size_text(r["bytes"])]
-        row = (["+".join(r["axes"]) or "-"] if mesh else []) + row
-        for impl in impls:
-            row += list(row_cells(r, impl)[:2])
-        rows.append(row + [role_text(r)])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    if mesh:
-        ring = {impl: ring_bytes_by_axes(expected_by_impl[impl]) for impl in impls}
-        for axes in sorted({a for r in ring.values() for a in r}):
-            lines.append(f"ring traffic per rank per step over {axes}: " + ", ".join(
-                f"{size_text(ring[impl].get(axes, 0))} ({impl})" for impl in impls))
-    return lines

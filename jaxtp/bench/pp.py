@@ -13,7 +13,7 @@ from .report import section
 from .timing import build
 
 # (schedule, repeats) at pp=2 x tp=4, M = 4, against tp=8 unpipelined
-SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1))
+SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved", 2))
 
 
 def bench_pp(plan: dict, log=print) -> dict:
@@ -41,16 +41,20 @@ def bench_pp(plan: dict, log=print) -> dict:
                             case=_case(f"tiny pp=2 tp=4 {schedule}" + (f" v={v}" if v > 1 else ""),
                                        cfg, cut),
                             measured="train step time, pipelined / tp=8", ticks=ticks,
-                            bubble=bubble(2, 4, v), pp_bytes=got, ledger_bytes=want))
+                            bubble=bubble(2, 4, v), pp_bytes=got, ledger_bytes=want,
+                            temps=run.step.memory_analysis().temp_size_in_bytes))
     notes = ["pp=2 x tp=4 at M = 4 against tp=8 with the whole batch in one step, compiled in "
              "one process and timed alternately; > 1: the pipeline is slower",
              "on CPU the fake devices share the cores and a bubble tick computes on dropped "
              "data rather than idling: the ratio prices the schedule's compiled work (GPipe "
-             "(M+p-1)/M, circular (vM+p-1)/(vM), 1F1B 2(M+p-1)/M of the blocks' FLOPs), not a "
-             "GPU's idle time",
+             "and 1F1B (M+p-1)/M, circular and interleaved (vM+p-1)/(vM) of the blocks' "
+             "FLOPs), not a GPU's idle time",
+             "temps: the compiled step's temporaries (memory_analysis): GPipe's and "
+             "circular's autodiff keep every tick's residuals, 1F1B's stash 2p - 1 "
+             "microbatches', interleaved's v*p + p - 1 chunks'",
              "pp bytes: the step's collective-permutes over pp (shifts every tick, entry and "
              "exit once), against the pp ledger"]
     columns = [*PAIRED, ("tp8_ms", "tp=8 ms"),
                ("pp_ms", "pp ms"), ("ticks", "ticks"), ("bubble", "bubble"),
-               ("pp_bytes", "pp B"), ("ledger_bytes", "ledger B")]
+               ("pp_bytes", "pp B"), ("ledger_bytes", "ledger B"), ("temps", "temps B")]
     return section("pp", "Pipeline schedules against tp=8 (CPU)", columns, rows, notes)

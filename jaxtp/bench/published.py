@@ -63,15 +63,15 @@ TRAINING += [
     (TITAN + "llama3_h100_202412_torchtitan.md (Table 5, 1F1B)",
      "Llama-3.1-405B, 512 H100, FSDP 8 x TP 8 x PP 8, M = 32, full AC, 1F1B", "llama3-70b",
      (*PP405, "parallel.pp_schedule=1f1b"), "h100x8x64nodes", 100.0,
-     PP405_MISSES + "jaxtp's 1F1B is one SPMD program computing a forward and a backward "
-     "every tick (2(M+p-1)/M of the blocks' flops), torchtitan's idles its bubble "
-     "((M+p-1)/M); async TP"),
+     PP405_MISSES + "jaxtp's 1F1B is one SPMD program whose bubble ticks compute on dropped "
+     "data ((M+p-1)/M of the blocks' flops, GPipe's), where torchtitan's idles its "
+     "bubble; async TP"),
     (TITAN + "llama3_h100_202412_torchtitan.md (Table 5, interleaved 1F1B)",
      "Llama-3.1-405B, 512 H100, FSDP 8 x TP 8 x PP 8, M = 32, full AC, interleaved (v = 2)",
-     "llama3-70b", (*PP405, "parallel.pp_schedule=circular", "parallel.pp_repeats=2"),
+     "llama3-70b", (*PP405, "parallel.pp_schedule=interleaved", "parallel.pp_repeats=2"),
      "h100x8x64nodes", 128.0,
-     PP405_MISSES + "jaxtp's circular schedule (GPipe order, v = 2) for torchtitan's "
-     "interleaved 1F1B: the same bubble (p-1)/(vM+p-1), torchtitan's v unstated; async TP"),
+     PP405_MISSES + "jaxtp's interleaved 1F1B at v = 2 (torchtitan's v unstated): the bubble "
+     "(p-1)/(vM+p-1) computed on dropped data; async TP"),
 ]
 # MaxText (AI-Hypercomputer/maxtext) end_to_end/tpu/mixtral/Run_Mixtral.md: Mixtral 8x7B on
 # v5p-128, 251.94 TFLOP/s per chip, 54.89% MFU (added in 7534e5e21, 2024-07-04). The row

@@ -36,91 +36,12 @@ from .collectives import vary, varying_axes, wide
 from .layout import EP_AXIS, PP_AXIS, Layout, constrain, keep_axes, spec
 from .pipeline import (BATCH_SPLIT, _chunk, _enter, _from_last_stage, _is_spec, _manual,
                        _to_first_stage)
+from .pipeline_table import decode, phases, slots, table
 
 
 # the name scope of the backward shift, which the compiled program's reader
 # tells from the forward one by it (`jaxtp.analysis.pp.compiled_ticks`)
 BACK_SHIFT = "pp_back"
-
-
-def table(p: int, M: int, v: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """(forward [T, p], backward [T, p]): the op each stage runs forward and
-    backward in each tick, as its forward index n (`decode`), -1 for none;
-    T = v*M + (v+1)p - 2 (M + 2p - 2 at v = 1).
-
-    A stage's forwards run in the order n = g*v*p + i*p + j: microbatch
-    g*p + j's chunk i (of v; at v = 1 simply microbatch n), op n on stage r
-    at tick n + r, the tick after the stage before ran it (under v > 1 stage
-    0 takes chunk i > 0 from the last stage's chunk i - 1 a tick after it,
-    round the ring: Megatron's interleaved order, microbatches in groups of
-    p; Narayanan et al. 2021, Sec. 2.2.2). The backwards run the chunks in
-    reverse, the k-th (the same order with chunk v-1-i) at tick
-    v*p - 1 + k + p - 1 - r: the tick after the stage after ran it, on the
-    last stage the tick of its chunk v-1's forward, whose head gradient it
-    takes. So the steady ticks carry a forward and a backward on every stage
-    (1F1B's order: PipeDream-flush, Narayanan et al. 2021, Sec. 2.2.1), the
-    first v*p - 1 forwards only, the last v*p - 1 backwards only (`phases`).
-    Stage r holds an op from its forward to its backward (`in_flight`):
-    stage 0 at most 2p - 1 microbatches at v = 1, v*p + p - 1 chunks (a
-    stage's p + (p-1)/v) under v (GPipe, circular: all of them)."""
-    if v > 1 and M % p:
-        raise ValueError(f"the interleaved order takes microbatches in groups of p={p}: "
-                         f"M={M} is not a multiple")
-    T = v * M + (v + 1) * p - 2
-    fwd, bwd = np.full((T, p), -1, np.int32), np.full((T, p), -1, np.int32)
-    n = np.arange(v * M)
-    back = (n // (v * p)) * v * p + (v - 1 - n % (v * p) // p) * p + n % p  # k-th: chunk v-1-i
-    for r in range(p):
-        fwd[n + r, r] = n
-        bwd[v * p - 1 + n + p - 1 - r, r] = back
-    return fwd, bwd
-
-
-def decode(n, p: int, v: int = 1):
-    """A forward index's (microbatch, chunk): n = g*v*p + i*p + j is
-    microbatch g*p + j's chunk i (numpy or jax integers)."""
-    return (n // (v * p)) * p + n % p, n % (v * p) // p
-
-
-def phases(p: int, M: int, v: int = 1) -> list[tuple[int, int, bool, bool]]:
-    """The table's ticks as loops of one kind: (first tick, end, runs
-    forwards, runs backwards): v*p - 1 ticks of forwards (no backward has a
-    gradient yet), then both until the last forward, then v*p - 1 ticks of
-    backwards. Each loop's tick computes only its kinds, so a stage's block
-    FLOPs are v*M + p - 1 chunk forwards and as many chunk backwards:
-    GPipe's (v = 1) and circular's. (The last tick runs apart, without the
-    backward shift: stage 0's gradient is the last, and it stays there.)"""
-    edges = [(0, v * p - 1, True, False), (v * p - 1, v * M + p - 1, True, True),
-             (v * M + p - 1, v * M + (v + 1) * p - 2, False, True)]
-    return [e for e in edges if e[1] > e[0]]
-
-
-def slots(fwd: np.ndarray, bwd: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-    """(the stash slot each forward writes [T, p], the slot each backward
-    reads [T, p], the slots): each forward takes the lowest slot its stage
-    has free, its backward frees it (after reading it, in the tick). So the
-    slots are the most ops a stage holds at once (`in_flight` of stage 0):
-    2p - 1 at v = 1, v*p + p - 1 chunks under v (a stage's p + (p-1)/v)."""
-    T, p = fwd.shape
-    fslot, bslot = np.zeros((T, p), np.int32), np.zeros((T, p), np.int32)
-    for r in range(p):
-        free, at = [], {}
-        for t in range(T):
-            if fwd[t, r] >= 0:
-                at[fwd[t, r]] = fslot[t, r] = free.pop(0) if free else len(at) + len(free)
-            if bwd[t, r] >= 0:
-                bslot[t, r] = at.pop(bwd[t, r])
-                free = sorted(free + [bslot[t, r]])
-    return fslot, bslot, max(in_flight(fwd, bwd, r) for r in range(p))
-
-
-def in_flight(fwd: np.ndarray, bwd: np.ndarray, stage: int = 0) -> int:
-    """The most ops (microbatches, or chunks of them) `stage` holds at once
-    (forwarded, not yet backwarded; a backward in the tick of its forward:
-    held that tick)."""
-    held = np.cumsum(fwd[:, stage] >= 0) - np.concatenate(
-        [[0], np.cumsum(bwd[:, stage] >= 0)[:-1]])
-    return int(held.max())
 
 
 def pipeline_1f1b(stage: Callable, head: Callable, blocks, head_modules, x_BTD, targets_BT,
@@ -224,100 +145,108 @@ def _ticks(run, head_loss, w, h, xs_MbTD, ts_MbT, p, v, vary_all, router=None,
     backward runs the forward again from it (`jaxtp.checks.PP_STASHES`).
     `router`: (the statistics' weights / M, the batch ranks that add them)
     where `run` returns (y, statistics)."""
-    r = jax.lax.axis_index(PP_AXIS)
-    M = xs_MbTD.shape[0]
-    fwd_table, bwd_table = table(p, M, v)
-    fslot, bslot, S = slots(fwd_table, bwd_table)
-    FWD, BWD, FSLOT, BSLOT = (jnp.asarray(t) for t in (fwd_table, bwd_table, fslot, bslot))
-    T = len(fwd_table)
-    last = r == p - 1
-    add = lambda acc, g: jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
-    masked = lambda on, t: jax.tree.map(lambda g: jnp.where(on, g, 0), t)
-    # (under v > 1 the shifts are rings: chunk i's last stage to chunk i+1's first)
-    ring = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
-    vjp_tree = {}
-
-    def forward(w, x):  # (output, its VJP's leaves)
-        out, vjp = jax.vjp(run, w, x)
-        leaves, vjp_tree["tree"] = jax.tree.flatten(vjp)
-        return out, leaves
-
-    # what a forward keeps for its backward: the residuals that depend on its
-    # input, stashed per op; those of a chunk's weights alone (the weights,
-    # their casts and reshapes, masks) are computed once per chunk, here
-    if inputs:  # (the stash: the input; the forward runs again in the backward)
-        def forward(w, x):
-            return run(w, x), [x]
-    out_type, kept_types, on_x, known = _split_residuals(
-        forward, [_chunk(w, i, v) for i in range(v)], xs_MbTD[0], inputs)
-    stats_type = out_type[1] if router is not None else None
-
-    def backward(i, kept, g):
-        if inputs:
-            return jax.vjp(run, _chunk(w, i, v), kept[0])[1](g)
-        kept, known_ = iter(kept), iter(known)
-        leaves = [next(kept) if x else next(known_)[i] for x in on_x]
-        return jax.tree.unflatten(vjp_tree["tree"], leaves)(g)
-
-    def tick(runs_f: bool, runs_b: bool, sends_b: bool = True):
-        def body(carry, s):
-            stash, fbox, bbox, loss, dw, dh, dxs = carry
-            if runs_f:
-                n = FWD[s, r]
-                on, n = n >= 0, jnp.maximum(n, 0)
-                m, i = decode(n, p, v)
-                y, kept = forward(_chunk(w, i, v), jnp.where((r == 0) & (i == 0), xs_MbTD[m],
-                                                             fbox))
-                if router is not None:  # its statistics into the loss
-                    (y, stats), (c, k) = y, router
-                    loss = loss + jnp.where(on, jnp.dot(c, stats), 0.0) / k
-                kept = [a for a, x in zip(kept, on_x) if x]
-                j = FSLOT[s, r]
-                stash = [a.at[j].set(jnp.where(on, k, a[j])) for a, k in zip(stash, kept)]
-                fbox = jax.lax.ppermute(y, PP_AXIS, ring)
-            if runs_b:
-                nb = BWD[s, r]
-                on_b, nb = nb >= 0, jnp.maximum(nb, 0)
-                mb, ib = decode(nb, p, v)
-                g_y = bbox
-                if runs_f:  # the head on the last stage's last chunk: its gradient
-                    # is the cotangent of that microbatch's backward, this tick
-                    lm, (gh, gy) = jax.value_and_grad(head_loss, argnums=(0, 1))(
-                        h, y, ts_MbT[m])
-                    mine = last & on & (i == v - 1)
-                    loss = loss + jnp.where(mine, lm, 0.0)
-                    dh = add(dh, masked(mine, gh))
-                    g_y = jnp.where(last & (ib == v - 1), gy.astype(y.dtype), bbox)
-                if router is not None:  # the statistics' cotangent: their weights
-                    c_stats = vary(jnp.where(on_b, router[0], 0.0), varying_axes(stats_type))
-                    g_y = (g_y, c_stats)
-                g_w, g_x = backward(ib, [a[BSLOT[s, r]] for a in stash], g_y)
-                dw = _add_chunk(dw, masked(on_b, g_w), ib, v)
-                into = (r == 0) & on_b & (ib == 0)
-                dxs = dxs.at[mb].set(jnp.where(into, g_x, dxs[mb]))
-                if sends_b:  # (named: at p = 2 the rings both ways are one permutation)
-                    with jax.named_scope(BACK_SHIFT):
-                        bbox = jax.lax.ppermute(g_x, PP_AXIS, [(b, a) for a, b in ring])
-            return (stash, fbox, bbox, loss, dw, dh, dxs), None
-        return body
-
-    # each carry varying over what its updates vary over (under impl
-    # shard_map the stream stays invariant over tp, as Megatron's f wants)
-    like = lambda a, ref: vary(a, varying_axes(ref) | {PP_AXIS})
-    box = like(jnp.zeros(xs_MbTD.shape[1:], xs_MbTD.dtype), xs_MbTD)
-    stash = [vary(jnp.zeros((S, *t.shape), t.dtype), varying_axes(t) | {PP_AXIS})
-             for t in kept_types]
-    carry = (stash, box, box, vary_all(jnp.zeros((), wide(xs_MbTD))),
-             jax.tree.map(lambda a: like(jnp.zeros(a.shape, wide(a)), a), w),
-             jax.tree.map(lambda a: like(jnp.zeros(a.shape, wide(a)), a), h),
-             like(jnp.zeros_like(xs_MbTD), xs_MbTD))
-    for begin, end, runs_f, runs_b in phases(p, M, v):
+    ticks = _Ticks(run, head_loss, w, h, xs_MbTD, ts_MbT, p, v, router, inputs)
+    carry, T = ticks.start(vary_all), ticks.T
+    for begin, end, runs_f, runs_b in phases(p, xs_MbTD.shape[0], v):
         end -= end == T  # (the last tick, apart: its gradient goes nowhere)
-        carry = jax.lax.scan(tick(runs_f, runs_b), carry, jnp.arange(begin, end))[0]
-    carry = tick(False, True, sends_b=False)(carry, T - 1)[0]
+        carry = jax.lax.scan(ticks.body(runs_f, runs_b), carry, jnp.arange(begin, end))[0]
+    carry = ticks.body(False, True, sends_b=False)(carry, T - 1)[0]
     _, _, _, loss, dw, dh, dxs = carry
     cast = lambda g, a: jax.tree.map(lambda x, y: x.astype(y.dtype), g, a)
     return loss, cast(dw, w), cast(dh, h), dxs
+
+
+class _Ticks:
+    """One stage's view of the table: its ops' forward and backward, and
+    the carry they update (stash, the mailboxes each way, loss, gradients,
+    stage 0's input gradients)."""
+
+    def __init__(self, run, head_loss, w, h, xs_MbTD, ts_MbT, p, v, router, inputs):
+        self.head_loss, self.w, self.h, self.xs, self.ts = head_loss, w, h, xs_MbTD, ts_MbT
+        self.p, self.v, self.router = p, v, router
+        self.r = jax.lax.axis_index(PP_AXIS)
+        fwd, bwd = table(p, xs_MbTD.shape[0], v)
+        fslot, bslot, self.S = slots(fwd, bwd)
+        self.FWD, self.BWD, self.FSLOT, self.BSLOT = (
+            jnp.asarray(t) for t in (fwd, bwd, fslot, bslot))
+        self.T = len(fwd)
+        # (under v > 1 the shifts are rings: chunk i's last stage to chunk i+1's first)
+        self.ring = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
+        self.forward, self.backward, out_type, self.kept_types = _stage_vjp(
+            run, [_chunk(w, i, v) for i in range(v)], xs_MbTD[0], inputs)
+        self.stats_type = out_type[1] if router is not None else None
+
+    def start(self, vary_all):
+        """The carry before the first tick, each part varying over what its
+        updates vary over (under impl shard_map the stream stays invariant
+        over tp, as Megatron's f wants)."""
+        like = lambda a, ref: vary(a, varying_axes(ref) | {PP_AXIS})
+        zeros = lambda tree: jax.tree.map(lambda a: like(jnp.zeros(a.shape, wide(a)), a), tree)
+        box = like(jnp.zeros(self.xs.shape[1:], self.xs.dtype), self.xs)
+        stash = [vary(jnp.zeros((self.S, *t.shape), t.dtype), varying_axes(t) | {PP_AXIS})
+                 for t in self.kept_types]
+        return (stash, box, box, vary_all(jnp.zeros((), wide(self.xs))), zeros(self.w),
+                zeros(self.h), like(jnp.zeros_like(self.xs), self.xs))
+
+    def body(self, runs_f: bool, runs_b: bool, sends_b: bool = True):
+        """A tick of a loop that runs forwards, backwards or both (`phases`)."""
+        def tick(carry, s):
+            ran = None
+            if runs_f:
+                carry, ran = self._forward_op(carry, s)
+            if runs_b:
+                carry = self._backward_op(carry, s, ran, sends_b)
+            return carry, None
+        return tick
+
+    def _forward_op(self, carry, s):
+        """The tick's forward: the op's chunk on its input (stage 0's chunk 0:
+        the microbatch), its residuals filed, its output sent on."""
+        stash, fbox, bbox, loss, dw, dh, dxs = carry
+        n = self.FWD[s, self.r]
+        on, n = n >= 0, jnp.maximum(n, 0)
+        m, i = decode(n, self.p, self.v)
+        first = (self.r == 0) & (i == 0)
+        y, kept = self.forward(_chunk(self.w, i, self.v), jnp.where(first, self.xs[m], fbox))
+        if self.router is not None:  # its statistics into the loss
+            (y, stats), (c, k) = y, self.router
+            loss = loss + jnp.where(on, jnp.dot(c, stats), 0.0) / k
+        j = self.FSLOT[s, self.r]
+        stash = [a.at[j].set(jnp.where(on, x, a[j])) for a, x in zip(stash, kept)]
+        fbox = jax.lax.ppermute(y, PP_AXIS, self.ring)
+        return (stash, fbox, bbox, loss, dw, dh, dxs), (y, m, i, on)
+
+    def _backward_op(self, carry, s, ran, sends_b: bool):
+        """The tick's backward: the op's residuals out of the stash, applied
+        to its gradient (the last stage's last chunk: the head's, taken on
+        this tick's forward), the weights' gradient added, the input's sent
+        back (stage 0's chunk 0: kept)."""
+        stash, fbox, bbox, loss, dw, dh, dxs = carry
+        add = lambda acc, g: jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
+        masked = lambda on, t: jax.tree.map(lambda g: jnp.where(on, g, 0), t)
+        last, v = self.r == self.p - 1, self.v
+        n = self.BWD[s, self.r]
+        on, n = n >= 0, jnp.maximum(n, 0)
+        m, i = decode(n, self.p, v)
+        g_y = bbox
+        if ran is not None:  # the head on the last stage's last chunk
+            y, mf, i_f, on_f = ran
+            lm, (gh, gy) = jax.value_and_grad(self.head_loss, argnums=(0, 1))(
+                self.h, y, self.ts[mf])
+            mine = last & on_f & (i_f == v - 1)
+            loss = loss + jnp.where(mine, lm, 0.0)
+            dh = add(dh, masked(mine, gh))
+            g_y = jnp.where(last & (i == v - 1), gy.astype(y.dtype), bbox)
+        if self.router is not None:  # the statistics' cotangent: their weights
+            g_y = (g_y, vary(jnp.where(on, self.router[0], 0.0), varying_axes(self.stats_type)))
+        g_w, g_x = self.backward(i, _chunk(self.w, i, v), [a[self.BSLOT[s, self.r]]
+                                                           for a in stash], g_y)
+        dw = _add_chunk(dw, masked(on, g_w), i, v)
+        dxs = dxs.at[m].set(jnp.where((self.r == 0) & on & (i == 0), g_x, dxs[m]))
+        if sends_b:  # (named: at p = 2 the rings both ways are one permutation)
+            with jax.named_scope(BACK_SHIFT):
+                bbox = jax.lax.ppermute(g_x, PP_AXIS, [(b, a) for a, b in self.ring])
+        return stash, fbox, bbox, loss, dw, dh, dxs
 
 
 def _add_chunk(acc, g, i, v: int):
@@ -332,28 +261,51 @@ def _add_chunk(acc, g, i, v: int):
     return jax.tree.map(one, acc, g)
 
 
-def _split_residuals(forward, chunks: list, x, inputs: bool = False):
-    """(`forward`'s output type, the types of its residuals that depend on
-    `x`, a flag per residual: whether it does, and for each of those that
-    depend on the weights alone its values on every chunk's weights
-    [v, ...]), by JAX's partial evaluation of `forward(w, x) -> (out,
-    residuals)` with `w` known (private in jax 0.10.2, so tried: without it
-    every residual is stashed). With `inputs`, `forward` keeps `x` alone."""
-    closed, (out_type, types) = jax.make_jaxpr(forward, return_shape=True)(chunks[0], x)
+def _stage_vjp(run, chunks: list, x, inputs: bool = False):
+    """(forward(w, x) -> (out, what its backward needs), backward(i, w, kept,
+    g) -> (the chunk's weights' gradient, the input's), the output's type,
+    the kept values' types), for `run(w, x)` on any of `chunks` (a stage's
+    weights, one per chunk). Kept: the VJP's residuals that depend on `x`;
+    those of the weights alone (the weights, their casts and reshapes,
+    masks) are computed here once per chunk, by JAX's partial evaluation of
+    the forward with `w` known (private in jax 0.10.2, so tried: without it
+    every residual is kept). With `inputs`: `x` alone, the forward run again
+    in the backward."""
     if inputs:
-        return out_type, types, [True], []
+        forward = lambda w, x: (run(w, x), [x])
+        out_type, kept_types = jax.eval_shape(forward, chunks[0], x)
+        return forward, lambda i, w, kept, g: jax.vjp(run, w, kept[0])[1](g), out_type, \
+            kept_types
+    tree = {}
+
+    def residuals(w, x):  # (output, its VJP's leaves)
+        out, vjp = jax.vjp(run, w, x)
+        leaves, tree["vjp"] = jax.tree.flatten(vjp)
+        return out, leaves
+
+    closed, (out_type, types) = jax.make_jaxpr(residuals, return_shape=True)(chunks[0], x)
     n_w, n_out = len(jax.tree.leaves(chunks[0])), len(jax.tree.leaves(out_type))
     try:
         from jax._src.interpreters.partial_eval import partial_eval_jaxpr_nounits
+        known_jaxpr, _, unknown, _ = partial_eval_jaxpr_nounits(
+            closed, [False] * n_w + [True] * len(jax.tree.leaves(x)), instantiate=False)
     except ImportError:  # pragma: no cover (a later jax)
-        return out_type, types, [True] * len(types), []
-    known_jaxpr, _, unknown, _ = partial_eval_jaxpr_nounits(
-        closed, [False] * n_w + [True] * len(jax.tree.leaves(x)), instantiate=False)
+        known_jaxpr, unknown = None, [True] * (n_out + len(types))
     on_x = unknown[n_out:]
     # (the known jaxpr's outputs: the known outputs, in order, then its own
     # residuals for the unknown part)
     first = unknown[:n_out].count(False)
     per_chunk = [jax.extend.core.jaxpr_as_fun(known_jaxpr)(*jax.tree.leaves(c))
-                 [first:first + on_x.count(False)] for c in chunks]
+                 [first:first + on_x.count(False)] for c in chunks] if known_jaxpr else []
     known = [jnp.stack(vals) for vals in zip(*per_chunk)]
-    return out_type, [t for t, u in zip(types, on_x) if u], on_x, known
+
+    def forward(w, x):
+        out, leaves = residuals(w, x)
+        return out, [a for a, u in zip(leaves, on_x) if u]
+
+    def backward(i, w, kept, g):
+        kept, known_ = iter(kept), iter(known)
+        leaves = [next(kept) if u else next(known_)[i] for u in on_x]
+        return jax.tree.unflatten(tree["vjp"], leaves)(g)
+
+    return forward, backward, out_type, [t for t, u in zip(types, on_x) if u]

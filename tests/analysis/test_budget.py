@@ -560,7 +560,7 @@ def test_cudnn_attention_in_slices_over_dp_compiles_for_an_h100():
 
 def test_a_budget_row_without_a_collective_shows_its_element_count():
     from jaxtp.analysis.rows import Expected
-    from jaxtp.analysis.rows import format_table
+    from jaxtp.analysis.picture import format_table
 
     row = Expected("SP embedding: its rows", "reduce-scatter", "forward", "embed", 32768,
                    "f32", 8, 1)

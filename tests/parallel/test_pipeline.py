@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from jaxtp import hlo
+from jaxtp.groups import hops_on
 from jaxtp.analysis.budget import expected_collectives
 from jaxtp.analysis.pp import block_flops, bubble, cells, compiled_ticks, expected_pp, picture
 from jaxtp.analysis.rows import check as check_rows
@@ -20,7 +21,7 @@ from jaxtp.analysis.rows import per_step, schedule_of
 from jaxtp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
 from jaxtp.model import stack_layers
 from jaxtp.parallel import Layout
-from jaxtp.parallel.pipeline_1f1b import decode, in_flight, phases, slots, table as f1b_table
+from jaxtp.parallel.pipeline_table import decode, in_flight, phases, slots, table as f1b_table
 from jaxtp.train.data import to_mesh
 from jaxtp.train.state import abstract_train_state, place_params
 from jaxtp.train.step import compile_train_step, cross_entropy_of
@@ -175,7 +176,7 @@ def test_the_pipelined_step_holds_the_pp_ledger_and_one_devices_gradients(name, 
         # entry, the targets' entry and the input gradients' exit once
         trips = Counter()
         for c in shift:
-            trips[c.dtype, c.elements, tuple(sorted(c.hops(sizes, "pp")))] += c.count
+            trips[c.dtype, c.elements, tuple(sorted(hops_on(c.groups, sizes, "pp")))] += c.count
         n_in = B // (p * dp) * row
         on, back = ((1,), (-1,)) if v == 1 else (tuple(sorted({1, 1 - p})),
                                                  tuple(sorted({-1, p - 1})))
@@ -369,25 +370,29 @@ def test_the_1f1b_picture_draws_its_table_and_what_each_loop_computes():
     microbatch 3 and backward of 1), a tick's forward above its backward;
     grey where the tick's loop computes a kind the stage drops, white where
     the loop does not compute that kind at all (the fill's backwards, the
-    drain's forwards)."""
-    p, M = 4, 8
-    grid = cells(p, M, 1, "1f1b")
-    fwd, bwd = f1b_table(p, M)
-    for r, row in enumerate(grid):
-        assert len(row) == M + 2 * p - 2
-        for t, cell in enumerate(row):
-            assert cell == "/".join([f"F{fwd[t, r]}"] * int(fwd[t, r] >= 0)
-                                    + [f"B{bwd[t, r]}"] * int(bwd[t, r] >= 0))
-    svg = picture(p, M, "1f1b")
-    ops = re.findall(r'data-stage="(\d+)" data-tick="(\d+)" data-op="([^"]+)"', svg)
-    assert len(ops) == 2 * p * (M + 2 * p - 2)
-    # per stage: M forwards, M backwards; (p - 1) dropped of each kind; the
-    # fill's p - 1 backwards and the drain's p - 1 forwards not computed
-    for r in range(p):
-        mine = [op for stage, _, op in ops if int(stage) == r]
-        assert sum(o[0] == "F" for o in mine) == sum(o[0] == "B" for o in mine) == M
-        assert mine.count("bubble") == 2 * (p - 1) and mine.count("none") == 2 * (p - 1)
-    assert "a forward (top) and a backward (bottom)" in svg
+    drain's forwards). Interleaved: each cell names its chunk ("F3:1")."""
+    for p, M, v, schedule in ((4, 8, 1, "1f1b"), (2, 4, 2, "interleaved")):
+        grid = cells(p, M, v, schedule)
+        fwd, bwd = f1b_table(p, M, v)
+        name = lambda kind, n: f"{kind}{decode(n, p, v)[0]}" + (
+            f":{decode(n, p, v)[1]}" if v > 1 else "")
+        T = v * M + (v + 1) * p - 2
+        for r, row in enumerate(grid):
+            assert len(row) == T
+            for t, cell in enumerate(row):
+                assert cell == "/".join([name("F", fwd[t, r])] * int(fwd[t, r] >= 0)
+                                        + [name("B", bwd[t, r])] * int(bwd[t, r] >= 0))
+        svg = picture(p, M, schedule, v)
+        ops = re.findall(r'data-stage="(\d+)" data-tick="(\d+)" data-op="([^"]+)"', svg)
+        assert len(ops) == 2 * p * T
+        # per stage: v*M forwards, v*M backwards; p - 1 dropped of each kind;
+        # the fill's v*p - 1 backwards and the drain's forwards not computed
+        for r in range(p):
+            mine = [op for stage, _, op in ops if int(stage) == r]
+            assert sum(o[0] == "F" for o in mine) == sum(o[0] == "B" for o in mine) == v * M
+            assert mine.count("bubble") == 2 * (p - 1)
+            assert mine.count("none") == 2 * (v * p - 1)
+        assert "a forward (top) and a backward (bottom)" in svg
 
 
 def test_bubble():
@@ -406,11 +411,22 @@ def test_bubble():
     ({"pp": 2, "cp": 2}, "parallel.cp_attention=ring"),
     ({"pp": 2, "attention": "cudnn"}, "use model.attention=blockwise"),
     ({"pp": 2, "microbatches": 3}, "set train.batch_size to a multiple of 6"),
-    ({"pp": 2, "schedule": "circular"}, "circular schedule runs v >= 2 chunks"),
+    ({"pp": 2, "schedule": "circular"}, "interleaved schedules run v >= 2 chunks"),
+    ({"pp": 2, "schedule": "interleaved"}, "parallel.pp_repeats=2 with circular or interleaved"),
     ({"pp": 2, "repeats": 2}, "parallel.pp_repeats=1 with gpipe"),
+    ({"pp": 2, "pp_stash": "inputs"}, "use --pp-schedule 1f1b"),
+    (None, None),
     ({"pp": 4, "schedule": "circular", "repeats": 4}, "valid --pp here: [2]"),
 ])
 def test_refusals_name_the_fix(over, fix):
+    """A pipeline config the schedules cannot run is refused with the fix
+    (an interleaved one's microbatches not in groups of pp: `validate` at a
+    batch of 6, M = 3)."""
+    if over is None:
+        with pytest.raises(ConfigError, match="in groups of pp=2 .* --microbatches 2"):
+            validate(Config(MODEL, TrainConfig(batch_size=6, microbatches=3), ParallelConfig(
+                pp=2, pp_schedule="interleaved", pp_repeats=2)))
+        return
     kw = dict(over)
     pp = kw.pop("pp")
     with pytest.raises(ConfigError, match=fix.replace("[", r"\[").replace("]", r"\]")
