@@ -44,6 +44,7 @@ from .budget import expected_collectives
 from .cluster import Cluster, Link, axis_links, describe, load
 from .decode import decode_budget
 from .pp import bubble, compute_factor
+from .rows import schedule_of
 
 # a rank's bytes on the wire per byte of the full buffer, and its ring steps
 _RING = {"all-reduce": (lambda n: 2 * (n - 1) / n, lambda n: 2 * (n - 1)),
@@ -240,9 +241,10 @@ def predict_config(cfg: Config, cluster: str | Cluster) -> dict:
 
 def step_flops(cfg: Config) -> float:
     """Model flops per token x the recomputation remat adds (full: the forward
-    again, 8/6; the others recompute little and count 1)."""
-    return model_flops_per_token(cfg, param_count(cfg)) * (8 / 6 if cfg.model.remat == "full"
-                                                            else 1.0)
+    again, 8/6; the others recompute little and count 1), and 1F1B keeping
+    its stage inputs another forward (`Schedule.recomputes`)."""
+    again = (cfg.model.remat == "full") + schedule_of(cfg).recomputes
+    return model_flops_per_token(cfg, param_count(cfg)) * (6 + 2 * again) / 6
 
 
 def predict_decode(cfg: Config, cluster: Cluster, batch: int, context: int,

@@ -310,6 +310,19 @@ def test_mixtral_param_count_and_active_flops_by_hand():
     assert P.step_flops(cfg) == 6 * (n - 32000 * 4096 - idle) + 12 * 32 * 4096 * 4096
 
 
+def test_step_flops_count_each_forward_run_again():
+    """6 x model flops per token (2 forward, 4 backward), plus 2 for each
+    forward run again: full remat's, and 1F1B's keeping its stage inputs;
+    both at once: 10/6."""
+    base = P.step_flops(_cfg())
+    pp = ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.microbatches=4"]
+    assert P.step_flops(_cfg(*pp)) == base
+    assert P.step_flops(_cfg(*pp, "parallel.pp_stash=inputs")) == pytest.approx(base * 8 / 6)
+    assert P.step_flops(_cfg("model.remat=full")) == pytest.approx(base * 8 / 6)
+    assert P.step_flops(_cfg(*pp, "parallel.pp_stash=inputs", "model.remat=full")) == \
+        pytest.approx(base * 10 / 6)
+
+
 @pytest.mark.parametrize("cluster, tp, link", [("h100x8", 1, (450e9, 20e-6)),
                                                ("h100x8x8nodes", 8, (48e9, 25e-6))],
                          ids=["nvlink", "infiniband"])
