@@ -43,10 +43,6 @@ CASES = {  # name: (model, degrees and kinds, M)
         MOE, dict(pp=2, ep=2, cp=2, tp=2, cp_attention="ring", impl=impl, **kw),
         2 if kind == "circular" else 4)
        for kind, kw in PIPELINES.items() for impl in ("gspmd", "shard_map")},
-    # interleaved 1F1B: circular's chunks in 1F1B's order (M a multiple of pp)
-    "moe-pp2xep2xcp2xtp2-interleaved-shard_map": (
-        MOE, dict(pp=2, ep=2, cp=2, tp=2, cp_attention="ring", impl="shard_map",
-                  pp_schedule="interleaved", pp_repeats=2), 2),
     **{f"moe-dp2xpp2xep2xtp2-fsdp-{impl}": (MOE, dict(dp=2, pp=2, ep=2, tp=2, fsdp=True,
                                                       impl=impl), 2)
        for impl in ("gspmd", "shard_map")},

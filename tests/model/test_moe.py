@@ -164,7 +164,7 @@ from cached import (as_pipeline_slices, assert_same, loss_and_grads, stacked_gra
                     step_loss_and_grads)
 from jaxtp import hlo  # noqa: E402
 from jaxtp.analysis.budget import expected_collectives  # noqa: E402
-from jaxtp.analysis.rows import check  # noqa: E402
+from jaxtp.analysis.rows import check, schedule_of  # noqa: E402
 from jaxtp.train.state import abstract_train_state  # noqa: E402
 from jaxtp.train.step import compile_train_step  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -319,11 +319,15 @@ test_under_sp_and_cp_a_rank_routes_its_part_of_each_sequence.fast_cases = {"gpt2
         ("gpt2-pp2xdp2xep2-shard_map", MOE, 2, 2, 2, 1, 2, {"impl": "shard_map"}),
         ("llama-pp2xep2xtp2-sp-shard_map-dropless", MOE_LLAMA, 2, 1, 2, 2, 2,
          {"sp": True, "impl": "shard_map", "capacity_factor": 0.0}),
-        # 1F1B: every tick a forward and a backward; the statistics in the loss's sum
-        # (each schedule at pp 2 x ep 2 x cp 2 x tp 2 under both impls, dropless:
-        # tests/sixteen.py)
+        # 1F1B: a steady tick a forward and a backward; the statistics in the loss's
+        # sum (gpipe, circular and 1f1b at pp 2 x ep 2 x cp 2 x tp 2 under both
+        # impls, dropless: tests/sixteen.py); interleaved over groups of a dense and
+        # a MoE layer
         ("gpt2-pp2xdp2xep2-1f1b-shard_map", MOE, 2, 2, 2, 1, 2,
          {"pp_schedule": "1f1b", "impl": "shard_map"}),
+        ("llama-pp2xep2xtp2-moe_every2-interleaved",
+         dataclasses.replace(MOE_LLAMA, moe_every=2, n_layers=8), 2, 1, 2, 2, 2,
+         {"pp_schedule": "interleaved", "pp_repeats": 2}),
         # a stage of groups of a dense and a MoE layer (model.moe_every 2)
         ("llama-pp2xep2xtp2-moe_every2-circular",
          dataclasses.replace(MOE_LLAMA, moe_every=2, n_layers=8), 2, 1, 2, 2, 2,
@@ -352,7 +356,7 @@ def test_the_moe_pipeline_equals_one_device_and_holds_its_ledger(name, model, pp
                 (ref[0], stacked_grads(ref[1], cfg.model.layer_group)))
     sizes, colls = layout.sizes, hlo.collectives(step.as_text())
     assert check(colls, expected_collectives(cfg, cfg.parallel.impl, "cpu"), sizes) is None
-    v, f1b = cfg.parallel.pp_repeats, cfg.parallel.pp_schedule == "1f1b"
+    v, f1b = cfg.parallel.pp_repeats, schedule_of(cfg).runs_head
     ticks = v * M + pp - 1
     n = tp if cfg.parallel.sp else 1  # the parts each sequence is routed in
     C = moe.capacity(model.seq_len // n, model.moe_top_k, model.n_experts, kw["capacity_factor"])
