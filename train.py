@@ -71,10 +71,14 @@ def _layout_flags(ap) -> None:
                             "forwards, then all backwards, M + pp - 1 ticks each; circular: "
                             "each stage holds --pp-repeats v chunks of layers, v*M + pp - 1 "
                             "ticks of 1/v the work; 1f1b: each backward as soon as its "
-                            "gradient arrives, pp microbatches in flight, 2(M + pp - 1) "
-                            "ticks of a forward and a backward each)")
+                            "gradient arrives, M + 2pp - 2 ticks, a steady one a forward and "
+                            "a backward, GPipe's compiled FLOPs, 2pp - 1 microbatches in "
+                            "flight; interleaved: circular's chunks in 1f1b's order, M a "
+                            "multiple of pp; parallel.pp_stash=inputs: keep a stage's input "
+                            "alone, its forward run again)")
     group.add_argument("--pp-repeats", type=int,
-                       help="with --pp-schedule circular: the chunks of layers per stage, v >= "
+                       help="with --pp-schedule circular or interleaved: the chunks of layers "
+                            "per stage, v >= "
                             "2 (the layers split over pp*v chunks; stage r holds chunks r, "
                             "r+pp, ...)")
     group.add_argument("--cp", type=int,

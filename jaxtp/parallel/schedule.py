@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..checks import ONE_F_ONE_B
 from .collectives import wide
+from .pipeline_table import phases
 from .layout import DATA_AXIS, PP_AXIS, Layout, constrain, explicit_mesh, keep_axes
 
 MODES = ("whole", "sequential", "over_dp", "pipeline")
@@ -105,8 +106,7 @@ class Schedule:
         (M + 2p - 2 at v = 1: `jaxtp.parallel.pipeline_1f1b.table`); GPipe's
         and circular's run 2(v*M + p - 1)."""
         if self.runs_head:
-            v, p = self.repeats, self.stages
-            return v * self.microbatches + (v + 1) * p - 2
+            return phases(self.stages, self.microbatches, self.repeats)[-1][1]
         return 2 * self.ticks
 
     @property
@@ -121,8 +121,8 @@ class Schedule:
         pipeline runs the head in its loop, the ticks of its steady loop
         (v(M - p) + p: M at v = 1), each computing it on every stage."""
         if self.runs_head:
-            p, v = self.stages, self.repeats
-            return v * (self.microbatches - p) + p
+            return next(end - begin for begin, end, f, b in
+                        phases(self.stages, self.microbatches, self.repeats) if f and b)
         return self.microbatches
 
     @property
