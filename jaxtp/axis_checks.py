@@ -35,18 +35,20 @@ def pp(cfg) -> str | None:
             f"stage busy only with at least one microbatch per stage; set --microbatches "
             f"{2 * p.pp} (the default with --pp {p.pp}) or more")
     chunked = p.pp_schedule in ("circular", "interleaved")
-    if chunked != (p.pp_repeats > 1):
+    if p.pp_schedule != "zb" and chunked != (p.pp_repeats > 1):
         return (
             f"parallel.pp_repeats={p.pp_repeats} with parallel.pp_schedule={p.pp_schedule!r}: "
             "the circular and interleaved schedules run v >= 2 chunks per stage (at v = 1 "
             "they are gpipe and 1f1b), gpipe and 1f1b one; set parallel.pp_repeats=2 with "
-            "circular or interleaved, or parallel.pp_repeats=1 with gpipe or 1f1b")
+            "circular or interleaved, or parallel.pp_repeats=1 with gpipe or 1f1b (zb: any)")
     if p.pp_stash != "residuals" and p.pp_schedule not in ("1f1b", "interleaved"):
         return (f"parallel.pp_stash={p.pp_stash!r} chooses what 1f1b and interleaved keep for "
-                f"a stage's backward; {p.pp_schedule} keeps what autodiff keeps: drop it, or "
-                "use --pp-schedule 1f1b")
-    if p.pp_schedule == "interleaved" and t.microbatches % p.pp:
-        return (f"the interleaved schedule runs microbatches in groups of pp={p.pp} "
+                f"a stage's backward; {p.pp_schedule} keeps "
+                + ("the residuals its split backward reads" if p.pp_schedule == "zb" else
+                   "what autodiff keeps") + ": drop it, or use --pp-schedule 1f1b")
+    if p.pp_schedule in ("interleaved", "zb") and p.pp_repeats > 1 and t.microbatches % p.pp:
+        return (f"the {p.pp_schedule} schedule over pp_repeats={p.pp_repeats} chunks runs "
+                f"microbatches in groups of pp={p.pp} "
                 f"(Megatron's order): train.microbatches={t.microbatches} is not a multiple; "
                 f"set --microbatches {p.pp * max(1, t.microbatches // p.pp)}")
     if m.attention == "cudnn" and p.impl == "gspmd":

@@ -39,11 +39,15 @@ CP_STRATEGIES = ("allgather", "ring")
 # how a MoE layer's tokens reach their experts (jaxtp.model.moe, jaxtp.parallel.ep)
 MOE_DISPATCHES = ("dense", "ragged")
 # how the pipeline stages run their microbatches (jaxtp.parallel.pipeline)
-PP_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved")
+PP_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zb")
 # those that run a stage's forward and backward apart, with the head, in one
 # table (`jaxtp.parallel.pipeline_1f1b`), and what they keep for a backward:
 # its VJP's residuals (GPipe's FLOPs), or the stage's input (the forward again)
-ONE_F_ONE_B, PP_STASHES = ("1f1b", "interleaved"), ("residuals", "inputs")
+ONE_F_ONE_B, PP_STASHES = ("1f1b", "interleaved", "zb"), ("residuals", "inputs")
+# those that split the backward into the input's gradient and the weights'
+# (zero-bubble: `jaxtp.parallel.vjp_split`), the weights' run where no
+# stage computes on dropped data; on the interleaved table at v > 1
+SPLIT = ("zb",)
 # how long a multi-process start waits for every process (jaxtp.parallel.distributed)
 COORDINATOR_TIMEOUT_S = 300
 

@@ -95,9 +95,11 @@ def pass_of(op_name: str) -> str:
 
 
 # names that lowering adds around a scope: shard_map, and a scanned layer
-# stack's loop (`while/body/closed_call/mlp/...`) or rematerialised body
+# stack's loop (`while/body/closed_call/mlp/...`) or rematerialised body;
+# and the zero-bubble pipeline's around its weight gradients
+# (`jaxtp.parallel.vjp_split.WGRAD`, which `jaxtp.analysis.pp` reads)
 _WRAPPERS = {"shard_map", "while", "body", "cond", "closed_call", "checkpoint", "remat",
-             "rematted_computation"}
+             "rematted_computation", "pp_wgrad"}
 
 
 def scope_of(op_name: str) -> str:

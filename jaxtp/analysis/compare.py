@@ -181,38 +181,57 @@ def _pipeline(cfg: Config, colls_by_impl: dict, sizes: dict, out: Path,
     from each compiled program (the trips of the loops holding its shift;
     its dots per pass against the unpipelined step's, `useful_all`, over
     pp) beside the schedule's formulas."""
-    p, M = cfg.parallel, cfg.train.microbatches
-    want, useful = pp.compute_factor(cfg)
+    p, M, schedule = cfg.parallel, cfg.train.microbatches, schedule_of(cfg)
+    want, useful = schedule.ticks, p.pp_repeats * M
     ticks = {impl: pp.compiled_ticks(colls, sizes) for impl, colls in colls_by_impl.items()}
     flops = {impl: pp.block_flops((out / f"hlo_{impl}.txt").read_text())
              for impl in colls_by_impl}
     ratio = {impl: {k: f[k] * p.pp / useful_all[k] if useful_all and useful_all[k] else None
-                    for k in f} for impl, f in flops.items()}
-    analytic = pp.bubble(p.pp, M, p.pp_repeats)
+                    for k in ("forward", "backward")} for impl, f in flops.items()}
     # (1F1B keeping its inputs alone runs a stage's forward again in each backward)
-    again = {"forward": 2 if schedule_of(cfg).recomputes else 1, "backward": 1}
-    formula = "(v*M + p - 1)/(v*M)" + (" (1F1B's fill and drain loops run one kind each)"
-                                        if runs_head(cfg) else "")
+    formula = {impl: {"forward": (2 if schedule.recomputes else 1) * want / useful,
+                      "backward": _backward_formula(f, want, useful) if schedule.split
+                      else want / useful} for impl, f in flops.items()}
     read = lambda k: ", ".join(f"{r[k]:.4f} ({impl})" if r[k] else f"unread ({impl})"
                                for impl, r in ratio.items())
+    analytic = pp.bubble(p.pp, M, p.pp_repeats)
     line = (f"pipeline ({p.pp_schedule}, pp={p.pp}, M={M}"
             + (f", v={p.pp_repeats}" if p.pp_repeats > 1 else "") + "): forward ticks compiled "
             + ", ".join(f"{t} ({impl})" for impl, t in ticks.items())
             + f", analytic v*M + p - 1 = {want}"
-            + (f" (in {schedule_of(cfg).span} ticks)" if runs_head(cfg) else "")
+            + (f" (in {schedule.span} ticks)" if runs_head(cfg) else "")
             + f"; bubble (p-1)/(v*M+p-1) = {analytic:.1%} analytic, " + ", ".join(
                 f"{(t - p.pp_repeats * M) / t:.1%} ({impl})" if t else f"none ({impl})"
                 for impl, t in ticks.items()) + " compiled; compiled/useful block FLOPs "
             f"(the dots' against pp x the unpipelined step's) forward {read('forward')}, "
-            f"backward {read('backward')}; formula {formula} = {want}/{useful} = "
-            f"{want / useful:.4f}" + (", the forward's twice (parallel.pp_stash=inputs: "
-                                      "the backward runs it again)" if again["forward"] > 1
-                                      else ""))
+            f"backward {read('backward')}; formula (v*M + p - 1)/(v*M) = {want}/{useful} = "
+            f"{want / useful:.4f}"
+            + (" (1F1B's fill and drain loops run one kind each)" if runs_head(cfg) else "")
+            + (", the forward's twice (parallel.pp_stash=inputs: the backward runs it again)"
+               if schedule.recomputes else "")
+            + ("; zb's backward: B at that, W (weight gradients) at v*M/(v*M) = 1, so "
+               + ", ".join(f"{formula[impl]['backward']:.4f} ({impl}; W "
+                           f"{f['weights'] / max(f['backward'], 1):.1%} of it)"
+                           for impl, f in flops.items()) if schedule.split else "")
+            + "; the whole step " + ", ".join(
+                f"{(f['forward'] + f['backward']) * p.pp / (useful_all['forward'] + useful_all['backward']):.4f} "
+                f"({impl})" for impl, f in flops.items() if useful_all))
     agree = all(t == want for t in ticks.values()) and all(
-        x is None or abs(x - again[k] * want / useful) < 1e-9
-        for r in ratio.values() for k, x in r.items())
+        x is None or abs(x - formula[impl][k]) < 1e-9
+        for impl, r in ratio.items() for k, x in r.items())
     return {"ticks": ticks, "ticks_analytic": want, "bubble": analytic, "line": line,
             "flops_ratio": ratio, "flops_ratio_analytic": want / useful, "agree": agree}
+
+
+def _backward_formula(flops: dict, ticks: int, useful: int) -> float:
+    """zb's compiled/useful backward FLOPs: B's share of an op's backward
+    (read from the program: its B FLOPs over the `ticks` that run them, its
+    W FLOPs over the `useful` ones) at ticks/useful, W's at 1. Holds the
+    program to its loops: were W's trips not v*M, the ops' B + W would not
+    be the unpipelined step's backward."""
+    w = flops["weights"] / useful
+    b = (flops["backward"] - flops["weights"]) / ticks
+    return (ticks * b + useful * w) / (useful * (b + w)) if b + w else 0.0
 
 
 def _windowed_forms(cfg: Config, mesh) -> xla_overlap.Forms:

@@ -24,14 +24,17 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from .. import hlo
 from ..groups import hops_on
 from ..hlo_dots import dots
 from ..config import Config
 from ..parallel import CP_AXIS, DATA_AXIS, PP_AXIS
-from ..checks import ONE_F_ONE_B
+from ..checks import ONE_F_ONE_B, SPLIT
 from ..parallel.pipeline_1f1b import BACK_SHIFT
-from ..parallel.pipeline_table import decode, phases, table as f1b_table
+from ..parallel.vjp_split import WGRAD
+from ..parallel.pipeline_table import decode, phases, table as f1b_table, weights
 from .rows import HLO_DTYPES, Expected, microbatch_rows, on, runs_head, schedule_of
 
 
@@ -162,15 +165,21 @@ def pipeline_parts(cfg: Config, impl: str, g, platform: str = "") -> list:
 
 
 def compute_factor(cfg: Config) -> tuple[int, int]:
-    """(ticks, useful ticks) of a stage's forward (and of its backward):
-    compiled block FLOPs over the useful ones, as every stage computes in
-    every tick (GPipe and 1F1B (M+p-1)/M, 1F1B's forward-only and
-    backward-only ticks each in a loop of their own; circular
-    (v*M+p-1)/(v*M)); (1, 1) without a pipeline."""
+    """(compiled, useful) block FLOPs of a step, as every stage computes in
+    every tick: (v*M + p - 1, v*M) (GPipe and 1F1B (M+p-1)/M, 1F1B's
+    forward-only and backward-only ticks each in a loop of their own;
+    circular and interleaved (v*M+p-1)/(v*M)); zb's weight gradients run
+    v*M times, not v*M + p - 1: (3v*M + 2(p - 1), 3v*M), a forward, an input
+    gradient and a weight gradient costing alike (Qi et al. 2024, Sec. 2;
+    `--compare-hlo` reads their shares from the program); (1, 1) without a
+    pipeline."""
     p, M = cfg.parallel, cfg.train.microbatches
     if p.pp == 1:
         return 1, 1
-    return schedule_of(cfg).ticks, p.pp_repeats * M
+    ticks, useful = schedule_of(cfg).ticks, p.pp_repeats * M
+    if schedule_of(cfg).split:
+        return 3 * ticks - (p.pp - 1), 3 * useful
+    return ticks, useful
 
 
 BLOCK_SCOPES = ("attention", "mlp", "moe")
@@ -178,13 +187,15 @@ BLOCK_SCOPES = ("attention", "mlp", "moe")
 
 def block_flops(text: str) -> dict[str, int]:
     """The blocks' matmul FLOPs per step and device by pass ("forward",
-    "backward"), read from compiled HLO (`jaxtp.hlo_dots.dots`: every dot at its
-    loops' trip counts; XLA:CPU's dots, none where the compiler calls
-    cuBLAS)."""
-    out = {"forward": 0, "backward": 0}
+    "backward"; of the backward, "weights": the zero-bubble schedule's W,
+    named `WGRAD`), read from compiled HLO (`jaxtp.hlo_dots.dots`: every dot
+    at its loops' trip counts; XLA:CPU's dots, none where the compiler
+    calls cuBLAS)."""
+    out = {"forward": 0, "backward": 0, "weights": 0}
     for d in dots(text):
         if d.scope in BLOCK_SCOPES and d.pass_ in out:
             out[d.pass_] += d.flops
+            out["weights"] += d.flops * (WGRAD in d.op_name)
     return out
 
 
@@ -215,14 +226,16 @@ def cells(stages: int, microbatches: int, repeats: int = 1,
     backward; circular (v > 1) adds the chunk, "F3:1"; "": a bubble tick
     (computed on dropped data). 1F1B: its M + 2p - 2 ticks, "F3/B1" a
     tick's forward of microbatch 3 and backward of 1 (interleaved:
-    v*M + (v+1)p - 2 ticks, with the chunks)."""
+    v*M + (v+1)p - 2 ticks, with the chunks); zb adds the tick's weight
+    gradient, "F3/B1/W0"."""
     p, M, v = stages, microbatches, repeats
     if schedule in ONE_F_ONE_B:  # its own table: a forward, a backward or both a tick
         fwd, bwd = f1b_table(p, M, v)
+        wgt = weights(bwd) if schedule in SPLIT else np.full_like(bwd, -1)
         name = lambda kind, n: "{}{}".format(kind, decode(n, p, v)[0]) + (
             f":{decode(n, p, v)[1]}" if v > 1 else "")
-        return [["/".join([name("F", f)] * int(f >= 0) + [name("B", b)] * int(b >= 0))
-                 for f, b in zip(fwd[:, r], bwd[:, r])] for r in range(p)]
+        return [["/".join(name(k, n) for k, n in zip("FBW", ops) if n >= 0)
+                 for ops in zip(fwd[:, r], bwd[:, r], wgt[:, r])] for r in range(p)]
     T = v * M + p - 1
 
     def op(kind: str, k: int) -> str:
@@ -242,7 +255,8 @@ def picture(stages: int, microbatches: int, schedule: str = "gpipe", repeats: in
     w, h, left, top = 34, 26, 70, 44
     ticks = len(grid[0])
     width, height = left + ticks * w + 10, top + stages * h + 40
-    shades = {"F": ("#4f81bd", "#1f4e79"), "B": ("#9bbb59", "#5a7a1e")}
+    shades = {"F": ("#4f81bd", "#1f4e79"), "B": ("#9bbb59", "#5a7a1e"),
+              "W": ("#f79646", "#b65708")}
     fill = lambda cell: (shades[cell[0]][int(cell.partition(":")[2] or 0) % 2] if cell
                          else "#d9d9d9")
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
@@ -251,11 +265,16 @@ def picture(stages: int, microbatches: int, schedule: str = "gpipe", repeats: in
              f'<text x="6" y="18" font-size="13" font-weight="bold">{schedule}: {stages} stages, '
              f'{microbatches} microbatches{f", {repeats} chunks each" if repeats > 1 else ""}, '
              + (f'{ticks} ticks, a forward (top) and a backward (bottom) in the steady ones; '
+                if f1b and schedule not in SPLIT else
+                f'{ticks} ticks, a forward (top), an input gradient and a weight gradient '
+                '(bottom) in the steady ones; '
                 if f1b else
                 f'{ticks // 2} ticks forward + {ticks // 2} backward; ')
              + f'bubble {bubble(stages, microbatches, repeats):.1%} (grey: computed, '
              'dropped)</text>']
-    runs = [(f, b) for begin, end, f, b in phases(stages, microbatches, repeats)
+    kinds = "FBW" if schedule in SPLIT else "FB"
+    runs = [kind[:len(kinds)] for begin, end, *kind in
+            phases(stages, microbatches, repeats, schedule in SPLIT)
             for _ in range(begin, end)] if f1b else []
     for r, row in enumerate(grid):
         y = top + r * h
@@ -265,7 +284,7 @@ def picture(stages: int, microbatches: int, schedule: str = "gpipe", repeats: in
             # 1F1B: a tick's forward above its backward; white where the
             # tick's loop does not compute that kind at all
             halves = ([(kind, next((c for c in cell.split("/") if c[:1] == kind), ""), on)
-                       for kind, on in zip("FB", runs[t])] if f1b else [("", cell, True)])
+                       for kind, on in zip(kinds, runs[t])] if f1b else [("", cell, True)])
             hh = (h - 2) // len(halves)
             for i, (_, op, on) in enumerate(halves):
                 parts.append(f'<rect x="{x}" y="{y + i * hh}" width="{w - 2}" height="{hh}" '
@@ -274,11 +293,14 @@ def picture(stages: int, microbatches: int, schedule: str = "gpipe", repeats: in
                              f'data-op="{op or ("bubble" if on else "none")}"/>')
                 if op:
                     parts.append(f'<text x="{x + 5}" y="{y + i * hh + (hh - 2 if f1b else 17)}" '
-                                 f'font-size="{9 if f1b else 11}" fill="#ffffff">'
+                                 f'font-size="{(9, 7)[len(halves) > 2] if f1b else 11}" '
+                                 'fill="#ffffff">'
                                  f'{op.partition(":")[0]}</text>')
     parts.append(f'<text x="{left}" y="{top + stages * h + 24}" font-size="11">ticks across: '
-                 + ('forward (blue) and backward (green) as 1F1B interleaves them, the fill '
-                    'and drain ticks in loops of one kind (white: not computed)' if f1b else
+                 + ('forward (blue) and backward (green' + ('; weight gradients orange'
+                                                            if schedule in SPLIT else '')
+                    + ') as 1F1B interleaves them, the fill and drain ticks in loops of '
+                    'their kinds (white: not computed)' if f1b else
                     'forward (blue), then backward (green, the scan reversed)')
                  + ('; a darker shade: an odd chunk' if repeats > 1 else '') + '</text>')
     return "\n".join(parts + ["</svg>"]) + "\n"

@@ -26,7 +26,6 @@ import math
 from typing import Callable
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -36,7 +35,8 @@ from .collectives import vary, varying_axes, wide
 from .layout import EP_AXIS, PP_AXIS, Layout, constrain, keep_axes, spec
 from .pipeline import (BATCH_SPLIT, _chunk, _enter, _from_last_stage, _is_spec, _manual,
                        _to_first_stage)
-from .pipeline_table import decode, phases, slots, table
+from .pipeline_table import decode, phases, reading, slots, table, weights
+from .vjp_split import chunk_split, chunk_vjp
 
 
 # the name scope of the backward shift, which the compiled program's reader
@@ -45,7 +45,8 @@ BACK_SHIFT = "pp_back"
 
 
 def pipeline_1f1b(stage: Callable, head: Callable, blocks, head_modules, x_BTD, targets_BT,
-                  layout: Layout, schedule, stat_weights: np.ndarray | None = None):
+                  layout: Layout, schedule, stat_weights: np.ndarray | None = None,
+                  units: tuple[Callable, Callable] | None = None):
     """The mean loss of `head(head_modules, stage(blocks, x), targets)` (a
     microbatch's summed token losses) over the batch, by 1F1B over the
     stacked `blocks`; differentiable in the blocks, the head's modules and
@@ -90,8 +91,9 @@ def pipeline_1f1b(stage: Callable, head: Callable, blocks, head_modules, x_BTD, 
         router = None if stat_weights is None else (
             jnp.asarray(stat_weights / M), math.prod(jax.lax.axis_size(a) for a in axes
                                                      if a != PP_AXIS))
+        split = schedule.split and (units, graphdef)
         grads = _ticks(run, head_loss, w, h, xs_MbTD, ts_MbT, p, schedule.repeats, vary_all,
-                       router, schedule.stash == "inputs")
+                       router, schedule.stash == "inputs", split)
         loss, dw, dh, dxs_MbTD = grads
         return (jax.lax.psum(loss, axes), w_back(dw)[0], h_back(dh)[0],
                 _from_last_stage(dxs_MbTD, p, pin, frm=0))
@@ -135,7 +137,7 @@ def _kept_grads(run_all: Callable) -> Callable:
 
 
 def _ticks(run, head_loss, w, h, xs_MbTD, ts_MbT, p, v, vary_all, router=None,
-           inputs: bool = False):
+           inputs: bool = False, split=None):
     """The table's ticks (`table`, looped by `phases`): (summed loss, stage
     weights' gradient, head's gradient, stage 0's input gradients [M, b, T,
     D]). `run(w, x)` runs a chunk of the stage's layers (`w` a chunk of
@@ -143,37 +145,52 @@ def _ticks(run, head_loss, w, h, xs_MbTD, ts_MbT, p, v, vary_all, router=None,
     its input in the stash; a backward takes them out and applies them to
     its gradient; with `inputs`, a forward files its input alone and the
     backward runs the forward again from it (`jaxtp.checks.PP_STASHES`).
+    `split` ((enter, unit), graphdef): the backward in two, B filing what
+    W needs in a second stash, W in the tick stage 0 runs B (`weights`).
     `router`: (the statistics' weights / M, the batch ranks that add them)
     where `run` returns (y, statistics)."""
-    ticks = _Ticks(run, head_loss, w, h, xs_MbTD, ts_MbT, p, v, router, inputs)
+    ticks = _Ticks(run, head_loss, w, h, xs_MbTD, ts_MbT, p, v, router, inputs, split)
     carry, T = ticks.start(vary_all), ticks.T
-    for begin, end, runs_f, runs_b in phases(p, xs_MbTD.shape[0], v):
+    for begin, end, runs_f, runs_b, runs_w in phases(p, xs_MbTD.shape[0], v, bool(split)):
         end -= end == T  # (the last tick, apart: its gradient goes nowhere)
-        carry = jax.lax.scan(ticks.body(runs_f, runs_b), carry, jnp.arange(begin, end))[0]
-    carry = ticks.body(False, True, sends_b=False)(carry, T - 1)[0]
+        carry = jax.lax.scan(ticks.body(runs_f, runs_b, runs_w), carry,
+                             jnp.arange(begin, end))[0]
+    carry = ticks.body(False, True, bool(split), sends_b=False)(carry, T - 1)[0]
     _, _, _, loss, dw, dh, dxs = carry
     cast = lambda g, a: jax.tree.map(lambda x, y: x.astype(y.dtype), g, a)
     return loss, cast(dw, w), cast(dh, h), dxs
 
 
 class _Ticks:
-    """One stage's view of the table: its ops' forward and backward, and
-    the carry they update (stash, the mailboxes each way, loss, gradients,
-    stage 0's input gradients)."""
+    """One stage's view of the table: its ops' forward and backward (under
+    `split`, B and W), and the carry they update (the stashes, the mailboxes
+    each way, loss, gradients, stage 0's input gradients)."""
 
-    def __init__(self, run, head_loss, w, h, xs_MbTD, ts_MbT, p, v, router, inputs):
+    def __init__(self, run, head_loss, w, h, xs_MbTD, ts_MbT, p, v, router, inputs, split):
         self.head_loss, self.w, self.h, self.xs, self.ts = head_loss, w, h, xs_MbTD, ts_MbT
-        self.p, self.v, self.router = p, v, router
+        self.p, self.v, self.router, self.split = p, v, router, bool(split)
         self.r = jax.lax.axis_index(PP_AXIS)
         fwd, bwd = table(p, xs_MbTD.shape[0], v)
-        fslot, bslot, self.S = slots(fwd, bwd)
-        self.FWD, self.BWD, self.FSLOT, self.BSLOT = (
-            jnp.asarray(t) for t in (fwd, bwd, fslot, bslot))
+        wgt = weights(bwd) if split else bwd  # (the F stash's freeing read)
+        fslot, wslot, self.S = slots(fwd, wgt)
+        tables = [fwd, bwd, wgt, fslot, reading(fwd, fslot, bwd), wslot]
+        if split:  # W's own stash: from its B to its W
+            bslot, vslot, self.S_W = slots(bwd, wgt)
+            tables += [bslot, vslot]
+        self.tables = [jnp.asarray(t) for t in tables]
         self.T = len(fwd)
         # (under v > 1 the shifts are rings: chunk i's last stage to chunk i+1's first)
         self.ring = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
-        self.forward, self.backward, out_type, self.kept_types = _stage_vjp(
-            run, [_chunk(w, i, v) for i in range(v)], xs_MbTD[0], inputs)
+        chunks = [_chunk(w, i, v) for i in range(v)]
+        if split:
+            (enter, unit), graphdef = split
+            (self.forward, self.backward_input, self.backward_weights, out_type,
+             self.kept_types, self.saved_types) = chunk_split(unit, enter, graphdef, chunks[0],
+                                                              xs_MbTD[0])
+        else:
+            self.forward, self.backward, out_type, self.kept_types = chunk_vjp(
+                run, chunks, xs_MbTD[0], inputs)
+            self.saved_types = []
         self.stats_type = out_type[1] if router is not None else None
 
     def start(self, vary_all):
@@ -183,27 +200,36 @@ class _Ticks:
         like = lambda a, ref: vary(a, varying_axes(ref) | {PP_AXIS})
         zeros = lambda tree: jax.tree.map(lambda a: like(jnp.zeros(a.shape, wide(a)), a), tree)
         box = like(jnp.zeros(self.xs.shape[1:], self.xs.dtype), self.xs)
-        stash = [vary(jnp.zeros((self.S, *t.shape), t.dtype), varying_axes(t) | {PP_AXIS})
-                 for t in self.kept_types]
-        return (stash, box, box, vary_all(jnp.zeros((), wide(self.xs))), zeros(self.w),
+        stash = lambda n, types: [vary(jnp.zeros((n, *t.shape), t.dtype),
+                                       varying_axes(t) | {PP_AXIS}) for t in types]
+        stashes = (stash(self.S, self.kept_types),
+                   stash(getattr(self, "S_W", 0), jax.tree.leaves(self.saved_types)))
+        return (stashes, box, box, vary_all(jnp.zeros((), wide(self.xs))), zeros(self.w),
                 zeros(self.h), like(jnp.zeros_like(self.xs), self.xs))
 
-    def body(self, runs_f: bool, runs_b: bool, sends_b: bool = True):
-        """A tick of a loop that runs forwards, backwards or both (`phases`)."""
+    def body(self, runs_f: bool, runs_b: bool, runs_w: bool = False, sends_b: bool = True):
+        """A tick of a loop that runs forwards, backwards (under `split`:
+        input gradients), weight gradients, or some of them (`phases`)."""
         def tick(carry, s):
             ran = None
             if runs_f:
                 carry, ran = self._forward_op(carry, s)
             if runs_b:
                 carry = self._backward_op(carry, s, ran, sends_b)
+            if runs_w:
+                carry = self._weights_op(carry, s)
             return carry, None
         return tick
+
+    def _at(self, k: int, s):
+        """Table k's entry for this stage at tick s (`__init__`'s order)."""
+        return self.tables[k][s, self.r]
 
     def _forward_op(self, carry, s):
         """The tick's forward: the op's chunk on its input (stage 0's chunk 0:
         the microbatch), its residuals filed, its output sent on."""
-        stash, fbox, bbox, loss, dw, dh, dxs = carry
-        n = self.FWD[s, self.r]
+        (stash, saved), fbox, bbox, loss, dw, dh, dxs = carry
+        n = self._at(0, s)
         on, n = n >= 0, jnp.maximum(n, 0)
         m, i = decode(n, self.p, self.v)
         first = (self.r == 0) & (i == 0)
@@ -211,21 +237,19 @@ class _Ticks:
         if self.router is not None:  # its statistics into the loss
             (y, stats), (c, k) = y, self.router
             loss = loss + jnp.where(on, jnp.dot(c, stats), 0.0) / k
-        j = self.FSLOT[s, self.r]
-        stash = [a.at[j].set(jnp.where(on, x, a[j])) for a, x in zip(stash, kept)]
+        stash = _file(stash, kept, self._at(3, s), on)
         fbox = jax.lax.ppermute(y, PP_AXIS, self.ring)
-        return (stash, fbox, bbox, loss, dw, dh, dxs), (y, m, i, on)
+        return ((stash, saved), fbox, bbox, loss, dw, dh, dxs), (y, m, i, on)
 
     def _backward_op(self, carry, s, ran, sends_b: bool):
         """The tick's backward: the op's residuals out of the stash, applied
         to its gradient (the last stage's last chunk: the head's, taken on
-        this tick's forward), the weights' gradient added, the input's sent
-        back (stage 0's chunk 0: kept)."""
-        stash, fbox, bbox, loss, dw, dh, dxs = carry
-        add = lambda acc, g: jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
-        masked = lambda on, t: jax.tree.map(lambda g: jnp.where(on, g, 0), t)
+        this tick's forward), the weights' gradient added (under `split`:
+        W's inputs filed instead), the input's sent back (stage 0's chunk 0:
+        kept)."""
+        (stash, saved), fbox, bbox, loss, dw, dh, dxs = carry
         last, v = self.r == self.p - 1, self.v
-        n = self.BWD[s, self.r]
+        n = self._at(1, s)
         on, n = n >= 0, jnp.maximum(n, 0)
         m, i = decode(n, self.p, v)
         g_y = bbox
@@ -235,77 +259,58 @@ class _Ticks:
                 self.h, y, self.ts[mf])
             mine = last & on_f & (i_f == v - 1)
             loss = loss + jnp.where(mine, lm, 0.0)
-            dh = add(dh, masked(mine, gh))
+            dh = _add(dh, _masked(mine, gh))
             g_y = jnp.where(last & (i == v - 1), gy.astype(y.dtype), bbox)
         if self.router is not None:  # the statistics' cotangent: their weights
             g_y = (g_y, vary(jnp.where(on, self.router[0], 0.0), varying_axes(self.stats_type)))
-        g_w, g_x = self.backward(i, _chunk(self.w, i, v), [a[self.BSLOT[s, self.r]]
-                                                           for a in stash], g_y)
-        dw = _add_chunk(dw, masked(on, g_w), i, v)
+        kept = [a[self._at(4, s)] for a in stash]
+        if self.split:
+            g_x, hand = self.backward_input(_chunk(self.w, i, v), kept, g_y)
+            saved = _file(saved, jax.tree.leaves(hand), self._at(6, s), on)
+        else:
+            g_w, g_x = self.backward(i, _chunk(self.w, i, v), kept, g_y)
+            dw = _add_chunk(dw, _masked(on, g_w), i, v)
         dxs = dxs.at[m].set(jnp.where((self.r == 0) & on & (i == 0), g_x, dxs[m]))
         if sends_b:  # (named: at p = 2 the rings both ways are one permutation)
             with jax.named_scope(BACK_SHIFT):
                 bbox = jax.lax.ppermute(g_x, PP_AXIS, [(b, a) for a, b in self.ring])
-        return stash, fbox, bbox, loss, dw, dh, dxs
+        return (stash, saved), fbox, bbox, loss, dw, dh, dxs
+
+    def _weights_op(self, carry, s):
+        """The tick's W (under `split`): the op whose B stage 0 runs this tick,
+        from its residuals and what its B filed, into the weights' gradient."""
+        (stash, saved), fbox, bbox, loss, dw, dh, dxs = carry
+        n = self._at(2, s)
+        on, n = n >= 0, jnp.maximum(n, 0)
+        i = decode(n, self.p, self.v)[1]
+        hand = jax.tree.unflatten(jax.tree.structure(self.saved_types),
+                                  [a[self._at(7, s)] for a in saved])
+        g_w = self.backward_weights(_chunk(self.w, i, self.v),
+                                    [a[self._at(5, s)] for a in stash], hand)
+        dw = _add_chunk(dw, _masked(on, g_w), i, self.v)
+        return (stash, saved), fbox, bbox, loss, dw, dh, dxs
+
+
+def _file(stash: list, values: list, j, on) -> list:
+    """`values` into slot j of the stash's arrays, where `on`."""
+    return [a.at[j].set(jnp.where(on, x, a[j])) for a, x in zip(stash, values)]
+
+
+def _add(acc, g):
+    return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
+
+
+def _masked(on, tree):
+    return jax.tree.map(lambda g: jnp.where(on, g, 0), tree)
 
 
 def _add_chunk(acc, g, i, v: int):
     """`acc` (a stage's stacked gradients) plus `g` at chunk i of v."""
     if v == 1:
-        return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
+        return _add(acc, g)
 
     def one(a, b):
         n = a.shape[0] // v
         part = jax.lax.dynamic_slice_in_dim(a, i * n, n) + b.astype(a.dtype)
         return jax.lax.dynamic_update_slice_in_dim(a, part, i * n, 0)
     return jax.tree.map(one, acc, g)
-
-
-def _stage_vjp(run, chunks: list, x, inputs: bool = False):
-    """(forward(w, x) -> (out, what its backward needs), backward(i, w, kept,
-    g) -> (the chunk's weights' gradient, the input's), the output's type,
-    the kept values' types), for `run(w, x)` on any of `chunks` (a stage's
-    weights, one per chunk). Kept: the VJP's residuals that depend on `x`;
-    those of the weights alone (the weights, their casts and reshapes,
-    masks) are computed here once per chunk, by JAX's partial evaluation of
-    the forward with `w` known (private in jax 0.10.2, so tried: without it
-    every residual is kept). With `inputs`: `x` alone, the forward run again
-    in the backward."""
-    if inputs:
-        forward = lambda w, x: (run(w, x), [x])
-        out_type, kept_types = jax.eval_shape(forward, chunks[0], x)
-        return forward, lambda i, w, kept, g: jax.vjp(run, w, kept[0])[1](g), out_type, \
-            kept_types
-    tree = {}
-
-    def residuals(w, x):  # (output, its VJP's leaves)
-        out, vjp = jax.vjp(run, w, x)
-        leaves, tree["vjp"] = jax.tree.flatten(vjp)
-        return out, leaves
-
-    closed, (out_type, types) = jax.make_jaxpr(residuals, return_shape=True)(chunks[0], x)
-    n_w, n_out = len(jax.tree.leaves(chunks[0])), len(jax.tree.leaves(out_type))
-    try:
-        from jax._src.interpreters.partial_eval import partial_eval_jaxpr_nounits
-        known_jaxpr, _, unknown, _ = partial_eval_jaxpr_nounits(
-            closed, [False] * n_w + [True] * len(jax.tree.leaves(x)), instantiate=False)
-    except ImportError:  # pragma: no cover (a later jax)
-        known_jaxpr, unknown = None, [True] * (n_out + len(types))
-    on_x = unknown[n_out:]
-    # (the known jaxpr's outputs: the known outputs, in order, then its own
-    # residuals for the unknown part)
-    first = unknown[:n_out].count(False)
-    per_chunk = [jax.extend.core.jaxpr_as_fun(known_jaxpr)(*jax.tree.leaves(c))
-                 [first:first + on_x.count(False)] for c in chunks] if known_jaxpr else []
-    known = [jnp.stack(vals) for vals in zip(*per_chunk)]
-
-    def forward(w, x):
-        out, leaves = residuals(w, x)
-        return out, [a for a, u in zip(leaves, on_x) if u]
-
-    def backward(i, w, kept, g):
-        kept, known_ = iter(kept), iter(known)
-        leaves = [next(kept) if u else next(known_)[i] for u in on_x]
-        return jax.tree.unflatten(tree["vjp"], leaves)(g)
-
-    return forward, backward, out_type, [t for t, u in zip(types, on_x) if u]

@@ -47,25 +47,48 @@ def decode(n, p: int, v: int = 1):
     return (n // (v * p)) * p + n % p, n % (v * p) // p
 
 
-def phases(p: int, M: int, v: int = 1) -> list[tuple[int, int, bool, bool]]:
+def weights(bwd: np.ndarray) -> np.ndarray:
+    """The zero-bubble schedule's weight-gradient table (`jaxtp.checks.SPLIT`)
+    [T, p]: the op whose W each stage runs in each tick, -1 for none: on
+    every stage the op stage 0 runs B (its input gradient) on in that tick,
+    which stage r ran B on r ticks before. So W runs on real data on every
+    stage in each of its v*M ticks, none on dropped data (the W of the
+    zero-bubble schedules, Qi et al. 2024, Sec. 3, moved into the ticks where
+    stage 0 alone ends its backward)."""
+    return np.repeat(bwd[:, :1], bwd.shape[1], axis=1)
+
+
+def phases(p: int, M: int, v: int = 1, split: bool = False
+           ) -> list[tuple[int, int, bool, bool, bool]]:
     """The table's ticks as loops of one kind: (first tick, end, runs
-    forwards, runs backwards): v*p - 1 ticks of forwards (no backward has a
-    gradient yet), then both until the last forward, then v*p - 1 ticks of
-    backwards. Each loop's tick computes only its kinds, so a stage's block
-    FLOPs are v*M + p - 1 chunk forwards and as many chunk backwards:
-    GPipe's (v = 1) and circular's. (The last tick runs apart, without the
-    backward shift: stage 0's gradient is the last, and it stays there.)"""
-    edges = [(0, v * p - 1, True, False), (v * p - 1, v * M + p - 1, True, True),
-             (v * M + p - 1, v * M + (v + 1) * p - 2, False, True)]
-    return [e for e in edges if e[1] > e[0]]
+    forwards, backwards, weight gradients), read from the tables: v*p - 1
+    ticks of forwards (no backward has a gradient yet), then both until the
+    last forward, then v*p - 1 ticks of backwards; with `split` (B apart
+    from W, `weights`), W in the ticks from stage 0's first B on. Each loop's
+    tick computes only its kinds, so a stage's block FLOPs are v*M + p - 1
+    chunk forwards and as many chunk backwards (under `split`: input
+    gradients; and v*M weight gradients): GPipe's (v = 1) and circular's.
+    (The last tick runs apart, without the backward shift: stage 0's
+    gradient is the last, and it stays there.)"""
+    fwd, bwd = table(p, M, v)
+    wgt = weights(bwd) if split else np.full_like(bwd, -1)
+    kinds = [tuple(bool((a[t] >= 0).any()) for a in (fwd, bwd, wgt)) for t in range(len(fwd))]
+    out = []
+    for t, kind in enumerate(kinds):
+        if out and out[-1][2:] == kind:
+            out[-1] = (out[-1][0], t + 1, *kind)
+        else:
+            out.append((t, t + 1, *kind))
+    return out
 
 
 def slots(fwd: np.ndarray, bwd: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-    """(the stash slot each forward writes [T, p], the slot each backward
-    reads [T, p], the slots): each forward takes the lowest slot its stage
-    has free, its backward frees it (after reading it, in the tick). So the
-    slots are the most ops a stage holds at once (`in_flight` of stage 0):
-    2p - 1 at v = 1, v*p + p - 1 chunks under v (a stage's p + (p-1)/v)."""
+    """(the stash slot each write (`fwd`'s op) takes [T, p], the slot each
+    freeing read (`bwd`'s) frees [T, p], the slots): each write takes the
+    lowest slot its stage has free, its freeing read frees it (after reading
+    it, in the tick; a tick's write first). So the slots are the most ops a
+    stage holds at once (`in_flight` of stage 0): 2p - 1 at v = 1, v*p + p - 1
+    chunks under v (a stage's p + (p-1)/v)."""
     T, p = fwd.shape
     fslot, bslot = np.zeros((T, p), np.int32), np.zeros((T, p), np.int32)
     for r in range(p):
@@ -77,6 +100,16 @@ def slots(fwd: np.ndarray, bwd: np.ndarray) -> tuple[np.ndarray, np.ndarray, int
                 bslot[t, r] = at.pop(bwd[t, r])
                 free = sorted(free + [bslot[t, r]])
     return fslot, bslot, max(in_flight(fwd, bwd, r) for r in range(p))
+
+
+def reading(fwd: np.ndarray, fslot: np.ndarray, reads: np.ndarray) -> np.ndarray:
+    """The slot each of `reads`' ops [T, p] is read from: the one its write
+    (`fwd`, `fslot`) took (the zero-bubble B reads what W frees)."""
+    out = np.zeros_like(reads)
+    for r in range(fwd.shape[1]):
+        at = {n: j for n, j in zip(fwd[:, r], fslot[:, r]) if n >= 0}
+        out[:, r] = [at.get(n, 0) for n in reads[:, r]]
+    return out
 
 
 def in_flight(fwd: np.ndarray, bwd: np.ndarray, stage: int = 0) -> int:

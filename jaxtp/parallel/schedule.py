@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ..checks import ONE_F_ONE_B
+from ..checks import ONE_F_ONE_B, SPLIT
 from .collectives import wide
 from .pipeline_table import phases
 from .layout import DATA_AXIS, PP_AXIS, Layout, constrain, explicit_mesh, keep_axes
@@ -121,8 +121,8 @@ class Schedule:
         pipeline runs the head in its loop, the ticks of its steady loop
         (v(M - p) + p: M at v = 1), each computing it on every stage."""
         if self.runs_head:
-            return next(end - begin for begin, end, f, b in
-                        phases(self.stages, self.microbatches, self.repeats) if f and b)
+            return sum(end - begin for begin, end, f, b, _ in
+                       phases(self.stages, self.microbatches, self.repeats, self.split) if f and b)
         return self.microbatches
 
     @property
@@ -139,6 +139,12 @@ class Schedule:
     def stacked(self) -> bool:
         """Whether the blocks' parameters are stacked on a leading layer axis."""
         return self.scan or self.stages > 1
+
+    @property
+    def split(self) -> bool:
+        """Whether a stage's backward runs in two, its input's gradient and,
+        later, its weights' (the zero-bubble schedule, `jaxtp.checks.SPLIT`)."""
+        return self.pipeline in SPLIT and self.stages > 1
 
     @property
     def runs_head(self) -> bool:

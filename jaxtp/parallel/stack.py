@@ -48,6 +48,15 @@ def _stage(schedule: Schedule, layer: Callable, aux):
     return lambda blocks, x: scan_layers(schedule, layer, blocks, (x, zeros()))
 
 
+def _units(layer: Callable, aux):
+    """(enter(x) -> carry, unit(module, carry) -> carry): `_stage`'s run as a
+    loop of units, for a pipeline that differentiates unit by unit."""
+    if aux is None:
+        return (lambda x: x), (lambda unit, x: layer(unit, (x, None), None)[0])
+    zeros = lambda: vary(jnp.zeros(aux.shape, aux.dtype), {PP_AXIS})
+    return (lambda x: (x, zeros())), (lambda unit, c: layer(unit, c, None))
+
+
 def stack(schedule: Schedule, layout: Layout, layer: Callable, blocks, x_BTD, aux=None,
           keys_L=None):
     """(x, aux) after every block on `x_BTD` [B, T, D]: `aux` plus what the
@@ -73,4 +82,4 @@ def stack_loss(schedule: Schedule, layout: Layout, layer: Callable, blocks, head
     add an `aux` (zeros of its shape), plus `weights` . its mean over the
     microbatches, summed over the stages."""
     return pipeline_1f1b(_stage(schedule, layer, aux), head, blocks, head_modules, x_BTD,
-                         targets_BT, layout, schedule, weights)
+                         targets_BT, layout, schedule, weights, _units(layer, aux))

@@ -21,7 +21,8 @@ from jaxtp.analysis.rows import per_step, schedule_of
 from jaxtp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
 from jaxtp.model import stack_layers
 from jaxtp.parallel import Layout
-from jaxtp.parallel.pipeline_table import decode, in_flight, phases, slots, table as f1b_table
+from jaxtp.parallel.pipeline_table import (decode, in_flight, phases, reading, slots,
+                                          table as f1b_table, weights)
 from jaxtp.train.data import to_mesh
 from jaxtp.train.state import abstract_train_state, place_params
 from jaxtp.train.step import compile_train_step, cross_entropy_of
@@ -105,6 +106,10 @@ LAYOUTS = {
     "gpt2-pp4xtp2-interleaved-M4-sp": (MODEL, 4, 2, 1, {"schedule": "interleaved",
                                                         "repeats": 2, "microbatches": 4,
                                                         "sp": True}),
+    # zero-bubble: the backward split into B and W (`jaxtp.parallel.vjp_split`),
+    # W where stage 0 runs B; 1F1B's table and the interleaved one
+    "gpt2-pp2xtp4-zb": (MODEL, 2, 4, 1, {"schedule": "zb"}),
+    "gpt2-pp2xtp4-zb-v2": (MODEL, 2, 4, 1, {"schedule": "zb", "repeats": 2}),
     # cp: each stage's tokens split along T, the pipeline manual over cp too
     # (under gspmd with the ring: `jaxtp.checks`)
     "gpt2-dp2xcp2xpp2-shard_map-fsdp": (MODEL, 2, 1, 2, {"cp": 2, "impl": "shard_map",
@@ -186,10 +191,15 @@ def test_the_pipelined_step_holds_the_pp_ledger_and_one_devices_gradients(name, 
             {("f32", n_in, (k,)): 1 for k in range(1, p)}) + Counter(
             {("s32", B // (p * dp) * s, (p - 1 - k,)): 1 for k in range(p - 1)})
         # the loops: fill (v*p - 1), steady (v(M - p) + p, both ways), drain
-        # (v*p - 2: the last tick apart)
+        # (v*p - 2: the last tick apart); zb's steady loop in two where W
+        # starts (at v*p + p - 2: `phases`)
         loops = sorted(c.count for c in shift if "while" in c.op_name)
         steady = v * (M - p) + p
-        assert loops == sorted([v * p - 1, steady, steady] + [v * p - 2] * (v * p > 2))
+        if not schedule_of(cfg).split:
+            assert loops == sorted([v * p - 1, steady, steady] + [v * p - 2] * (v * p > 2))
+        else:  # (steady: p - 1 ticks of F and B, then F, B and W)
+            assert loops == sorted([v * p - 1] + [p - 1, steady - p + 1] * 2
+                                   + [v * p - 2] * (v * p > 2))
         assert not [c for c in pp if c.pass_ == "backward"]
         return
     assert sorted((c.elements, c.count) for c in shift) == sorted(
@@ -239,7 +249,7 @@ def test_the_1f1b_table_runs_each_op_after_what_it_needs_at_gpipes_cost():
         T = v * M + (v + 1) * p - 2
         fslot, bslot, S = slots(fwd, bwd)
         assert fwd.shape == bwd.shape == (T, p)
-        runs = [(f, b) for begin, end, f, b in phases(p, M, v) for _ in range(begin, end)]
+        runs = [(f, b) for begin, end, f, b, _ in phases(p, M, v) for _ in range(begin, end)]
         assert len(runs) == T
         assert sum(f for f, _ in runs) == sum(b for _, b in runs) == v * M + p - 1
         at_f = {(r, n): t for r in range(p) for t, n in enumerate(fwd[:, r]) if n >= 0}
@@ -269,6 +279,41 @@ def test_the_1f1b_table_runs_each_op_after_what_it_needs_at_gpipes_cost():
                         and t < at_f[r, k] <= at_b[r, n]]
         assert in_flight(fwd, bwd) == S == min(v * M, v * p + p - 1)
         assert v > 1 or in_flight(fwd, bwd, p - 1) == 1
+
+
+def test_the_zb_table_runs_each_w_after_its_b_and_never_on_dropped_data():
+    """Without JAX: zb's weight gradients (`weights`) run once per op and
+    stage, on every stage in the tick stage 0 runs that op's B (so after
+    the stage's own B: r ticks after it on stage r); every tick of the
+    loops that run W runs a real one on every stage (v*M of them: none on
+    dropped data), and the forwards and input gradients stay 1F1B's (v*M +
+    p - 1 ticks each). The forward's stash slot is read by B and freed by
+    W, never written between; W's own stash (what B hands W) holds an op
+    from its B to its W: r + 1 ops on stage r, p slots."""
+    for p, M, v in [(2, 2, 1), (2, 8, 1), (4, 4, 1), (3, 7, 1), (4, 8, 2), (2, 4, 3)]:
+        fwd, bwd = f1b_table(p, M, v)
+        wgt = weights(bwd)
+        runs = [k for b, e, *k in phases(p, M, v, split=True) for _ in range(b, e)]
+        assert len(runs) == len(fwd)
+        assert [sum(k[j] for k in runs) for j in range(3)] == [v * M + p - 1] * 2 + [v * M]
+        fslot, wslot, S = slots(fwd, wgt)
+        bslot, vslot, S_W = slots(bwd, wgt)
+        read = reading(fwd, fslot, bwd)
+        assert S == in_flight(fwd, bwd) and S_W == min(p, v * M)
+        for r in range(p):
+            at = lambda table: {n: t for t, n in enumerate(table[:, r]) if n >= 0}
+            f_at, b_at, w_at = at(fwd), at(bwd), at(wgt)
+            assert sorted(w_at) == list(range(v * M)) == sorted(b_at)
+            for n, t in w_at.items():
+                assert t == b_at[n] + r and runs[t][2]
+                j = fslot[f_at[n], r]
+                assert read[b_at[n], r] == j == wslot[t, r]
+                assert not [k for k in f_at if k != n and fslot[f_at[k], r] == j
+                            and f_at[n] < f_at[k] <= t]
+                assert vslot[t, r] == bslot[b_at[n], r] and not [
+                    k for k in b_at if k != n and bslot[b_at[k], r] == vslot[t, r]
+                    and b_at[n] < b_at[k] <= t]
+        assert all((wgt[t] >= 0).all() for t in range(len(fwd)) if runs[t][2])
 
 
 @pytest.mark.slow
@@ -368,29 +413,36 @@ def test_the_1f1b_picture_draws_its_table_and_what_each_loop_computes():
     microbatch 3 and backward of 1), a tick's forward above its backward;
     grey where the tick's loop computes a kind the stage drops, white where
     the loop does not compute that kind at all (the fill's backwards, the
-    drain's forwards). Interleaved: each cell names its chunk ("F3:1")."""
-    for p, M, v, schedule in ((4, 8, 1, "1f1b"), (2, 4, 2, "interleaved")):
+    drain's forwards). Interleaved: each cell names its chunk ("F3:1"). zb:
+    a third row, the weight gradients, "F3/B1/W0", none dropped."""
+    for p, M, v, schedule in ((4, 8, 1, "1f1b"), (2, 4, 2, "interleaved"), (4, 8, 2, "zb")):
         grid = cells(p, M, v, schedule)
         fwd, bwd = f1b_table(p, M, v)
+        split = schedule == "zb"
         name = lambda kind, n: f"{kind}{decode(n, p, v)[0]}" + (
             f":{decode(n, p, v)[1]}" if v > 1 else "")
         T = v * M + (v + 1) * p - 2
         for r, row in enumerate(grid):
             assert len(row) == T
             for t, cell in enumerate(row):
+                w = bwd[t, 0]  # (zb: W where stage 0 runs B)
                 assert cell == "/".join([name("F", fwd[t, r])] * int(fwd[t, r] >= 0)
-                                        + [name("B", bwd[t, r])] * int(bwd[t, r] >= 0))
+                                        + [name("B", bwd[t, r])] * int(bwd[t, r] >= 0)
+                                        + [name("W", w)] * int(split and w >= 0))
         svg = picture(p, M, schedule, v)
         ops = re.findall(r'data-stage="(\d+)" data-tick="(\d+)" data-op="([^"]+)"', svg)
-        assert len(ops) == 2 * p * T
+        assert len(ops) == (2 + split) * p * T
         # per stage: v*M forwards, v*M backwards; p - 1 dropped of each kind;
-        # the fill's v*p - 1 backwards and the drain's forwards not computed
+        # the fill's v*p - 1 backwards and the drain's forwards not computed;
+        # zb's v*M weight gradients, none dropped, none in the (v+1)p - 2 others
         for r in range(p):
             mine = [op for stage, _, op in ops if int(stage) == r]
             assert sum(o[0] == "F" for o in mine) == sum(o[0] == "B" for o in mine) == v * M
+            assert sum(o[0] == "W" for o in mine) == split * v * M
             assert mine.count("bubble") == 2 * (p - 1)
-            assert mine.count("none") == 2 * (v * p - 1)
-        assert "a forward (top) and a backward (bottom)" in svg
+            assert mine.count("none") == 2 * (v * p - 1) + split * ((v + 1) * p - 2)
+        assert ("an input gradient and a weight gradient" if split else
+                "a forward (top) and a backward (bottom)") in svg
 
 
 def test_bubble():
