@@ -29,7 +29,7 @@ from __future__ import annotations
 from ..config import Config
 from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS
 from .params import param_shards, part_dtypes
-from .rows import ANY_PASS, ANY_SCOPE, HLO_DTYPES, Expected, on
+from .rows import ANY_PASS, ANY_SCOPE, HLO_DTYPES, Expected, on, runs_head
 
 
 def scatters(cfg: Config) -> bool:
@@ -93,8 +93,10 @@ def _gathers(cfg: Config, impl: str, split: list, dt: str, tables: int) -> list[
     fwd = {"step": sum(s.elements for s in split if not looped(s) and not (
         once(s) and m.remat == "full")), "microbatch": sum(s.elements for s in split
                                                            if looped(s))}
+    # inside the recompute: never hoisted (but a schedule that runs its own
+    # backward (1F1B) gathers a stage's weights once, for both passes)
     bwd = sum(s.elements for s in split if remat and s.in_stack and not s.block_output
-              and not once(s))  # inside the recompute: never hoisted
+              and not once(s)) * (not runs_head(cfg))
     # under shard_map, GSPMD gathers the parameters used outside the regions
     outside = (sum(s.elements for s in split if not s.region)
                if impl == "shard_map" and not remat and not scanned and M == 1 else 0)

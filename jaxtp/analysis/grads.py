@@ -285,7 +285,7 @@ def _sequence_parts(cfg: Config, impl: str, grads: list[_Grad]) -> list[Part]:
             out.append(g.part("moe: the router's gradient over tp (its tokens on sequence "
                               "shards)", m.d_model * m.n_experts, g.dtypes[0], (TP_AXIS,),
                               scope="moe", role="moe", count=schedule_of(cfg).layers_per_tick
-                              * m.n_moe_layers // m.n_layers, per="tick"))
+                              * m.n_moe_layers // m.n_layers, per="wtick"))
         positions = s.path == "wpe/embedding"
         if not g.keyed or _sp_kv(cfg, impl, s):
             continue
@@ -298,7 +298,7 @@ def _sequence_parts(cfg: Config, impl: str, grads: list[_Grad]) -> list[Part]:
         # outside a pipeline's loop once a step, but 1F1B's head (the final
         # norm) runs in it, once a microbatch; a stage's layers once a tick
         in_loop = s.in_stack or (runs_head(cfg) and s.path.startswith("ln_f/"))
-        per = ("step" if not in_loop else "tick" if s.in_stack else "microbatch") \
+        per = ("step" if not in_loop else "wtick" if s.in_stack else "microbatch") \
             if p.pp > 1 else "microbatch"
         module = s.path.split("/")[-2]
         bias = module in ("out", "down")  # a row-parallel bias (its kernel is a region's)
@@ -337,4 +337,4 @@ def _sp_kv_parts(cfg: Config, impl: str, grads: list[_Grad]) -> list[Part]:
     over = on(cfg, *(DATA_AXIS,) * (not (p.fsdp or reduces_once(cfg))), EP_AXIS, CP_AXIS)
     return [kv.part("replicated kv weight gradient: sum over tp" + "".join(
         f" and {a}" for a in over), m.d_model * 2 * m.kv_heads * m.head_dim,
-        HLO_DTYPES[m.dtype], over + (TP_AXIS,), per="layer", scope="attention", role="")]
+        HLO_DTYPES[m.dtype], over + (TP_AXIS,), per="wlayer", scope="attention", role="")]

@@ -58,7 +58,7 @@ def expected_pp(cfg: Config) -> list[Expected]:
     ring = p.pp if p.pp_repeats > 1 else hops  # circular: the last stage's to the first too
     if runs_head(cfg):
         return _expected_1f1b(E, shift, mine, hops, t.batch_size // (p.pp * p.dp * p.ep)
-                              * (m.seq_len // p.cp), schedule_of(cfg).ticks, ring)
+                              * (m.seq_len // p.cp), schedule_of(cfg), ring)
     return [
         E("pp shift: each stage's output to the next, every tick", "forward", shift, 1, ring,
           per="tick"),
@@ -72,7 +72,7 @@ def expected_pp(cfg: Config) -> list[Expected]:
 
 
 def _expected_1f1b(E, shift: int, mine: int, hops: int, targets: int,
-                   ticks: int, ring: int) -> list[Expected]:
+                   schedule, ring: int) -> list[Expected]:
     """1F1B's rows (`jaxtp.parallel.pipeline_1f1b`): each tick that runs a
     forward sends its output on (+1), each that runs a backward but the last
     its input gradient back (-1), all in the step's forward program (the
@@ -80,10 +80,12 @@ def _expected_1f1b(E, shift: int, mine: int, hops: int, targets: int,
     rows and the last stage their targets, and stage 0 returns each stage
     its rows' input gradient, once. No transposes: the step's autodiff only
     scales the schedule's gradients. Interleaved: both shifts rings of p
-    pairs (`ring`)."""
+    pairs (`ring`). (zb at M = p: the last forward's shift dropped,
+    `Schedule.forward_shifts`.)"""
+    ticks = schedule.ticks
     return [
         E("pp shift +1: each stage's output to the next, each forward tick", "forward",
-          shift, ticks, ring),
+          shift, schedule.forward_shifts, ring),
         E("pp shift -1: each stage's input gradient to the one before, each backward tick "
           "but the last", "forward", shift, ticks - 1, ring, scope=BACK_SHIFT),
         E("pp entry: each stage's rows to stage 0", "forward", mine, hops),

@@ -36,8 +36,10 @@ class Expected:
     # placed by GSPMD outside the regions (False: `jaxtp.analysis.roofline`)
     written: bool = True
     # what `count` is counted per: "layer" (one layer's, one loop trip's),
-    # "tick" (a loop trip's), "microbatch" or "step"; `per_step` multiplies
-    # it out, once (`PER`)
+    # "tick" (a loop trip's), "microbatch" or "step"; "wlayer", "wtick": a
+    # weight gradient's sum in a layer, in a loop trip, of the pass that
+    # makes it (zb's weight gradients run v*M trips: `Schedule.weight_ticks`);
+    # `per_step` multiplies it out, once (`PER`)
     per: str = "step"
 
     @property
@@ -74,7 +76,7 @@ class Expected:
         return d | {"bytes": self.bytes}
 
 
-PER = ("layer", "tick", "microbatch", "step")
+PER = ("layer", "tick", "microbatch", "step", "wlayer", "wtick")
 
 
 def per_step(rows: list[Expected], schedule: Schedule) -> list[Expected]:
@@ -82,9 +84,13 @@ def per_step(rows: list[Expected], schedule: Schedule) -> list[Expected]:
     runs per loop trip and the trips it runs (`Schedule.ticks`: M without a
     pipeline), a "tick" row's times the trips, a "microbatch" row's times
     the head's trips (M; 1F1B's head runs in each tick of its steady loop);
+    "wlayer" and "wtick" rows as "layer" and "tick" over the weight
+    gradients' trips (v*M under zb, whose W never runs on dropped data);
     the one place a ledger multiplies by the layer count and the schedule."""
     times = {"layer": schedule.layers_per_tick * schedule.ticks, "tick": schedule.ticks,
-             "microbatch": schedule.head_trips, "step": 1}
+             "microbatch": schedule.head_trips, "step": 1,
+             "wlayer": schedule.layers_per_tick * schedule.weight_ticks,
+             "wtick": schedule.weight_ticks}
     for r in rows:
         if r.per not in times:
             raise ValueError(f"budget row {r.name!r} is counted per {r.per!r}: one of {PER}")

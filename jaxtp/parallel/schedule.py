@@ -100,6 +100,24 @@ class Schedule:
         return self.repeats * self.microbatches + self.stages - 1
 
     @property
+    def weight_ticks(self) -> int:
+        """Loop trips that run a stage's weight gradients: `ticks`, but v*M
+        where the backward is split (`split`): zb's W runs on real data only."""
+        return self.repeats * self.microbatches if self.split else self.ticks
+
+    @property
+    def forward_shifts(self) -> int:
+        """The forward shift's trips the compiled program keeps: `ticks`, but
+        one fewer where the last loop that runs forwards has one trip (zb at
+        M = p): XLA inlines a loop of one trip and drops what nothing reads,
+        there the last forward's output, sent on to no tick."""
+        if not self.runs_head:
+            return self.ticks
+        b, e = [(b, e) for b, e, f, *_ in phases(self.stages, self.microbatches, self.repeats,
+                                                  self.split) if f][-1]
+        return self.ticks - (e - b == 1)
+
+    @property
     def span(self) -> int:
         """The schedule's ticks from the first forward to the last backward:
         1F1B's forwards and backwards share ticks, v*M + (v+1)p - 2 in all

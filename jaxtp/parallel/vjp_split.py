@@ -230,23 +230,29 @@ def _body(eqn):
     return body if isinstance(body, jcore.ClosedJaxpr) else None
 
 
-def _inline(jaxpr, env: dict, eqns: list, consts: list) -> list:
+def _inline(jaxpr, env: dict, eqns: list, consts: list, names=None) -> list:
     """Appends `jaxpr`'s equations to `eqns`, its calls inlined and every
     variable it defines renamed (a body called twice defines each value
     once per call); `env` maps its inputs to the atoms they are, `consts`
-    gathers the bodies' constants. Returns its outputs' atoms."""
+    gathers the bodies' constants, `names` is the name stack a body's
+    equations are under (the call's: the compiled program's op names, by
+    which its reader tells a pass and a scope, stay as they were). Returns
+    its outputs' atoms."""
     read = lambda a: a if isinstance(a, jcore.Literal) else env.get(a, a)
     for eqn in jaxpr.eqns:
         ins, body = [read(a) for a in eqn.invars], _body(eqn)
+        where = eqn.source_info if names is None else eqn.source_info.replace(
+            name_stack=names + eqn.source_info.name_stack)
         if body is not None:
             inner = dict(zip(body.jaxpr.invars, ins))
             for v, c in zip(body.jaxpr.constvars, body.consts):
                 inner[v] = jcore.Var(v.aval)
                 consts.append((inner[v], c))
-            env.update((o, a) for o, a in zip(eqn.outvars, _inline(body.jaxpr, inner, eqns, consts))
+            outs = _inline(body.jaxpr, inner, eqns, consts, where.name_stack)
+            env.update((o, a) for o, a in zip(eqn.outvars, outs)
                        if not isinstance(o, jcore.DropVar))
             continue
         outs = [o if isinstance(o, jcore.DropVar) else jcore.Var(o.aval) for o in eqn.outvars]
         env.update((o, n) for o, n in zip(eqn.outvars, outs) if not isinstance(o, jcore.DropVar))
-        eqns.append(eqn.replace(invars=ins, outvars=outs))
+        eqns.append(eqn.replace(invars=ins, outvars=outs, source_info=where))
     return [read(a) for a in jaxpr.outvars]

@@ -325,6 +325,8 @@ test_under_sp_and_cp_a_rank_routes_its_part_of_each_sequence.fast_cases = {"gpt2
         # a MoE layer
         ("gpt2-pp2xdp2xep2-1f1b-shard_map", MOE, 2, 2, 2, 1, 2,
          {"pp_schedule": "1f1b", "impl": "shard_map"}),
+        ("llama-pp2xep2xtp2-zb-minimal", MOE_LLAMA, 2, 1, 2, 2, 2,
+         {"pp_schedule": "zb", "remat": "minimal"}),
         ("llama-pp2xep2xtp2-moe_every2-interleaved",
          dataclasses.replace(MOE_LLAMA, moe_every=2, n_layers=8), 2, 1, 2, 2, 2,
          {"pp_schedule": "interleaved", "pp_repeats": 2}),
