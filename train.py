@@ -74,13 +74,14 @@ def _layout_flags(ap) -> None:
                             "gradient arrives, M + 2pp - 2 ticks, a steady one a forward and "
                             "a backward, GPipe's compiled FLOPs, 2pp - 1 microbatches in "
                             "flight; interleaved: circular's chunks in 1f1b's order, M a "
-                            "multiple of pp; parallel.pp_stash=inputs: keep a stage's input "
-                            "alone, its forward run again)")
+                            "multiple of pp; zb: 1f1b's table (interleaved's at --pp-repeats "
+                            "2+) with each backward split in two, the weights' gradients "
+                            "never computed on dropped data; parallel.pp_stash=inputs: keep "
+                            "a stage's input alone, its forward run again)")
     group.add_argument("--pp-repeats", type=int,
                        help="with --pp-schedule circular or interleaved: the chunks of layers "
-                            "per stage, v >= "
-                            "2 (the layers split over pp*v chunks; stage r holds chunks r, "
-                            "r+pp, ...)")
+                            "per stage, v >= 2 (zb: any v >= 1) (the layers split over pp*v "
+                            "chunks; stage r holds chunks r, r+pp, ...)")
     group.add_argument("--cp", type=int,
                        help="context-parallel degree (mesh axis 'cp', between dp and tp): the "
                             "sequence split over it for the whole model (with the causal load "

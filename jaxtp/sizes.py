@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from .checks import ONE_F_ONE_B
+from .checks import ONE_F_ONE_B, SPLIT
 from .hardware import HARDWARE, GiB
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -118,7 +118,8 @@ def activation_bytes(cfg) -> float:
     reaches the next stage a tick later, so a round trip is 2p - 2 ticks);
     interleaved over v chunks, v*p + p - 1 chunks of L/(p*v) layers; with
     `parallel.pp_stash=inputs` only those chunks' inputs (b*s*h each) and
-    one chunk's layers, recomputed from its input."""
+    one chunk's layers, recomputed from its input; zb adds the weight
+    matmuls' output cotangents of the p chunks between their B and W."""
     m, p = cfg.model, cfg.parallel
     t, M = p.tp, cfg.train.microbatches
     # (ep splits the batch as dp does)
@@ -142,8 +143,25 @@ def activation_bytes(cfg) -> float:
         if p.pp_stash == "inputs":  # their inputs, and one chunk's layers recomputed
             return (held * sl * b * h / (t if p.sequence_parallel else 1) * 2
                     + layers / v * per_layer) * width
-        return held * layers / v * per_layer * width
+        # zb: and what each B hands its W (`jaxtp.parallel.vjp_split`), from B
+        # to W: up to p chunks (stage r holds r + 1), each layer's weight
+        # matmuls' output cotangents (Qi et al. 2024, Sec. 3: the gradient
+        # at each matmul's output, kept for its weight gradient)
+        handed = min(v * M, p.pp) * layers / v * _cotangents(cfg, sl * b) \
+            if p.pp_schedule in SPLIT else 0
+        return (held * layers / v * per_layer + handed) * width
     return M * layers * per_layer * width
+
+
+def _cotangents(cfg, rows: int) -> float:
+    """16-bit bytes of one layer's weight matmuls' output cotangents for
+    `rows` token rows on a rank: q/k/v and the MLP's up (and gate) split over
+    tp, the attention's and the MLP's outputs whole (split over tp under SP)."""
+    m, p = cfg.model, cfg.parallel
+    t, out = p.tp, 1 if not p.sequence_parallel else p.tp
+    F = (m.moe_d_ff or m.d_ff) * m.moe_top_k if m.n_experts else m.d_ff
+    qkv = (m.n_heads + 2 * m.kv_heads) * m.head_dim
+    return 2 * rows * (qkv / t + (2 if m.style == "llama" else 1) * F / t + 2 * m.d_model / out)
 
 
 def moe_activation_bytes(cfg) -> float:

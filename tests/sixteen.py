@@ -36,13 +36,16 @@ B = 8
 TOKENS = np.random.default_rng(2).integers(0, 256, (B, DENSE.seq_len + 1)).astype(np.int32)
 
 
+# (zb over 2 chunks: its split backward on the interleaved table; 1F1B and
+# zb under one impl each, both impls at 8 devices: tests/parallel)
 PIPELINES = {"gpipe": {}, "circular": dict(pp_schedule="circular", pp_repeats=2),
-             "1f1b": dict(pp_schedule="1f1b")}
+             "1f1b": dict(pp_schedule="1f1b"), "zb": dict(pp_schedule="zb", pp_repeats=2)}
+IMPLS = {"1f1b": ("gspmd",), "zb": ("shard_map",)}
 CASES = {  # name: (model, degrees and kinds, M)
     **{f"moe-pp2xep2xcp2xtp2-{kind}-{impl}": (
         MOE, dict(pp=2, ep=2, cp=2, tp=2, cp_attention="ring", impl=impl, **kw),
         2 if kind == "circular" else 4)
-       for kind, kw in PIPELINES.items() for impl in ("gspmd", "shard_map")},
+       for kind, kw in PIPELINES.items() for impl in IMPLS.get(kind, ("gspmd", "shard_map"))},
     **{f"moe-dp2xpp2xep2xtp2-fsdp-{impl}": (MOE, dict(dp=2, pp=2, ep=2, tp=2, fsdp=True,
                                                       impl=impl), 2)
        for impl in ("gspmd", "shard_map")},

@@ -107,6 +107,8 @@ COMPOSED = {
     "`--pp 2 --pp-schedule interleaved --pp-repeats 2`": [
         "parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_repeats=2",
         "train.microbatches=2"],
+    "`--pp 2 --pp-schedule zb`": ["parallel.pp=2", "parallel.pp_schedule=zb",
+                                  "train.microbatches=2"],
     "MoE with `--ep 2` (capacity factor 1.25)": ["model.n_experts=8", "parallel.ep=2"],
     "`--impl shard_map`": ["parallel.impl=shard_map"],
     "`--impl explicit`": ["parallel.impl=explicit"],
@@ -116,7 +118,8 @@ _ALTERNATIVES = ({"`--cp 2` (allgather)", "`--cp 2 --cp-attention ring`"},
                  {"`--impl shard_map`", "`--impl explicit`"},
                  {"`--pp 2` (GPipe)", "`--pp 2 --pp-schedule circular --pp-repeats 2`",
                   "`--pp 2 --pp-schedule 1f1b`",
-                  "`--pp 2 --pp-schedule interleaved --pp-repeats 2`"})
+                  "`--pp 2 --pp-schedule interleaved --pp-repeats 2`",
+                  "`--pp 2 --pp-schedule zb`"})
 
 
 def composition() -> list[str]:

@@ -68,12 +68,14 @@ def _schedules(cfg: Config, rows: list[dict], name) -> str:
         p = dataclasses.replace(cfg.parallel, pp=r["pp"], tp=r["tp"], pp_schedule=schedule,
                                 pp_repeats=v)
         M, L = cfg.train.microbatches, cfg.model.n_layers
-        if L % (r["pp"] * v) or schedule == "interleaved" and M % r["pp"]:
+        if L % (r["pp"] * v) or schedule in ("interleaved", "zb") and v > 1 and M % r["pp"]:
             return "-"
         return _gib(activation_bytes(dataclasses.replace(cfg, parallel=p)))
-    kinds = [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved", 2)]
+    kinds = [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved", 2), ("zb", 1),
+             ("zb", 2)]
     return ("activations per device by schedule (est.; stage 0 holds M microbatches under "
-            "gpipe and circular, 2p - 1 under 1f1b, v*p + p - 1 chunks interleaved): " + "; ".join(
+            "gpipe and circular, 2p - 1 under 1f1b, v*p + p - 1 chunks interleaved; zb "
+            "interleaved's and p chunks' weight-matmul cotangents): " + "; ".join(
                 f"{name(r)}: " + ", ".join(f"{s}{f' v={v}' if v > 1 else ''} {acts(r, s, v)}"
                                            for s, v in kinds)
                 for r in rows if r["pp"] > 1))

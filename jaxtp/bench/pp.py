@@ -13,7 +13,8 @@ from .report import section
 from .timing import build
 
 # (schedule, repeats) at pp=2 x tp=4, M = 4, against tp=8 unpipelined
-SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved", 2))
+# (zb over 2 chunks, as it beats circular's FLOPs; at one, 1F1B's table: docs/scale.md)
+SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved", 2), ("zb", 2))
 
 
 def bench_pp(plan: dict, log=print) -> dict:
@@ -48,10 +49,12 @@ def bench_pp(plan: dict, log=print) -> dict:
              "on CPU the fake devices share the cores and a bubble tick computes on dropped "
              "data rather than idling: the ratio prices the schedule's compiled work (GPipe "
              "and 1F1B (M+p-1)/M, circular and interleaved (vM+p-1)/(vM) of the blocks' "
-             "FLOPs), not a GPU's idle time",
+             "FLOPs; zb's weight gradients vM/(vM), its forwards and input gradients "
+             "(vM+p-1)/(vM)), not a GPU's idle time",
              "temps: the compiled step's temporaries (memory_analysis): GPipe's and "
              "circular's autodiff keep every tick's residuals, 1F1B's stash 2p - 1 "
-             "microbatches', interleaved's v*p + p - 1 chunks'",
+             "microbatches', interleaved's v*p + p - 1 chunks'; zb's those and, between "
+             "B and W, p chunks' weight-matmul cotangents",
              "pp bytes: the step's collective-permutes over pp (shifts every tick, entry and "
              "exit once), against the pp ledger"]
     columns = [*PAIRED, ("tp8_ms", "tp=8 ms"),

@@ -43,13 +43,11 @@ _COPIES = ("reshape", "transpose", "convert_element_type", "broadcast_in_dim", "
 
 
 class Split(NamedTuple):
-    """`f`'s forward and its backward in two (`split_vjp`); lists of leaves."""
+    """`f`'s forward and its backward in two (`split_vjp`); kept and saved:
+    lists of arrays."""
     forward: Callable  # (w, x) -> (out, kept)
     backward_input: Callable  # (w, kept, g) -> (x's gradient, saved)
     backward_weights: Callable  # (w, kept, saved) -> w's gradient
-    out_type: object
-    kept_types: list
-    saved_types: list
 
 
 def residuals(f: Callable, w, x):
@@ -97,36 +95,29 @@ def residuals(f: Callable, w, x):
 def split_vjp(f: Callable, w, x) -> Split:
     """`f(w, x)`'s forward, and its backward as B then W (module doc)."""
     forward, known, backward, out_type, kept_types = residuals(f, w, x)
-    closed = jax.make_jaxpr(backward)(_values(jax.eval_shape(known, w)), _values(kept_types),
+    known_types = jax.eval_shape(known, w)
+    closed = jax.make_jaxpr(backward)(_values(known_types), _values(kept_types),
                                       _values(out_type))
-    jaxpr = closed.jaxpr
-    n_known, n_kept = len(closed.jaxpr.invars) - len(jax.tree.leaves(out_type)) - len(
-        kept_types), len(kept_types)
-    n_w = len(jax.tree.leaves(w))
-    g_vars = jaxpr.invars[n_known + n_kept:]
+    jaxpr, n_in = closed.jaxpr, len(known_types) + len(kept_types)
     consts, eqns = list(zip(jaxpr.constvars, closed.consts)), []
     outs = _inline(jaxpr, {}, eqns, consts)
-    g_w, g_x = outs[:n_w], outs[n_w:]
+    n_w = len(jax.tree.leaves(w))
+    g_w, g_x, g_vars = outs[:n_w], outs[n_w:], jaxpr.invars[n_in:]
     b_eqns, w_eqns, saved = _cut(eqns, list(g_x), list(g_w), set(g_vars))
     constvars, constvals = [v for v, _ in consts], [c for _, c in consts]
-    front = list(jaxpr.invars[:n_known + n_kept])
     part = lambda ins, outs, es: jcore.jaxpr_as_fun(jcore.ClosedJaxpr(
-        jcore.Jaxpr(constvars, ins, outs, es, jaxpr.effects, jaxpr.debug_info.with_unknown_names()
-                    if hasattr(jaxpr.debug_info, "with_unknown_names") else None), constvals))
-    run_b = part(front + list(g_vars), list(g_x) + saved, b_eqns)
-    run_w = part(front + saved, list(g_w), w_eqns)
-    x_tree = jax.tree.structure(x)
-    w_tree = jax.tree.structure(w)
+        jcore.Jaxpr(constvars, jaxpr.invars[:n_in] + ins, outs, es, jaxpr.effects), constvals))
+    run_b = part(list(g_vars), list(g_x) + saved, b_eqns)
+    run_w = part(saved, list(g_w), w_eqns)
 
     def backward_input(w, kept, g):
         outs = run_b(*known(w), *kept, *jax.tree.leaves(g))
-        return jax.tree.unflatten(x_tree, outs[:len(g_x)]), outs[len(g_x):]
+        return jax.tree.unflatten(jax.tree.structure(x), outs[:len(g_x)]), outs[len(g_x):]
 
     def backward_weights(w, kept, saved_):
-        return jax.tree.unflatten(w_tree, run_w(*known(w), *kept, *saved_))
+        return jax.tree.unflatten(jax.tree.structure(w), run_w(*known(w), *kept, *saved_))
 
-    return Split(forward, backward_input, backward_weights, out_type, kept_types,
-                 [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in saved])
+    return Split(forward, backward_input, backward_weights)
 
 
 def chunk_vjp(run: Callable, chunks: list, x, inputs: bool = False):

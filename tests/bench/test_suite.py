@@ -90,8 +90,8 @@ def test_quick_suite_end_to_end(tmp_path):
     # each pipeline schedule at pp=2 x tp=4, M = 4: its ticks, and its pp
     # bytes exactly the ledger's
     pp_rows = by_id["pp"]["rows"]
-    # forward ticks: M+p-1 (gpipe, 1f1b), vM+p-1 (circular, interleaved)
-    assert [r["ticks"] for r in pp_rows] == [5, 9, 5, 9]
+    # forward ticks: M+p-1 (gpipe, 1f1b), vM+p-1 (circular, interleaved, zb v=2)
+    assert [r["ticks"] for r in pp_rows] == [5, 9, 5, 9, 9]
     for r in pp_rows:
         assert r["pp_bytes"] == r["ledger_bytes"] > 0 and _positive(r["value"])
         _within_rounds(r, r["pp_ms"] / r["tp8_ms"])

@@ -331,11 +331,15 @@ def test_1f1b_holds_2p_minus_1_microbatches_where_gpipe_holds_m():
     rows: 5/4 of the batch's, then 9/8), 1F1B's stash 2p - 1 microbatches'
     (3/4, then 3/8): below GPipe's at M = 8, and falling faster with M
     (measured: 6.6 against 3.5 MB at M = 8; under remat full 2.1 against
-    1.2, docs/scale.md). M = 4: the ledger cases' own programs."""
+    1.2, docs/scale.md); zb's between them, its W's inputs held N ticks
+    more. M = 4: the ledger cases' own programs."""
     temp = lambda step: step.memory_analysis().temp_size_in_bytes
     gp = {M: temp(pp_step(MODEL, 2, 4, 1, microbatches=M)[1]) for M in (4, 8)}
     f1 = {M: temp(pp_step(MODEL, 2, 4, 1, schedule="1f1b", microbatches=M)[1]) for M in (4, 8)}
     assert f1[8] < gp[8] and f1[8] / f1[4] < gp[8] / gp[4]
+    # zb: 1F1B's stash and what B hands W (N slots): between the two (5.9 MB)
+    zb = temp(pp_step(MODEL, 2, 4, 1, schedule="zb", microbatches=8)[1])
+    assert f1[8] < zb < gp[8]
 
 
 @pytest.mark.slow
@@ -345,18 +349,32 @@ def test_each_schedule_computes_its_formulas_block_flops():
     both passes (each (M + p - 1) ticks of a forward and a backward);
     keeping its inputs alone, its forward twice; interleaved's equal
     circular's ((v*M + p - 1) ticks of 1/v of the layers), and circular's
-    are GPipe's x (v*M + p - 1)/(v(M + p - 1)) = 9/10."""
+    are GPipe's x (v*M + p - 1)/(v(M + p - 1)) = 9/10. zb: 1F1B's forward;
+    its backward's W (weight gradients) at M ticks (v*M over 2 chunks), the
+    rest (B) at 1F1B's (circular's), so that the two at 1F1B's ticks are
+    1F1B's backward."""
     flops = {name: block_flops(_step(name)[1].as_text()) for name in (
         "gpt2-pp2xtp4", "gpt2-pp2xtp4-1f1b", "gpt2-pp2xtp4-1f1b-inputs",
-        "gpt2-pp2xtp4-circular", "gpt2-pp2xtp4-interleaved")}
+        "gpt2-pp2xtp4-circular", "gpt2-pp2xtp4-interleaved", "gpt2-pp2xtp4-zb",
+        "gpt2-pp2xtp4-zb-v2")}
     gpipe = flops["gpt2-pp2xtp4"]
     assert gpipe["forward"] > 0 and gpipe["backward"] > 2 * gpipe["forward"] - 1
+    assert gpipe["weights"] == 0
     assert flops["gpt2-pp2xtp4-1f1b"] == gpipe
     assert flops["gpt2-pp2xtp4-1f1b-inputs"] == {"forward": 2 * gpipe["forward"],
-                                                  "backward": gpipe["backward"]}
+                                                  "backward": gpipe["backward"], "weights": 0}
     assert flops["gpt2-pp2xtp4-interleaved"] == flops["gpt2-pp2xtp4-circular"]
     for k in gpipe:
         assert flops["gpt2-pp2xtp4-circular"][k] * 10 == gpipe[k] * 9
+    M, p = 4, 2
+    for zb, like in (("gpt2-pp2xtp4-zb", gpipe), ("gpt2-pp2xtp4-zb-v2",
+                                                  flops["gpt2-pp2xtp4-circular"])):
+        f, v = flops[zb], 1 + zb.endswith("v2")
+        ticks = v * M + p - 1
+        assert f["forward"] == like["forward"] and 0 < f["weights"] < f["backward"]
+        assert (f["backward"] - f["weights"]) + f["weights"] * ticks // (v * M) \
+            == like["backward"]
+        assert f["weights"] * ticks % (v * M) == 0
 
 
 def test_the_ledger_catches_a_wrong_tick_count():
