@@ -17,7 +17,7 @@ LAZY = {("jaxtp.data.tokenizer", "tokenizers"): "optional [data]",
         ("jaxtp.analysis.picture", "matplotlib.patches"): "optional [plot]",
         ("jaxtp.hlo", "jax"): "the HLO text reader needs no JAX",
         ("jaxtp.parallel.distributed", "jax._src"): "a private API, tried",
-        ("jaxtp.parallel.pipeline_1f1b", "jax._src.interpreters.partial_eval"):
+        ("jaxtp.parallel.vjp_split", "jax._src.interpreters.partial_eval"):
             "a private API, tried",
         ("jaxtp.train.orbax_errors", "orbax.checkpoint._src.serialization"):
             "a private API, tried",

@@ -538,9 +538,10 @@ def test_a_circular_pipelines_save_holds_the_layers_in_model_order(tmp_path):
     circular = cfg(2, 4, pp_schedule="circular", pp_repeats=2)
     order = Schedule.of(circular, Layout.of(circular)).layer_order()
     assert order == (0, 2, 1, 3)
-    # (interleaved 1F1B holds its chunks as circular does: the same saves)
-    interleaved = cfg(2, 4, pp_schedule="interleaved", pp_repeats=2)
-    assert Schedule.of(interleaved, Layout.of(interleaved)).layer_order() == order
+    # (interleaved 1F1B and zb over 2 chunks hold theirs as circular does: the same saves)
+    for kind in ("interleaved", "zb"):
+        chunked = cfg(2, 4, pp_schedule=kind, pp_repeats=2)
+        assert Schedule.of(chunked, Layout.of(chunked)).layer_order() == order
     state = abstract_train_state(circular, Layout.of(circular).mesh())
     rng = np.random.default_rng(6)
     held, ordered = {}, {}  # as the model holds them, and in model order

@@ -162,14 +162,18 @@ def test_sample_every_prints_the_greedy_continuation_of_the_trained_model(tmp_pa
 
 @pytest.mark.slow
 def test_a_checkpoint_resumes_under_another_impl(tmp_path):
-    """The checkpoint is the same arrays whatever placed the collectives: a
-    tp=4 run saved at step 2 under gspmd resumes under explicit, which saves
-    at step 4 and resumes under shard_map; it logs the losses, grad norms and
-    eval losses of the run that never stopped (the impls agree to fp32
-    round-off, so steps after a switch match to 1e-6, not bit for bit)."""
+    """The checkpoint is the same arrays whatever placed the collectives and
+    however the stack runs: a tp=4 run saved at step 2 under gspmd resumes
+    under explicit, which saves at step 4 and resumes under shard_map as a
+    zero-bubble pipeline (pp=2, 2 chunks a stage, its stack in the circular
+    storage order); it logs the losses, grad norms and eval losses of the
+    run that never stopped (impls and schedules agree to fp32 round-off, so
+    steps after a switch match to 1e-6, not bit for bit)."""
     def cfg(impl):
-        return apply_overrides(load_config("tiny"), SMALL + [
-            "parallel.tp=4", f"parallel.impl={impl}", "train.steps=6"])
+        zb = ["parallel.pp=2", "parallel.pp_schedule=zb", "parallel.pp_repeats=2",
+              "train.microbatches=2"] if impl == "shard_map" else []
+        return apply_overrides(load_config("tiny"), SMALL + zb + [
+            "model.n_layers=4", "parallel.tp=4", f"parallel.impl={impl}", "train.steps=6"])
 
     quiet = lambda _: None
     straight, out = tmp_path / "straight", tmp_path / "switched"
