@@ -35,6 +35,7 @@ import math
 
 import numpy as np
 
+from ..checks import SPLIT
 from ..config import Config
 from ..hlo import DTYPE_BYTES
 from ..parallel import TP_AXIS, Layout
@@ -193,8 +194,9 @@ def plan_lines(row: dict, cfg: Config, cluster: str | Cluster) -> list[str]:
                      + ("XLA's cost analysis counts a scanned stack's body once"
                         if m.scan_layers or p.pp > 1 else "this compile has no cost analysis")
                      + (f"; x {ticks}/{useful}: the {p.pp_schedule} pipeline's compiled over "
-                        f"useful ticks, its bubble {idle:.1%} of the ticks computed on dropped "
-                        "data" if p.pp > 1 else "") + ")")
+                        f"useful block flops, its bubble {idle:.1%} of the ticks computed on "
+                        "dropped data" + (" (but not its weight gradients)" if p.pp_schedule
+                                          in SPLIT else "") if p.pp > 1 else "") + ")")
     if m.scan_layers or row["compiled_for"].startswith("cpu") or not (hbm and math.isfinite(hbm)):
         hbm = None
         notes.append("HBM time left out: it needs the accelerator's own compile (--hardware) "

@@ -593,8 +593,8 @@ def test_compare_hlo_writes_the_report_of_cp_with_fsdp(layout, tmp_path, capsys)
 @pytest.mark.parametrize("schedule", [
     ["gpipe"], ["circular", "--pp-repeats", "2"], ["1f1b"],
     ["1f1b", "--cp", "2", "--cp-attention", "ring"], ["gpipe", "--cp", "2", "--cp-attention",
-                                                      "ring"]],
-    ids=["gpipe", "circular", "1f1b", "1f1b-cp2", "gpipe-cp2"])
+                                                      "ring"], ["zb", "--pp-repeats", "2"]],
+    ids=["gpipe", "circular", "1f1b", "1f1b-cp2", "gpipe-cp2", "zb-v2"])
 def test_pp_budgets_hold_compiled_for_an_h100(schedule, tmp_path):
     """pp=2 x tp=4 (with cp: pp2 x cp2 x tp2) compiled for 8 H100s under each
     schedule: gspmd and shard_map hold the ledger as XLA's GPU pipeline

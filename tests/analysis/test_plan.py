@@ -263,10 +263,12 @@ def test_a_pp_sweep_plans_each_stage_and_1f1b_holds_fewer_microbatches():
     layers, the embedding and head whole); the activation estimate by hand
     (Korthikanti et al. 2022 with SP, per layer s*b*h/t*(34 + 5*a*s/h) at 2
     bytes per 16-bit value): GPipe's stage holds all M microbatches of its
-    L/p layers, 1F1B's 2p - 1 = 3 microbatches'; the compiled temporaries
+    L/p layers, 1F1B's 2p - 1 = 3 microbatches'; zb's those and p = 2
+    microbatches' weight-matmul output cotangents (q/k/v and the SwiGLU's two
+    split over tp, the two outputs over tp by SP); the compiled temporaries
     agree on which is smaller."""
     rows = {}
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", "zb"):
         cfg = apply_overrides(load_config("llama-tiny"), [
             "model.n_layers=4", "parallel.tp=2", "parallel.sp=true", "parallel.pp=2",
             "train.microbatches=4",
@@ -283,9 +285,13 @@ def test_a_pp_sweep_plans_each_stage_and_1f1b_holds_fewer_microbatches():
     est = {k: r["analytic_memory"]["activations_korthikanti"] for k, r in rows.items()}
     assert est["gpipe"] == pytest.approx(M * L / p * layer)
     assert est["1f1b"] == pytest.approx((2 * p - 1) * L / p * layer)
+    qkv, F = (m.n_heads + 2 * m.kv_heads) * m.head_dim, m.d_ff
+    cotangents = 2 * s * b * (qkv / t + 2 * F / t + 2 * h / t) * 4 / 2
+    assert est["zb"] == pytest.approx(est["1f1b"] + p * L / p * cotangents)
     r = rows["gpipe"]
     assert r["analytic_memory"]["state"]["params"] == r["memory"]["params"]
-    assert rows["1f1b"]["memory"]["temporaries"] < r["memory"]["temporaries"]
+    temps = {k: r["memory"]["temporaries"] for k, r in rows.items()}
+    assert temps["1f1b"] < temps["gpipe"] and temps["1f1b"] < temps["zb"]
 
 
 # Mixtral 8x7B by hand (mistralai/Mixtral-8x7B-v0.1 config.json): 32 layers of D 4096,

@@ -342,3 +342,16 @@ def test_the_ep_all_to_alls_are_priced_on_the_link_ep_crosses(cluster, tp, link)
     want = 32 * 4 * (latency + buffer * 7 / 8 / bandwidth)
     assert pred["axes"]["ep"]["kinds"]["all-to-all"] == pytest.approx(want, rel=1e-12)
     assert pred["axes"]["ep"]["link"] == ("NVLink 4" if tp == 1 else "InfiniBand NDR")
+
+
+def test_each_schedule_prices_its_compiled_over_useful_flops():
+    """The predictor's compute factor (`pp.compute_factor`) by hand at pp 2,
+    M = 4: GPipe and 1F1B (M + p - 1)/M = 5/4; interleaved (vM + p - 1)/(vM)
+    = 9/8 at v = 2; zb's weight gradients at v*M trips, a third of the work
+    each: (3vM + 2(p - 1))/(3vM) = 14/12 and 26/24."""
+    from jaxtp.analysis.pp import compute_factor
+    pp = ["parallel.pp=2", "train.microbatches=4"]
+    for kind, v, want in (("gpipe", 1, (5, 4)), ("1f1b", 1, (5, 4)), ("interleaved", 2, (9, 8)),
+                          ("zb", 1, (14, 12)), ("zb", 2, (26, 24))):
+        cfg = _cfg(*pp, f"parallel.pp_schedule={kind}", f"parallel.pp_repeats={v}")
+        assert compute_factor(cfg) == want, kind
