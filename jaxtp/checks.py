@@ -44,9 +44,7 @@ PP_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zb")
 # table (`jaxtp.parallel.pipeline_1f1b`), and what they keep for a backward:
 # its VJP's residuals (GPipe's FLOPs), or the stage's input (the forward again)
 ONE_F_ONE_B, PP_STASHES = ("1f1b", "interleaved", "zb"), ("residuals", "inputs")
-# those that split the backward into the input's gradient and the weights'
-# (zero-bubble: `jaxtp.parallel.vjp_split`), the weights' run where no
-# stage computes on dropped data; on the interleaved table at v > 1
+# those whose backward runs as the input's gradient, then the weights' (zero-bubble)
 SPLIT = ("zb",)
 # how long a multi-process start waits for every process (jaxtp.parallel.distributed)
 COORDINATOR_TIMEOUT_S = 300
