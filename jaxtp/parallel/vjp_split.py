@@ -36,10 +36,15 @@ WGRAD = "pp_wgrad"
 # call-like primitives whose bodies are inlined so that B and W split inside
 # them (a rematerialised block's backward is one `checkpoint` call)
 _INLINED = ("pjit", "jit", "closed_call", "core_call", "checkpoint", "remat", "remat2")
-# equations that copy a value's elements (W makes them again rather than B
-# handing over the copy)
-_COPIES = ("reshape", "transpose", "convert_element_type", "broadcast_in_dim", "squeeze",
-           "expand_dims", "copy", "copy_p")
+# equations W may make again from their operands rather than B hand over
+# their result: copies, elementwise ops and reductions (no matmul, no
+# collective: those stay where the ledger and the FLOP count put them)
+_CHEAP = ("reshape", "transpose", "convert_element_type", "broadcast_in_dim", "squeeze",
+          "expand_dims", "copy", "copy_p", "slice", "concatenate", "pad", "dynamic_slice",
+          "select_n", "add", "add_any", "sub", "mul", "div", "neg", "max", "min", "abs", "sign",
+          "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "rsqrt", "sqrt",
+          "integer_pow", "pow", "square", "erf", "reduce_sum", "reduce_max", "reduce_min",
+          "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "clamp", "iota")
 
 
 class Split(NamedTuple):
@@ -103,7 +108,8 @@ def split_vjp(f: Callable, w, x) -> Split:
     outs = _inline(jaxpr, {}, eqns, consts)
     n_w = len(jax.tree.leaves(w))
     g_w, g_x, g_vars = outs[:n_w], outs[n_w:], jaxpr.invars[n_in:]
-    b_eqns, w_eqns, saved = _cut(eqns, list(g_x), list(g_w), set(g_vars))
+    b_eqns, w_eqns, saved = _cut(eqns, list(g_x), list(g_w), set(g_vars),
+                                 jaxpr.invars[:n_in])
     constvars, constvals = [v for v, _ in consts], [c for _, c in consts]
     part = lambda ins, outs, es: jcore.jaxpr_as_fun(jcore.ClosedJaxpr(
         jcore.Jaxpr(constvars, jaxpr.invars[:n_in] + ins, outs, es, jaxpr.effects), constvals))
@@ -176,24 +182,43 @@ def _values(types):
     return jax.tree.map(lambda t: vary(jnp.zeros(t.shape, t.dtype), varying_axes(t)), types)
 
 
-def _cut(eqns: list, g_x: list, g_w: list, g_vars: set) -> tuple[list, list, list]:
+def _cut(eqns: list, g_x: list, g_w: list, g_vars: set, have: list
+         ) -> tuple[list, list, list]:
     """(B's equations, W's, the values B hands W): B what `g_x` needs, W the
-    rest; a value W reads that B made by a reshape, transpose or cast is
-    made again in W from what it was made of (saving the cotangent, not
-    its copies)."""
+    rest. A value W reads that B made by an elementwise op, a reduction or a
+    copy (`_CHEAP`: no matmul, no collective) is made again in W where it is
+    made of what W `have`s (the residuals), or what B would hand over for it
+    is no larger (a norm's output from the stage input and the scale; a
+    reshape's from its operand), largest first: B hands W its matmuls'
+    output cotangents and what only a matmul or a collective makes."""
     b_eqns = _needed(eqns, g_x)
     order = {id(e): k for k, e in enumerate(eqns)}
     in_w = {id(e) for e in eqns} - {id(e) for e in b_eqns}
     made = {v: e for e in b_eqns for v in e.outvars if not isinstance(v, jcore.DropVar)}
-    while True:
+    size = lambda v: v.aval.size * v.aval.dtype.itemsize
+    have = set(have)  # (and what cheap ops make of it alone)
+    for e in b_eqns:
+        if e.primitive.name in _CHEAP and all(a in have for a in e.invars
+                                              if isinstance(a, jcore.Var)):
+            have.update(e.outvars)
+    handed = lambda a: isinstance(a, jcore.Var) and (
+        a in g_vars or a in made and id(made[a]) not in in_w)
+
+    def saved_now() -> list:
         used = [a for e in eqns if id(e) in in_w for a in e.invars] + g_w
-        saved = list(dict.fromkeys(a for a in used if isinstance(a, jcore.Var)
-                                   and (a in made and id(made[a]) not in in_w or a in g_vars)))
-        again = {id(made[a]) for a in saved if a in made
-                 and made[a].primitive.name in _COPIES and id(made[a]) not in in_w}
-        if not again:
+        return list(dict.fromkeys(a for a in used if handed(a)))
+
+    saved = saved_now()
+    while True:
+        again = next((e for v in sorted(saved, key=size, reverse=True)
+                      if (e := made.get(v)) is not None and e.primitive.name in _CHEAP
+                      and (v in have or sum(size(a) for a in dict.fromkeys(
+                          a for a in e.invars if handed(a)) if a not in saved) <= size(v))),
+                     None)
+        if again is None:
             break
-        in_w |= again
+        in_w.add(id(again))
+        saved = saved_now()
     w_eqns = sorted((e for e in eqns if id(e) in in_w), key=lambda e: order[id(e)])
     return _needed(b_eqns, g_x + saved), w_eqns, saved
 
