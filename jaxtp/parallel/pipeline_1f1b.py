@@ -13,6 +13,12 @@ first p - 1 ticks run forwards only and the last p - 1 backwards only, each
 in a loop of its own (`phases`): the stages' block FLOPs are M + p - 1
 forwards and M + p - 1 backwards, GPipe's, in M + 2p - 2 ticks.
 
+The zero-bubble schedule (`Schedule.split`) runs the same table with each
+backward in two (`jaxtp.parallel.vjp_split`): B, the input's gradient, in
+the backward's tick, and W, the weights', in the tick stage 0 runs that
+op's B (`weights`), from the forward's residuals (their slot freed by W)
+and what B filed for it in a second stash: no W on dropped data.
+
 The head (final norm, LM head, loss) runs on the last stage inside the
 loop: its gradient starts each microbatch's backward in the tick of its
 forward. The whole schedule is one `jax.custom_vjp` whose forward runs
@@ -174,7 +180,8 @@ class _Ticks:
         wgt = weights(bwd) if split else bwd  # (the F stash's freeing read)
         fslot, wslot, self.S = slots(fwd, wgt)
         tables = [fwd, bwd, wgt, fslot, reading(fwd, fslot, bwd), wslot]
-        if split:  # W's own stash: from its B to its W
+        self.S_W = 0  # W's own stash (zb's): from its B to its W
+        if split:
             bslot, vslot, self.S_W = slots(bwd, wgt)
             tables += [bslot, vslot]
         self.tables = [jnp.asarray(t) for t in tables]
@@ -203,7 +210,7 @@ class _Ticks:
         stash = lambda n, types: [vary(jnp.zeros((n, *t.shape), t.dtype),
                                        varying_axes(t) | {PP_AXIS}) for t in types]
         stashes = (stash(self.S, self.kept_types),
-                   stash(getattr(self, "S_W", 0), jax.tree.leaves(self.saved_types)))
+                   stash(self.S_W, jax.tree.leaves(self.saved_types)))
         return (stashes, box, box, vary_all(jnp.zeros((), wide(self.xs))), zeros(self.w),
                 zeros(self.h), like(jnp.zeros_like(self.xs), self.xs))
 

@@ -334,8 +334,9 @@ def test_1f1b_holds_2p_minus_1_microbatches_where_gpipe_holds_m():
     1.2, docs/scale.md); zb's between them, its W's inputs held N ticks
     more. M = 4: the ledger cases' own programs."""
     temp = lambda step: step.memory_analysis().temp_size_in_bytes
-    gp = {M: temp(pp_step(MODEL, 2, 4, 1, microbatches=M)[1]) for M in (4, 8)}
-    f1 = {M: temp(pp_step(MODEL, 2, 4, 1, schedule="1f1b", microbatches=M)[1]) for M in (4, 8)}
+    gp = {4: temp(_step("gpt2-pp2xtp4")[1]), 8: temp(pp_step(MODEL, 2, 4, 1, microbatches=8)[1])}
+    f1 = {4: temp(_step("gpt2-pp2xtp4-1f1b")[1]),
+          8: temp(pp_step(MODEL, 2, 4, 1, schedule="1f1b", microbatches=8)[1])}
     assert f1[8] < gp[8] and f1[8] / f1[4] < gp[8] / gp[4]
     # zb: 1F1B's stash and what B hands W (N slots): between the two (5.9 MB)
     zb = temp(pp_step(MODEL, 2, 4, 1, schedule="zb", microbatches=8)[1])
