@@ -87,3 +87,6 @@ def test_a_blocks_split_backward_is_its_vjp(config, remat):
     got, want = both(w, x, g), jax.jit(lambda w, x, g: jax.vjp(f, w, x)[1](g))(w, x, g)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+test_a_blocks_split_backward_is_its_vjp.fast_cases = {"llama-tiny-minimal"}
