@@ -195,6 +195,7 @@ def _pipeline(cfg: Config, colls_by_impl: dict, sizes: dict, out: Path,
     read = lambda k: ", ".join(f"{r[k]:.4f} ({impl})" if r[k] else f"unread ({impl})"
                                for impl, r in ratio.items())
     analytic = pp.bubble(p.pp, M, p.pp_repeats)
+    whole = useful_all["forward"] + useful_all["backward"] if useful_all else 0
     line = (f"pipeline ({p.pp_schedule}, pp={p.pp}, M={M}"
             + (f", v={p.pp_repeats}" if p.pp_repeats > 1 else "") + "): forward ticks compiled "
             + ", ".join(f"{t} ({impl})" for impl, t in ticks.items())
@@ -216,8 +217,8 @@ def _pipeline(cfg: Config, colls_by_impl: dict, sizes: dict, out: Path,
                            f"{f['weights'] / max(f['backward'], 1):.1%} of it)"
                            for impl, f in flops.items()) if schedule.split else "")
             + "; the whole step " + ", ".join(
-                f"{(f['forward'] + f['backward']) * p.pp / (useful_all['forward'] + useful_all['backward']):.4f} "
-                f"({impl})" for impl, f in flops.items() if useful_all))
+                f"{(f['forward'] + f['backward']) * p.pp / whole:.4f} ({impl})"
+                for impl, f in flops.items() if whole))
     agree = all(t == schedule.forward_shifts for t in ticks.values()) and all(
         x is None or abs(x - formula[impl][k]) < 1e-9
         for impl, r in ratio.items() for k, x in r.items())
