@@ -156,14 +156,13 @@ def chunk_split(unit: Callable, enter: Callable, graphdef, w, x):
     them (their weights' gradients need no order), under `WGRAD`."""
     one = lambda w_l, c: unit(nnx.merge(graphdef, w_l), c)
     s = split_vjp(one, jax.tree.map(lambda a: a[0], w), enter(x))
-    scan = lambda f, c, xs, **kw: jax.lax.scan(f, c, xs, **kw)
 
     def forward(w, x):
-        return scan(lambda c, w_l: s.forward(w_l, c), enter(x), w)
+        return jax.lax.scan(lambda c, w_l: s.forward(w_l, c), enter(x), w)
 
     def backward_input(w, kept, g):
-        g_c, saved = scan(lambda g, a: s.backward_input(a[0], a[1], g), g, (w, kept),
-                          reverse=True)
+        g_c, saved = jax.lax.scan(lambda g, a: s.backward_input(a[0], a[1], g), g, (w, kept),
+                                  reverse=True)
         return (g_c[0] if isinstance(g_c, tuple) else g_c), saved  # (`enter`'s transpose)
 
     def backward_weights(w, kept, saved):
