@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 from .axes import BATCH, CP_AXIS, EP_AXIS, PP_AXIS
 from .axis_checks import CHECKS
 from .cli import FLAG_KEYS
+from .moe_checks import (MOE_BALANCES, MOE_DISPATCHES, MOE_DROPS, MOE_KEYS, MOE_SCORES,
+                         balance_error, layers_error, routing_error)
 
 if TYPE_CHECKING:  # annotations only: jaxtp.config imports this module
     from .config import Config, ModelConfig
@@ -36,8 +38,6 @@ ATTENTIONS = ("auto", "xla", "blockwise", "cudnn")  # jaxtp.model.kernels (auto:
 # how the attention core reaches the other cp ranks' keys and values
 # (jaxtp.parallel.context); the parallel package holds the same names
 CP_STRATEGIES = ("allgather", "ring")
-# how a MoE layer's tokens reach their experts (jaxtp.model.moe, jaxtp.parallel.ep)
-MOE_DISPATCHES = ("dense", "ragged")
 # how the pipeline stages run their microbatches (jaxtp.parallel.pipeline)
 PP_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zb")
 # those that run a stage's forward and backward apart, with the head, in one
@@ -89,44 +89,16 @@ def _check_moe(cfg: Config) -> None:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not divisible by "
                           f"dp*ep={p.dp}*{p.ep}: ep's ranks split the batch as dp's do; set "
                           f"train.batch_size to a multiple of {split}")
-    if not 1 <= m.moe_top_k <= m.n_experts:
-        raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be between 1 and "
-                          f"model.n_experts={m.n_experts}")
-    if m.moe_dispatch == "ragged" and m.capacity_factor:
-        raise ConfigError(f"model.moe_dispatch='ragged' is dropless, and "
-                          f"model.capacity_factor={m.capacity_factor} drops: set "
-                          "model.capacity_factor=0, or model.moe_dispatch=dense")
+    for error in (routing_error(m), balance_error(m, p), layers_error(m, p.pp)):
+        if error:
+            raise ConfigError(error)
     _divisible("model.moe_d_ff (0: model.d_ff)", m.expert_d_ff, cfg)
     _divisible("model.moe_shared_d_ff", m.moe_shared_d_ff, cfg)
-    if m.first_k_dense >= m.n_layers:
-        raise ConfigError(f"model.first_k_dense={m.first_k_dense} leaves no MoE layer of "
-                          f"model.n_layers={m.n_layers}: set it below n_layers")
-    if m.first_k_dense and p.pp > 1:
-        raise ConfigError("model.first_k_dense (a leading run of dense layers) is not built "
-                          "for --pp yet: its layers would run before the stages")
-    if not 1 <= m.moe_every <= m.stacked_layers:
-        raise ConfigError(f"model.moe_every={m.moe_every} must be between 1 (every layer a "
-                          f"mixture of experts) and model.n_layers={m.n_layers}")
-    if m.moe_every > 1 and m.moe_shared_d_ff > 0:
-        raise ConfigError(f"model.moe_every={m.moe_every} mixes dense and MoE blocks, which is "
-                          "not built with model.moe_shared_d_ff (a shared expert where only "
-                          "some layers are MoE)")
-    if m.stacked_layers % m.moe_every and (m.scan_layers or p.pp > 1):
-        lead = f" after model.first_k_dense={m.first_k_dense}" if m.first_k_dense else ""
-        raise ConfigError(f"a {'pipelined' if p.pp > 1 else 'scanned'} stack repeats groups of "
-                          f"model.moe_every={m.moe_every} layers (dense, then MoE), and the "
-                          f"{m.stacked_layers} layers{lead} are not a multiple of it: set "
-                          "model.n_layers to one" + ("" if p.pp > 1 else
-                                                     ", or model.scan_layers=false"))
     _axis(EP_AXIS, cfg)
 
 
 # the command-line flag of a key, where train.py has one
 _FLAGS = {key: "--" + dest.replace("_", "-") for dest, key in FLAG_KEYS.items()}
-# the keys that act only with a mixture of experts (model.n_experts > 0)
-MOE_KEYS = ("moe_top_k", "moe_d_ff", "moe_norm_topk", "moe_shared_d_ff", "moe_every",
-            "first_k_dense",
-            "capacity_factor", "moe_dispatch", "moe_balance_coef", "moe_z_coef")
 
 
 def check_asked(cfg: Config, asked) -> Config:
@@ -197,15 +169,17 @@ MAX_SIZE = 2**31 - 1
 # sizes (ints >= 1), counts that may be 0 (ints >= 0), positive reals, and
 # coefficients and factors (finite reals >= 0), by "section.key"
 _SIZES = {"model": ("vocab_size", "vocab_multiple", "n_layers", "d_model", "n_heads", "d_ff",
-                    "seq_len", "attention_block", "rope_original_max_len", "moe_every"),
+                    "seq_len", "attention_block", "rope_original_max_len", "moe_every",
+                    "moe_groups"),
           "train": ("steps", "batch_size", "microbatches", "log_every", "eval_every",
                     "eval_batches", "max_skipped_steps", "keep_checkpoints"),
           "parallel": ("pp", "pp_repeats", "dp", "ep", "tp", "cp")}
 # (moe_top_k: 1 to n_experts with experts, `_check_moe`; any count without)
 _COUNTS = {"model": ("n_kv_heads", "d_head", "loss_chunk", "n_experts", "moe_top_k",
-                     "moe_d_ff", "moe_shared_d_ff", "first_k_dense"),
+                     "moe_d_ff", "moe_shared_d_ff", "first_k_dense", "moe_group_top_k"),
            "train": ("warmup_steps", "checkpoint_every", "sample_every")}
-_POSITIVE = {"model": ("ln_eps", "rope_theta", "init_std"), "train": ("lr",)}
+_POSITIVE = {"model": ("ln_eps", "rope_theta", "init_std", "moe_route_scale"),
+             "train": ("lr",)}
 _FINITE = {"model": ("capacity_factor", "moe_balance_coef", "moe_z_coef",
                      "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor"),
            "train": ("weight_decay", "grad_clip", "spike_factor", "checkpoint_minutes")}
@@ -213,6 +187,7 @@ _WHAT_ZERO = {"model.n_kv_heads": "0: n_heads", "model.d_head": "0: d_model // n
               "model.loss_chunk": "0: no chunking", "model.n_experts": "0: dense MLPs",
               "model.moe_d_ff": "0: model.d_ff", "model.moe_shared_d_ff": "0: no shared expert",
               "model.capacity_factor": "0: dropless", "model.rope_scaling_factor": "0: off",
+              "model.moe_group_top_k": "0: every group",
               "train.checkpoint_every": "0: never", "train.sample_every": "0: off",
               "train.checkpoint_minutes": "0: never", "train.grad_clip": "0: off",
               "train.spike_factor": "0: off"}
@@ -264,6 +239,9 @@ def _check_choices(cfg: Config) -> None:
                                  ("model.attention", m.attention, ATTENTIONS),
                                  ("model.style", m.style, STYLES),
                                  ("model.moe_dispatch", m.moe_dispatch, MOE_DISPATCHES),
+                                 ("model.moe_score", m.moe_score, MOE_SCORES),
+                                 ("model.moe_drop", m.moe_drop, MOE_DROPS),
+                                 ("model.moe_balance", m.moe_balance, MOE_BALANCES),
                                  ("parallel.impl", cfg.parallel.impl, IMPLS),
                                  ("parallel.overlap", cfg.parallel.overlap, OVERLAPS),
                                  ("parallel.cp_attention", cfg.parallel.cp_attention,

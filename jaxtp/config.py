@@ -2,9 +2,8 @@
 
 A run is described by one `Config` = model shape + training recipe + parallel
 layout. Presets live in `configs/*.json` (data, not code; a wheel installs them
-as `jaxtp/configs/`). Every error names
-the offending key or value and says how to fix it, and is raised before
-anything is compiled.
+as `jaxtp/configs/`). Every error names the offending key or value and says
+how to fix it, and is raised before anything is compiled.
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ from typing import Any
 # the choices a config may make, the error of one it may not, and the rules
 # (jaxtp.checks, which imports nothing of this module)
 from .checks import (ATTENTIONS, COORDINATOR_TIMEOUT_S, CP_STRATEGIES, DTYPES, IMPLS,
-                     INFERENCE_IMPLS, OVERLAPS, PP_SCHEDULES, REMATS,
-                     STYLES, ConfigError, check)
+                     INFERENCE_IMPLS, OVERLAPS, PP_SCHEDULES, REMATS, STYLES, ConfigError, check)
 from .config_keys import apply_overrides, section_from_dict
 
 # the presets: `jaxtp/configs/` in an installed wheel (pyproject maps the
@@ -97,20 +95,27 @@ class ModelConfig:
     moe_top_k: int = 2
     moe_d_ff: int = 0
     moe_norm_topk: bool = True  # renormalise the top-k weights to sum to 1 (Mixtral)
+    # scores: "softmax" (Mixtral, Qwen) or each expert's "sigmoid" (DeepSeek-V3);
+    # experts in moe_groups groups, a token's from its best moe_group_top_k (0:
+    # all; DeepSeek-V3: 8, 4); weights times moe_route_scale; past capacity drop
+    # the latest in router order ("position") or the least weighted ("probs",
+    # Megatron-Core's moe_token_drop_policy); jaxtp.model.moe.Routing
+    moe_score: str = "softmax"
+    moe_groups: int = 1
+    moe_group_top_k: int = 0
+    moe_route_scale: float = 1.0
+    moe_drop: str = "position"
     # a shared expert: a dense MLP of this many hidden units that every token
     # takes besides its routed experts, its output added to theirs (DeepSeekMoE,
     # Dai et al. 2024, Sec. 3.2, ungated; Megatron-Core's shared_expert); 0: none
     moe_shared_d_ff: int = 0
-    # which layers are MoE: layer i (from 0) where (i + 1) % moe_every == 0,
-    # the others dense MLPs of d_ff (Qwen-MoE's decoder_sparse_step; 2 is
-    # GShard's and Switch's every other layer); 1: every layer
+    # MoE layers: i (from 0) where (i + 1) % moe_every == 0, the others dense MLPs of
+    # d_ff (Qwen-MoE's decoder_sparse_step; 2: GShard's, Switch's every other layer)
     moe_every: int = 1
-    # a leading run of dense layers: layers 0..k-1 dense MLPs of d_ff, the MoE
-    # pattern (`moe_every`) from layer k on (DeepSeek-V3's
-    # first_k_dense_replace = 3; MaxText's first_num_dense_layers)
+    # layers 0..k-1 dense MLPs of d_ff, the MoE pattern (`moe_every`) from layer
+    # k on (DeepSeek-V3's first_k_dense_replace = 3; MaxText's first_num_dense_layers)
     first_k_dense: int = 0
-    # slots per expert: ceil(capacity_factor * tokens * k / E) per sequence,
-    # later assignments dropped; 0: dropless
+    # slots per expert: ceil(capacity_factor * tokens * k / E) per sequence; 0: dropless
     capacity_factor: float = 0.0
     # how tokens reach their experts: "dense" one-hot dispatch into
     # capacity-sized slots (every impl, every backend), or "ragged": dropless,
@@ -118,7 +123,10 @@ class ModelConfig:
     # jax.lax.ragged_dot (capacity_factor 0; at ep > 1 GPUs and TPUs only:
     # XLA:CPU does not compile ragged-all-to-all, jax-ml/jax#34755)
     moe_dispatch: str = "dense"
-    moe_balance_coef: float = 0.01  # Switch's load-balancing loss, added to the loss
+    # the load-balancing loss, times moe_balance_coef, added to the loss: over the
+    # microbatch's tokens ("aux", Switch's) or per sequence ("seq_aux", DeepSeek-V3's)
+    moe_balance: str = "aux"
+    moe_balance_coef: float = 0.01
     moe_z_coef: float = 0.001  # ST-MoE's router z-loss, added to the loss
 
     @property
@@ -338,6 +346,5 @@ def validate(cfg: Config) -> Config:
 
 __all__ = ["ATTENTIONS", "CONFIG_DIR", "COORDINATOR_TIMEOUT_S", "Config", "ConfigError",
            "CP_STRATEGIES", "DTYPES", "IMPLS", "INFERENCE_IMPLS", "ModelConfig", "OVERLAPS",
-           "PP_SCHEDULES",
-           "ParallelConfig", "REMATS", "STYLES", "TrainConfig", "apply_overrides",
+           "PP_SCHEDULES", "ParallelConfig", "REMATS", "STYLES", "TrainConfig", "apply_overrides",
            "load_config", "preset_names", "validate"]

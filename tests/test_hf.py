@@ -575,6 +575,11 @@ def test_moe_configs_jaxtp_cannot_run_are_refused(tmp_path):
     model.cfg = dataclasses.replace(model.cfg, moe_norm_topk=True, moe_shared_d_ff=64)
     with pytest.raises(ValueError, match="no shared expert; .* model.moe_shared_d_ff=64"):
         save_hf(model, tmp_path / "out")
+    model.cfg = dataclasses.replace(model.cfg, moe_shared_d_ff=0, moe_score="sigmoid",
+                                    moe_route_scale=2.5)
+    with pytest.raises(ValueError, match="softmax over every expert, unscaled; .* "
+                       "model.moe_score='sigmoid', model.moe_route_scale=2.5"):
+        save_hf(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

@@ -173,8 +173,13 @@ def _moe_rows(cfg: Config, impl: str) -> list[Expected]:
         own.append(E("the routing weights' gradient (the outputs they weigh are partial "
                      "over tp)", "all-reduce", "backward", tokens(cfg) * m.moe_top_k, 1,
                      p.tp, (TP_AXIS,)))
-    if own and m.remat == "full" and not sp:  # the block's output is kept, the experts' not
-        own.append(T("remat 'full': g again for the backward", "all-reduce", "backward",
+    # the block's output is kept, the experts' not; nor under minimal or dots at ep 1
+    # the slots (named for remat only where they travel, `jaxtp.parallel.ep.placed`;
+    # measured, jax 0.10.2: dp 2 x tp 4, and ep 2 x tp 2 and ragged holding the ledger)
+    again = m.remat == "full" or (m.remat in ("minimal", "dots") and p.ep == 1
+                                  and not ragged)
+    if own and again and not sp:
+        own.append(T(f"remat {m.remat!r}: g again for the backward", "all-reduce", "backward",
                      tp_n, 1, p.tp, (TP_AXIS,)))
     own += _statistics_rows(cfg, E)
     # each stage's sum over its layers and microbatches, added up once (1F1B
@@ -192,6 +197,8 @@ def _statistics_rows(cfg: Config, E: Callable) -> list[Expected]:
     maker)."""
     m, p, own = cfg.model, cfg.parallel, []
     routed = on(cfg, DATA_AXIS, EP_AXIS, CP_AXIS, *(TP_AXIS,) * p.sequence_parallel)
+    if routed and m.moe_balance == "seq_aux":
+        return _sequence_rows(cfg, E, routed)
     if routed:
         n = math.prod(p.degrees[a] for a in routed)
         # (in any scope: XLA combines these small sums, and the layers' sum
@@ -218,6 +225,41 @@ def _statistics_rows(cfg: Config, E: Callable) -> list[Expected]:
                 E("dp manual in the slices: the z-loss's mean transposed", "all-reduce",
                   "backward", 1, 1, n, routed, "f32", written=False, scope=ANY_SCOPE,
                   per="microbatch", role="moe_z_transposed")] * (not remat)
+    return own
+
+
+def _sequence_rows(cfg: Config, E: Callable, routed: tuple) -> list[Expected]:
+    """The statistics under the sequence-wise balance loss ("seq_aux"), per
+    MoE layer and microbatch: each sequence's f and P summed over the ranks
+    that hold its parts (cp, and tp under SP: [B/(dp*ep), E] each), then the
+    z-loss's mean over every axis that splits the tokens and the loss's mean
+    over the sequences' (the batch axes). Nothing again under remat: f is
+    each rank's own (measured, jax 0.10.2, a 2-layer MoE at dp 2 x ep 2 x tp
+    2 both impls, remat minimal, FSDP, cp 2, SP at tp 4, pp 2, and M 2 and 4
+    once over dp at dp 2 x tp 4)."""
+    p, within = cfg.parallel, tuple(a for a in routed if a in (CP_AXIS, TP_AXIS))
+    size = lambda axes: math.prod(p.degrees[a] for a in axes)
+    batch = tuple(a for a in routed if a not in within)
+    own = [E("router statistics: the z-loss's mean", "all-reduce", "forward", 1, 1,
+             size(routed), routed, "f32", written=False, scope=ANY_SCOPE)]
+    if batch:
+        own.append(E("seq_aux: the balance loss's mean over the sequences", "all-reduce",
+                     "forward", 1, 1, size(batch), batch, "f32", written=False,
+                     scope=ANY_SCOPE))
+    if within:
+        rows = cfg.train.batch_size // cfg.train.microbatches // (p.dp * p.ep)
+        own += [E(f"seq_aux: each sequence's {x} summed over its parts", "all-reduce",
+                  "forward", rows * cfg.model.n_experts, 1, size(within), within, "f32",
+                  written=False, scope=ANY_SCOPE) for x in ("f", "P")]
+    if reduces_once(cfg):  # (dp manual in the slices: the two means' psums transposed,
+        # as aux's z-loss's: the same value in every layer, so once a microbatch but
+        # under a remat, in each layer; measured as `_statistics_rows` says)
+        remat = cfg.model.remat != "none"
+        own += [E(f"dp manual in the slices: the {x}'s mean transposed", "all-reduce",
+                  "backward", 1, 1, size(routed), routed, "f32", written=False,
+                  scope=ANY_SCOPE, **({} if remat else {"per": "microbatch",
+                                                         "role": "moe_z_transposed"}))
+                for x in ("z-loss", "balance loss")]
     return own
 
 

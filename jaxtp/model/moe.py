@@ -1,32 +1,7 @@
-"""Mixture of experts: a router picks each token's top-k of E expert MLPs.
-
-Routing (per group of tokens: one sequence, so that the groups do not
-depend on how the batch is split):
-
-- the router is one replicated [D, E] matmul in fp32; softmax over the E
-  experts, then the top k, their weights renormalised to sum to 1 where
-  `model.moe_norm_topk` (Mixtral; Qwen3-MoE's `norm_topk_prob`);
-- capacity (GShard, Lepikhin et al. 2020, Sec. 2.2): each expert takes at
-  most C = ceil(cf * T * k / E) of a group's T tokens; assignments queue in
-  router order, every token's first choice before any second choice (so a
-  second choice is dropped before a first), and within a choice in token
-  order; an assignment past C is dropped (the token keeps its other
-  experts' outputs and the residual). cf = 0 is dropless: C = T, as no
-  token picks an expert twice;
-- dispatch and combine as dense one-hot tensors [G, T, E, C]: the experts'
-  inputs are `einsum("GTEC,GTD->GECD")`, their outputs combined by the kept
-  routing weights (GShard's form, which the partitioner splits by the expert dim).
-
-The two router losses, per microbatch over all its tokens:
-
-- load balancing (Switch, Fedus et al. 2021, Eq. 4-6, generalised to top-k
-  as Megatron-Core's `switch_load_balancing_loss_func`): E/k * sum_e f_e P_e,
-  f_e the share of the tokens assigned to expert e (before capacity: the
-  router's decision), P_e the mean router probability of e; 1 when the
-  load is uniform;
-- router z-loss (Zoph et al. 2022, ST-MoE, Eq. 5): the mean over tokens of
-  logsumexp(logits)^2, which keeps the router's logits small.
-"""
+"""Mixture of experts: a router picks each token's top-k of E expert MLPs
+(its decisions and losses: `jaxtp.model.routing`); the experts' inputs are
+`einsum("GTEC,GTD->EGCD")` of the dispatch, their outputs combined by the
+kept routing weights, or the ragged path's rows sorted by expert."""
 
 from __future__ import annotations
 
@@ -48,6 +23,10 @@ from ..parallel.ep import Slots, over_tokens
 from ..parallel.ep import ragged as ragged_rows
 from .layers import gelu, init_std_out, param, weight
 from .mlp import MLP
+from .routing import Routing, balance_loss, combine, dispatch, load, route, z_loss
+
+__all__ = ["LOSSES", "STATS", "MoE", "Experts", "Routing", "balance_loss", "capacity", "combine",
+           "dispatch", "load", "moe", "n_stats", "route", "z_loss"]
 
 # the router statistics a MoE layer returns: the two losses; monitored
 # (`moe(monitor=True)`), the dropped share too, then the share of its
@@ -61,111 +40,45 @@ def n_stats(E: int, monitor: bool) -> int:
     return len(STATS) + E if monitor else len(LOSSES)
 
 
-def route(logits_GTE, k: int, norm_topk: bool = True):
-    """(weights [G, T, k], experts [G, T, k] int32, probs [G, T, E]): the top
-    k of the softmax over experts, in descending probability (ties: the
-    lower expert id first, as `lax.top_k`). By k argmaxes, not `lax.top_k`,
-    which the partitioner splits by gathering its operand whole (measured on jax
-    0.10.2: the router's [B, T, E] all-gathered over ep in every layer)."""
-    probs_GTE = jax.nn.softmax(logits_GTE.astype(wide(logits_GTE)), axis=-1)
-    picked, left = [], probs_GTE
-    for _ in range(k):
-        e_GT = jnp.argmax(left, -1).astype(jnp.int32)
-        picked.append(e_GT)
-        left = jnp.where(jax.nn.one_hot(e_GT, left.shape[-1], dtype=bool), -1.0, left)
-    experts_GTk = jnp.stack(picked, -1)
-    weights_GTk = jnp.take_along_axis(probs_GTE, experts_GTk, -1)
-    if norm_topk:
-        weights_GTk = weights_GTk / weights_GTk.sum(-1, keepdims=True)
-    return weights_GTk, experts_GTk, probs_GTE
-
-
-def dispatch(experts_GTk, E: int, C: int, dtype=jnp.float32):
-    """(dispatch [G, T, E, C] 0/1, kept [G, T, k] bool): assignment (t, j)
-    takes slot p of expert experts[t, j], p the number of assignments to that
-    expert before it in router order (choice j = 0 of every token, then
-    j = 1, ...); kept where p < C."""
-    G, T, k = experts_GTk.shape
-    onehot_GkTE = jax.nn.one_hot(experts_GTk.transpose(0, 2, 1), E, dtype=jnp.int32)
-    flat = onehot_GkTE.reshape(G, k * T, E)
-    slot = (jnp.cumsum(flat, axis=1) - flat).reshape(G, k, T, E)  # earlier assignments
-    slot_GTk = jnp.sum(slot * onehot_GkTE, -1).transpose(0, 2, 1)
-    kept_GTk = slot_GTk < C
-    # one-hot over (expert, slot) of each kept assignment, summed over choices
-    # (a token's k experts differ, so no two of its assignments share a cell)
-    cell = jax.nn.one_hot(experts_GTk, E, dtype=dtype)[..., None] * \
-        jax.nn.one_hot(jnp.where(kept_GTk, slot_GTk, C), C, dtype=dtype)[..., None, :]
-    return cell.sum(2), kept_GTk
-
-
-def combine(experts_GTk, weights_GTk, kept_GTk, E: int, C: int, dispatch_GTEC):
-    """The combine tensor [G, T, E, C]: each kept assignment's cell holds its
-    routing weight."""
-    w_GTE = jnp.sum(jax.nn.one_hot(experts_GTk, E, dtype=weights_GTk.dtype)
-                    * jnp.where(kept_GTk, weights_GTk, 0.0)[..., None], 2)
-    return dispatch_GTEC * w_GTE[..., None]
-
-
-def balance_loss(probs_GTE, experts_GTk, mean: Callable = lambda x: x) -> jax.Array:
-    """Switch's load-balancing loss for top-k: E/k * sum_e f_e P_e over all
-    G*T tokens (1 when uniform). `mean(a)`: a rank's mean over its tokens
-    -> the mean over every rank's (`over_tokens`; outside a manual region the
-    partitioner's)."""
-    E, k = probs_GTE.shape[-1], experts_GTk.shape[-1]
-    tokens = probs_GTE.shape[0] * probs_GTE.shape[1]
-    f_E = mean(jnp.sum(jax.nn.one_hot(experts_GTk, E, dtype=probs_GTE.dtype), (0, 1, 2))
-               / tokens)
-    P_E = mean(jnp.sum(probs_GTE, (0, 1)) / tokens)
-    return E / k * jnp.sum(f_E * P_E)
-
-
-def z_loss(logits_GTE, mean: Callable = lambda x: x) -> jax.Array:
-    """ST-MoE's router z-loss: mean over tokens of logsumexp(logits)^2."""
-    return mean(jnp.mean(jax.nn.logsumexp(logits_GTE.astype(wide(logits_GTE)), axis=-1) ** 2))
-
-
-def moe(x_GTD, logits_GTE, experts: Callable, *, k: int, factor: float,
-        norm_topk: bool = True, place: Callable = lambda x, to_experts: x,
+def moe(x_GTD, logits_GTE, experts: Callable, *, routing: Routing, factor: float,
+        parts: int = 0, place: Callable = lambda x, to_experts: x,
         pin: Callable = lambda x: x, monitor: bool = False, ragged: Callable | None = None,
         mean: Callable = lambda x: x):
     """(y [G, T, D], stats: balance loss, z-loss, and where `monitor` the
-    dropped share and the experts' loads [E] (`n_stats`)): each
-    token through its kept top-k experts, weighted; `experts(x_EGCD)` maps
-    every expert's slots [E, G, C, D] to its outputs (the expert MLPs batched
-    over E); `place(x_EGCD, to_experts)` lays the slots out for the experts
+    dropped share and the experts' loads [E] (`n_stats`)): each token
+    through its kept top-k experts (`routing`, `route`), weighted;
+    `experts(x_EGCD)` maps every expert's slots [E, G, C, D] to its outputs
+    (the expert MLPs batched over E); `place(x_EGCD, to_experts)` lays the slots out for the experts
     (True) and back for the combine (False): ep's all-to-alls; `pin(a)`
     keeps a group-leading routing array [G, ...] split as the tokens are
     (else the partitioner may gather the routing over ep to meet the
     experts' split). `ragged(x_GTD, experts_GTk, weights_GTk)`, where given,
     is the dropless ragged path instead (`jaxtp.parallel.ep.ragged`): no
     slots, `factor` must be 0. `mean`: the statistics' means over the tokens
-    of every rank (`over_tokens`)."""
+    of every rank (`over_tokens`); `parts`: the balance loss's (`balance_loss`)."""
     G, T, D = x_GTD.shape
     E = logits_GTE.shape[-1]
-    C = capacity(T, k, E, factor)
-    weights_GTk, experts_GTk, probs_GTE = map(pin, route(pin(logits_GTE), k, norm_topk))
+    C = capacity(T, routing.k, E, factor)
+    weights_GTk, experts_GTk, probs_GTE = map(pin, route(pin(logits_GTE), routing))
     if ragged is not None:
         if factor:
             raise ValueError(f"the ragged dispatch is dropless: capacity_factor={factor}, "
                              "not 0")
         y_GTD, kept_GTk = ragged(x_GTD, experts_GTk, weights_GTk), True
     else:
-        d_GTEC, kept_GTk = map(pin, dispatch(experts_GTk, E, C, probs_GTE.dtype))
+        by = weights_GTk if routing.drop == "probs" else None
+        d_GTEC, kept_GTk = map(pin, dispatch(experts_GTk, E, C, probs_GTE.dtype, by))
         c_GTEC = pin(combine(experts_GTk, weights_GTk, kept_GTk, E, C, d_GTEC))
         x_EGCD = jnp.einsum("GTEC,GTD->EGCD", d_GTEC.astype(x_GTD.dtype), x_GTD)
         y_EGCD = place(experts(place(x_EGCD, True)), False)
         y_GTD = jnp.einsum("GTEC,EGCD->GTD", c_GTEC.astype(y_EGCD.dtype), y_EGCD)
-    losses = jnp.stack([balance_loss(probs_GTE, experts_GTk, mean), z_loss(logits_GTE, mean)])
+    losses = jnp.stack([balance_loss(probs_GTE, experts_GTk, mean, parts),
+                        z_loss(logits_GTE, mean)])
     if not monitor:  # (training: only what the loss reads, so the step computes no more)
         return y_GTD.astype(x_GTD.dtype), losses
     dropped = 1.0 - mean(jnp.mean(jnp.asarray(kept_GTk, losses.dtype)))
     return y_GTD.astype(x_GTD.dtype), jnp.concatenate([losses, dropped[None],
                                                        mean(load(experts_GTk, E, losses.dtype))])
-
-
-def load(experts_GTk, E: int, dtype=jnp.float32) -> jax.Array:
-    """The share of the assignments each expert gets [E] (before capacity)."""
-    return jnp.mean(jax.nn.one_hot(experts_GTk, E, dtype=dtype), (0, 1, 2))
 
 
 class Experts(nnx.Module):
@@ -272,10 +185,11 @@ class MoE(nnx.Module):
         self.experts = Experts(cfg, layout, rngs=rngs)
         self.shared = MLP(dataclasses.replace(cfg, d_ff=cfg.moe_shared_d_ff), layout,
                           rngs=rngs) if cfg.moe_shared_d_ff else None
-        self.k, self.factor, self.norm = cfg.moe_top_k, cfg.capacity_factor, cfg.moe_norm_topk
+        self.routing, self.factor = Routing.of(cfg), cfg.capacity_factor
         self.ragged = cfg.moe_dispatch == "ragged"
         self.layout, self.slots = layout, self.experts.slots
         self.splits = layout.cp * (layout.tp if layout.sp else 1)  # groups per sequence
+        self.parts = self.splits if cfg.moe_balance == "seq_aux" else 0
         self.tag = "mlp_out"
         self.monitor = False  # also the dropped share and the loads (`moe`)
 
@@ -288,8 +202,9 @@ class MoE(nnx.Module):
             x_GSD = self._groups(x_BTD)
             logits_GSE = jnp.einsum("GSD,DE->GSE", x_GSD.astype(wide(x_GSD)),
                                     weight(self.router, wide(x_GSD)))
-            y_GSD, stats = moe(x_GSD, logits_GSE, self.experts, k=self.k, factor=self.factor,
-                               norm_topk=self.norm, place=functools.partial(parallel.place_slots, self),
+            y_GSD, stats = moe(x_GSD, logits_GSE, self.experts, routing=self.routing,
+                               factor=self.factor, parts=self.parts,
+                               place=functools.partial(parallel.place_slots, self),
                                pin=functools.partial(_pin_groups, slots=self.slots),
                                monitor=self.monitor,
                                ragged=self.experts.ragged if self.ragged else None,

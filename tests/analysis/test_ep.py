@@ -35,10 +35,12 @@ B = 16
 @functools.cache
 def compiled(impl: str, factor: float, ep: int = 4, tp: int = 2, dp: int = 1,
              remat: str = "none", dispatch: str = "dense", shared: int = 0, microbatches: int = 1,
-             every: int = 1, fsdp: bool = False, cp: int = 1, loss_chunk: int = 4096):
+             every: int = 1, fsdp: bool = False, cp: int = 1, loss_chunk: int = 4096,
+             balance: str = "aux"):
     cfg = validate(Config(dataclasses.replace(MOE, capacity_factor=factor, remat=remat,
                                               moe_dispatch=dispatch, moe_shared_d_ff=shared,
-                                              moe_every=every, loss_chunk=loss_chunk),
+                                              moe_every=every, loss_chunk=loss_chunk,
+                                              moe_balance=balance),
                           TrainConfig(batch_size=B, microbatches=microbatches),
                           ParallelConfig(dp=dp, ep=ep, tp=tp, cp=cp, impl=impl, fsdp=fsdp)))
     layout = Layout.of(cfg)
@@ -138,17 +140,21 @@ def test_minimal_remat_keeps_the_slots_only_where_they_travelled(impl):
     assert kept == {1: 0, 4: 2 * model.n_layers}
 
 
-@pytest.mark.parametrize("impl, dp, ep, tp", [
-    pytest.param(impl, *layout, id=f"{name}-{impl}")
+@pytest.mark.parametrize("impl, dp, ep, tp, kw", [
+    pytest.param(impl, *layout, kw, id=f"{name}-{impl}")
     for impl in ("gspmd", "shard_map", "explicit")
-    for name, layout in (("dp2xep2xtp2", (2, 2, 2)), ("ep8", (1, 8, 1)), ("dp4xtp2", (4, 1, 2)))
+    for name, layout, kw in (
+        ("dp2xep2xtp2", (2, 2, 2), {}), ("ep8", (1, 8, 1), {}),
+        # minimal remat at ep 1 recomputes the experts' g (no slots kept), and
+        # DeepSeek-V3's sequence-wise balance loss: each sequence's statistics
+        ("dp4xtp2-minimal-seq_aux", (4, 1, 2), {"remat": "minimal", "balance": "seq_aux"}))
     if impl != "explicit" or name == "dp2xep2xtp2"])
-def test_the_moe_step_holds_its_ledger(impl, dp, ep, tp):
+def test_the_moe_step_holds_its_ledger(impl, dp, ep, tp, kw):
     """Every collective of the step, by `expected_collectives`: the experts'
     gradients summed over dp alone (an ep rank owns its experts), every
     other weight's over dp x ep; the gradient norm over ep too; without ep
     (dp4 x tp2) the experts' and the dense weights' sums share dp."""
-    cfg, sizes, colls = compiled(impl, 1.0, ep, tp, dp)
+    cfg, sizes, colls = compiled(impl, 1.0, ep, tp, dp, **kw)
     assert check(colls, expected_collectives(cfg, impl, "cpu"), sizes) is None
     experts = [c for c in colls if c.scope == "moe" and c.kind == "all-reduce"
                and c.pass_ == "backward" and "tp" not in c.axes(sizes)

@@ -22,43 +22,73 @@ def experts(w_up, w_down):
         jnp.einsum("EGCD,EDF->EGCF", x_EGCD, w_up), approximate=False), w_down)
 
 
-def queue(logits, k, C, norm=True):
+def scores(logits, routing, xp=np):
+    """Each token's scores [.., E]: softmax over the experts, or each one's sigmoid."""
+    if routing.score == "sigmoid":
+        return 1 / (1 + xp.exp(-logits))
+    p = xp.exp(logits - logits.max(-1, keepdims=True))
+    return p / p.sum(-1, keepdims=True)
+
+
+def choose(s, routing):
+    """One token's k experts, in descending score (ties: the lower id), from
+    its best routing.group_top_k groups (a group's score: the sum of its best
+    k // group_top_k), and their weights."""
+    E, n = s.size, routing.groups
+    allowed = np.ones(E, bool)
+    if routing.group_top_k and routing.group_top_k < n:
+        per = s.reshape(n, E // n)
+        m = max(1, routing.k // routing.group_top_k)
+        gscore = np.sort(per, -1)[:, ::-1][:, :m].sum(-1)
+        best = np.argsort(-gscore, kind="stable")[:routing.group_top_k]
+        allowed = np.isin(np.arange(E) // (E // n), best)
+    ex = [e for e in np.argsort(-s, kind="stable") if allowed[e]][:routing.k]
+    w = s[ex] / s[ex].sum() if routing.norm_topk else s[ex]
+    return np.array(ex), w * routing.scale
+
+
+def queue(logits, routing, C):
     """Per group: (experts [T, k], weights [T, k], kept [T, k]) by a plain
-    loop: first choices of every token in token order, then second ..."""
+    loop: first choices of every token in token order, then second ...; or
+    under drop "probs" each expert's C assignments of the largest weight
+    (ties in that order)."""
     out = []
     for g in range(logits.shape[0]):
-        p = np.exp(logits[g] - logits[g].max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
-        ex = np.argsort(-p, axis=-1, kind="stable")[:, :k]
-        w = np.take_along_axis(p, ex, -1)
-        w = w / w.sum(-1, keepdims=True) if norm else w
-        taken, kept = np.zeros(logits.shape[-1], int), np.zeros((logits.shape[1], k), bool)
-        for j in range(k):
-            for t in range(logits.shape[1]):
-                if taken[ex[t, j]] < C:
-                    kept[t, j] = True
-                    taken[ex[t, j]] += 1
+        s = scores(logits[g], routing)
+        picks = [choose(row, routing) for row in s]
+        ex, w = np.stack([p[0] for p in picks]), np.stack([p[1] for p in picks])
+        k, T = routing.k, logits.shape[1]
+        order = [(t, j) for j in range(k) for t in range(T)]
+        if routing.drop == "probs":
+            order = sorted(order, key=lambda tj: -w[tj])  # (stable: router order on ties)
+        taken, kept = np.zeros(logits.shape[-1], int), np.zeros((T, k), bool)
+        for t, j in order:
+            if taken[ex[t, j]] < C:
+                kept[t, j] = True
+                taken[ex[t, j]] += 1
         out.append((ex, w, kept))
     return out
 
 
-def reference(x, w_router, w_up, w_down, k, C, norm=True, act="gelu"):
+SOFTMAX = moe.Routing(K)
+
+
+def reference(x, w_router, w_up, w_down, routing, C, act="gelu"):
     """Each token through its kept experts, one at a time; the routing
     decisions from `queue` (piecewise constant), the weights differentiable;
     GELU exact ("gelu"), its tanh form ("tanh", the model's), or SwiGLU
     ("swiglu": up [E, D, 2, F], gate then up)."""
-    logits = np.asarray(x @ w_router) if isinstance(x, np.ndarray) else None
-    decided = queue(np.asarray(jax.lax.stop_gradient(x) @ jax.lax.stop_gradient(w_router))
-                    if logits is None else logits, k, C, norm)
+    decided = queue(np.asarray(jax.lax.stop_gradient(x) @ jax.lax.stop_gradient(w_router)),
+                    routing, C)
     rows = []
     for g in range(x.shape[0]):
         ex, _, kept = decided[g]
-        probs = jax.nn.softmax(x[g] @ w_router, axis=-1)
+        probs = scores(x[g] @ w_router, routing, jnp)
         for t in range(x.shape[1]):
             sel = probs[t, ex[t]]
-            w = sel / sel.sum() if norm else sel
+            w = (sel / sel.sum() if routing.norm_topk else sel) * routing.scale
             y = jnp.zeros(x.shape[-1])
-            for j in range(k):
+            for j in range(routing.k):
                 if kept[t, j]:
                     e = ex[t, j]
                     if act == "swiglu":
@@ -71,25 +101,64 @@ def reference(x, w_router, w_up, w_down, k, C, norm=True, act="gelu"):
     return jnp.stack(rows).reshape(x.shape)
 
 
-def run(x, w_router, w_up, w_down, k=K, factor=0.0, norm=True):
-    return moe.moe(x, x @ w_router, experts(w_up, w_down), k=k, factor=factor,
-                   norm_topk=norm, monitor=True)
+def run(x, w_router, w_up, w_down, routing=SOFTMAX, factor=0.0):
+    return moe.moe(x, x @ w_router, experts(w_up, w_down), routing=routing, factor=factor,
+                   monitor=True)
 
 
-@pytest.mark.parametrize("factor", [0.0, 1.0, 0.5], ids=["dropless", "cf1", "cf0.5"])
-def test_moe_equals_the_per_token_reference_in_value_and_every_gradient(factor):
+ROUTINGS = {"dropless": (SOFTMAX, 0.0), "cf1": (SOFTMAX, 1.0), "cf0.5": (SOFTMAX, 0.5),
+            "unnormalised": (moe.Routing(K, norm_topk=False), 0.0),
+            "drop-probs-cf0.5": (moe.Routing(K, drop="probs"), 0.5),
+            "sigmoid-scaled": (moe.Routing(K, score="sigmoid", scale=2.5), 0.0),
+            "sigmoid-groups-cf0.5": (moe.Routing(K, score="sigmoid", groups=2,
+                                                 group_top_k=1), 0.5)}
+
+
+@pytest.mark.parametrize("case", ROUTINGS)
+def test_moe_equals_the_per_token_reference_in_value_and_every_gradient(case):
+    routing, factor = ROUTINGS[case]
     C = moe.capacity(T, K, E, factor)
     args = tuple(map(jnp.asarray, (X, W_ROUTER, W_UP, W_DOWN)))
-    y, _ = run(*args, factor=factor)
-    np.testing.assert_allclose(y, reference(*args, K, C), rtol=1e-5, atol=1e-6)
+    y, _ = run(*args, routing=routing, factor=factor)
+    np.testing.assert_allclose(y, reference(*args, routing, C), rtol=1e-5, atol=1e-6)
     ct = jnp.asarray(RNG.normal(size=y.shape).astype(np.float32))
-    got = jax.grad(lambda *a: jnp.sum(run(*a, factor=factor)[0] * ct), argnums=(0, 1, 2, 3))(*args)
-    want = jax.grad(lambda *a: jnp.sum(reference(*a, K, C) * ct), argnums=(0, 1, 2, 3))(*args)
+    got = jax.grad(lambda *a: jnp.sum(run(*a, routing=routing, factor=factor)[0] * ct),
+                   argnums=(0, 1, 2, 3))(*args)
+    want = jax.grad(lambda *a: jnp.sum(reference(*a, routing, C) * ct), argnums=(0, 1, 2, 3))(*args)
     for g, w, name in zip(got, want, ("x", "router", "up", "down")):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-test_moe_equals_the_per_token_reference_in_value_and_every_gradient.fast_cases = {"cf0.5"}
+test_moe_equals_the_per_token_reference_in_value_and_every_gradient.fast_cases = {
+    "cf0.5", "sigmoid-groups-cf0.5"}
+
+
+@pytest.mark.parametrize("routing", [moe.Routing(4, score="sigmoid", groups=4, group_top_k=2),
+                                     moe.Routing(3, groups=8, group_top_k=3, norm_topk=False),
+                                     moe.Routing(2, score="sigmoid", groups=2, group_top_k=1,
+                                                 scale=2.5)], ids=["ds3", "softmax", "halves"])
+def test_group_limited_routing_picks_a_tokens_experts_from_its_best_groups(routing):
+    """16 experts, each token's k from its best groups as DeepSeek-V3 scores
+    them (the sum of a group's best k // group_top_k), against `choose` token
+    by token; and a bias moves the choice, not the weights (its Eq. 16)."""
+    E16 = 16
+    logits = RNG.normal(size=(3, 32, E16)).astype(np.float32)
+    w, ex, aff = moe.route(jnp.asarray(logits), routing)
+    s = scores(logits, routing)
+    for (g, t), row in np.ndenumerate(s[..., 0]):
+        want_e, want_w = choose(s[g, t], routing)
+        np.testing.assert_array_equal(ex[g, t], want_e)
+        np.testing.assert_allclose(w[g, t], want_w, rtol=1e-6)
+    per_group = np.asarray(ex) // (E16 // routing.groups)
+    assert max(len(set(r)) for r in per_group.reshape(-1, routing.k)) <= routing.group_top_k
+    np.testing.assert_allclose(aff, s / s.sum(-1, keepdims=True), rtol=1e-6)
+    # a bias of -1 on every expert but one: chosen by every token where its group may be
+    bias = jnp.full((E16,), -1.0).at[5].set(0.0)
+    w_b, ex_b, _ = moe.route(jnp.asarray(logits), routing, bias)
+    assert (np.asarray(ex_b) == 5).any(-1).mean() > 0.5
+    picked = np.take_along_axis(s, np.asarray(ex_b), -1)
+    want = picked / picked.sum(-1, keepdims=True) if routing.norm_topk else picked
+    np.testing.assert_allclose(w_b, want * routing.scale, rtol=1e-6)
 
 
 def test_the_dropped_assignments_are_exactly_those_past_capacity():
@@ -98,9 +167,9 @@ def test_the_dropped_assignments_are_exactly_those_past_capacity():
     C = moe.capacity(T, K, E, 0.5)
     assert C == 2
     logits = X @ W_ROUTER
-    _, experts_GTk, _ = moe.route(jnp.asarray(logits), K)
+    _, experts_GTk, _ = moe.route(jnp.asarray(logits), SOFTMAX)
     d, kept = moe.dispatch(experts_GTk, E, C)
-    want = np.stack([q[2] for q in queue(logits, K, C)])
+    want = np.stack([q[2] for q in queue(logits, SOFTMAX, C)])
     np.testing.assert_array_equal(np.asarray(kept), want)
     assert 0 < want.sum() < want.size
     # every slot holds at most one token, and an expert's slots fill from 0
@@ -113,10 +182,10 @@ def test_dispatch_then_identity_experts_then_combine_is_x_times_the_kept_weights
     """Megatron-Core's dispatcher check: identity experts return each token
     times the sum of its kept routing weights."""
     for factor in (0.0, 0.5):
-        y, _ = moe.moe(jnp.asarray(X), jnp.asarray(X @ W_ROUTER), lambda x: x, k=K,
-                       factor=factor)
+        y, _ = moe.moe(jnp.asarray(X), jnp.asarray(X @ W_ROUTER), lambda x: x,
+                       routing=SOFTMAX, factor=factor)
         C = moe.capacity(T, K, E, factor)
-        kept_w = np.stack([(q[1] * q[2]).sum(-1) for q in queue(X @ W_ROUTER, K, C)])
+        kept_w = np.stack([(q[1] * q[2]).sum(-1) for q in queue(X @ W_ROUTER, SOFTMAX, C)])
         np.testing.assert_allclose(y, X * kept_w[..., None], rtol=1e-6, atol=1e-6)
 
 
@@ -129,14 +198,14 @@ def test_router_losses_by_hand():
     p /= p.sum(-1, keepdims=True)
     tokens = G * T
     f = np.zeros(E)
-    for q in queue(logits, K, T):
+    for q in queue(logits, SOFTMAX, T):
         for e in q[0].ravel():
             f[e] += 1 / tokens
     balance = E / K * sum(f[e] * p[..., e].sum() / tokens for e in range(E))
     lse = np.log(np.exp(logits).sum(-1))
-    dropped = 1 - np.mean([q[2] for q in queue(logits, K, 2)])
+    dropped = 1 - np.mean([q[2] for q in queue(logits, SOFTMAX, 2)])
     load = np.zeros(E)
-    for q in queue(logits, K, T):
+    for q in queue(logits, SOFTMAX, T):
         for e in q[0].ravel():
             load[e] += 1 / (tokens * K)
     np.testing.assert_allclose(stats, [balance, np.mean(lse ** 2), dropped, *load], rtol=1e-5)
@@ -144,6 +213,61 @@ def test_router_losses_by_hand():
     flat = jnp.zeros((1, E, E))
     assert float(moe.balance_loss(jax.nn.softmax(flat), jnp.arange(E)[None, :, None])) == \
         pytest.approx(1.0)
+
+
+def balance_reference(x, w_router, routing, sequences):
+    """The balance loss token by token, sum_e f_e P_e as DeepSeek-V3's Eq.
+    17-20 write it: f_e = E/(k*T) x expert e's picks and P_e the mean of its
+    affinity (the scores over their sum) over a run of T tokens; over all
+    the tokens, or per sequence (`sequences` runs) and then their mean."""
+    E = w_router.shape[-1]
+    flat = x.reshape(-1, x.shape[-1])
+    runs = np.split(np.arange(flat.shape[0]), sequences)
+    total = 0.0
+    for run_ in runs:
+        f, P = np.zeros(E), jnp.zeros(E)
+        for t in run_:
+            logits = flat[t] @ w_router
+            s = scores(np.asarray(jax.lax.stop_gradient(logits)), routing)
+            for e in choose(s, routing)[0]:
+                f[e] += E / (routing.k * len(run_))
+            a = scores(logits, routing, jnp)
+            P = P + a / a.sum() / len(run_)
+        total = total + jnp.sum(jnp.asarray(f) * P)
+    return total / sequences
+
+
+@pytest.mark.parametrize("routing", [SOFTMAX, moe.Routing(K, score="sigmoid", groups=2,
+                                                          group_top_k=1)],
+                         ids=["softmax", "sigmoid-groups"])
+@pytest.mark.parametrize("parts", [0, 1, 2], ids=["aux", "seq_aux", "seq_aux-2parts"])
+def test_the_balance_losses_equal_a_per_token_count_in_value_and_gradient(routing, parts):
+    """aux: one run of all G*T tokens; seq_aux: each group a sequence, or
+    (2 parts: cp's, SP's) each two groups one: the same loss as aux here,
+    G = 2."""
+    args = tuple(map(jnp.asarray, (X, W_ROUTER)))
+
+    def got(x, w):
+        logits = x @ w
+        _, experts_GTk, aff = moe.route(logits, routing)
+        return moe.balance_loss(aff, experts_GTk, parts=parts)
+
+    sequences = G // parts if parts else 1
+    want = lambda x, w: balance_reference(x, w, routing, sequences)
+    np.testing.assert_allclose(got(*args), want(*args), rtol=1e-5)
+    for g, w in zip(jax.grad(got, (0, 1))(*args), jax.grad(want, (0, 1))(*args)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+
+def test_the_balance_loss_is_one_at_a_random_router_as_transformers_two_at_top_two():
+    """transformers' `load_balancing_loss_func` is E * sum_e f_e P_e with f
+    per choice (k when balanced; its Mixtral test expects about 2 at top 2
+    from a random router): k times this one, which is 1 when balanced."""
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=(4, 1024, 8)).astype(np.float32))
+    _, experts_GTk, aff = moe.route(logits, moe.Routing(2))
+    loss = float(moe.balance_loss(aff, experts_GTk))
+    assert 2 * loss == pytest.approx(2.0, rel=0.05)
+    assert 2 * loss > 2.0  # (a random router is not exactly balanced)
 
 
 def test_capacity():
@@ -208,13 +332,15 @@ def moe_one_device(model, microbatches=1):
      {"ep": 4, "impl": "explicit"}),
     ("gpt2-dp2xep2xtp2-cf1-fsdp", dataclasses.replace(MOE, capacity_factor=1.0), 2, 2,
      {"ep": 2, "fsdp": True}),
-    ("gpt2-ep4xtp2-shard_map-scan", MOE, 1, 2, {"ep": 4, "impl": "shard_map",
-                                               "scan_layers": True, "remat": "minimal"}),
+    ("gpt2-ep4xtp2-shard_map-scan-seq_aux", dataclasses.replace(MOE, moe_balance="seq_aux"),
+     1, 2, {"ep": 4, "impl": "shard_map", "scan_layers": True, "remat": "minimal"}),
     ("llama-ep8-cf1.25", dataclasses.replace(MOE_LLAMA, n_experts=8, capacity_factor=1.25), 1, 1,
      {"ep": 8}),
-    # microbatches: the router losses per microbatch, so one device runs the same two
-    ("llama-dp2xep2xtp2-microbatches2-cf1", dataclasses.replace(MOE_LLAMA, capacity_factor=1.0),
-     2, 2, {"ep": 2, "microbatches": 2}),
+    # microbatches: the router losses per microbatch, so one device runs the same two;
+    # DeepSeek-V3's routing (sigmoid, group-limited, scaled), dropping the least weighted
+    ("llama-dp2xep2xtp2-microbatches2-cf1-sigmoid-groups-probs", dataclasses.replace(
+        MOE_LLAMA, capacity_factor=1.0, moe_score="sigmoid", moe_groups=2, moe_group_top_k=1,
+        moe_route_scale=2.5, moe_drop="probs"), 2, 2, {"ep": 2, "microbatches": 2}),
     ("gpt2-ep4xtp2-microbatches2-shard_map", MOE, 1, 2,
      {"ep": 4, "microbatches": 2, "impl": "shard_map"}),
     # a shared expert beside the routed ones (a dense MLP on the tp rule)
@@ -237,8 +363,9 @@ def moe_one_device(model, microbatches=1):
      {"ep": 2, "impl": "shard_map"}),
     # the dropless ragged path (at ep 1: XLA:CPU compiles no ragged all-to-all)
     ("gpt2-tp8-ragged", RAGGED, 1, 8, {}),
-    ("llama-dp2xtp4-shard_map-ragged", dataclasses.replace(MOE_LLAMA, moe_dispatch="ragged"), 2,
-     4, {"impl": "shard_map"}),
+    ("llama-dp2xtp4-shard_map-ragged-sigmoid", dataclasses.replace(
+        MOE_LLAMA, moe_dispatch="ragged", moe_score="sigmoid", moe_route_scale=2.5), 2, 4,
+     {"impl": "shard_map"}),
     ("llama-dp4xtp2-ragged-scan-minimal", dataclasses.replace(MOE_LLAMA, moe_dispatch="ragged"),
      4, 2, {"scan_layers": True, "remat": "minimal"}),
 ]])
@@ -260,7 +387,9 @@ def test_the_moe_model_in_every_layout_equals_one_device(name, model, dp, tp, kw
         ("gpt2-ep2xtp4-sp", MOE, 1, 2, 4, {"sp": True}),
         ("llama-dp2xep2xtp2-sp-shard_map", MOE_LLAMA, 2, 2, 2, {"sp": True,
                                                               "impl": "shard_map"}),
-        ("llama-cp2xep2xtp2", MOE_LLAMA, 1, 2, 2, {"cp": 2}),
+        # DeepSeek-V3's sequence-wise loss: each sequence's two parts summed
+        ("llama-cp2xep2xtp2-seq_aux", dataclasses.replace(MOE_LLAMA, moe_balance="seq_aux"),
+         1, 2, 2, {"cp": 2}),
         ("gpt2-cp2xep4-shard_map-scan-minimal", MOE, 1, 4, 1, {"cp": 2, "impl": "shard_map",
                                                               "scan_layers": True,
                                                               "remat": "minimal"}),
@@ -401,6 +530,17 @@ test_the_moe_pipeline_equals_one_device_and_holds_its_ledger.fast_cases = {
     ({"first_k_dense": 2}, "model.first_k_dense=2 leaves no MoE layer of model.n_layers=2"),
     ({"first_k_dense": 1, "n_layers": 4, "pp": 2, "microbatches": 2},
      "first_k_dense .* is not built for --pp yet"),
+    ({"moe_balance": "seq_aux", "pp": 2, "microbatches": 2, "cp": 2, "capacity_factor": 0.0},
+     "seq_aux' sums each sequence's parts, .* under --cp: not built yet"),
+    ({"moe_score": "tanh"}, "choose one of \\('softmax', 'sigmoid'\\)"),
+    ({"moe_groups": 3}, "model.moe_groups=3 must divide model.n_experts=4 .* \\[1, 2, 4\\]"),
+    ({"moe_groups": 2, "moe_group_top_k": 3}, "picks more groups than model.moe_groups=2"),
+    ({"moe_groups": 4, "moe_group_top_k": 1}, "moe_top_k=2 experts cannot come from "
+     "model.moe_group_top_k=1 groups of 1"),
+    ({"moe_groups": 4, "moe_group_top_k": 3, "moe_top_k": 2}, "lower moe_group_top_k"),
+    ({"moe_route_scale": 0.0}, "model.moe_route_scale=0.0 must be positive"),
+    ({"moe_drop": "probs"}, "model.capacity_factor=0 is dropless"),
+    ({"moe_drop": "random", "capacity_factor": 1.0}, "choose one of \\('position', 'probs'\\)"),
 ])
 def test_moe_refusals_name_the_fix(over, fix):
     kw = dict(over)
@@ -468,7 +608,8 @@ def test_the_shared_expert_adds_a_dense_mlp_every_token_takes(style):
     w = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(layer)))
     shared = mlp_reference(w["shared"], x, cfg)
     routed = reference(x, w["router"], w["experts"]["up"], w["experts"]["down"],
-                       cfg.moe_top_k, cfg.seq_len, act="tanh" if style == "gpt2" else "swiglu")
+                       moe.Routing.of(cfg), cfg.seq_len,
+                       act="tanh" if style == "gpt2" else "swiglu")
     np.testing.assert_allclose(y, routed + shared, rtol=1e-5, atol=1e-6)
     assert np.abs(shared).max() > 0.1 * np.abs(routed).max()  # (it matters)
 
