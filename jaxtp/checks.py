@@ -176,11 +176,11 @@ _SIZES = {"model": ("vocab_size", "vocab_multiple", "n_layers", "d_model", "n_he
           "parallel": ("pp", "pp_repeats", "dp", "ep", "tp", "cp")}
 # (moe_top_k: 1 to n_experts with experts, `_check_moe`; any count without)
 _COUNTS = {"model": ("n_kv_heads", "d_head", "loss_chunk", "n_experts", "moe_top_k",
-                     "moe_d_ff", "moe_shared_d_ff", "first_k_dense", "moe_group_top_k"),
+                     "moe_d_ff", "moe_shared_d_ff", "moe_first_dense", "moe_group_top_k"),
            "train": ("warmup_steps", "checkpoint_every", "sample_every")}
 _POSITIVE = {"model": ("ln_eps", "rope_theta", "init_std", "moe_route_scale"),
              "train": ("lr",)}
-_FINITE = {"model": ("capacity_factor", "moe_balance_coef", "moe_z_coef",
+_FINITE = {"model": ("capacity_factor", "moe_balance_coef", "moe_bias_rate", "moe_z_coef",
                      "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor"),
            "train": ("weight_decay", "grad_clip", "spike_factor", "checkpoint_minutes")}
 _WHAT_ZERO = {"model.n_kv_heads": "0: n_heads", "model.d_head": "0: d_model // n_heads",

@@ -64,18 +64,15 @@ class ModelConfig:
     use_bias: bool = True
     ln_eps: float = 1e-5
     rope_theta: float = 10000.0
-    # Llama 3.1 "llama3" rotary scaling (0: none): long wavelengths are divided
-    # by the factor, short ones kept, the band between interpolated.
+    # Llama 3.1 "llama3" rotary scaling (0: none): long wavelengths / factor, short kept
     rope_scaling_factor: float = 0.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
     init_std: float = 0.02
-    # the block stack as one scan over parameters stacked on a leading layer
-    # axis: compile time does not grow with depth
+    # the block stack as one scan over layer-stacked parameters (compile time flat in depth)
     scan_layers: bool = False
-    # what each block keeps for the backward pass (jaxtp.model.REMAT_POLICIES):
-    # none | full | dots | minimal
+    # what each block keeps for the backward pass: none | full | dots | minimal
     remat: str = resumable("none")
     # attention kernel (jaxtp.model.kernels): auto | xla | blockwise | cudnn; auto
     # picks cudnn on NVIDIA GPUs in bf16/fp16, else blockwise for long sequences
@@ -114,7 +111,7 @@ class ModelConfig:
     moe_every: int = 1
     # layers 0..k-1 dense MLPs of d_ff, the MoE pattern (`moe_every`) from layer
     # k on (DeepSeek-V3's first_k_dense_replace = 3; MaxText's first_num_dense_layers)
-    first_k_dense: int = 0
+    moe_first_dense: int = 0
     # slots per expert: ceil(capacity_factor * tokens * k / E) per sequence; 0: dropless
     capacity_factor: float = 0.0
     # how tokens reach their experts: "dense" one-hot dispatch into
@@ -123,10 +120,13 @@ class ModelConfig:
     # jax.lax.ragged_dot (capacity_factor 0; at ep > 1 GPUs and TPUs only:
     # XLA:CPU does not compile ragged-all-to-all, jax-ml/jax#34755)
     moe_dispatch: str = "dense"
-    # the load-balancing loss, times moe_balance_coef, added to the loss: over the
-    # microbatch's tokens ("aux", Switch's) or per sequence ("seq_aux", DeepSeek-V3's)
+    # balance: the loss (times moe_balance_coef) over the microbatch's tokens ("aux",
+    # Switch's) or per sequence ("seq_aux", DeepSeek-V3's); "bias": no loss, a bias
+    # on each expert's score for the choice, moved moe_bias_rate a step toward the
+    # mean load (DeepSeek-V3's auxiliary-loss-free balance); "bias+seq_aux": both
     moe_balance: str = "aux"
     moe_balance_coef: float = 0.01
+    moe_bias_rate: float = 0.001
     moe_z_coef: float = 0.001  # ST-MoE's router z-loss, added to the loss
 
     @property
@@ -143,8 +143,8 @@ class ModelConfig:
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i (from 0) is a mixture of experts (`moe_every`,
-        after the `first_k_dense`)."""
-        k = self.first_k_dense
+        after the `moe_first_dense`)."""
+        k = self.moe_first_dense
         return self.n_experts > 0 and i >= k and (i - k + 1) % self.moe_every == 0
 
     @property
@@ -162,9 +162,9 @@ class ModelConfig:
     @property
     def stacked_layers(self) -> int:
         """The layers a scanned or pipelined stack holds: all but the leading
-        dense run (`first_k_dense`, a mixture of experts'), which runs before
+        dense run (`moe_first_dense`, a mixture of experts'), which runs before
         it, unstacked."""
-        return self.n_layers - (self.first_k_dense if self.n_experts > 0 else 0)
+        return self.n_layers - (self.moe_first_dense if self.n_experts > 0 else 0)
 
     @property
     def padded_vocab(self) -> int:

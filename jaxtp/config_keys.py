@@ -12,9 +12,14 @@ from typing import Any
 from .checks import ConfigError
 
 
+# keys a stored config may still hold under an earlier name: {old: new}
+RENAMED = {"model": {"first_k_dense": "moe_first_dense"}}
+
+
 def section_from_dict(sub_cls, d, name):
     if not isinstance(d, dict):
         raise ConfigError(f"config section '{name}' must be an object, got {d!r}")
+    d = {RENAMED.get(name, {}).get(k, k): v for k, v in d.items()}
     fields = {f.name: f for f in dataclasses.fields(sub_cls)}
     unknown = sorted(set(d) - set(fields))
     if unknown:

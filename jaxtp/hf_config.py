@@ -43,9 +43,11 @@ def family(cfg: ModelConfig) -> str:
                          f"experts has model.moe_shared_d_ff={cfg.moe_shared_d_ff}")
     routing = {"moe_score": "softmax", "moe_group_top_k": 0, "moe_route_scale": 1.0}
     odd = [f"model.{k}={getattr(cfg, k)!r}" for k, v in routing.items() if getattr(cfg, k) != v]
+    if cfg.moe_balance.startswith("bias"):
+        odd.append(f"model.moe_balance={cfg.moe_balance!r} (a bias on the choice)")
     if odd:
         raise ValueError("Mixtral and Qwen3-MoE route by a softmax over every expert, "
-                         f"unscaled; this mixture of experts has {', '.join(odd)}")
+                         f"unscaled and unbiased; this mixture of experts has {', '.join(odd)}")
     if cfg.qk_norm:
         return "qwen3_moe"
     if cfg.moe_every > 1:

@@ -10,13 +10,14 @@ MOE_DISPATCHES = ("dense", "ragged")
 # the router's scores, and what goes past an expert's capacity (`moe.Routing`)
 MOE_SCORES = ("softmax", "sigmoid")
 MOE_DROPS = ("position", "probs")
-# the balance loss: over a microbatch's tokens, or per sequence (`moe.balance_loss`)
-MOE_BALANCES = ("aux", "seq_aux")
+# the balance loss over a microbatch's tokens or per sequence (`routing.balance_loss`),
+# or the loss-free bias (`routing.counted`, `jaxtp.train.optim.loss_free_bias`)
+MOE_BALANCES = ("aux", "seq_aux", "bias", "bias+seq_aux")
 # the keys that act only with a mixture of experts (model.n_experts > 0)
 MOE_KEYS = ("moe_top_k", "moe_d_ff", "moe_norm_topk", "moe_score", "moe_groups",
             "moe_group_top_k", "moe_route_scale", "moe_drop", "moe_shared_d_ff", "moe_every",
-            "first_k_dense", "capacity_factor", "moe_dispatch", "moe_balance",
-            "moe_balance_coef", "moe_z_coef")
+            "moe_first_dense", "capacity_factor", "moe_dispatch", "moe_balance",
+            "moe_balance_coef", "moe_bias_rate", "moe_z_coef")
 
 
 def routing_error(m) -> str | None:
@@ -46,8 +47,14 @@ def routing_error(m) -> str | None:
 
 
 def balance_error(m, p) -> str | None:
-    """What the balance loss (`model.moe_balance`) is not built with yet."""
-    if m.moe_balance == "seq_aux" and p.pp > 1 and (p.cp > 1 or p.sp):
+    """What the balance (`model.moe_balance`) needs, and is not built with yet."""
+    if m.moe_balance.startswith("bias") and not m.moe_bias_rate:
+        return (f"model.moe_balance={m.moe_balance!r} moves a bias by model.moe_bias_rate a "
+                "step, and 0 never moves it: set it (DeepSeek-V3: 0.001), or use aux")
+    if m.moe_balance == "bias+seq_aux" and not m.moe_balance_coef:
+        return ("model.moe_balance='bias+seq_aux' adds the sequence-wise loss times "
+                "model.moe_balance_coef, which is 0: set it (DeepSeek-V3: 0.0001), or use bias")
+    if m.moe_balance.endswith("seq_aux") and p.pp > 1 and (p.cp > 1 or p.sp):
         return ("model.moe_balance='seq_aux' sums each sequence's parts, and a pipeline's "
                 f"stage holds one part of each under {'--cp' if p.cp > 1 else '--sp'}: not "
                 "built yet; use model.moe_balance=aux there")
@@ -55,17 +62,17 @@ def balance_error(m, p) -> str | None:
 
 
 def layers_error(m, pp: int) -> str | None:
-    """Which layers are MoE (`moe_every`, `first_k_dense`), and what a
+    """Which layers are MoE (`moe_every`, `moe_first_dense`), and what a
     scanned or pipelined stack of them needs."""
     if m.moe_dispatch == "ragged" and m.capacity_factor:
         return (f"model.moe_dispatch='ragged' is dropless, and model.capacity_factor="
                 f"{m.capacity_factor} drops: set model.capacity_factor=0, or "
                 "model.moe_dispatch=dense")
-    if m.first_k_dense >= m.n_layers:
-        return (f"model.first_k_dense={m.first_k_dense} leaves no MoE layer of "
+    if m.moe_first_dense >= m.n_layers:
+        return (f"model.moe_first_dense={m.moe_first_dense} leaves no MoE layer of "
                 f"model.n_layers={m.n_layers}: set it below n_layers")
-    if m.first_k_dense and pp > 1:
-        return ("model.first_k_dense (a leading run of dense layers) is not built for --pp "
+    if m.moe_first_dense and pp > 1:
+        return ("model.moe_first_dense (a leading run of dense layers) is not built for --pp "
                 "yet: its layers would run before the stages")
     if not 1 <= m.moe_every <= m.stacked_layers:
         return (f"model.moe_every={m.moe_every} must be between 1 (every layer a mixture of "
@@ -75,7 +82,7 @@ def layers_error(m, pp: int) -> str | None:
                 "built with model.moe_shared_d_ff (a shared expert where only some layers "
                 "are MoE)")
     if m.stacked_layers % m.moe_every and (m.scan_layers or pp > 1):
-        lead = f" after model.first_k_dense={m.first_k_dense}" if m.first_k_dense else ""
+        lead = f" after model.moe_first_dense={m.moe_first_dense}" if m.moe_first_dense else ""
         return (f"a {'pipelined' if pp > 1 else 'scanned'} stack repeats groups of "
                 f"model.moe_every={m.moe_every} layers (dense, then MoE), and the "
                 f"{m.stacked_layers} layers{lead} are not a multiple of it: set "

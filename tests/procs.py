@@ -1,10 +1,13 @@
-"""The environment of the processes tests start (train.py, multi-process workers)."""
+"""The environment of the processes tests start (train.py, multi-process workers),
+and what a test reads of a run they made (its metrics, its checkpoint)."""
 
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
 
 
 def child_env(drop=()) -> dict[str, str]:
@@ -35,3 +38,34 @@ def train_py(*args, env=None, timeout=300, **kw) -> subprocess.CompletedProcess:
 def rows(out: Path) -> list[dict]:
     """A run's metrics.jsonl rows."""
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def logged(out: Path):
+    """Everything logged except timings."""
+    return [{k: v for k, v in r.items() if k in ("step", "loss", "grad_norm", "lr",
+                                                 "eval_loss", "skipped")} for r in rows(out)]
+
+
+def final_params(out: Path, step: int, cfg=None) -> dict:
+    """The parameters and Adam state of a run's checkpoint, on one device
+    (`cfg`: the run's, default tiny's with SMALL)."""
+    import dataclasses
+
+    from jax.tree_util import keystr, tree_flatten_with_path
+
+    from jaxtp.train.checkpoint import Checkpointer
+    from jaxtp.config import apply_overrides, load_config
+    from jaxtp.parallel import make_mesh
+    from jaxtp.train.state import abstract_train_state
+
+    cfg = apply_overrides(load_config("tiny"), SMALL) if cfg is None else dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, dp=1, ep=1, tp=1))
+    target = abstract_train_state(cfg, make_mesh(1, 1))
+    ckpt = Checkpointer(out / "checkpoints", log=lambda s: None)
+    try:
+        got, params, opt, _ = ckpt.restore(target.params, target.opt_state,
+                                           model=dataclasses.asdict(cfg.model), step=step)
+    finally:
+        ckpt.close()
+    assert got == step
+    return {keystr(k): np.asarray(v) for k, v in tree_flatten_with_path((params, opt))[0]}

@@ -376,3 +376,13 @@ def test_a_float64_model_is_refused_without_jax_64_bit_types():
     with pytest.raises(ValueError, match=r"needs JAX's 64-bit types: call jax.config.update\("
                        r"'jax_enable_x64', True\) .*\(train.py does it for --float64\)"):
         abstract_model(cfg, make_mesh(1, 1))
+
+
+def test_a_stored_config_with_a_renamed_key_loads_under_its_new_name():
+    """A run saved before model.first_k_dense became model.moe_first_dense
+    resumes with its value; on a command line the old name is unknown and
+    the error offers the new one."""
+    cfg = Config.from_dict({"model": {"first_k_dense": 1, "n_experts": 4, "n_layers": 3}})
+    assert cfg.model.moe_first_dense == 1
+    with pytest.raises(ConfigError, match="did you mean model.moe_first_dense"):
+        apply_overrides(load_config("moe-tiny"), ["model.first_k_dense=1"])

@@ -577,8 +577,12 @@ def test_moe_configs_jaxtp_cannot_run_are_refused(tmp_path):
         save_hf(model, tmp_path / "out")
     model.cfg = dataclasses.replace(model.cfg, moe_shared_d_ff=0, moe_score="sigmoid",
                                     moe_route_scale=2.5)
-    with pytest.raises(ValueError, match="softmax over every expert, unscaled; .* "
-                       "model.moe_score='sigmoid', model.moe_route_scale=2.5"):
+    with pytest.raises(ValueError, match="softmax over every expert, unscaled and unbiased; "
+                       ".* model.moe_score='sigmoid', model.moe_route_scale=2.5"):
+        save_hf(model, tmp_path / "out")
+    model.cfg = dataclasses.replace(model.cfg, moe_score="softmax", moe_route_scale=1.0,
+                                    moe_balance="bias")
+    with pytest.raises(ValueError, match="model.moe_balance='bias' \\(a bias on the choice\\)"):
         save_hf(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

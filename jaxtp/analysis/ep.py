@@ -29,6 +29,7 @@ from typing import Callable
 from ..config import Config
 from ..model.moe import LOSSES, capacity
 from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS
+from .grads import counts_local
 from .rows import (ANY_SCOPE, HLO_DTYPES, Expected, microbatch_rows, on, reduces_once, runs_head,
                    schedule_of)
 
@@ -197,8 +198,8 @@ def _statistics_rows(cfg: Config, E: Callable) -> list[Expected]:
     maker)."""
     m, p, own = cfg.model, cfg.parallel, []
     routed = on(cfg, DATA_AXIS, EP_AXIS, CP_AXIS, *(TP_AXIS,) * p.sequence_parallel)
-    if routed and m.moe_balance == "seq_aux":
-        return _sequence_rows(cfg, E, routed)
+    if routed and m.moe_balance != "aux":
+        return _sequence_rows(cfg, E, routed) + _bias_rows(cfg, E, routed)
     if routed:
         n = math.prod(p.degrees[a] for a in routed)
         # (in any scope: XLA combines these small sums, and the layers' sum
@@ -240,20 +241,22 @@ def _sequence_rows(cfg: Config, E: Callable, routed: tuple) -> list[Expected]:
     p, within = cfg.parallel, tuple(a for a in routed if a in (CP_AXIS, TP_AXIS))
     size = lambda axes: math.prod(p.degrees[a] for a in axes)
     batch = tuple(a for a in routed if a not in within)
+    seq = cfg.model.moe_balance.endswith("seq_aux")  # (else "bias" alone: the z-loss's)
     own = [E("router statistics: the z-loss's mean", "all-reduce", "forward", 1, 1,
              size(routed), routed, "f32", written=False, scope=ANY_SCOPE)]
-    if batch:
+    if seq and batch:
         own.append(E("seq_aux: the balance loss's mean over the sequences", "all-reduce",
                      "forward", 1, 1, size(batch), batch, "f32", written=False,
                      scope=ANY_SCOPE))
-    if within:
+    if within and seq:
         rows = cfg.train.batch_size // cfg.train.microbatches // (p.dp * p.ep)
         own += [E(f"seq_aux: each sequence's {x} summed over its parts", "all-reduce",
                   "forward", rows * cfg.model.n_experts, 1, size(within), within, "f32",
                   written=False, scope=ANY_SCOPE) for x in ("f", "P")]
     if reduces_once(cfg):  # (dp manual in the slices: the two means' psums transposed,
         # as aux's z-loss's: the same value in every layer, so once a microbatch but
-        # under a remat, in each layer; measured as `_statistics_rows` says)
+        # under a remat, in each layer; measured as `_statistics_rows` says; the balance
+        # loss's and the bias's carrier's, of one cotangent, are one transpose)
         remat = cfg.model.remat != "none"
         own += [E(f"dp manual in the slices: the {x}'s mean transposed", "all-reduce",
                   "backward", 1, 1, size(routed), routed, "f32", written=False,
@@ -261,6 +264,23 @@ def _sequence_rows(cfg: Config, E: Callable, routed: tuple) -> list[Expected]:
                                                          "role": "moe_z_transposed"}))
                 for x in ("z-loss", "balance loss")]
     return own
+
+
+def _bias_rows(cfg: Config, E: Callable, routed: tuple) -> list[Expected]:
+    """The loss-free balance's counts (`jaxtp.model.routing.counted`), per MoE
+    layer and microbatch: summed over the axes that split the tokens in the
+    forward (GSPMD sums them where the bias's gradient reads them, so the
+    bias's gradient is summed nowhere without a remat: `jaxtp.analysis.grads`),
+    or where they are each rank's own (`counts_local`) a scalar."""
+    if not cfg.model.moe_balance.startswith("bias"):
+        return []
+    n = math.prod(cfg.parallel.degrees[a] for a in routed)
+    if counts_local(cfg):  # (the counts' 0 averaged, `moe.moe`; its gradient local)
+        return [E("bias: the counts' carrier (0) averaged over the tokens", "all-reduce",
+                  "forward", 1, 1, n, routed, "f32", written=False, scope=ANY_SCOPE)]
+    return [E("bias: each expert's count of assignments (the bias's step) over the tokens",
+              "all-reduce", "forward", cfg.model.n_experts, 1, n, routed, "f32",
+              written=False, scope=ANY_SCOPE)]
 
 
 def _sp_rows(cfg: Config, impl: str, E: Callable, n: int) -> list[Expected]:

@@ -102,6 +102,9 @@ def _grads(cfg: Config, impl: str) -> list[_Grad]:
                                           m.seq_len // p.cp)[0]
     out = []
     for s in param_shards(cfg):
+        bias = s.path.endswith("/mlp/router_bias")
+        if bias and m.remat == "none" and not counts_local(cfg):  # (its counts summed
+            continue  # in the forward, `ep`; a remat recounts them, summed as a gradient)
         # (a pipeline's stage is manual over cp: its weights' cp part is summed
         # once a step, with the stage's, `_pipelined`)
         seq = (CP_AXIS,) * (p.cp > 1 and not in_pipeline(cfg, s.path, s.in_stack))
@@ -116,13 +119,21 @@ def _grads(cfg: Config, impl: str) -> list[_Grad]:
         dp_elements = s.elements
         if s.path == "wpe/embedding" and not once:
             dp_elements = m.seq_len // (p.cp * (p.tp if sp else 1)) * m.d_model
-        expert, router = "/mlp/experts/" in s.path, s.path.endswith("/mlp/router")
+        expert, router = "/mlp/experts/" in s.path, bias or s.path.endswith("/mlp/router")
         keyed = not router and (TP_AXIS in seq or _sp_kv(cfg, impl, s) or (
             s.path == "wpe/embedding" and impl == "explicit" and p.cp > 1))
         out.append(_Grad(s, sums, seq, impl == "shard_map" and bool(s.region), dp_elements,
                          keyed, part_dtypes(cfg, impl, s.path, sums), uses,
                          on(cfg, DATA_AXIS, *(EP_AXIS,) * (not expert)), expert, router))
     return out
+
+
+def counts_local(cfg: Config) -> bool:
+    """Whether the MoE layers run manual over the axes that split the tokens
+    (a pipeline's stages, slices reduced once over dp): there each rank's
+    bias gradient holds its own counts, summed with the other gradients;
+    elsewhere GSPMD sums the counts in the forward."""
+    return cfg.parallel.pp > 1 or reduces_once(cfg)
 
 
 def _whole_over_tp(cfg: Config, impl: str, s: ParamShard) -> bool:

@@ -46,7 +46,7 @@ def param_shards(cfg: Config) -> list[ParamShard]:
     # (flax reads each initial value's sharding, and under eval_shape JAX
     # builds an error message from the whole trace for each)
     L = cfg.model.n_layers
-    # (the leading dense run, `first_k_dense`, whole: it is no stack)
+    # (the leading dense run, `moe_first_dense`, whole: it is no stack)
     S, lead = cfg.model.stacked_layers, L - cfg.model.stacked_layers
     L0 = schedule.stages * schedule.repeats * schedule.period if schedule.stacked else S
     model = dataclasses.replace(cfg.model, attention="xla", n_layers=lead + L0)  # shapes only
@@ -88,6 +88,8 @@ def part_dtypes(cfg: Config, impl: str, path: str, sums: int) -> tuple[str, ...]
     rows of those sums say so.)"""
     m = cfg.model
     pd, cd = HLO_DTYPES[m.param_dtype], HLO_DTYPES[m.dtype]
+    if path.endswith("/router_bias"):  # (kept wide, `jaxtp.model.moe.MoE`)
+        return ("f64" if "float64" in (m.param_dtype, m.dtype) else "f32",) * sums
     if pd == cd:
         return (pd,) * sums
     module = path.split("/")[-2]

@@ -23,10 +23,11 @@ from ..parallel.ep import Slots, over_tokens
 from ..parallel.ep import ragged as ragged_rows
 from .layers import gelu, init_std_out, param, weight
 from .mlp import MLP
-from .routing import Routing, balance_loss, combine, dispatch, load, route, z_loss
+from .routing import Routing, balance_loss, combine, counted, dispatch, load, route, z_loss
 
-__all__ = ["LOSSES", "STATS", "MoE", "Experts", "Routing", "balance_loss", "capacity", "combine",
-           "dispatch", "load", "moe", "n_stats", "route", "z_loss"]
+__all__ = ["LOSSES", "STATS", "MoE", "Experts", "Routing", "balance_loss", "balance_weight",
+           "capacity", "combine", "counted", "dispatch", "load", "moe", "n_stats", "route",
+           "z_loss"]
 
 # the router statistics a MoE layer returns: the two losses; monitored
 # (`moe(monitor=True)`), the dropped share too, then the share of its
@@ -40,10 +41,17 @@ def n_stats(E: int, monitor: bool) -> int:
     return len(STATS) + E if monitor else len(LOSSES)
 
 
+def balance_weight(cfg: ModelConfig) -> float:
+    """The loss's weight on a MoE layer's first statistic: the balance loss's
+    coefficient, or under "bias" alone 1 (the statistic is then `counted`'s
+    0, there for its gradient)."""
+    return 1.0 if cfg.moe_balance == "bias" else cfg.moe_balance_coef
+
+
 def moe(x_GTD, logits_GTE, experts: Callable, *, routing: Routing, factor: float,
-        parts: int = 0, place: Callable = lambda x, to_experts: x,
-        pin: Callable = lambda x: x, monitor: bool = False, ragged: Callable | None = None,
-        mean: Callable = lambda x: x):
+        balance: str = "aux", parts: int = 0, bias_E=None,
+        place: Callable = lambda x, to_experts: x, pin: Callable = lambda x: x,
+        monitor: bool = False, ragged: Callable | None = None, mean: Callable = lambda x, **_: x):
     """(y [G, T, D], stats: balance loss, z-loss, and where `monitor` the
     dropped share and the experts' loads [E] (`n_stats`)): each token
     through its kept top-k experts (`routing`, `route`), weighted;
@@ -54,12 +62,14 @@ def moe(x_GTD, logits_GTE, experts: Callable, *, routing: Routing, factor: float
     (else the partitioner may gather the routing over ep to meet the
     experts' split). `ragged(x_GTD, experts_GTk, weights_GTk)`, where given,
     is the dropless ragged path instead (`jaxtp.parallel.ep.ragged`): no
-    slots, `factor` must be 0. `mean`: the statistics' means over the tokens
-    of every rank (`over_tokens`); `parts`: the balance loss's (`balance_loss`)."""
+    slots, `factor` must be 0. `mean(a, reduce=lax.pmean)`: the statistics'
+    means over the tokens of every rank (`over_tokens`). `balance`: the balance loss's reach
+    (`parts`, `balance_loss`), or "bias": none; `bias_E`, where given, moves
+    the choice (`route`) and carries the counts to its gradient (`counted`)."""
     G, T, D = x_GTD.shape
     E = logits_GTE.shape[-1]
     C = capacity(T, routing.k, E, factor)
-    weights_GTk, experts_GTk, probs_GTE = map(pin, route(pin(logits_GTE), routing))
+    weights_GTk, experts_GTk, probs_GTE = map(pin, route(pin(logits_GTE), routing, bias_E))
     if ragged is not None:
         if factor:
             raise ValueError(f"the ragged dispatch is dropless: capacity_factor={factor}, "
@@ -72,8 +82,13 @@ def moe(x_GTD, logits_GTE, experts: Callable, *, routing: Routing, factor: float
         x_EGCD = jnp.einsum("GTEC,GTD->EGCD", d_GTEC.astype(x_GTD.dtype), x_GTD)
         y_EGCD = place(experts(place(x_EGCD, True)), False)
         y_GTD = jnp.einsum("GTEC,EGCD->GTD", c_GTEC.astype(y_EGCD.dtype), y_EGCD)
-    losses = jnp.stack([balance_loss(probs_GTE, experts_GTk, mean, parts),
-                        z_loss(logits_GTE, mean)])
+    balanced = balance_loss(probs_GTE, experts_GTk, mean, parts) if balance != "bias" else \
+        jnp.zeros((), probs_GTE.dtype)
+    if bias_E is not None:  # (its value 0: the loss and its logged value unchanged)
+        # (summed where manual: each rank's gradient its own counts, summed as a weight's)
+        balanced = balanced + mean(counted(bias_E.astype(balanced.dtype), experts_GTk),
+                                   reduce=jax.lax.psum)
+    losses = jnp.stack([balanced, z_loss(logits_GTE, mean)])
     if not monitor:  # (training: only what the loss reads, so the step computes no more)
         return y_GTD.astype(x_GTD.dtype), losses
     dropped = 1.0 - mean(jnp.mean(jnp.asarray(kept_GTk, losses.dtype)))
@@ -189,7 +204,13 @@ class MoE(nnx.Module):
         self.ragged = cfg.moe_dispatch == "ragged"
         self.layout, self.slots = layout, self.experts.slots
         self.splits = layout.cp * (layout.tp if layout.sp else 1)  # groups per sequence
-        self.parts = self.splits if cfg.moe_balance == "seq_aux" else 0
+        self.balance = cfg.moe_balance.replace("bias+", "")  # (the loss's part)
+        self.parts = self.splits if self.balance == "seq_aux" else 0
+        # the loss-free balance's bias [E] (DeepSeek-V3 Eq. 16): a parameter the
+        # optimizer moves by the sign of each expert's load (`jaxtp.train.optim`)
+        self.router_bias = param(None, jnp.zeros, (cfg.n_experts,), (None,),
+                                 wide(cfg.param_dtype), layout) \
+            if cfg.moe_balance.startswith("bias") else None
         self.tag = "mlp_out"
         self.monitor = False  # also the dropped share and the loads (`moe`)
 
@@ -203,7 +224,8 @@ class MoE(nnx.Module):
             logits_GSE = jnp.einsum("GSD,DE->GSE", x_GSD.astype(wide(x_GSD)),
                                     weight(self.router, wide(x_GSD)))
             y_GSD, stats = moe(x_GSD, logits_GSE, self.experts, routing=self.routing,
-                               factor=self.factor, parts=self.parts,
+                               factor=self.factor, balance=self.balance, parts=self.parts,
+                               bias_E=None if self.router_bias is None else self.router_bias[...],
                                place=functools.partial(parallel.place_slots, self),
                                pin=functools.partial(_pin_groups, slots=self.slots),
                                monitor=self.monitor,

@@ -178,6 +178,17 @@ def balance_loss(probs_GTE, experts_GTk, mean: Callable = lambda x: x,
     return E / k * jnp.sum(f_E * P_E)
 
 
+def counted(bias_E, experts_GTk) -> jax.Array:
+    """0, whose gradient with respect to `bias_E` is the number of this
+    group's assignments to each expert [E]: the step's gradient reduction
+    sums a layer's counts over its microbatches and ranks into the bias's
+    gradient, from which the optimizer moves it (`jaxtp.train.optim`)."""
+    E = bias_E.shape[-1]
+    counts_E = jax.lax.stop_gradient(jnp.sum(jax.nn.one_hot(experts_GTk, E, dtype=bias_E.dtype),
+                                             (0, 1, 2)))
+    return jnp.sum(counts_E * (bias_E - jax.lax.stop_gradient(bias_E)))
+
+
 def z_loss(logits_GTE, mean: Callable = lambda x: x) -> jax.Array:
     """ST-MoE's router z-loss: mean over tokens of logsumexp(logits)^2."""
     return mean(jnp.mean(jax.nn.logsumexp(logits_GTE.astype(wide(logits_GTE)), axis=-1) ** 2))

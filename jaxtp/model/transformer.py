@@ -21,7 +21,7 @@ from ..parallel.stack import stack, stack_loss
 from .attention import Attention
 from .layers import Embed, dropout, make_norm
 from .mlp import MLP
-from .moe import MoE, n_stats
+from .moe import MoE, balance_weight, n_stats
 from .vocab import VocabEmbed
 
 
@@ -134,7 +134,7 @@ class Transformer(nnx.Module):
             raise ValueError("a pipelined layout (pp > 1) needs its Schedule: build the model "
                              "with jaxtp.model.build_model, or pass schedule=Schedule.of(cfg, "
                              "layout)")
-        # (a leading run of dense layers, `first_k_dense`: a list before the stack)
+        # (a leading run of dense layers, `moe_first_dense`: a list before the stack)
         lead = cfg.n_layers - cfg.stacked_layers
         schedule = schedule or Schedule(layers=cfg.n_layers, scan=cfg.scan_layers,
                                         period=cfg.layer_group, lead=lead)
@@ -274,7 +274,7 @@ class Transformer(nnx.Module):
             n = n_stats(self.cfg.n_experts, self.monitor) if self.cfg.n_experts else 0
             weights = np.zeros(n, wide(self.cfg.dtype))
             if n:
-                weights[:2] = self.cfg.moe_balance_coef, self.cfg.moe_z_coef
+                weights[:2] = balance_weight(self.cfg), self.cfg.moe_z_coef
             return stack_loss(
                 self.schedule, self.layout, self._layer(), self.blocks,
                 lambda mods, y, t: mods[1].token_losses(mods[0](y), t).sum(),
@@ -285,7 +285,7 @@ class Transformer(nnx.Module):
         if not self.cfg.n_experts:
             return loss
         # the router losses, summed over the MoE layers (`jaxtp.model.moe`)
-        return loss + self.cfg.moe_balance_coef * stats[0] + self.cfg.moe_z_coef * stats[1]
+        return loss + balance_weight(self.cfg) * stats[0] + self.cfg.moe_z_coef * stats[1]
 
 
 def _stacked(blocks: list[Block], cfg: ModelConfig, layout: Layout, schedule: Schedule):

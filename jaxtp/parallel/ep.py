@@ -77,13 +77,14 @@ class Slots:
         return ("expert", "sp_expert_batch" if self.sp else "expert_batch", None, "embed")
 
 
-def over_tokens(x, sp: bool = False):
-    """A rank's mean over its tokens -> the mean over every rank's, where the
-    code runs manual over axes that split the tokens (a pipeline's stage:
-    dp, cp, and under impl shard_map ep, and tp under SP); elsewhere x."""
+def over_tokens(x, sp: bool = False, reduce=lax.pmean):
+    """A rank's mean over its tokens -> the mean over every rank's (`reduce`
+    lax.psum: a sum -> the sum), where the code runs manual over axes that
+    split the tokens (a pipeline's stage: dp, cp, and under impl shard_map
+    ep, and tp under SP); elsewhere x."""
     axes = {DATA_AXIS, EP_AXIS, CP_AXIS} | ({TP_AXIS} if sp else set())
     manual = tuple(a for a in AXES if a in axes and a in manual_axes())
-    return lax.pmean(x, manual) if manual else x
+    return reduce(x, manual) if manual else x
 
 
 def placed(x_EGCD, to_experts: bool, slots: Slots, sent: bool = True):

@@ -56,7 +56,7 @@ class Schedule:
     # the layers of the stack's unit (`model.layer_group`): a stacked
     # parameter's leading axis runs over the units, (L - lead)/period of them
     period: int = 1
-    lead: int = 0  # the layers before the stack (`model.first_k_dense`)
+    lead: int = 0  # the layers before the stack (`model.moe_first_dense`)
 
     def __post_init__(self):
         if self.mode not in MODES:

@@ -47,25 +47,68 @@ def lr_schedule(t: TrainConfig, dtype=np.float32) -> optax.Schedule:
 def _decays(path, _) -> bool:
     """Weight decay applies to matrices (kernels, embedding tables), not to
     norm scales or biases, whatever their rank (a q bias is [N, H])."""
-    names = [k.key for k in path if hasattr(k, "key")]
-    return names[-1] in ("kernel", "embedding")
+    return _names(path)[-1] in ("kernel", "embedding")
 
 
-def make_optimizer(t: TrainConfig, dtype=np.float32) -> optax.GradientTransformation:
-    """AdamW (Loshchilov & Hutter 2019) with the schedule above (in `dtype`).
+def _names(path) -> list:
+    return [k.key for k in path if hasattr(k, "key")]
+
+
+def is_bias(path, _=None) -> bool:
+    """Whether a parameter is a MoE layer's loss-free balance bias
+    (`jaxtp.model.moe.MoE.router_bias`), which no gradient trains."""
+    return "router_bias" in _names(path)
+
+
+def without_bias(grads):
+    """`grads` with the biases' (their layers' expert counts, `routing.counted`)
+    zero: what the gradient norm and its clipping read."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, g: jnp.zeros_like(g) if is_bias(path) else g, grads)
+
+
+def loss_free_bias(counts):
+    """The auxiliary-loss-free balance's update of a layer's bias, per unit
+    `rate` (DeepSeek-V3, arXiv 2412.19437 Sec. 2.1.2): up where its expert's
+    load is below the layer's mean, down where above, from that step's counts
+    [..., E] (the bias's "gradient", summed over microbatches and ranks);
+    then re-centred to zero mean per layer as torchtitan does (its PR 1506),
+    which moves no choice (a layer's every score shifts alike, and so every
+    group's sum)."""
+    u = jnp.sign(counts.mean(-1, keepdims=True) - counts)
+    return u - u.mean(-1, keepdims=True)
+
+
+def make_optimizer(t: TrainConfig, dtype=np.float32,
+                   bias_rate: float = 0.0) -> optax.GradientTransformation:
+    """AdamW (Loshchilov & Hutter 2019) with the schedule above (in `dtype`);
+    where `bias_rate`, each MoE bias moved by `bias_rate * loss_free_bias`
+    instead (AdamW's state keeps its slot, so the state's layout is AdamW's).
     Clipping is in the step."""
     decay_mask = lambda params: jax.tree_util.tree_map_with_path(_decays, params)
-    return optax.adamw(lr_schedule(t, dtype), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
-                       mask=decay_mask)
+    adamw = optax.adamw(lr_schedule(t, dtype), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
+                        mask=decay_mask)
+    if not bias_rate:
+        return adamw
+
+    def update(grads, state, params=None):
+        updates, state = adamw.update(grads, state, params)
+        return jax.tree_util.tree_map_with_path(
+            lambda path, u, g: (bias_rate * loss_free_bias(g)).astype(u.dtype)
+            if is_bias(path) else u, updates, grads), state
+
+    return optax.GradientTransformation(adamw.init, update)
 
 
-def clip_by_global_norm(grads, max_norm: float, specs):
-    """(clipped grads, pre-clip global norm), as optax.clip_by_global_norm.
+def clip_by_global_norm(grads, max_norm: float, specs, biased: bool = False):
+    """(clipped grads, pre-clip global norm), as optax.clip_by_global_norm;
+    `biased`: the norm of the gradients `without_bias` (a bias's counts only
+    scaled, which moves no sign).
 
     Done here rather than in the optax chain so that one norm both clips and is
     logged (a second norm would be a second reduction over tp).
     """
-    norm = global_norm(grads, specs)
+    norm = global_norm(without_bias(grads) if biased else grads, specs)
     if max_norm <= 0:
         return grads, norm
     scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-30))

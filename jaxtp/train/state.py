@@ -76,7 +76,9 @@ def init_params(cfg: Config, mesh: Mesh, layout: Layout | None = None):
 
 def _state(cfg: Config, layout: Layout, mesh: Mesh, graphdef, params,
            param_shardings) -> TrainState:
-    tx = make_optimizer(cfg.train, wide(cfg.model.dtype))
+    m = cfg.model
+    tx = make_optimizer(cfg.train, wide(m.dtype),
+                        m.moe_bias_rate if m.n_experts and m.moe_balance.startswith("bias") else 0)
     abstract = isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct)
     # placed parameters: under this mesh, whatever mesh the caller is under
     # (the single-device check runs inside the loop's); abstract ones may be

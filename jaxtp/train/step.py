@@ -23,7 +23,7 @@ from ..parallel import (Layout, Schedule, batch_shape, batch_sharding, inputs_ta
                         make_mesh)
 from ..model import reorder_layers
 from ..parallel.layout import AXES
-from .optim import clip_by_global_norm
+from .optim import clip_by_global_norm, is_bias
 from .state import TrainState, abstract_train_state, init_train_state
 
 
@@ -54,13 +54,15 @@ def grads_of(graphdef, params, tokens_BT1, key, schedule: Schedule = Schedule())
 def step_fn(state: TrainState, use_dropout: bool) -> Callable:
     graphdef, tx, clip, schedule = state.graphdef, state.tx, state.grad_clip, state.schedule
     specs = jax.tree.map(lambda s: s.spec, state.param_shardings)
+    biased = any(is_bias(path)  # (a MoE's loss-free balance biases)
+                 for path, _ in jax.tree_util.tree_leaves_with_path(specs))
 
     def step(params, opt_state, tokens_BT1, key, controls):
         max_loss, grad_scale = controls[0], controls[1]
         loss, grads = grads_of(graphdef, params, tokens_BT1, key if use_dropout else None,
                                schedule)
         grads = jax.tree.map(lambda g: (g * grad_scale).astype(g.dtype), grads)
-        grads, grad_norm = clip_by_global_norm(grads, clip, specs)
+        grads, grad_norm = clip_by_global_norm(grads, clip, specs, biased)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (loss <= max_loss)
         updates, new_opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)

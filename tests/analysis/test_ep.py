@@ -147,7 +147,9 @@ def test_minimal_remat_keeps_the_slots_only_where_they_travelled(impl):
         ("dp2xep2xtp2", (2, 2, 2), {}), ("ep8", (1, 8, 1), {}),
         # minimal remat at ep 1 recomputes the experts' g (no slots kept), and
         # DeepSeek-V3's sequence-wise balance loss: each sequence's statistics
-        ("dp4xtp2-minimal-seq_aux", (4, 1, 2), {"remat": "minimal", "balance": "seq_aux"}))
+        ("dp4xtp2-minimal-seq_aux", (4, 1, 2), {"remat": "minimal", "balance": "seq_aux"}),
+        # the loss-free bias: its counts summed over the tokens in the forward
+        ("dp2xep2xtp2-bias", (2, 2, 2), {"balance": "bias"}))
     if impl != "explicit" or name == "dp2xep2xtp2"])
 def test_the_moe_step_holds_its_ledger(impl, dp, ep, tp, kw):
     """Every collective of the step, by `expected_collectives`: the experts'

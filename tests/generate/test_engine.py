@@ -233,14 +233,14 @@ def test_eos_stops_a_row_and_the_rest_go_on():
 def test_a_scanned_stack_of_groups_generates_as_its_list_of_layers(lead, every):
     """model.moe_every 2 scanned: each loop trip a Group of a dense and a MoE
     layer (`jaxtp.model.transformer.Group`), its KV caches [L/2, 2, ...] per
-    trip (with model.first_k_dense 1, a dense layer first, unstacked, then a
+    trip (with model.moe_first_dense 1, a dense layer first, unstacked, then a
     group of three); the same values (a stack starts from the plain model's)
     generate the same tokens as the list of layers, at tp 2."""
     def moe(scan: bool) -> Config:
         cfg = config("llama-gqa", 2, scan=scan)
         return validate(dataclasses.replace(cfg, model=dataclasses.replace(
             cfg.model, n_layers=4, n_experts=4, moe_top_k=2, moe_d_ff=32, moe_every=every,
-            first_k_dense=lead)))
+            moe_first_dense=lead)))
 
     listed, scanned = (generator(moe(scan))[0] for scan in (False, True))
     assert listed.generate(PROMPTS, NEW) == scanned.generate(PROMPTS, NEW)

@@ -326,7 +326,7 @@ def moe_one_device(model, microbatches=1):
     ("llama-tp2-shard_map-cf1.25", dataclasses.replace(MOE_LLAMA, capacity_factor=1.25), 1, 2,
      {"impl": "shard_map"}),
     # ep: the experts split over ep, the batch over dp x ep
-    ("llama-ep4xtp2", MOE_LLAMA, 1, 2, {"ep": 4}),
+    ("llama-ep4xtp2-bias", dataclasses.replace(MOE_LLAMA, moe_balance="bias"), 1, 2, {"ep": 4}),
     # explicit: the slots' reshards in the types, the down-projection's sum named
     ("llama-ep4xtp2-explicit-cf1", dataclasses.replace(MOE_LLAMA, capacity_factor=1.0), 1, 2,
      {"ep": 4, "impl": "explicit"}),
@@ -355,11 +355,11 @@ def moe_one_device(model, microbatches=1):
     # scanned in groups of a dense and a MoE layer (`jaxtp.model.transformer.Group`)
     ("llama-ep2xtp2-moe_every2-scan-minimal", dataclasses.replace(MOE_LLAMA, moe_every=2), 2,
      2, {"ep": 2, "scan_layers": True, "remat": "minimal"}),
-    # a leading dense layer (model.first_k_dense), then groups of two dense and a MoE
-    ("llama-ep2xtp2-first_k_dense1-scan", dataclasses.replace(
-        MOE_LLAMA, n_layers=4, first_k_dense=1, moe_every=3), 2, 2,
+    # a leading dense layer (model.moe_first_dense), then groups of two dense and a MoE
+    ("llama-ep2xtp2-moe_first_dense1-scan", dataclasses.replace(
+        MOE_LLAMA, n_layers=4, moe_first_dense=1, moe_every=3), 2, 2,
      {"ep": 2, "scan_layers": True}),
-    ("gpt2-ep2xtp2-first_k_dense1-shard_map", dataclasses.replace(MOE, first_k_dense=1), 2, 2,
+    ("gpt2-ep2xtp2-moe_first_dense1-shard_map", dataclasses.replace(MOE, moe_first_dense=1), 2, 2,
      {"ep": 2, "impl": "shard_map"}),
     # the dropless ragged path (at ep 1: XLA:CPU compiles no ragged all-to-all)
     ("gpt2-tp8-ragged", RAGGED, 1, 8, {}),
@@ -444,7 +444,9 @@ test_under_sp_and_cp_a_rank_routes_its_part_of_each_sequence.fast_cases = {"gpt2
 @pytest.mark.parametrize("name, model, pp, dp, ep, tp, M, kw", [
     pytest.param(*case, id=case[0]) for case in [
         ("gpt2-pp2xep4-shard_map", MOE, 2, 1, 4, 1, 2, {"impl": "shard_map"}),
-        ("llama-pp2xdp2xep2-minimal", MOE_LLAMA, 2, 2, 2, 1, 2, {"remat": "minimal"}),
+        # DeepSeek-V3's balance: the loss-free bias and a small sequence-wise loss
+        ("llama-pp2xdp2xep2-minimal-bias+seq_aux", dataclasses.replace(
+            MOE_LLAMA, moe_balance="bias+seq_aux"), 2, 2, 2, 1, 2, {"remat": "minimal"}),
         ("gpt2-pp2xdp2xep2-shard_map", MOE, 2, 2, 2, 1, 2, {"impl": "shard_map"}),
         ("llama-pp2xep2xtp2-sp-shard_map-dropless", MOE_LLAMA, 2, 1, 2, 2, 2,
          {"sp": True, "impl": "shard_map", "capacity_factor": 0.0}),
@@ -527,9 +529,9 @@ test_the_moe_pipeline_equals_one_device_and_holds_its_ledger.fast_cases = {
     ({"moe_every": 2, "n_layers": 3, "scan_layers": True},
      "a scanned stack repeats groups of model.moe_every=2 layers .* model.scan_layers=false"),
     ({"moe_every": 2, "moe_shared_d_ff": 32}, "not built with model.moe_shared_d_ff"),
-    ({"first_k_dense": 2}, "model.first_k_dense=2 leaves no MoE layer of model.n_layers=2"),
-    ({"first_k_dense": 1, "n_layers": 4, "pp": 2, "microbatches": 2},
-     "first_k_dense .* is not built for --pp yet"),
+    ({"moe_first_dense": 2}, "model.moe_first_dense=2 leaves no MoE layer of model.n_layers=2"),
+    ({"moe_first_dense": 1, "n_layers": 4, "pp": 2, "microbatches": 2},
+     "moe_first_dense .* is not built for --pp yet"),
     ({"moe_balance": "seq_aux", "pp": 2, "microbatches": 2, "cp": 2, "capacity_factor": 0.0},
      "seq_aux' sums each sequence's parts, .* under --cp: not built yet"),
     ({"moe_score": "tanh"}, "choose one of \\('softmax', 'sigmoid'\\)"),
@@ -591,7 +593,7 @@ def test_a_moe_run_logs_its_router_statistics(tmp_path):
     assert len(row["moe_load"]) == 8 and sum(row["moe_load"]) == pytest.approx(1, abs=1e-4)
 
 
-test_the_moe_model_in_every_layout_equals_one_device.fast_cases = {"llama-ep4xtp2"}
+test_the_moe_model_in_every_layout_equals_one_device.fast_cases = {"llama-ep4xtp2-bias"}
 
 
 @pytest.mark.parametrize("style", ["gpt2", "llama"])

@@ -649,9 +649,9 @@ def test_a_grouped_stack_restores_exactly_as_a_list_and_back(tmp_path, lead):
     (`jaxtp.model.transformer.Group`: position j holds layers j, j + 2, ...).
     A list model's step (4 layers, tp=2) restores bit-exactly into the
     scanned groups and into a pipeline's (pp=2, one group a stage); the
-    pipeline's step restores as the list again. With model.first_k_dense 1
+    pipeline's step restores as the list again. With model.moe_first_dense 1
     (no pipeline yet) the leading dense layer is the same list in each form."""
-    model = dataclasses.replace(MOE, n_layers=4 + lead, moe_every=2, first_k_dense=lead)
+    model = dataclasses.replace(MOE, n_layers=4 + lead, moe_every=2, moe_first_dense=lead)
     params, opt, listed, state = filled(Config(model=model, parallel=ParallelConfig(tp=2)), 7)
     grouped = {}  # the same values as a stack of groups holds them
     for name, v in listed.items():

@@ -9,7 +9,6 @@ import json
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,40 +17,11 @@ from jaxtp.config import (Config, ModelConfig, ParallelConfig, TrainConfig, appl
                           load_config)
 from jaxtp.train.loop import TrainingStopped, train
 from jaxtp.train.options import RunOptions
-from procs import ROOT, SMALL, child_env, rows, train_py
+from procs import ROOT, SMALL, child_env, final_params, logged, rows, train_py
 
 
 def cli(*args, timeout=300):
     return train_py(*args, *SMALL, timeout=timeout)
-
-
-def logged(out: Path):
-    """Everything logged except timings."""
-    return [{k: v for k, v in r.items() if k in ("step", "loss", "grad_norm", "lr",
-                                                 "eval_loss", "skipped")} for r in rows(out)]
-
-
-def final_params(out: Path, step: int) -> dict:
-    """The parameters and Adam state of a run's checkpoint, on one device."""
-    import dataclasses
-
-    from jax.tree_util import keystr, tree_flatten_with_path
-
-    from jaxtp.train.checkpoint import Checkpointer
-    from jaxtp.config import apply_overrides, load_config
-    from jaxtp.parallel import make_mesh
-    from jaxtp.train.state import abstract_train_state
-
-    cfg = apply_overrides(load_config("tiny"), SMALL)
-    target = abstract_train_state(cfg, make_mesh(1, 1))
-    ckpt = Checkpointer(out / "checkpoints", log=lambda s: None)
-    try:
-        got, params, opt, _ = ckpt.restore(target.params, target.opt_state,
-                                           model=dataclasses.asdict(cfg.model), step=step)
-    finally:
-        ckpt.close()
-    assert got == step
-    return {keystr(k): np.asarray(v) for k, v in tree_flatten_with_path((params, opt))[0]}
 
 
 @pytest.mark.slow

@@ -1,0 +1,99 @@
+"""The auxiliary-loss-free balance (`model.moe_balance=bias`, DeepSeek-V3
+Sec. 2.1.2): each MoE layer's bias moves by its formula from each step's
+expert counts, the same at every layout, and resumes bit for bit."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtp.config import (Config, ModelConfig, ParallelConfig, TrainConfig, apply_overrides,
+                          load_config, validate)
+from jaxtp.parallel import Layout, batch_sharding
+from jaxtp.train.loop import train
+from jaxtp.train.options import RunOptions
+from jaxtp.train.state import init_train_state
+from jaxtp.train.step import make_router_stats, make_train_step, step_controls
+
+# one MoE layer (layer 1 of 2), so the monitored loads are that layer's
+MOE = ModelConfig(n_layers=2, d_model=32, n_heads=8, d_ff=64, seq_len=16, n_experts=8,
+                  moe_top_k=2, moe_every=2, moe_balance="bias", moe_bias_rate=0.01)
+TOKENS = np.random.default_rng(1).integers(0, 256, (8, MOE.seq_len + 1)).astype(np.int32)
+RATE, STEPS = MOE.moe_bias_rate, 3
+
+
+def biases(params) -> np.ndarray:
+    (bias,) = [np.asarray(v) for path, v in jax.tree_util.tree_leaves_with_path(params)
+               if "router_bias" in jax.tree_util.keystr(path)]
+    return bias
+
+
+@functools.cache
+def trained(dp: int, ep: int, tp: int, microbatches: int = 1, model: ModelConfig = MOE):
+    """(the bias before each step and after the last, each step's counts of
+    assignments per expert on the whole batch, counted from the loads the
+    router statistics report at that step's parameters)."""
+    cfg = validate(Config(model, TrainConfig(batch_size=8, microbatches=microbatches, lr=1e-2,
+                                             warmup_steps=1),
+                          ParallelConfig(dp=dp, ep=ep, tp=tp)))
+    state = init_train_state(cfg, Layout.of(cfg).mesh())
+    step, stats = make_train_step(state, False), make_router_stats(state)
+    tokens = jax.device_put(TOKENS, batch_sharding(state.mesh))
+    params, opt, seen, counts = state.params, state.opt_state, [], []
+    assignments = TOKENS.shape[0] * model.seq_len * model.moe_top_k
+    for _ in range(STEPS):
+        seen.append(biases(params))
+        load = np.asarray(stats(params, tokens))[3:]  # (STATS: balance, z, dropped, loads)
+        counts.append(np.rint(load * assignments))
+        params, opt, metrics = step(params, opt, tokens, jax.random.key(0), step_controls())
+        assert not bool(metrics["skipped"])
+    return seen + [biases(params)], counts
+
+
+def test_each_step_moves_the_bias_by_the_sign_of_its_load_against_the_mean():
+    """b += rate * (u - mean(u)), u = sign(mean load - load): DeepSeek-V3's
+    step, re-centred as torchtitan's, from the step's counts on the batch."""
+    seen, counts = trained(1, 1, 1)
+    centred = False
+    for t in range(STEPS):
+        c = counts[t]
+        assert c.sum() == TOKENS.shape[0] * MOE.seq_len * MOE.moe_top_k
+        u = np.sign(c.mean() - c)
+        np.testing.assert_allclose(seen[t + 1], seen[t] + RATE * (u - u.mean()), atol=1e-8)
+        centred |= u.mean() != 0
+    assert centred and np.abs(seen[-1]).max() > 0  # (it moved, and the centring did too)
+
+
+@pytest.mark.parametrize("dp, ep, tp, microbatches", [(1, 2, 2, 1), (1, 4, 2, 1), (2, 2, 2, 2)],
+                         ids=["ep2xtp2", "ep4xtp2", "dp2xep2xtp2-microbatches2"])
+def test_the_bias_is_the_same_at_every_ep_and_dp(dp, ep, tp, microbatches):
+    """Each step's counts are summed over the microbatches and every rank
+    that holds tokens (the bias's gradient): one device's biases, bit for bit."""
+    got, want = trained(dp, ep, tp, microbatches)[0], trained(1, 1, 1)[0]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.slow
+def test_a_run_with_the_bias_resumes_bit_for_bit(tmp_path):
+    """The bias is a parameter the optimizer moves: saved with the others, a
+    run stopped at step 2 and resumed logs the losses of the run that never
+    stopped, and ends with its biases."""
+    from procs import final_params, logged  # noqa: PLC0415
+
+    cfg = apply_overrides(load_config("moe-tiny"), [
+        "model.n_layers=2", "model.seq_len=32", "model.moe_balance=bias+seq_aux",
+        "model.moe_balance_coef=0.0001", "train.steps=4", "train.eval_every=2",
+        "parallel.ep=2", "parallel.tp=2"])
+    quiet = lambda _: None
+    straight, out = tmp_path / "straight", tmp_path / "resumed"
+    train(cfg, straight, RunOptions(log=quiet))
+    train(cfg, out, RunOptions(log=quiet, until=2))
+    train(cfg, out, RunOptions(log=quiet, resume=True))
+    assert logged(out) == logged(straight)
+    want, got = final_params(straight, 4, cfg), final_params(out, 4, cfg)
+    bias = [k for k in want if "router_bias" in k]
+    assert bias and np.abs(want[bias[0]]).max() > 0
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
