@@ -104,8 +104,10 @@ class ModelConfig:
     moe_drop: str = "position"
     # a shared expert: a dense MLP of this many hidden units that every token
     # takes besides its routed experts, its output added to theirs (DeepSeekMoE,
-    # Dai et al. 2024, Sec. 3.2, ungated; Megatron-Core's shared_expert); 0: none
+    # Dai et al. 2024, Sec. 3.2; Megatron-Core's shared_expert); 0: none; gated
+    # (moe_shared_gate): times sigmoid(x @ w [D, 1]) per token (Qwen2-MoE's)
     moe_shared_d_ff: int = 0
+    moe_shared_gate: bool = False
     # MoE layers: i (from 0) where (i + 1) % moe_every == 0, the others dense MLPs of
     # d_ff (Qwen-MoE's decoder_sparse_step; 2: GShard's, Switch's every other layer)
     moe_every: int = 1
@@ -200,12 +202,10 @@ class TrainConfig:
     # applied steps) is skipped; the run stops after this many in a row
     max_skipped_steps: int = resumable(5)
     spike_factor: float = 0.0
-    # checkpoints (in <out>/checkpoints), keeping the last `keep_checkpoints`:
-    # every `checkpoint_every` steps and, checked at logged rows, once
-    # `checkpoint_minutes` have passed since the last save (0 turns either
-    # off); always at the end, at --until and on SIGTERM/SIGINT. Every 100
-    # steps costs tiny at tp=8 on CPU 0.9% of its step time (README, "Runs on
-    # a cluster").
+    # checkpoints (in <out>/checkpoints), keeping the last `keep_checkpoints`: every
+    # `checkpoint_every` steps and, checked at logged rows, once `checkpoint_minutes`
+    # passed since the last save (0 turns either off); always at the end, at --until
+    # and on SIGTERM/SIGINT (every 100 steps: 0.9% of tiny's tp=8 CPU step time)
     checkpoint_every: int = resumable(100)
     checkpoint_minutes: float = resumable(30.0)
     keep_checkpoints: int = resumable(3)

@@ -15,7 +15,8 @@ MOE_DROPS = ("position", "probs")
 MOE_BALANCES = ("aux", "seq_aux", "bias", "bias+seq_aux")
 # the keys that act only with a mixture of experts (model.n_experts > 0)
 MOE_KEYS = ("moe_top_k", "moe_d_ff", "moe_norm_topk", "moe_score", "moe_groups",
-            "moe_group_top_k", "moe_route_scale", "moe_drop", "moe_shared_d_ff", "moe_every",
+            "moe_group_top_k", "moe_route_scale", "moe_drop", "moe_shared_d_ff",
+            "moe_shared_gate", "moe_every",
             "moe_first_dense", "capacity_factor", "moe_dispatch", "moe_balance",
             "moe_balance_coef", "moe_bias_rate", "moe_z_coef")
 
@@ -64,6 +65,9 @@ def balance_error(m, p) -> str | None:
 def layers_error(m, pp: int) -> str | None:
     """Which layers are MoE (`moe_every`, `moe_first_dense`), and what a
     scanned or pipelined stack of them needs."""
+    if m.moe_shared_gate and not m.moe_shared_d_ff:
+        return ("model.moe_shared_gate gates the shared expert, and model.moe_shared_d_ff=0 "
+                "has none: set moe_shared_d_ff (Qwen2-MoE: 4 x moe_d_ff), or drop the gate")
     if m.moe_dispatch == "ragged" and m.capacity_factor:
         return (f"model.moe_dispatch='ragged' is dropless, and model.capacity_factor="
                 f"{m.capacity_factor} drops: set model.capacity_factor=0, or "

@@ -140,9 +140,12 @@ def _whole_over_tp(cfg: Config, impl: str, s: ParamShard) -> bool:
     """GSPMD sums the attention's row-parallel bias under SP from the output
     gradient it gathered anyway: whole over tp (but not in slices reduced
     once, where dp is manual, nor in a pipeline's stages, where pp is, nor
-    under the overlap, where the gradient reaches the bias split along T)."""
-    return (s.path.endswith("attn/out/bias") and impl == "gspmd" and not reduces_once(cfg)
-            and cfg.parallel.pp == 1 and cfg.parallel.overlap == "none")
+    under the overlap, where the gradient reaches the bias split along T);
+    so a gated shared expert's, whose gate reads its output."""
+    gated = cfg.model.moe_shared_gate and s.path.endswith("mlp/shared/down/bias")
+    return ((s.path.endswith("attn/out/bias") or gated) and impl == "gspmd"
+            and not reduces_once(cfg) and cfg.parallel.pp == 1
+            and cfg.parallel.overlap == "none")
 
 
 def _sp_kv(cfg: Config, impl: str, s: ParamShard) -> bool:

@@ -285,14 +285,14 @@ def picture(stages: int, microbatches: int, schedule: str = "gpipe", repeats: in
             x = left + t * w
             # 1F1B: a tick's forward above its backward; white where the
             # tick's loop does not compute that kind at all
-            halves = ([(kind, next((c for c in cell.split("/") if c[:1] == kind), ""), on)
-                       for kind, on in zip(kinds, runs[t])] if f1b else [("", cell, True)])
+            halves = ([(kind, next((c for c in cell.split("/") if c[:1] == kind), ""), live)
+                       for kind, live in zip(kinds, runs[t])] if f1b else [("", cell, True)])
             hh = (h - 2) // len(halves)
-            for i, (_, op, on) in enumerate(halves):
+            for i, (_, op, live) in enumerate(halves):
                 parts.append(f'<rect x="{x}" y="{y + i * hh}" width="{w - 2}" height="{hh}" '
-                             f'fill="{fill(op) if on else "#ffffff"}" class="cell" '
+                             f'fill="{fill(op) if live else "#ffffff"}" class="cell" '
                              f'data-stage="{r}" data-tick="{t}" '
-                             f'data-op="{op or ("bubble" if on else "none")}"/>')
+                             f'data-op="{op or ("bubble" if live else "none")}"/>')
                 if op:
                     parts.append(f'<text x="{x + 5}" y="{y + i * hh + (hh - 2 if f1b else 17)}" '
                                  f'font-size="{(9, 7)[len(halves) > 2] if f1b else 11}" '

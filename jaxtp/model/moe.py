@@ -25,9 +25,9 @@ from .layers import gelu, init_std_out, param, weight
 from .mlp import MLP
 from .routing import Routing, balance_loss, combine, counted, dispatch, load, route, z_loss
 
-__all__ = ["LOSSES", "STATS", "MoE", "Experts", "Routing", "balance_loss", "balance_weight",
-           "capacity", "combine", "counted", "dispatch", "load", "moe", "n_stats", "route",
-           "z_loss"]
+__all__ = ["LOSSES", "STATS", "MoE", "Experts", "Routing", "add_stats", "balance_loss",
+           "balance_weight", "capacity", "combine", "counted", "dispatch", "load", "moe",
+           "n_stats", "route", "z_loss"]
 
 # the router statistics a MoE layer returns: the two losses; monitored
 # (`moe(monitor=True)`), the dropped share too, then the share of its
@@ -39,6 +39,16 @@ STATS = (*LOSSES, "moe_dropped")
 def n_stats(E: int, monitor: bool) -> int:
     """The length of a MoE layer's statistics vector."""
     return len(STATS) + E if monitor else len(LOSSES)
+
+
+def add_stats(stats, layer_stats):
+    """The statistics so far after a MoE layer's: summed [n], or per layer
+    [L, n] (monitoring) as a shift register: every row moves up one and the
+    layer's becomes the last, so after the L layers in order row i is layer
+    i's, whatever loop ran them."""
+    if stats.ndim == 1:
+        return stats + layer_stats
+    return jnp.roll(stats, -1, 0).at[-1].set(layer_stats)
 
 
 def balance_weight(cfg: ModelConfig) -> float:
@@ -184,7 +194,8 @@ def _pin_groups(a, slots: Slots):
 class MoE(nnx.Module):
     """The router (replicated, fp32 logits) and the experts, and where
     `model.moe_shared_d_ff` a shared expert (a dense `MLP` every token takes,
-    tp's column -> row rule, its own g and f on the tp ledger); `__call__`
+    tp's column -> row rule, its own g and f on the tp ledger; gated by a
+    sigmoid of the token where `model.moe_shared_gate`, Qwen2-MoE's); `__call__`
     returns the output [B, T, D] and the layer's router statistics
     (`STATS`). Each sequence is a routing group; under cp (and SP) each
     rank's part of one, n = cp (x tp) groups per sequence, so that a rank
@@ -200,6 +211,10 @@ class MoE(nnx.Module):
         self.experts = Experts(cfg, layout, rngs=rngs)
         self.shared = MLP(dataclasses.replace(cfg, d_ff=cfg.moe_shared_d_ff), layout,
                           rngs=rngs) if cfg.moe_shared_d_ff else None
+        # (Qwen2-MoE's gate on it: one logit a token, replicated as the router)
+        self.shared_gate = param(rngs, nnx.initializers.normal(cfg.init_std), (cfg.d_model, 1),
+                                 ("embed", None), cfg.param_dtype, layout) \
+            if cfg.moe_shared_gate else None
         self.routing, self.factor = Routing.of(cfg), cfg.capacity_factor
         self.ragged = cfg.moe_dispatch == "ragged"
         self.layout, self.slots = layout, self.experts.slots
@@ -233,7 +248,11 @@ class MoE(nnx.Module):
                                mean=functools.partial(over_tokens, sp=self.layout.sp))
             y_BTD = checkpoint_name(self._groups(y_GSD, (B, T, D)), self.tag)
         if self.shared is not None:  # (in the "mlp" scope, as a dense block's MLP)
-            y_BTD = y_BTD + self.shared(x_BTD)
+            shared_BTD = self.shared(x_BTD)
+            if self.shared_gate is not None:
+                w_D1 = weight(self.shared_gate, x_BTD.dtype)
+                shared_BTD = jax.nn.sigmoid(jnp.einsum("BTD,DO->BTO", x_BTD, w_D1)) * shared_BTD
+            y_BTD = y_BTD + shared_BTD
         return y_BTD, stats
 
     def _groups(self, a, to: tuple | None = None):

@@ -21,7 +21,7 @@ from ..parallel.stack import stack, stack_loss
 from .attention import Attention
 from .layers import Embed, dropout, make_norm
 from .mlp import MLP
-from .moe import MoE, balance_weight, n_stats
+from .moe import MoE, add_stats, balance_weight, n_stats
 from .vocab import VocabEmbed
 
 
@@ -106,9 +106,8 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         _names(*REGION_OUTPUTS, CP_KV, EP_SLOTS)),
-    # the tagged projection outputs only (q/k/v, MLP up, the region outputs:
-    # under SP, their sequence shards); recompute norms, activations and the
-    # attention core (and under cp the K/V received)
+    # the tagged projection outputs only (q/k/v, MLP up, the region outputs: under SP
+    # their sequence shards); recompute norms, activations, the attention core (cp's K/V)
     "minimal": _names("qkv", "mlp_up", *REGION_OUTPUTS, CP_KV, EP_SLOTS),
 }
 assert tuple(REMAT_POLICIES) == REMATS  # the config's list of names is the one source
@@ -142,9 +141,8 @@ class Transformer(nnx.Module):
         self.wpe = None if cfg.style == "llama" else Embed(
             cfg.seq_len, cfg.d_model, layout, std=cfg.init_std, dtype=cfg.dtype,
             param_dtype=cfg.param_dtype, rngs=rngs)
-        # the blocks draw their parameters in order, one after another, whether
-        # they are kept as a list or stacked: a scanned or pipelined model
-        # starts from the values of the plain one
+        # the blocks draw their parameters in order, kept as a list or stacked: a
+        # scanned or pipelined model starts from the values of the plain one
         blocks = [Block(cfg, layout, rngs=rngs, moe=cfg.is_moe_layer(i))
                   for i in range(cfg.n_layers)]
         self.dense = nnx.List(blocks[:lead]) if lead else None
@@ -163,12 +161,14 @@ class Transformer(nnx.Module):
     def hidden_and_stats(self, tokens_BT, *, dropout_key=None):
         """(final-norm hidden states [B, T, D], the MoE layers' router
         statistics summed over the layers (`jaxtp.model.moe.moe`; with
-        `monitor` set on the model, `model.set_attributes(monitor=True)`, the
-        dropped share and loads too); zeros without experts)."""
+        `monitor` set, `model.set_attributes(monitor=True)`, the dropped share
+        and loads too, per MoE layer [L_moe, n] but under a pipeline); zeros
+        without experts)."""
         L, k, S = self.cfg.n_layers, self.cfg.layer_group, self.cfg.stacked_layers
         keys = (None if dropout_key is None else jax.random.split(dropout_key, L + 1))
         x_BTD = self._embed(tokens_BT, None if keys is None else keys[0])
-        stats = jnp.zeros(n_stats(self.cfg.n_experts, self.monitor), wide(self.cfg.dtype))
+        rows = (self.cfg.n_moe_layers,) * (self.monitor and self.schedule.stages == 1)
+        stats = jnp.zeros((*rows, n_stats(self.cfg.n_experts, self.monitor)), wide(x_BTD))
         carry, layer = (x_BTD, stats if self.cfg.n_experts else None), self._layer()
         for i, block in enumerate(self.dense or ()):  # (the leading dense run)
             carry = layer(block, carry, None if keys is None else keys[1 + i])
@@ -194,7 +194,7 @@ class Transformer(nnx.Module):
                     x_BTD = block_fn(block, x_BTD, k)
                 else:
                     x_BTD, layer_stats = block_fn(block, x_BTD, k)
-                    stats = stats + layer_stats
+                    stats = add_stats(stats, layer_stats)
             return x_BTD, stats
         return layer
 

@@ -259,10 +259,9 @@ class _Loop:
             self.eval_loss = row["eval_loss"] = evaluate(self.eval_step, self.params,
                                                          self.eval_set, self.mesh,
                                                          self.cfg.parallel.cp_balance)
-            if self.router_stats is not None:  # (on the evaluation batches)
-                row.update(router_row(self.router_stats, self.params, self.eval_set,
-                                      self.mesh, self.cfg.parallel.cp_balance,
-                                      self.cfg.model.n_layers))
+        if self.router_stats is not None:  # (every row, on the evaluation batches)
+            row.update(router_row(self.router_stats, self.params, self.eval_set, self.mesh,
+                                  self.cfg.parallel.cp_balance, self.cfg.model.n_moe_layers))
         if self.metrics_log is not None:
             self.metrics_log.write(row)
         self.history.append(row)

@@ -136,14 +136,29 @@ class MetricsLog:
             self.error = self.error or f"cannot write {self.path} ({e.strerror})"
             return
         if self.writer is not None:
-            for k, v in row.items():
-                if k != "step" and v is not None:
-                    self.writer.add_scalar(k, v, row["step"])
+            for k, v in scalars(row):
+                self.writer.add_scalar(k, v, row["step"])
 
     def close(self) -> None:
         self.file.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def scalars(row: dict):
+    """A row's (tag, number) pairs for TensorBoard: a list's entries under
+    tag/i, a list of lists' under tag/i/j (a MoE layer's experts)."""
+    for k, v in row.items():
+        if k == "step" or v is None:
+            continue
+        if not isinstance(v, list):
+            yield k, v
+            continue
+        for i, x in enumerate(v):
+            if isinstance(x, list):
+                yield from ((f"{k}/{i}/{j}", y) for j, y in enumerate(x))
+            else:
+                yield f"{k}/{i}", x
 
 
 def losses_said(losses: list[float], rows: list[dict]) -> str:

@@ -1,7 +1,10 @@
-"""The auxiliary-loss-free balance (`model.moe_balance=bias`, DeepSeek-V3
-Sec. 2.1.2): each MoE layer's bias moves by its formula from each step's
-expert counts, the same at every layout, and resumes bit for bit."""
+"""Balance you can steer and see. The auxiliary-loss-free balance
+(`model.moe_balance=bias`, DeepSeek-V3 Sec. 2.1.2): each MoE layer's bias
+moves by its formula from each step's expert counts, the same at every
+layout, and resumes bit for bit. The expert load per MoE layer in the
+metrics, against a count done here."""
 
+import dataclasses
 import functools
 
 import jax
@@ -97,3 +100,82 @@ def test_a_run_with_the_bias_resumes_bit_for_bit(tmp_path):
     assert bias and np.abs(want[bias[0]]).max() > 0
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+# ---- expert load you can see: per MoE layer, against a count done here
+
+LOADS = ModelConfig(style="llama", n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64,
+                    seq_len=16, use_bias=False, tie_embeddings=False, n_experts=8,
+                    moe_top_k=2, moe_d_ff=32, moe_every=2, capacity_factor=0.5)
+
+
+def counted_loads(model, tokens) -> tuple[np.ndarray, np.ndarray]:
+    """(each MoE layer's share of assignments per expert [L, E], its dropped
+    share [L]) by running the list model eagerly with each MoE layer's input
+    recorded, then routing every token by hand: softmax, the top k by a
+    stable sort, a capacity queue of first choices before second ones."""
+    from jaxtp.model.moe import MoE
+    from jaxtp.sizes import capacity
+
+    seen, call = [], MoE.__call__
+
+    def record(self, x):
+        seen.append((np.asarray(x), np.asarray(self.router[...])))
+        return call(self, x)
+
+    MoE.__call__ = record
+    try:
+        model.hidden(tokens)
+    finally:
+        MoE.__call__ = call
+    k, E = LOADS.moe_top_k, LOADS.n_experts
+    C = capacity(LOADS.seq_len, k, E, LOADS.capacity_factor)
+    loads, dropped = [], []
+    for x, w in seen:
+        counts, kept = np.zeros(E), 0
+        for seq in x.astype(np.float64) @ w:  # one routing group per sequence
+            p = np.exp(seq - seq.max(-1, keepdims=True))
+            picks = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+            taken = np.zeros(E, int)
+            for j in range(k):
+                for t in range(len(seq)):
+                    counts[picks[t, j]] += 1
+                    kept += taken[picks[t, j]] < C
+                    taken[picks[t, j]] += 1
+        loads.append(counts / counts.sum())
+        dropped.append(1 - kept / counts.sum())
+    return np.array(loads), np.array(dropped)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["list", "scan"])
+def test_the_per_layer_loads_equal_a_count_done_here(scan):
+    """The monitored statistics per MoE layer (a shift register through the
+    stack, so the scanned groups' rows come in layer order) against the
+    count above; the row's violation, dead experts and dropped share from
+    them by the formulas."""
+    from jaxtp.model.build import build_model
+    from jaxtp.train.evaluation import load_rows
+    from jaxtp.train.state import abstract_train_state
+    from cached import initial_params  # noqa: PLC0415
+
+    cfg = validate(Config(dataclasses.replace(LOADS, scan_layers=scan),
+                          TrainConfig(batch_size=8), ParallelConfig(ep=2, tp=2)))
+    plain = validate(Config(LOADS, TrainConfig(batch_size=8), ParallelConfig()))
+    layout = Layout.of(cfg)
+    _, params, _ = initial_params(cfg, layout.mesh())
+    state = abstract_train_state(cfg, layout.mesh())
+    stats = make_router_stats(dataclasses.replace(state, params=params))
+    got = np.asarray(stats(params, jax.device_put(TOKENS, batch_sharding(state.mesh))))
+    assert got.shape == (cfg.model.n_moe_layers, 3 + LOADS.n_experts)
+    with jax.set_mesh(Layout.of(plain).mesh()):
+        model = build_model(plain, Layout.of(plain), plain.train.seed, jax.devices()[0])
+        want_load, want_dropped = counted_loads(model, TOKENS[:, :-1])
+    np.testing.assert_allclose(got[:, 3:], want_load, atol=1e-6)
+    np.testing.assert_allclose(got[:, 2], want_dropped, atol=1e-6)
+    row = load_rows(got[:, 3:], got[:, 2])
+    mean = want_load.mean(1)
+    np.testing.assert_allclose(row["moe_layer_violation"],
+                               (want_load.max(1) - mean) / mean, atol=1e-5)
+    assert row["moe_layer_dead"] == [int((r == 0).sum()) for r in want_load]
+    assert row["moe_max_violation"] == max(row["moe_layer_violation"]) > 0
+    assert 0 < min(row["moe_layer_dropped"])

@@ -345,8 +345,8 @@ def moe_one_device(model, microbatches=1):
      {"ep": 4, "microbatches": 2, "impl": "shard_map"}),
     # a shared expert beside the routed ones (a dense MLP on the tp rule)
     ("gpt2-ep4xtp2-shared", dataclasses.replace(MOE, moe_shared_d_ff=48), 1, 2, {"ep": 4}),
-    ("llama-dp2xep2xtp2-shared-shard_map-scan-minimal",
-     dataclasses.replace(MOE_LLAMA, moe_shared_d_ff=32), 2, 2,
+    ("llama-dp2xep2xtp2-shared-gated-shard_map-scan-minimal",
+     dataclasses.replace(MOE_LLAMA, moe_shared_d_ff=32, moe_shared_gate=True), 2, 2,
      {"ep": 2, "impl": "shard_map", "scan_layers": True, "remat": "minimal"}),
     # every other layer MoE (model.moe_every 2: layer 0 dense, layer 1 MoE)
     ("llama-ep2xtp2-moe_every2", dataclasses.replace(MOE_LLAMA, moe_every=2), 2, 2, {"ep": 2}),
@@ -447,7 +447,9 @@ test_under_sp_and_cp_a_rank_routes_its_part_of_each_sequence.fast_cases = {"gpt2
         # DeepSeek-V3's balance: the loss-free bias and a small sequence-wise loss
         ("llama-pp2xdp2xep2-minimal-bias+seq_aux", dataclasses.replace(
             MOE_LLAMA, moe_balance="bias+seq_aux"), 2, 2, 2, 1, 2, {"remat": "minimal"}),
-        ("gpt2-pp2xdp2xep2-shard_map", MOE, 2, 2, 2, 1, 2, {"impl": "shard_map"}),
+        # Qwen2-MoE's gated shared expert in the stages
+        ("gpt2-pp2xdp2xep2-shard_map-shared-gated", dataclasses.replace(
+            MOE, moe_shared_d_ff=32, moe_shared_gate=True), 2, 2, 2, 1, 2, {"impl": "shard_map"}),
         ("llama-pp2xep2xtp2-sp-shard_map-dropless", MOE_LLAMA, 2, 1, 2, 2, 2,
          {"sp": True, "impl": "shard_map", "capacity_factor": 0.0}),
         # 1F1B: a steady tick a forward and a backward; the statistics in the loss's
@@ -534,6 +536,10 @@ test_the_moe_pipeline_equals_one_device_and_holds_its_ledger.fast_cases = {
      "moe_first_dense .* is not built for --pp yet"),
     ({"moe_balance": "seq_aux", "pp": 2, "microbatches": 2, "cp": 2, "capacity_factor": 0.0},
      "seq_aux' sums each sequence's parts, .* under --cp: not built yet"),
+    ({"moe_shared_gate": True}, "moe_shared_gate gates the shared expert, and "
+     "model.moe_shared_d_ff=0 has none"),
+    ({"moe_balance": "bias", "moe_bias_rate": 0.0}, "0 never moves it"),
+    ({"moe_balance": "bias+seq_aux", "moe_balance_coef": 0.0}, "which is 0: set it"),
     ({"moe_score": "tanh"}, "choose one of \\('softmax', 'sigmoid'\\)"),
     ({"moe_groups": 3}, "model.moe_groups=3 must divide model.n_experts=4 .* \\[1, 2, 4\\]"),
     ({"moe_groups": 2, "moe_group_top_k": 3}, "picks more groups than model.moe_groups=2"),
@@ -596,12 +602,15 @@ def test_a_moe_run_logs_its_router_statistics(tmp_path):
 test_the_moe_model_in_every_layout_equals_one_device.fast_cases = {"llama-ep4xtp2-bias"}
 
 
-@pytest.mark.parametrize("style", ["gpt2", "llama"])
-def test_the_shared_expert_adds_a_dense_mlp_every_token_takes(style):
+@pytest.mark.parametrize("style, gated", [("gpt2", False), ("llama", False), ("llama", True)],
+                         ids=["gpt2", "llama", "llama-gated"])
+def test_the_shared_expert_adds_a_dense_mlp_every_token_takes(style, gated):
     """A layer with a shared expert (model.moe_shared_d_ff) is the routed
     experts' per-token reference plus the reference dense MLP on the shared
-    weights, GELU with biases or SwiGLU without."""
-    cfg = dataclasses.replace(MOE if style == "gpt2" else MOE_LLAMA, moe_shared_d_ff=24)
+    weights, GELU with biases or SwiGLU without; gated (Qwen2-MoE's), that
+    MLP's output times sigmoid(x . w_gate) per token."""
+    cfg = dataclasses.replace(MOE if style == "gpt2" else MOE_LLAMA, moe_shared_d_ff=24,
+                              moe_shared_gate=gated)
     layout = Layout.make()
     with jax.set_mesh(layout.mesh()):
         layer = MoE(cfg, layout, rngs=nnx.Rngs(3))
@@ -609,6 +618,8 @@ def test_the_shared_expert_adds_a_dense_mlp_every_token_takes(style):
         y, _ = layer(x)
     w = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(layer)))
     shared = mlp_reference(w["shared"], x, cfg)
+    if gated:
+        shared = shared / (1 + np.exp(-np.asarray(x) @ w["shared_gate"]))
     routed = reference(x, w["router"], w["experts"]["up"], w["experts"]["down"],
                        moe.Routing.of(cfg), cfg.seq_len,
                        act="tanh" if style == "gpt2" else "swiglu")

@@ -143,3 +143,39 @@ def test_plot_runs_overlays_runs_trained_here(tmp_path, capsys, monkeypatch):
     n = len((tmp_path / "tp1" / "metrics.jsonl").read_text().splitlines())
     assert err.startswith(f"error: {tmp_path / 'tp1' / 'metrics.jsonl'}, line {n}: not a "
                           "metrics row") and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.slow
+def test_a_moe_run_logs_each_layers_load_at_every_row_and_plots_it(tmp_path, capsys):
+    """Every logged row of a MoE run holds each MoE layer's experts' shares
+    (summing to 1), dropped share, max violation and dead experts, and the
+    largest violation; `plot runs` on it draws experts.png too, and `plot
+    experts` on a dense run says why it cannot."""
+    pytest.importorskip("matplotlib")
+    from jaxtp.plot.__main__ import main
+    from jaxtp.train.metrics import scalars
+
+    cfg = apply_overrides(load_config("moe-tiny"), [
+        "model.n_layers=3", "model.moe_first_dense=1", "model.seq_len=32", "train.steps=3",
+        "train.log_every=1", "train.eval_every=3", "train.eval_batches=1",
+        "model.moe_balance=bias", "parallel.ep=2"])
+    train_run(cfg, tmp_path / "moe", RunOptions(log=lambda _: None))
+    rows = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        load = r["moe_layer_load"]
+        assert len(load) == 2 and all(abs(sum(x) - 1) < 1e-5 and len(x) == 8 for x in load)
+        assert r["moe_max_violation"] == max(r["moe_layer_violation"])
+        assert len(r["moe_layer_dropped"]) == len(r["moe_layer_dead"]) == 2
+        # TensorBoard takes each number under its own tag
+        tags = dict(scalars(r))
+        assert tags["moe_layer_load/1/7"] == load[1][7] and "moe_layer_load" not in tags
+    capsys.readouterr()
+    assert main(["runs", str(tmp_path / "moe")]) == 0
+    assert [p.rsplit("/", 1)[1] for p in capsys.readouterr().out.split()[1::2]] == [
+        "runs.png", "runs.svg", "experts.png", "experts.svg"]
+    assert "max violation per layer" in (tmp_path / "moe" / "experts.svg").read_text()
+    dense = apply_overrides(load_config("tiny"), SMALL + ["train.steps=1"])
+    train_run(dense, tmp_path / "dense", RunOptions(log=lambda _: None))
+    assert main(["experts", str(tmp_path / "dense")]) == 2
+    assert "no per-layer expert loads" in capsys.readouterr().err
