@@ -30,9 +30,12 @@ def test_every_preset_loads_and_validates(name):
 # Llama-3-70B (70,553,706,496), Mixtral-8x7B (46,702,792,704: "46.7B"),
 # Qwen3-30B-A3B (30,532,122,624, which Qwen's model card rounds to "30.5B"
 # total; its q/k norms, 2 x 128 per layer, included).
+# Qwen3-235B-A22B (235,093,634,560: the model card's "235B"; its config's
+# sizes are the preset's).
 PUBLISHED = {"gpt2-small": 124_475_904, "llama-1b": 1_235_814_400,
              "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496,
-             "mixtral-8x7b": 46_702_792_704, "qwen3-30b-a3b": 30_532_122_624}
+             "mixtral-8x7b": 46_702_792_704, "qwen3-30b-a3b": 30_532_122_624,
+             "qwen3-235b-a22b": 235_093_634_560}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -47,7 +50,37 @@ def test_large_presets_have_their_published_parameter_counts(name):
 
 
 test_large_presets_have_their_published_parameter_counts.fast_cases = set(PUBLISHED) - {
-    "llama3-70b", "mixtral-8x7b", "qwen3-30b-a3b"}  # 80 layers, 8 or 128 experts: seconds each
+    "llama3-70b", "mixtral-8x7b", "qwen3-30b-a3b", "qwen3-235b-a22b"}  # seconds each
+
+
+def test_the_deepseek_v3_shape_is_its_published_size_but_for_its_attention():
+    """deepseek-v3: DeepSeek-V3's MoE (61 layers, the first 3 dense, 256
+    routed experts of 2048 and a shared one, top 8 of 4 of 8 groups by
+    sigmoid) with jaxtp's attention (128 heads of 128, q/k/v/o 4 x 7168 x
+    16384 a layer) in place of its multi-head latent attention (arXiv
+    2412.19437 Sec. 2.1.1; its config: q rank 1536, kv rank 512, 128 + 64
+    q/k dims a head, v 128, with 2 norms). With MLA's parameters in place of
+    these, the count is the 671B of its main model (the model card: 685B
+    with 14B of multi-token prediction, not built here); 37B of them act."""
+    import jax
+
+    from jaxtp.model.build import abstract_model
+    from jaxtp.parallel import make_mesh
+
+    cfg = load_config("deepseek-v3")
+    m = cfg.model
+    _, abstract = abstract_model(cfg, make_mesh(1, 1))
+    total = sum(x.size for x in jax.tree.leaves(abstract))
+    D, H = 7168, 128
+    mla = (D * 1536 + 1536 + 1536 * H * (128 + 64) + D * (512 + 64) + 512
+           + 512 * H * (128 + 128) + H * 128 * D)
+    gqa = 4 * D * H * 128
+    main = total - m.n_layers * (gqa - mla)
+    assert main == 671_026_419_200 and round(main / 1e9) == 671
+    active = main - (m.n_layers - 3) * (256 - 8) * 3 * D * m.moe_d_ff
+    assert int(active / 1e9) == 37
+    assert (m.moe_score, m.moe_groups, m.moe_group_top_k, m.moe_route_scale) == (
+        "sigmoid", 8, 4, 2.5)
 
 
 def test_a_mixture_of_experts_counts_its_active_parameters_in_mfu():
