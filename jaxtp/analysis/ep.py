@@ -29,9 +29,8 @@ from typing import Callable
 from ..config import Config
 from ..model.moe import LOSSES, capacity
 from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS
-from .grads import counts_local
-from .rows import (ANY_SCOPE, HLO_DTYPES, Expected, microbatch_rows, on, reduces_once, runs_head,
-                   schedule_of)
+from .rows import (ANY_SCOPE, HLO_DTYPES, Expected, counts_local, microbatch_rows, on,
+                   reduces_once, runs_head, schedule_of)
 
 
 def splits(cfg: Config) -> int:

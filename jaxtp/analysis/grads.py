@@ -42,8 +42,8 @@ from .backends import gradients_on_backend
 from .dp import fsdp_parts, moe_fsdp_parts
 from .params import ParamShard, param_shards, part_dtypes
 from .pp import in_pipeline, pipeline_parts
-from .rows import (ANY_SCOPE, HLO_DTYPES, Expected, batch_axes, on, reduces_once, runs_head,
-                   schedule_of)
+from .rows import (ANY_SCOPE, HLO_DTYPES, Expected, batch_axes, counts_local, on, reduces_once,
+                   runs_head, schedule_of)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,14 +126,6 @@ def _grads(cfg: Config, impl: str) -> list[_Grad]:
                          keyed, part_dtypes(cfg, impl, s.path, sums), uses,
                          on(cfg, DATA_AXIS, *(EP_AXIS,) * (not expert)), expert, router))
     return out
-
-
-def counts_local(cfg: Config) -> bool:
-    """Whether the MoE layers run manual over the axes that split the tokens
-    (a pipeline's stages, slices reduced once over dp): there each rank's
-    bias gradient holds its own counts, summed with the other gradients;
-    elsewhere GSPMD sums the counts in the forward."""
-    return cfg.parallel.pp > 1 or reduces_once(cfg)
 
 
 def _whole_over_tp(cfg: Config, impl: str, s: ParamShard) -> bool:

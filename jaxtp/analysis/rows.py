@@ -146,6 +146,14 @@ def reduces_once(cfg) -> bool:
     return schedule_of(cfg).reduces_once
 
 
+def counts_local(cfg) -> bool:
+    """Whether the MoE layers run manual over the axes that split the tokens
+    (a pipeline's stages, slices reduced once over dp): there each rank's
+    bias gradient holds its own counts, summed with the other gradients;
+    elsewhere GSPMD sums the counts in the forward."""
+    return cfg.parallel.pp > 1 or reduces_once(cfg)
+
+
 def collective_key(c: hlo.Collective, mesh: dict[str, int] | None = None) -> tuple:
     """A collective as a budget row's key; without a mesh its axes are not
     known (None), and a row's are then not compared (`_key`)."""
