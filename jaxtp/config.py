@@ -62,6 +62,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     tie_embeddings: bool = True
     use_bias: bool = True
+    qkv_bias: bool = False  # biases on q, k, v alone, whatever use_bias (Qwen2's attention)
     ln_eps: float = 1e-5
     rope_theta: float = 10000.0
     # Llama 3.1 "llama3" rotary scaling (0: none): long wavelengths / factor, short kept
@@ -70,8 +71,7 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
     init_std: float = 0.02
-    # the block stack as one scan over layer-stacked parameters (compile time flat in depth)
-    scan_layers: bool = False
+    scan_layers: bool = False  # the blocks as one scan over layer-stacked parameters
     # what each block keeps for the backward pass: none | full | dots | minimal
     remat: str = resumable("none")
     # attention kernel (jaxtp.model.kernels): auto | xla | blockwise | cudnn; auto

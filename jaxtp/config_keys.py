@@ -19,6 +19,10 @@ RENAMED = {"model": {"first_k_dense": "moe_first_dense"}}
 def section_from_dict(sub_cls, d, name):
     if not isinstance(d, dict):
         raise ConfigError(f"config section '{name}' must be an object, got {d!r}")
+    both = [k for k, new in RENAMED.get(name, {}).items() if k in d and new in d]
+    if both:
+        raise ConfigError(f"config section '{name}' has both {name}.{both[0]} and its new "
+                          f"name {name}.{RENAMED[name][both[0]]}: keep the new one")
     d = {RENAMED.get(name, {}).get(k, k): v for k, v in d.items()}
     fields = {f.name: f for f in dataclasses.fields(sub_cls)}
     unknown = sorted(set(d) - set(fields))

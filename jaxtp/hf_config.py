@@ -1,18 +1,22 @@
-"""Hugging Face `config.json` <-> jaxtp ModelConfig, for three architectures.
+"""Hugging Face `config.json` <-> jaxtp ModelConfig, for four architectures.
 
     "llama"      LlamaForCausalLM     dense SwiGLU MLPs
     "mixtral"    MixtralForCausalLM   every MLP a mixture of experts, top-k renormalised
     "qwen3_moe"  Qwen3MoeForCausalLM  the same (renormalised where norm_topk_prob), plus
                                       per-head q/k RMSNorm and an explicit head_dim
+    "qwen2_moe"  Qwen2MoeForCausalLM  q/k/v biases, no q/k norms, a shared expert gated
+                                      by a sigmoid of the token; norm_topk_prob as Qwen3
 
-Keys as transformers' `LlamaConfig`, `MixtralConfig` and `Qwen3MoeConfig`
-(transformers 4.51 to 5.x) read them. All three route as Mixtral: a softmax
-over all experts, the top k, renormalised when asked (HF `MixtralTopKRouter`,
-`Qwen3MoeTopKRouter`); they were trained dropless, so a loaded mixture of
-experts is dropless too (capacity_factor 0). HF has no router z-loss
-(moe_z_coef 0); `router_aux_loss_coef` becomes moe_balance_coef as it is
-(HF's balance loss is k x jaxtp's per layer, over all layers' tokens at
-once; jaxtp sums its per layer, 1 when uniform, over the layers).
+Keys as transformers' `LlamaConfig`, `MixtralConfig`, `Qwen3MoeConfig` and
+`Qwen2MoeConfig` (transformers 4.51 to 5.x) read them. The MoE ones route as
+Mixtral: a softmax over all experts, the top k, renormalised when asked (HF
+`MixtralTopKRouter`, `Qwen3MoeTopKRouter`); they were trained dropless, so a
+loaded mixture of experts is dropless too (capacity_factor 0). HF has no
+router z-loss (moe_z_coef 0); `router_aux_loss_coef` becomes moe_balance_coef
+as it is (HF's balance loss is k x jaxtp's per layer, over all layers'
+tokens at once; jaxtp sums its per layer, 1 when uniform, over the layers).
+Qwen's `mlp_only_layers` is jaxtp's moe_first_dense where it is a leading
+run at decoder_sparse_step 1 (else refused).
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from __future__ import annotations
 from .config import ModelConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
-NAMES = {"llama": "Llama", "mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+NAMES = {"llama": "Llama", "mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE",
+         "qwen2_moe": "Qwen2-MoE"}
 
 
 def family(cfg: ModelConfig) -> str:
@@ -36,18 +41,28 @@ def family(cfg: ModelConfig) -> str:
                              "not write (Llama, Mixtral, Qwen3-MoE)")
         return "llama"
     if cfg.use_bias:
-        raise ValueError("Mixtral and Qwen3-MoE have no biases; this mixture of experts has "
-                         "model.use_bias=true")
-    if cfg.moe_shared_d_ff:
-        raise ValueError("Mixtral and Qwen3-MoE have no shared expert; this mixture of "
-                         f"experts has model.moe_shared_d_ff={cfg.moe_shared_d_ff}")
+        raise ValueError("Mixtral and Qwen-MoE have no biases but Qwen2's q, k, v; this "
+                         "mixture of experts has model.use_bias=true")
+    qwen2 = (cfg.qkv_bias, bool(cfg.moe_shared_d_ff), cfg.moe_shared_gate, not cfg.qk_norm)
+    if any(qwen2[:3]) and not all(qwen2):
+        raise ValueError("only Qwen2-MoE has a shared expert (and q, k, v biases): gated, "
+                         "with those biases and no q/k norms; this mixture of experts has "
+                         f"model.moe_shared_d_ff={cfg.moe_shared_d_ff}, moe_shared_gate="
+                         f"{cfg.moe_shared_gate}, qkv_bias={cfg.qkv_bias}, "
+                         f"qk_norm={cfg.qk_norm}")
     routing = {"moe_score": "softmax", "moe_group_top_k": 0, "moe_route_scale": 1.0}
     odd = [f"model.{k}={getattr(cfg, k)!r}" for k, v in routing.items() if getattr(cfg, k) != v]
     if cfg.moe_balance.startswith("bias"):
         odd.append(f"model.moe_balance={cfg.moe_balance!r} (a bias on the choice)")
     if odd:
-        raise ValueError("Mixtral and Qwen3-MoE route by a softmax over every expert, "
+        raise ValueError("Mixtral and Qwen-MoE route by a softmax over every expert, "
                          f"unscaled and unbiased; this mixture of experts has {', '.join(odd)}")
+    if cfg.moe_first_dense and (cfg.moe_every > 1 or not (all(qwen2) or cfg.qk_norm)):
+        raise ValueError(f"model.moe_first_dense={cfg.moe_first_dense} is Qwen-MoE's "
+                         "mlp_only_layers, which keeps decoder_sparse_step's count from layer "
+                         f"0: not with model.moe_every={cfg.moe_every}, nor in Mixtral")
+    if all(qwen2):
+        return "qwen2_moe"
     if cfg.qk_norm:
         return "qwen3_moe"
     if cfg.moe_every > 1:
@@ -129,32 +144,36 @@ def _mixtral(hf: dict) -> dict:
                 hf["intermediate_size"], True)
 
 
-def _qwen3_moe(hf: dict) -> dict:
+def _qwen_moe(hf: dict) -> dict:
     # Hub configs say num_experts; transformers 5 writes num_local_experts
     key = "num_experts" if "num_experts" in hf else "num_local_experts"
     experts = _experts(hf, key)
     layers = hf["num_hidden_layers"]
-    # HF Qwen3MoeDecoderLayer: layer i is MoE iff i is not in mlp_only_layers
-    # and (i + 1) % decoder_sparse_step == 0
-    step, only = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+    # HF Qwen2/3MoeDecoderLayer: layer i is MoE iff i is not in mlp_only_layers
+    # and (i + 1) % decoder_sparse_step == 0: jaxtp's moe_every, or with a
+    # leading run of mlp_only_layers at step 1 its moe_first_dense
+    step, only = hf.get("decoder_sparse_step", 1), sorted(hf.get("mlp_only_layers") or [])
     if not isinstance(step, int) or step < 1:
         raise ValueError(f"decoder_sparse_step={step!r} must be a positive integer")
-    # (decoder_sparse_step is jaxtp's moe_every; mlp_only_layers has no counterpart)
-    dense = [i for i in range(layers) if i in only]
+    lead = len(only) if only == list(range(len(only))) and step == 1 else 0
+    dense = [i for i in range(layers) if i in only][:0 if lead else None]
     if dense:
         raise ValueError(f"decoder_sparse_step={step}, mlp_only_layers={only}, num_experts="
                          f"{experts}: layers {dense[:6]}{' ...' if len(dense) > 6 else ''} "
-                         "are dense MLPs outside jaxtp's pattern (every model.moe_every-th "
-                         "layer a mixture of experts)")
-    if step > layers:
-        raise ValueError(f"decoder_sparse_step={step} > num_hidden_layers={layers}: no layer "
-                         "is a mixture of experts")
-    return {"qk_norm": True, "moe_every": step,
+                         "are dense MLPs outside jaxtp's pattern (a leading run at step 1, "
+                         "model.moe_first_dense; then every model.moe_every-th layer)")
+    if step > layers or lead >= layers:
+        raise ValueError(f"decoder_sparse_step={step}, mlp_only_layers={only}, "
+                         f"num_hidden_layers={layers}: no layer is a mixture of experts")
+    qwen2 = hf["model_type"] == "qwen2_moe"
+    shared = hf.get("shared_expert_intermediate_size", 0) if qwen2 else 0
+    return {"qk_norm": not qwen2, "qkv_bias": qwen2, "moe_every": step,
+            "moe_first_dense": lead, "moe_shared_d_ff": shared, "moe_shared_gate": bool(shared),
             **_moe(hf, experts, hf.get("intermediate_size", 0) or hf["moe_intermediate_size"],
                    hf["moe_intermediate_size"], hf.get("norm_topk_prob", False), key)}
 
 
-_FAMILIES = {"llama": _llama, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe}
+_FAMILIES = {"llama": _llama, "mixtral": _mixtral, "qwen3_moe": _qwen_moe, "qwen2_moe": _qwen_moe}
 
 
 def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
@@ -201,7 +220,9 @@ def hf_config(cfg: ModelConfig) -> dict:
     if kind == "mixtral":  # (MixtralConfig has no attention_bias: always without)
         del out["attention_bias"]
         return {**out, **moe, "num_local_experts": cfg.n_experts}
-    return {**out, **moe, "num_experts": cfg.n_experts, "moe_intermediate_size": cfg.expert_d_ff,
-            "norm_topk_prob": cfg.moe_norm_topk, "decoder_sparse_step": cfg.moe_every,
-            "mlp_only_layers": [],
-            "use_sliding_window": False}
+    qwen2 = {"shared_expert_intermediate_size": cfg.moe_shared_d_ff} if kind == "qwen2_moe" \
+        else {}
+    return {**out, **moe, **qwen2, "num_experts": cfg.n_experts,
+            "moe_intermediate_size": cfg.expert_d_ff, "norm_topk_prob": cfg.moe_norm_topk,
+            "decoder_sparse_step": cfg.moe_every,
+            "mlp_only_layers": list(range(cfg.moe_first_dense)), "use_sliding_window": False}

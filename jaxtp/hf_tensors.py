@@ -24,6 +24,9 @@ The MLP of a layer, by family (`jaxtp.hf_config.family`):
                ...experts.j.w2 [D, F]                    -> B.mlp.experts.down [E, F, D]
     qwen3_moe  L0.mlp.gate [E, D]                        -> B.mlp.router
                L0.mlp.experts.j.{gate,up,down}_proj      -> B.mlp.experts.up, down
+    qwen2_moe  as qwen3_moe, and L0.mlp.shared_expert.*  -> B.mlp.shared (a llama MLP)
+               L0.mlp.shared_expert_gate [1, D]          -> B.mlp.shared_gate [D, 1]
+               L0.self_attn.{q,k,v}_proj.bias            -> B.attn.q.bias, kv.bias
 
 (every name with `.weight`). That per-expert form is the Hub's, and what
 `params_to_hf` writes. transformers 5 keeps experts fused in memory and
@@ -49,7 +52,8 @@ from .hf_config import family
 from .model import stack_layers, unstack_layers
 
 # a layer's per-expert (gate, up, down) names after its `experts.j.`
-_EXPERT = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
+_EXPERT = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+           "qwen2_moe": ("gate_proj", "up_proj", "down_proj")}
 
 
 def _moe_prefix(kind: str, pre: str, fused: bool) -> str:
@@ -77,7 +81,7 @@ def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
         t = get(name, (cfg.vocab_size, D))
         return np.pad(t, ((0, cfg.padded_vocab - cfg.vocab_size), (0, 0)))
 
-    def dense_mlp(m):
+    def dense_mlp(m, F=F):
         mlp = {"up": {"kernel": np.stack([get(m + f"{c}_proj.weight", (F, D)).T
                                           for c in ("gate", "up")], axis=1)},
                "down": {"kernel": get(m + "down_proj.weight", (D, F)).T}}
@@ -96,8 +100,17 @@ def hf_to_params(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
                      "ln2": {"scale": get(pre + "post_attention_layernorm.weight", (D,))},
                      "mlp": _experts_mlp(get, cfg, _moe_prefix(kind, pre, fused), fused)
                      if cfg.is_moe_layer(i) else dense_mlp(pre + "mlp.")}
-    params = {"wte": {"embedding": table("model.embed_tokens.weight")}, "blocks": blocks,
+        if cfg.is_moe_layer(i) and cfg.moe_shared_d_ff:  # (Qwen2-MoE's, gated)
+            blocks[i]["mlp"]["shared"] = dense_mlp(pre + "mlp.shared_expert.",
+                                                   cfg.moe_shared_d_ff)
+            blocks[i]["mlp"]["shared_gate"] = get(pre + "mlp.shared_expert_gate.weight",
+                                                  (1, D)).T
+    lead = cfg.n_layers - cfg.stacked_layers  # (moe_first_dense: a list before the stack)
+    params = {"wte": {"embedding": table("model.embed_tokens.weight")},
+              "blocks": {i - lead: b for i, b in blocks.items() if i >= lead},
               "ln_f": {"scale": get("model.norm.weight", (D,))}}
+    if lead:
+        params["dense"] = {i: blocks[i] for i in range(lead)}
     if not cfg.tie_embeddings:
         params["lm_head"] = {"embedding": table("lm_head.weight")}
     unused = sorted(set(tensors) - used - {"lm_head.weight"})
@@ -120,10 +133,11 @@ def _attention(get, cfg: ModelConfig, a: str) -> dict:
                                    for c in "kv"], axis=1)},
         "out": {"kernel": get(a + "o_proj.weight", (D, N * H)).T.reshape(N, H, D)},
     }
-    if cfg.use_bias:
+    if cfg.use_bias or cfg.qkv_bias:
         attn["q"]["bias"] = get(a + "q_proj.bias", (N * H,)).reshape(N, H)
         attn["kv"]["bias"] = np.stack([get(a + f"{c}_proj.bias", (K * H,)).reshape(K, H)
                                        for c in "kv"])
+    if cfg.use_bias:
         attn["out"]["bias"] = get(a + "o_proj.bias", (D,))
     if cfg.qk_norm:
         for c in "qk":
@@ -179,6 +193,8 @@ def params_to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     if cfg.scan_layers:
         params = unstack_layers(params)
     p = jax.tree.map(lambda x: np.ascontiguousarray(np.asarray(x, np.float32)), params)
+    lead = len(p.get("dense") or {})  # (the leading dense run, then the stack's layers)
+    p["blocks"] = {**(p.get("dense") or {}), **{i + lead: b for i, b in p["blocks"].items()}}
     out = {"model.embed_tokens.weight": p["wte"]["embedding"][: cfg.vocab_size],
            "model.norm.weight": p["ln_f"]["scale"]}
     if not cfg.tie_embeddings:
@@ -195,13 +211,17 @@ def params_to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
         if cfg.qk_norm:
             for c in "qk":
                 out[a + f"{c}_norm.weight"] = b["attn"][f"{c}_norm"]["scale"]
-        if cfg.use_bias:
+        if cfg.use_bias or cfg.qkv_bias:
             out[a + "q_proj.bias"] = b["attn"]["q"]["bias"].reshape(-1)
             for c, name in enumerate("kv"):
                 out[a + f"{name}_proj.bias"] = b["attn"]["kv"]["bias"][c].reshape(-1)
+        if cfg.use_bias:
             out[a + "o_proj.bias"] = b["attn"]["out"]["bias"]
         out.update(_experts_to_hf(b["mlp"], kind, pre) if cfg.is_moe_layer(i) else
                    _dense_to_hf(b["mlp"], m, cfg.use_bias))
+        if cfg.is_moe_layer(i) and cfg.moe_shared_d_ff:
+            out.update(_dense_to_hf(b["mlp"]["shared"], m + "shared_expert.", False))
+            out[m + "shared_expert_gate.weight"] = b["mlp"]["shared_gate"].T
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 

@@ -55,7 +55,7 @@ def balance_error(m, p) -> str | None:
     if m.moe_balance == "bias+seq_aux" and not m.moe_balance_coef:
         return ("model.moe_balance='bias+seq_aux' adds the sequence-wise loss times "
                 "model.moe_balance_coef, which is 0: set it (DeepSeek-V3: 0.0001), or use bias")
-    if m.moe_balance.endswith("seq_aux") and p.pp > 1 and (p.cp > 1 or p.sp):
+    if m.moe_balance.endswith("seq_aux") and p.pp > 1 and (p.cp > 1 or p.sequence_parallel):
         return ("model.moe_balance='seq_aux' sums each sequence's parts, and a pipeline's "
                 f"stage holds one part of each under {'--cp' if p.cp > 1 else '--sp'}: not "
                 "built yet; use model.moe_balance=aux there")

@@ -23,14 +23,15 @@ def param_count(cfg) -> int:
     N, K = m.n_heads, m.kv_heads
     llama, bias = m.style == "llama", m.use_bias
     attn = D * N * H + 2 * D * K * H + N * H * D + (N * H + 2 * K * H + D if bias else 0) + \
-        (2 * H if m.qk_norm else 0)  # Qwen3's per-head q and k norms
+        (2 * H if m.qk_norm else 0) + (N * H + 2 * K * H if m.qkv_bias and not bias else 0)
     mlp = (3 * D * F if llama else 2 * D * F) + ((2 * F if llama else F) + D if bias else 0)
     dense_mlp = mlp
-    if m.n_experts:  # the router [D, E], E expert MLPs without biases (jaxtp.model.moe)
-        S = m.moe_shared_d_ff  # and a shared expert: a dense MLP, with biases where asked
+    if m.n_experts:  # the router [D, E], E expert MLPs without biases (jaxtp.model.moe), a
+        S = m.moe_shared_d_ff  # shared expert (a dense MLP, biases where asked; its gate [D,
+        # 1]) and the loss-free balance's bias [E]
         mlp = D * m.n_experts + m.n_experts * (3 if llama else 2) * D * m.expert_d_ff + \
             ((3 * D * S if llama else 2 * D * S) + ((2 * S if llama else S) + D if bias else 0)
-             if S else 0)
+             if S else 0) + D * m.moe_shared_gate + m.n_experts * m.moe_balance.startswith("bias")
     norms = 2 * D * (1 if llama else 2)  # RMSNorm: a scale; LayerNorm: scale and bias
     table = V * D * (1 if m.tie_embeddings else 2)
     M = m.n_moe_layers  # (the others are dense: `model.moe_every`)

@@ -419,3 +419,5 @@ def test_a_stored_config_with_a_renamed_key_loads_under_its_new_name():
     assert cfg.model.moe_first_dense == 1
     with pytest.raises(ConfigError, match="did you mean model.moe_first_dense"):
         apply_overrides(load_config("moe-tiny"), ["model.first_k_dense=1"])
+    with pytest.raises(ConfigError, match="both model.first_k_dense and its new name"):
+        Config.from_dict({"model": {"first_k_dense": 1, "moe_first_dense": 2}})

@@ -48,11 +48,13 @@ def moe_names(hf, i):
 
 
 def dense_layer(hf, i):
-    """Whether HF layer i is a dense MLP: every Llama layer; a Qwen3-MoE
-    layer unless (i + 1) % decoder_sparse_step == 0 (HF Qwen3MoeDecoderLayer)."""
+    """Whether HF layer i is a dense MLP: every Llama layer; a Qwen-MoE layer
+    in mlp_only_layers or unless (i + 1) % decoder_sparse_step == 0 (HF
+    Qwen3MoeDecoderLayer, Qwen2MoeDecoderLayer)."""
     if hf["model_type"] == "llama":
         return True
-    return hf["model_type"] == "qwen3_moe" and (i + 1) % hf.get("decoder_sparse_step", 1) != 0
+    return hf["model_type"] != "mixtral" and (
+        i in hf.get("mlp_only_layers", []) or (i + 1) % hf.get("decoder_sparse_step", 1) != 0)
 
 
 def random_hf_tensors(hf, seed=0):
@@ -70,6 +72,9 @@ def random_hf_tensors(hf, seed=0):
               p + "self_attn.v_proj.weight": w(K * H, D), p + "self_attn.o_proj.weight": w(D, N * H)}
         if hf["model_type"] == "qwen3_moe":
             t |= {p + "self_attn.q_norm.weight": 1 + w(H), p + "self_attn.k_norm.weight": 1 + w(H)}
+        if hf["model_type"] == "qwen2_moe":  # (Qwen2MoeAttention: q, k, v with biases)
+            t |= {p + "self_attn.q_proj.bias": w(N * H), p + "self_attn.k_proj.bias": w(K * H),
+                  p + "self_attn.v_proj.bias": w(K * H)}
         if dense_layer(hf, i):
             F = hf["intermediate_size"]
             t |= {p + "mlp.gate_proj.weight": w(F, D), p + "mlp.up_proj.weight": w(F, D),
@@ -80,6 +85,11 @@ def random_hf_tensors(hf, seed=0):
         t[router] = w(len(experts), D)
         for g, u, d in experts:
             t |= {g: w(F, D), u: w(F, D), d: w(D, F)}
+        S = hf.get("shared_expert_intermediate_size", 0)
+        if S:
+            sh = p + "mlp.shared_expert."
+            t |= {sh + "gate_proj.weight": w(S, D), sh + "up_proj.weight": w(S, D),
+                  sh + "down_proj.weight": w(D, S), p + "mlp.shared_expert_gate.weight": w(1, D)}
     return t
 
 
@@ -134,11 +144,15 @@ def hf_moe(h, t, hf, i):
     out = np.zeros_like(h)
     for e, names in enumerate(experts):
         out += (weights * (top == e)).sum(-1)[..., None] * swiglu(h, *(t[n] for n in names))
+    sh = f"model.layers.{i}.mlp.shared_expert"
+    if sh + "_gate.weight" in t:  # Qwen2MoeSparseMoeBlock: sigmoid(gate h) * shared(h)
+        gate = 1 / (1 + np.exp(-(h @ t[sh + "_gate.weight"].T)))
+        out += gate * swiglu(h, *(t[f"{sh}.{c}_proj.weight"] for c in ("gate", "up", "down")))
     return out
 
 
 def hf_logits(t, hf, tokens):
-    """Llama / Mixtral / Qwen3-MoE forward in HF layout, float64 numpy."""
+    """Llama / Mixtral / Qwen3-MoE / Qwen2-MoE forward in HF layout, float64 numpy."""
     t = {k: v.astype(np.float64) for k, v in t.items()}
     N, K = hf["num_attention_heads"], hf["num_key_value_heads"]
     H, T, eps = head_dim(hf), tokens.shape[1], hf["rms_norm_eps"]
@@ -153,7 +167,8 @@ def hf_logits(t, hf, tokens):
     for i in range(hf["num_hidden_layers"]):
         p = f"model.layers.{i}."
         h = rms(x, t[p + "input_layernorm.weight"])
-        proj = lambda n, c: (h @ t[p + f"self_attn.{n}_proj.weight"].T).reshape(
+        proj = lambda n, c: (h @ t[p + f"self_attn.{n}_proj.weight"].T
+                             + t.get(p + f"self_attn.{n}_proj.bias", 0)).reshape(
             *h.shape[:2], c, H).transpose(0, 2, 1, 3)
         q, k, v = proj("q", N), proj("k", K), proj("v", K)
         if hf["model_type"] == "qwen3_moe":  # Qwen3MoeAttention: q_norm, k_norm, then RoPE
@@ -369,7 +384,13 @@ QWEN3_MOE = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]
              "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
              "sliding_window": None, "attention_bias": False, "router_aux_loss_coef": 0.001,
              "hidden_act": "silu"}
-MOE = {"mixtral": MIXTRAL, "qwen3_moe": QWEN3_MOE}
+# Qwen2-MoE: q/k/v biases, no q/k norms, a shared expert of 48 gated by a
+# sigmoid of the token, its first layer dense (mlp_only_layers [0]: jaxtp's
+# moe_first_dense 1), top 3 of 8 unnormalised (as Qwen1.5-MoE-A2.7B's config)
+QWEN2_MOE = {k: v for k, v in QWEN3_MOE.items() if k != "head_dim"} | {
+    "model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"],
+    "num_hidden_layers": 3, "shared_expert_intermediate_size": 48, "mlp_only_layers": [0]}
+MOE = {"mixtral": MIXTRAL, "qwen3_moe": QWEN3_MOE, "qwen2_moe": QWEN2_MOE}
 
 
 @pytest.fixture(scope="module", params=sorted(MOE))
@@ -487,6 +508,8 @@ def fused(hf, tensors):
     concatenated on dim 1; Mixtral's block_sparse_moe renamed mlp)."""
     out = dict(tensors)
     for i in range(hf["num_hidden_layers"]):
+        if dense_layer(hf, i):
+            continue
         router, experts = moe_names(hf, i)
         m = f"model.layers.{i}.mlp."
         out[m + "gate.weight"] = out.pop(router)
@@ -552,8 +575,12 @@ def test_moe_configs_jaxtp_cannot_run_are_refused(tmp_path):
     renormalised without q/k norms; a shared expert)."""
     tensors = random_hf_tensors(QWEN3_MOE)
     for change, said in (({"mlp_only_layers": [1]}, r"layers \[1\] are dense MLPs"),
-                         ({"decoder_sparse_step": 3}, "decoder_sparse_step=3 > "
-                          "num_hidden_layers=2"),
+                         ({"mlp_only_layers": [0], "decoder_sparse_step": 2},
+                          r"layers \[0\] are dense MLPs outside jaxtp's pattern \(a leading"),
+                         ({"mlp_only_layers": [0, 1]}, r"mlp_only_layers=\[0, 1\], "
+                          "num_hidden_layers=2: no layer is a mixture of experts"),
+                         ({"decoder_sparse_step": 3}, "decoder_sparse_step=3, mlp_only_layers="
+                          r"\[\], num_hidden_layers=2: no layer"),
                          ({"use_sliding_window": True, "sliding_window": 16},
                           "sliding_window=16 is shorter than seq_len=64"),
                          ({"attention_bias": True}, "attention_bias=true")):
@@ -573,9 +600,13 @@ def test_moe_configs_jaxtp_cannot_run_are_refused(tmp_path):
     with pytest.raises(ValueError, match="moe_norm_topk=false"):
         save_hf(model, tmp_path / "out")
     model.cfg = dataclasses.replace(model.cfg, moe_norm_topk=True, moe_shared_d_ff=64)
-    with pytest.raises(ValueError, match="no shared expert; .* model.moe_shared_d_ff=64"):
+    with pytest.raises(ValueError, match="only Qwen2-MoE has a shared expert .* gated, .* "
+                       "model.moe_shared_d_ff=64, moe_shared_gate=False"):
         save_hf(model, tmp_path / "out")
-    model.cfg = dataclasses.replace(model.cfg, moe_shared_d_ff=0, moe_score="sigmoid",
+    model.cfg = dataclasses.replace(model.cfg, moe_shared_d_ff=0, moe_first_dense=1)
+    with pytest.raises(ValueError, match="moe_first_dense=1 is Qwen-MoE's mlp_only_layers"):
+        save_hf(model, tmp_path / "out")
+    model.cfg = dataclasses.replace(model.cfg, moe_first_dense=0, moe_score="sigmoid",
                                     moe_route_scale=2.5)
     with pytest.raises(ValueError, match="softmax over every expert, unscaled and unbiased; "
                        ".* model.moe_score='sigmoid', model.moe_route_scale=2.5"):
@@ -607,7 +638,8 @@ def test_transformers_agrees_on_moe(kind, tmp_path):
     hf, path = MOE[kind], tmp_path / "m"
     write_hf(path, hf, random_hf_tensors(hf, seed=4))
     cls = {"mixtral": transformers.MixtralForCausalLM,
-           "qwen3_moe": transformers.Qwen3MoeForCausalLM}[kind]
+           "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+           "qwen2_moe": transformers.Qwen2MoeForCausalLM}[kind]
     tokens = np.random.default_rng(5).integers(0, hf["vocab_size"], (2, 64)).astype(np.int32)
     ref = cls.from_pretrained(path, torch_dtype=torch.float32)
     with torch.no_grad():

@@ -34,10 +34,11 @@ class Attention(nnx.Module):
                   rngs=rngs)
         N, K, H, D = cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_model
         kv_axis = "kv_heads" if layout.kv_sharded else None
+        qkv = kw | {"use_bias": cfg.use_bias or cfg.qkv_bias}  # (Qwen2: q, k, v alone)
         self.q = ColumnParallelLinear(D, (N, H), ("heads", "head_dim"), "NH", layout,
-                                      std=cfg.init_std, **kw)
+                                      std=cfg.init_std, **qkv)
         self.kv = ColumnParallelLinear(D, (2, K, H), (None, kv_axis, "head_dim"), "CKH",
-                                       layout, std=cfg.init_std, **kw)
+                                       layout, std=cfg.init_std, **qkv)
         self.out = RowParallelLinear((N, H), ("heads", "head_dim"), "NH", D, layout,
                                      std=init_std_out(cfg.init_std, cfg.n_layers), **kw)
         # Qwen3's q_norm / k_norm (HF Qwen3MoeAttention): over each head's H

@@ -127,8 +127,7 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, layout: Layout, *, rngs: nnx.Rngs,
                  schedule: Schedule | None = None):
-        # (`schedule`: how the stack runs, `jaxtp.parallel.stack`; default one
-        # batch, the blocks scanned where `cfg.scan_layers` asks)
+        # (`schedule`: how the stack runs, `jaxtp.parallel.stack`; default one batch)
         if schedule is None and layout.pp > 1:
             raise ValueError("a pipelined layout (pp > 1) needs its Schedule: build the model "
                              "with jaxtp.model.build_model, or pass schedule=Schedule.of(cfg, "
@@ -281,6 +280,7 @@ class Transformer(nnx.Module):
                 nnx.List([self.ln_f, self.head]), self._embed(tokens_BT, None), targets_BT,
                 jnp.zeros(n, weights.dtype) if n else None, weights if n else None)
         x_BTD, stats = self.hidden_and_stats(tokens_BT, dropout_key=dropout_key)
+        stats = stats.sum(0) if stats.ndim == 2 else stats  # (monitored: per layer)
         loss = self.head.token_losses(x_BTD, targets_BT).mean()
         if not self.cfg.n_experts:
             return loss

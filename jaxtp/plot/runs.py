@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..config_keys import RENAMED
 from . import pyplot, save
 
 
@@ -18,7 +19,8 @@ def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
     if not cfg_path.is_file() or not rows_path.is_file():
         raise ValueError(f"{run_dir}: not a training run (no config.json and metrics.jsonl)")
     cfg = json.loads(cfg_path.read_text())
-    flat = {f"{sec}.{k}": v for sec, d in cfg.items() for k, v in d.items()}
+    flat = {f"{sec}.{RENAMED.get(sec, {}).get(k, k)}": v for sec, d in cfg.items()
+            for k, v in d.items()}  # (a key by its name now: runs saved before compare)
     rows = []
     for n, line in enumerate(rows_path.read_text().splitlines(), 1):
         try:

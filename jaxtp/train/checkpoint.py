@@ -42,6 +42,7 @@ dtype and fingerprint, and a sha256 of both JSON items).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -54,6 +55,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from ..config import ModelConfig
+from ..config_keys import RENAMED
 from ..parallel.distributed import any_process
 from .fingerprint import fingerprints, nbytes
 from .layer_forms import _LAYER, layer_plan
@@ -291,6 +294,9 @@ class Checkpointer:
     def _check_model(self, step: int, saved: dict | None, model: dict) -> None:
         if saved is None:
             return  # no config to compare; the per-array check still applies
+        # (a key renamed since, or added since at its default then)
+        saved = {RENAMED["model"].get(k, k): v for k, v in saved.items()}
+        saved = {f.name: f.default for f in dataclasses.fields(ModelConfig)} | saved
         changed = [k for k in sorted(set(saved) | set(model))
                    if saved.get(k, _MISSING) != model.get(k, _MISSING)]
         said = {k: f"{k}={saved.get(k, _MISSING)!r} in the checkpoint vs "

@@ -108,7 +108,8 @@ def make_eval_step(state: TrainState) -> Callable:
 
 def make_router_stats(state: TrainState) -> Callable:
     """jitted (params, tokens) -> a MoE model's router statistics on a batch,
-    forward only, summed over its MoE layers (`Transformer.hidden_and_stats`)."""
+    forward only, per MoE layer [L_moe, n] (under a pipeline summed over
+    them, [n]: `Transformer.hidden_and_stats`)."""
     graphdef = state.graphdef
 
     def stats(params, tokens_BT1):

@@ -144,7 +144,7 @@ def test_minimal_remat_keeps_the_slots_only_where_they_travelled(impl):
     pytest.param(impl, *layout, kw, id=f"{name}-{impl}")
     for impl in ("gspmd", "shard_map", "explicit")
     for name, layout, kw in (
-        ("dp2xep2xtp2", (2, 2, 2), {}), ("ep8", (1, 8, 1), {}),
+        ("dp2xep2xtp2", (2, 2, 2), {}), ("ep8", (1, 8, 1), {}), ("dp4xtp2", (4, 1, 2), {}),
         # minimal remat at ep 1 recomputes the experts' g (no slots kept), and
         # DeepSeek-V3's sequence-wise balance loss: each sequence's statistics
         ("dp4xtp2-minimal-seq_aux", (4, 1, 2), {"remat": "minimal", "balance": "seq_aux"}),

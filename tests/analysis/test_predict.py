@@ -159,7 +159,10 @@ def test_decode_is_latency_bound_at_batch_1_and_bandwidth_bound_at_large_batch()
     ("moe-tiny", ("model.moe_shared_d_ff=64",)),
     ("moe-tiny", ("model.style=gpt2", "model.use_bias=true", "model.moe_shared_d_ff=64")),
     ("moe-tiny", ("model.qk_norm=true", "model.d_head=32", "model.moe_every=2",
-                  "model.n_layers=4"))])
+                  "model.n_layers=4")),
+    # Qwen2-MoE's q/k/v biases and gated shared expert; the loss-free balance's bias
+    ("moe-tiny", ("model.qkv_bias=true", "model.moe_shared_d_ff=64",
+                  "model.moe_shared_gate=true", "model.moe_balance=bias"))])
 def test_param_count_is_the_models(preset, overrides):
     import jax
 

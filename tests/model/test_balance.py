@@ -47,7 +47,8 @@ def trained(dp: int, ep: int, tp: int, microbatches: int = 1, model: ModelConfig
     assignments = TOKENS.shape[0] * model.seq_len * model.moe_top_k
     for _ in range(STEPS):
         seen.append(biases(params))
-        load = np.asarray(stats(params, tokens))[3:]  # (STATS: balance, z, dropped, loads)
+        # (the one MoE layer's row: balance, z, dropped, then the loads)
+        load = np.asarray(stats(params, tokens))[0, 3:]
         counts.append(np.rint(load * assignments))
         params, opt, metrics = step(params, opt, tokens, jax.random.key(0), step_controls())
         assert not bool(metrics["skipped"])

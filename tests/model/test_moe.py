@@ -257,6 +257,14 @@ def test_the_balance_losses_equal_a_per_token_count_in_value_and_gradient(routin
     np.testing.assert_allclose(got(*args), want(*args), rtol=1e-5)
     for g, w in zip(jax.grad(got, (0, 1))(*args), jax.grad(want, (0, 1))(*args)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+    if parts == 2:  # 2 sequences of 2 parts each, part-major as `MoE._groups` lays them
+        x4 = RNG.normal(size=(4, T // 2, D)).astype(np.float32)
+        logits = jnp.asarray(x4 @ W_ROUTER)
+        _, ex, aff = moe.route(logits, routing)
+        seq_major = jnp.asarray(x4.reshape(2, 2, T // 2, D).transpose(1, 0, 2, 3)
+                                .reshape(2, T, D))  # sequence s = parts (0, s) and (1, s)
+        np.testing.assert_allclose(moe.balance_loss(aff, ex, parts=2),
+                                   balance_reference(seq_major, W_ROUTER, routing, 2), rtol=1e-5)
 
 
 def test_the_balance_loss_is_one_at_a_random_router_as_transformers_two_at_top_two():

@@ -674,3 +674,24 @@ def test_a_grouped_stack_restores_exactly_as_a_list_and_back(tmp_path, lead):
         _, p, o = restore_into(ckpt, c, model, grouped)
     ckpt.close()
     saved_and_restored(tmp_path / "piped", p, o, model, 2, state, listed)
+
+
+def test_a_checkpoint_saved_before_a_key_was_renamed_or_added_restores_without_a_note(tmp_path):
+    """A checkpoint's model config from before model.first_k_dense became
+    model.moe_first_dense, and before the keys added since (at their
+    defaults): nothing changed, so nothing is said; a real change still is."""
+    from jaxtp.config import ModelConfig
+    from jaxtp.train.checkpoint import Checkpointer
+
+    said = []
+    ckpt = Checkpointer(tmp_path / "c", log=said.append)
+    try:
+        now = dataclasses.asdict(ModelConfig())
+        old = {("first_k_dense" if k == "moe_first_dense" else k): v for k, v in now.items()
+               if k not in ("moe_score", "moe_balance", "qkv_bias")}
+        ckpt._check_model(4, old, now)
+        assert said == []
+        ckpt._check_model(4, dict(old, remat="full"), now)
+        assert len(said) == 1 and "remat='full' in the checkpoint vs 'none' now" in str(said[0])
+    finally:
+        ckpt.close()
