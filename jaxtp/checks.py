@@ -13,7 +13,7 @@ from .axes import BATCH, CP_AXIS, EP_AXIS, PP_AXIS
 from .axis_checks import CHECKS
 from .cli import FLAG_KEYS
 from .moe_checks import (MOE_BALANCES, MOE_DISPATCHES, MOE_DROPS, MOE_KEYS, MOE_SCORES,
-                         balance_error, layers_error, routing_error)
+                         MOE_SLOTS, layers_error, layout_error, routing_error)
 
 if TYPE_CHECKING:  # annotations only: jaxtp.config imports this module
     from .config import Config, ModelConfig
@@ -89,7 +89,7 @@ def _check_moe(cfg: Config) -> None:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not divisible by "
                           f"dp*ep={p.dp}*{p.ep}: ep's ranks split the batch as dp's do; set "
                           f"train.batch_size to a multiple of {split}")
-    for error in (routing_error(m), balance_error(m, p), layers_error(m, p.pp)):
+    for error in (routing_error(m), layout_error(m, p), layers_error(m, p.pp)):
         if error:
             raise ConfigError(error)
     _divisible("model.moe_d_ff (0: model.d_ff)", m.expert_d_ff, cfg)
@@ -242,6 +242,7 @@ def _check_choices(cfg: Config) -> None:
                                  ("model.moe_score", m.moe_score, MOE_SCORES),
                                  ("model.moe_drop", m.moe_drop, MOE_DROPS),
                                  ("model.moe_balance", m.moe_balance, MOE_BALANCES),
+                                 ("model.moe_slots", m.moe_slots, MOE_SLOTS),
                                  ("parallel.impl", cfg.parallel.impl, IMPLS),
                                  ("parallel.overlap", cfg.parallel.overlap, OVERLAPS),
                                  ("parallel.cp_attention", cfg.parallel.cp_attention,

@@ -114,18 +114,18 @@ class ModelConfig:
     # layers 0..k-1 dense MLPs of d_ff, the MoE pattern (`moe_every`) from layer
     # k on (DeepSeek-V3's first_k_dense_replace = 3; MaxText's first_num_dense_layers)
     moe_first_dense: int = 0
-    # slots per expert: ceil(capacity_factor * tokens * k / E) per sequence; 0: dropless
-    capacity_factor: float = 0.0
-    # how tokens reach their experts: "dense" one-hot dispatch into
-    # capacity-sized slots (every impl, every backend), or "ragged": dropless,
-    # rows sorted by expert, jax.lax.ragged_all_to_all over ep and
-    # jax.lax.ragged_dot (capacity_factor 0; at ep > 1 GPUs and TPUs only:
-    # XLA:CPU does not compile ragged-all-to-all, jax-ml/jax#34755)
+    capacity_factor: float = 0.0  # slots an expert: ceil(cf * tokens * k / E) a sequence; 0: none
+    # how tokens reach their experts: "dense" one-hot dispatch into capacity-sized
+    # slots (every impl, every backend), or "ragged": dropless, rows sorted by expert,
+    # jax.lax.ragged_all_to_all over ep and jax.lax.ragged_dot (capacity_factor 0; at
+    # ep > 1 GPUs and TPUs only: XLA:CPU compiles no ragged-all-to-all, jax-ml/jax#34755)
     moe_dispatch: str = "dense"
-    # balance: the loss (times moe_balance_coef) over the microbatch's tokens ("aux",
-    # Switch's) or per sequence ("seq_aux", DeepSeek-V3's); "bias": no loss, a bias
-    # on each expert's score for the choice, moved moe_bias_rate a step toward the
-    # mean load (DeepSeek-V3's auxiliary-loss-free balance); "bias+seq_aux": both
+    # at ep > 1 under remat minimal or dots: "keep" the slots ep's all-to-alls delivered
+    # for the backward, or "resend" them (memory for 2 all-to-alls a layer, docs/scale.md)
+    moe_slots: str = "keep"
+    # balance: the loss (x moe_balance_coef) over a microbatch ("aux", Switch's) or per sequence
+    # ("seq_aux"); "bias": a bias on each expert's score for the choice, moved moe_bias_rate a
+    # step toward the mean load (DeepSeek-V3's loss-free balance); "bias+seq_aux": both
     moe_balance: str = "aux"
     moe_balance_coef: float = 0.01
     moe_bias_rate: float = 0.001

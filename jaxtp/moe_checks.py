@@ -10,15 +10,17 @@ MOE_DISPATCHES = ("dense", "ragged")
 # the router's scores, and what goes past an expert's capacity (`moe.Routing`)
 MOE_SCORES = ("softmax", "sigmoid")
 MOE_DROPS = ("position", "probs")
+# what remat keeps of ep's slots (`jaxtp.model.transformer._block_fn`)
+MOE_SLOTS = ("keep", "resend")
 # the balance loss over a microbatch's tokens or per sequence (`routing.balance_loss`),
 # or the loss-free bias (`routing.counted`, `jaxtp.train.optim.loss_free_bias`)
 MOE_BALANCES = ("aux", "seq_aux", "bias", "bias+seq_aux")
 # the keys that act only with a mixture of experts (model.n_experts > 0)
 MOE_KEYS = ("moe_top_k", "moe_d_ff", "moe_norm_topk", "moe_score", "moe_groups",
             "moe_group_top_k", "moe_route_scale", "moe_drop", "moe_shared_d_ff",
-            "moe_shared_gate", "moe_every",
-            "moe_first_dense", "capacity_factor", "moe_dispatch", "moe_balance",
-            "moe_balance_coef", "moe_bias_rate", "moe_z_coef")
+            "moe_shared_gate", "moe_every", "moe_first_dense", "capacity_factor",
+            "moe_dispatch", "moe_slots", "moe_balance", "moe_balance_coef", "moe_bias_rate",
+            "moe_z_coef")
 
 
 def routing_error(m) -> str | None:
@@ -47,8 +49,12 @@ def routing_error(m) -> str | None:
     return None
 
 
-def balance_error(m, p) -> str | None:
-    """What the balance (`model.moe_balance`) needs, and is not built with yet."""
+def layout_error(m, p) -> str | None:
+    """What the balance (`model.moe_balance`) and the slots' remat need, and
+    are not built with yet."""
+    if m.moe_slots == "resend" and p.sequence_parallel:
+        return ("model.moe_slots=resend is not built with --sp yet (the slots' tp gather "
+                "and scatter would run again too): use model.moe_slots=keep")
     if m.moe_balance.startswith("bias") and not m.moe_bias_rate:
         return (f"model.moe_balance={m.moe_balance!r} moves a bias by model.moe_bias_rate a "
                 "step, and 0 never moves it: set it (DeepSeek-V3: 0.001), or use aux")

@@ -125,9 +125,16 @@ def expected_ep(cfg: Config, impl: str = "gspmd") -> list[Expected]:
                                      written=impl == "shard_map", per="layer")
     rows = [E("dispatch and combine (the slots to their experts' ranks and back)", "forward"),
             E("their transposes (the slots' gradients back and forth)", "backward")]
-    if m.remat == "full":  # the only policy that does not keep "ep_slots"
-        rows.append(E("remat 'full': dispatch and combine again for the backward", "backward"))
+    if m.remat == "full" or resent(cfg):  # (the policies that do not keep "ep_slots")
+        rows.append(E(f"remat {m.remat!r}: dispatch and combine again for the backward",
+                      "backward"))
     return per_moe_layer(cfg, rows)
+
+
+def resent(cfg: Config) -> bool:
+    """Whether a remat that keeps ep's slots is told not to
+    (`model.moe_slots=resend`): the backward sends them again."""
+    return cfg.model.remat in ("minimal", "dots") and cfg.model.moe_slots == "resend"
 
 
 def expected_moe(cfg: Config, impl: str) -> list[Expected]:
@@ -176,8 +183,8 @@ def _moe_rows(cfg: Config, impl: str) -> list[Expected]:
     # the block's output is kept, the experts' not; nor under minimal or dots at ep 1
     # the slots (named for remat only where they travel, `jaxtp.parallel.ep.placed`;
     # measured, jax 0.10.2: dp 2 x tp 4, and ep 2 x tp 2 and ragged holding the ledger)
-    again = m.remat == "full" or (m.remat in ("minimal", "dots") and p.ep == 1
-                                  and not ragged)
+    again = m.remat == "full" or (m.remat in ("minimal", "dots") and not ragged
+                                  and (p.ep == 1 or resent(cfg)))
     if own and again and not sp:
         own.append(T(f"remat {m.remat!r}: g again for the backward", "all-reduce", "backward",
                      tp_n, 1, p.tp, (TP_AXIS,)))

@@ -53,6 +53,13 @@ def print_plan(cfg: Config, rows: list[dict], target, swept: str | None, log) ->
                 f"{gib(f['all_to_all_bytes'])} per step compiled, "
                 f"{gib(f['all_to_all_ledger_bytes'])} by the ep ledger"
                 for r in rows for f in [r["moe"]]))
+        kept = [r for r in rows if r["ep"] > 1 and not r["fits"] and m.moe_slots == "keep"
+                and m.remat in ("minimal", "dots") and m.moe_dispatch == "dense"]
+        if kept:  # (the rule: keep them while the step fits; else memory is the bound)
+            log(f"the slots {m.remat} remat keeps (2 buffers a MoE layer: " + ", ".join(
+                f"{name(r)} {gib(2 * r['moe']['slots_bytes_per_layer'] * m.n_moe_layers)}"
+                for r in kept) + ") where the step does not fit: model.moe_slots=resend "
+                "drops them for 2 all-to-alls a layer sent again in the backward")
     if swept == CP_AXIS:
         log(f"cp roofline (attention flops per K/V byte received, per layer; hidden while > "
             f"C/W = {target.peak_flops / target.link:,.0f} for {target.name}): " + ", ".join(

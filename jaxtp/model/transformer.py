@@ -87,38 +87,38 @@ def _layers_of(unit) -> list:
 
 
 _names = jax.checkpoint_policies.save_only_these_names
-# The reduced outputs of the attention and MLP regions (after g). Every policy
-# keeps them: recomputing one would repeat its forward all-reduce (or SP
-# reduce-scatter) in the backward pass. Kept or not, a policy keeps only what
-# the backward pass reads: the MLP's output is not read, the attention's is
-# (the second norm's input).
+# The reduced outputs of the attention and MLP regions (after g). Every policy keeps them:
+# recomputing one would repeat its forward all-reduce (or SP reduce-scatter) in the
+# backward. (XLA keeps only what the backward reads: the attention's, not the MLP's.)
 REGION_OUTPUTS = ("attn_out", "mlp_out")
 # CP_KV: the K/V a context-parallel rank received from the others (all-gathered,
 # or each ring hop's chunk), and EP_SLOTS: the slots ep's all-to-alls delivered
-# (to the experts and back): kept by every policy but "full", so that the
-# backward pass does not repeat the forward's collectives
-REMAT_POLICIES = {
-    "none": None,  # keep every activation the backward pass needs
-    # recompute the whole block but the region outputs
-    "full": _names(*REGION_OUTPUTS),
-    # the outputs of the weight matmuls (dots without batch dims); recompute
-    # the rest: norms, activations, the attention core
-    "dots": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        _names(*REGION_OUTPUTS, CP_KV, EP_SLOTS)),
-    # the tagged projection outputs only (q/k/v, MLP up, the region outputs: under SP
-    # their sequence shards); recompute norms, activations, the attention core (cp's K/V)
-    "minimal": _names("qkv", "mlp_up", *REGION_OUTPUTS, CP_KV, EP_SLOTS),
-}
+# (to the experts and back): kept by every policy but "full" (and the slots not
+# under `model.moe_slots=resend`), so the backward does not repeat the collectives
+def _policies(slots: tuple = (EP_SLOTS,)) -> dict:
+    return {
+        "none": None,  # keep every activation the backward pass needs
+        # recompute the whole block but the region outputs
+        "full": _names(*REGION_OUTPUTS),
+        # the weight matmuls' outputs (no batch dims); recompute norms, activations, core
+        "dots": jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            _names(*REGION_OUTPUTS, CP_KV, *slots)),
+        # the tagged projection outputs only (q/k/v, MLP up, the region outputs: under
+        # SP their sequence shards); recompute norms, activations, the core (cp's K/V)
+        "minimal": _names("qkv", "mlp_up", *REGION_OUTPUTS, CP_KV, *slots)}
+
+
+REMAT_POLICIES = _policies()
 assert tuple(REMAT_POLICIES) == REMATS  # the config's list of names is the one source
 
 
-def _block_fn(remat: str):
-    """(block, x, key) -> x, rematerialised by the named policy."""
+def _block_fn(remat: str, slots: str = "keep"):
+    """(block, x, key) -> x, rematerialised by the named policy (without ep's
+    slots where `slots` is "resend", `model.moe_slots`)."""
     call = lambda block, x, key: block(x, key)
-    if remat == "none":
-        return call
-    return nnx.remat(call, policy=REMAT_POLICIES[remat])
+    policies = REMAT_POLICIES if slots == "keep" else _policies(())
+    return call if remat == "none" else nnx.remat(call, policy=policies[remat])
 
 
 class Transformer(nnx.Module):
@@ -182,7 +182,7 @@ class Transformer(nnx.Module):
         """One unit of the stack (a block, or a Group's blocks in order) on
         (x, the router statistics so far, or None), each block's activations
         rematerialised by `model.remat`'s policy."""
-        block_fn = _block_fn(self.cfg.remat)
+        block_fn = _block_fn(self.cfg.remat, self.cfg.moe_slots)
 
         def layer(unit, carry, key):
             x_BTD, stats = carry

@@ -36,11 +36,11 @@ B = 16
 def compiled(impl: str, factor: float, ep: int = 4, tp: int = 2, dp: int = 1,
              remat: str = "none", dispatch: str = "dense", shared: int = 0, microbatches: int = 1,
              every: int = 1, fsdp: bool = False, cp: int = 1, loss_chunk: int = 4096,
-             balance: str = "aux"):
+             balance: str = "aux", slots: str = "keep"):
     cfg = validate(Config(dataclasses.replace(MOE, capacity_factor=factor, remat=remat,
                                               moe_dispatch=dispatch, moe_shared_d_ff=shared,
                                               moe_every=every, loss_chunk=loss_chunk,
-                                              moe_balance=balance),
+                                              moe_balance=balance, moe_slots=slots),
                           TrainConfig(batch_size=B, microbatches=microbatches),
                           ParallelConfig(dp=dp, ep=ep, tp=tp, cp=cp, impl=impl, fsdp=fsdp)))
     layout = Layout.of(cfg)
@@ -102,16 +102,18 @@ def test_the_all_to_all_bytes_follow_the_capacity_factor():
 def test_remat_full_sends_the_slots_again_and_the_others_keep_them(impl):
     """Under remat "full" the backward repeats the forward's dispatch and
     combine (6 all-to-alls per layer); "minimal" and "dots" keep what they
-    delivered ("ep_slots"): 4, as without remat."""
+    delivered ("ep_slots"): 4, as without remat; told to resend them
+    (`model.moe_slots=resend`), 6 again, and tp's g over the slots again."""
     moved = {}
-    for remat in ("minimal", "dots", "full"):
-        cfg, sizes, colls = compiled(impl, 1.0, remat=remat)
+    for remat, kept in (("minimal", "keep"), ("dots", "keep"), ("full", "keep"),
+                        ("minimal", "resend")):
+        cfg, sizes, colls = compiled(impl, 1.0, remat=remat, slots=kept)
         assert check(colls, expected_collectives(cfg, impl, "cpu"), sizes) is None
-        moved[remat] = sum(c.bytes * c.count for c in colls if c.kind == "all-to-all")
+        moved[remat, kept] = sum(c.bytes * c.count for c in colls if c.kind == "all-to-all")
     cfg, _, _ = compiled(impl, 1.0)
     per_layer = slots(cfg) * 4  # f32 bytes of one rank's buffer, per all-to-all
-    assert moved == {"minimal": 4 * 2 * per_layer, "dots": 4 * 2 * per_layer,
-                     "full": 6 * 2 * per_layer}
+    assert moved == {("minimal", "keep"): 4 * 2 * per_layer, ("dots", "keep"): 4 * 2 * per_layer,
+                     ("full", "keep"): 6 * 2 * per_layer, ("minimal", "resend"): 6 * 2 * per_layer}
 
 
 test_remat_full_sends_the_slots_again_and_the_others_keep_them.fast_cases = {"gspmd"}

@@ -548,6 +548,8 @@ test_the_moe_pipeline_equals_one_device_and_holds_its_ledger.fast_cases = {
      "model.moe_shared_d_ff=0 has none"),
     ({"moe_balance": "bias", "moe_bias_rate": 0.0}, "0 never moves it"),
     ({"moe_balance": "bias+seq_aux", "moe_balance_coef": 0.0}, "which is 0: set it"),
+    ({"moe_slots": "resend", "sp": True, "tp": 2, "ep": 2, "remat": "minimal",
+      "capacity_factor": 0.0}, "moe_slots=resend is not built with --sp"),
     ({"moe_score": "tanh"}, "choose one of \\('softmax', 'sigmoid'\\)"),
     ({"moe_groups": 3}, "model.moe_groups=3 must divide model.n_experts=4 .* \\[1, 2, 4\\]"),
     ({"moe_groups": 2, "moe_group_top_k": 3}, "picks more groups than model.moe_groups=2"),
