@@ -141,8 +141,8 @@ def _ranks(experts_GTk, by_GTk, E: int):
     e = experts_GTk.transpose(0, 2, 1).reshape(G, k * T)  # router order
     order = jnp.lexsort((-jax.lax.stop_gradient(by_GTk).transpose(0, 2, 1).reshape(G, k * T),
                          e), axis=-1)
-    first = jnp.cumsum(jax.nn.one_hot(e, E, dtype=jnp.int32).sum(1), -1) - \
-        jax.nn.one_hot(e, E, dtype=jnp.int32).sum(1)  # [G, E]: where each expert starts
+    per_E = jax.nn.one_hot(e, E, dtype=jnp.int32).sum(1)  # [G, E]: each expert's count
+    first = jnp.cumsum(per_E, -1) - per_E  # where each expert starts in the sort
     place = jnp.argsort(order, axis=-1).astype(jnp.int32)  # each assignment's place
     rank = place - jnp.take_along_axis(first, e, -1)
     return rank.reshape(G, k, T).transpose(0, 2, 1)

@@ -113,10 +113,11 @@ LOADS = ModelConfig(style="llama", n_layers=4, d_model=32, n_heads=4, n_kv_heads
 def counted_loads(model, tokens) -> tuple[np.ndarray, np.ndarray]:
     """(each MoE layer's share of assignments per expert [L, E], its dropped
     share [L]) by running the list model eagerly with each MoE layer's input
-    recorded, then routing every token by hand: softmax, the top k by a
-    stable sort, a capacity queue of first choices before second ones."""
-    from jaxtp.model.moe import MoE
+    recorded, then routing every token by hand (`moe_reference.queue`: the
+    top k, a capacity queue of first choices before second ones)."""
+    from jaxtp.model.moe import MoE, Routing
     from jaxtp.sizes import capacity
+    from moe_reference import queue
 
     seen, call = [], MoE.__call__
 
@@ -132,19 +133,11 @@ def counted_loads(model, tokens) -> tuple[np.ndarray, np.ndarray]:
     k, E = LOADS.moe_top_k, LOADS.n_experts
     C = capacity(LOADS.seq_len, k, E, LOADS.capacity_factor)
     loads, dropped = [], []
-    for x, w in seen:
-        counts, kept = np.zeros(E), 0
-        for seq in x.astype(np.float64) @ w:  # one routing group per sequence
-            p = np.exp(seq - seq.max(-1, keepdims=True))
-            picks = np.argsort(-p, axis=-1, kind="stable")[:, :k]
-            taken = np.zeros(E, int)
-            for j in range(k):
-                for t in range(len(seq)):
-                    counts[picks[t, j]] += 1
-                    kept += taken[picks[t, j]] < C
-                    taken[picks[t, j]] += 1
+    for x, w in seen:  # (one routing group per sequence)
+        groups = queue(x.astype(np.float64) @ w, Routing(k), C)
+        counts = np.bincount(np.concatenate([ex.ravel() for ex, _, _ in groups]), minlength=E)
         loads.append(counts / counts.sum())
-        dropped.append(1 - kept / counts.sum())
+        dropped.append(1 - np.mean([kept for _, _, kept in groups]))
     return np.array(loads), np.array(dropped)
 
 
