@@ -216,7 +216,8 @@ def _analysis_flags(ap) -> None:
                             "h100x8, h100x8x8nodes, h100x8x64nodes, h200x8, a100x8, v5p-32; or a JSON file, "
                             "jaxtp.analysis.cluster): matmul, HBM and per-axis communication "
                             "time, the step with communication exposed and hidden, tokens/s "
-                            "and MFU")
+                            "and MFU; where no planned layout fits, the fewest of its devices "
+                            "that hold the step and the layout there (jaxtp.analysis.fit)")
     group.add_argument("--check", action="store_true",
                        help="replay the first steps on one device, up to the first that moves "
                             "the parameters (step 2: step 1 runs at lr 0), and record loss, "
@@ -375,13 +376,22 @@ def _main(args: argparse.Namespace) -> int:
         return EXIT_USAGE
 
 
+def _cluster_devices(cluster: str) -> int:
+    from jaxtp.analysis.cluster import load
+
+    return load(cluster).devices
+
+
 def start_jax(args, cfg: Config) -> str | None:
     """Start JAX as the run needs it (fake CPU devices, or jax.distributed for
     several processes); the reason to refuse the run, or None."""
     p = cfg.parallel
     if args.hardware and not (args.plan or args.compare_hlo):
         return "--hardware applies to --plan and --compare-hlo"
-    if args.hardware and HARDWARE[args.hardware].platform == "cuda":
+    # --plan --cluster: where nothing fits, a search up to the cluster's devices
+    # compiles for its accelerator (`jaxtp.analysis.fit`)
+    search = args.plan and args.cluster
+    if search or args.hardware and HARDWARE[args.hardware].platform == "cuda":
         # compiling for a GPU this machine lacks: the CUDA plugin must not insist
         # on finding one when JAX starts (jaxtp.parallel.targets)
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
@@ -405,8 +415,9 @@ def start_jax(args, cfg: Config) -> str | None:
                 args.local_devices or (p.devices // n if n else None),
                 timeout_s=args.coordinator_timeout))
         else:  # before JAX starts
-            print(ensure_devices(args.local_devices or
-                                 p.devices // p.tp * (max(p.tp, 8) if args.plan else p.tp)))
+            print(ensure_devices(args.local_devices or max(
+                p.devices // p.tp * (max(p.tp, 8) if args.plan else p.tp),
+                _cluster_devices(args.cluster) if search else 0)))
         on_cpu = jax.default_backend() == "cpu" and not args.hardware
     except (ValueError, RuntimeError, AssertionError) as e:
         # jax 0.10.2 fails JAX_PLATFORMS=cuda without a GPU on a bare assert

@@ -39,14 +39,14 @@ from .. import hlo
 from ..axes import AXIS, TABLE
 from ..config import Config, ConfigError, validate
 from ..parallel import mesh_for
-from ..hardware import HARDWARE, model_flops_per_token
+from ..hardware import HARDWARE, TARGET_NAMES, model_flops_per_token
 from ..model.build import resolve_attention
 from ..sizes import activation_bytes, capacity, moe_activation_bytes
 from .backends import on_backend
 from .cp import cp_intensity
 from .ep import expected_ep, slots
 from .params import param_shards
-from .predict import decode_lines, from_hlo, plan_lines
+from .predict import decode_lines, from_hlo, plan_lines, predict_config
 from .rows import decided, per_step, schedule_of
 from .plan_report import print_plan
 from ..parallel.targets import CPU_OVERSTATES, TargetUnavailable, target_mesh
@@ -239,8 +239,46 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
         log(f"no valid tp among {sorted(tps)}")
         return rows
     print_plan(cfg, rows, target, swept, log)
+    if cluster and not any(r["fits"] for r in rows):
+        rows[0]["smallest_fit"] = _search(cfgs[-1], cluster, log, compile_step)
     _report(cfg, rows, cfgs, hardware, target, on_target, cluster, out_dir, log)
     return rows
+
+
+def _search(cfg: Config, cluster: str, log, compile_step) -> dict | None:
+    """Where no planned layout fits: the fewest of `cluster`'s devices
+    that hold the step, and the layout (`jaxtp.analysis.fit`), compiled for
+    its accelerator where that compiler is here (else CPU, whose
+    temporaries overstate); its prediction on the cluster."""
+    from .cluster import load
+    from .fit import name, smallest_fit
+
+    c0 = load(cluster)
+    hw = c0.accelerator.name if c0.accelerator.name in HARDWARE else None
+    memory = HARDWARE[hw].memory if hw and HARDWARE[hw].memory else c0.accelerator.memory
+    here = bool(hw) and hw in TARGET_NAMES and _compiler_here(hw, log)
+    counts = [n for n in (2 ** i for i in range(1, 31))
+              if cfg.parallel.devices < n <= c0.devices]
+    log(f"no layout above fits {c0.accelerator.name}'s {memory / 2**30:,.1f} GiB: the fewest "
+        f"of {c0.name}'s {c0.devices} devices that hold the step, compiled for "
+        f"{hw if here else 'CPU'} ...")
+    mesh = lambda c: target_mesh(hw, **c.parallel.degrees) if here else None
+    found = smallest_fit(cfg, counts, c0.devices_per_node, memory,
+                         lambda c: sum(state_bytes(c).values()),
+                         lambda c: analyze(c, mesh(c), compile_step=compile_step), log,
+                         speed=lambda c: _step_s(c, c0))
+    if found is None:
+        log(f"no layout of up to {c0.devices} devices fits: a larger cluster, "
+            "model.moe_slots=resend, or a smaller batch")
+        return None
+    n, c, r = found
+    nodes = -(-n // c0.devices_per_node)
+    log(f"smallest that fits: {n} {c0.accelerator.name} ({nodes} node{'s' * (nodes > 1)} "
+        f"of {c0.devices_per_node}) at {name(c)}, {r['memory']['total'] / 2**30:,.1f} GiB a "
+        f"device of {memory / 2**30:,.1f} (compiled for {r['compiled_for']})")
+    for line in plan_lines(r, c, c0):
+        log("  " + line)
+    return {"devices": n, "layout": name(c), **{k: r[k] for k in ("memory", "mesh")}}
 
 
 def _report(cfg, rows, cfgs, hardware, target, on_target, cluster, out_dir, log) -> None:
@@ -260,6 +298,11 @@ def _report(cfg, rows, cfgs, hardware, target, on_target, cluster, out_dir, log)
         out.mkdir(parents=True, exist_ok=True)
         (out / "plan.json").write_text(json.dumps(rows, indent=2) + "\n")
         log(f"wrote {out / 'plan.json'}")
+
+
+def _step_s(cfg: Config, cluster) -> float:
+    """`cfg`'s step on `cluster` by its ledger, communication exposed."""
+    return predict_config(cfg, cluster)["exposed"]["step_s"]
 
 
 def _compiler_here(hardware: str, log) -> bool:
