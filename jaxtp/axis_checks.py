@@ -22,13 +22,17 @@ def pp(cfg) -> str | None:
         return None
     k = m.layer_group  # (a stage holds whole groups of moe_every layers)
     chunks = p.pp * p.pp_repeats * k
-    if m.n_layers % chunks:
-        ok = [n for n in range(2, m.n_layers + 1) if m.n_layers % (n * p.pp_repeats * k) == 0]
+    S = m.stacked_layers  # (a leading dense run, model.moe_first_dense, runs before the stages)
+    if S % chunks:
+        ok = [n for n in range(2, S + 1) if S % (n * p.pp_repeats * k) == 0]
         groups = f" in groups of model.moe_every={k}" if k > 1 else ""
+        lead = m.n_layers - S
+        after = f" ({S} after model.moe_first_dense={lead})" if lead else ""
         return (
-            f"pipeline parallelism splits model.n_layers={m.n_layers} evenly over pp={p.pp} "
-            f"stages x {p.pp_repeats} repeat(s){groups}; valid --pp here: {ok or 'none'}, or "
-            f"set model.n_layers to a multiple of {chunks}")
+            f"pipeline parallelism splits model.n_layers={m.n_layers}{after} evenly over "
+            f"pp={p.pp} stages x {p.pp_repeats} repeat(s){groups}; valid --pp here: "
+            f"{ok or 'none'}, or set model.n_layers to {f'{lead} + ' if lead else ''}a "
+            f"multiple of {chunks}")
     if t.microbatches < p.pp:
         return (
             f"train.microbatches={t.microbatches} is below pp={p.pp}: a pipeline keeps every "

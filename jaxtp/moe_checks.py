@@ -81,9 +81,6 @@ def layers_error(m, pp: int) -> str | None:
     if m.moe_first_dense >= m.n_layers:
         return (f"model.moe_first_dense={m.moe_first_dense} leaves no MoE layer of "
                 f"model.n_layers={m.n_layers}: set it below n_layers")
-    if m.moe_first_dense and pp > 1:
-        return ("model.moe_first_dense (a leading run of dense layers) is not built for --pp "
-                "yet: its layers would run before the stages")
     if not 1 <= m.moe_every <= m.stacked_layers:
         return (f"model.moe_every={m.moe_every} must be between 1 (every layer a mixture of "
                 f"experts) and model.n_layers={m.n_layers}")

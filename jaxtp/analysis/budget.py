@@ -42,8 +42,8 @@ from .dp import expected_fsdp
 from .ep import expected_moe
 from .grads import expected_grads
 from .overlap_rows import ring_regions, windowed_head, windowed_regions
-from .rows import (HLO_DTYPES, Expected, batch_ranks, microbatch_rows, on, per_step, runs_head,
-                   schedule_of)
+from .rows import (HLO_DTYPES, Expected, batch_ranks, lead_rows, microbatch_rows, moe_per_tick,
+                   on, per_step, runs_head, schedule_of)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,9 +112,10 @@ def expected_collectives(cfg: Config, impl: str, platform: str = "",
     loops form under GSPMD's overlap (default: `xla_overlap.forms` for the
     platform, a GPU's compiled deviceless)."""
     forms = xla_overlap.forms(cfg, platform, deviceless=True) if forms is None else forms
-    rows = per_step(_expected_tp(cfg, impl, forms) + _norm(cfg)
+    tp, cp = _expected_tp(cfg, impl, forms), expected_cp(cfg, impl)
+    rows = per_step(_dense_mlp(cfg, tp) + lead_rows(cfg, tp + cp) + _norm(cfg)
                     + expected_grads(cfg, impl, platform) + expected_fsdp(cfg, impl)
-                    + expected_cp(cfg, impl) + expected_pp(cfg) + expected_moe(cfg, impl),
+                    + cp + expected_pp(cfg) + expected_moe(cfg, impl),
                     schedule_of(cfg))
     return widened(on_backend(rows, cfg, impl, platform) if platform else rows,
                    cfg.model.dtype)
@@ -157,8 +158,7 @@ def _expected_tp(cfg: Config, impl: str, forms: xla_overlap.Forms) -> list[Expec
     else:
         b_out = b
     if p.sequence_parallel:
-        return _dense_mlp(cfg, _expected_sp(cfg, impl, E, EL, b, s, act, forms, b_out, Eh,
-                                            b_head))
+        return _expected_sp(cfg, impl, E, EL, b, s, act, forms, b_out, Eh, b_head)
     out = b_head * s * m.d_model
     n, c = loss_chunks(m.loss_chunk, b_head, s)
     rows = [
@@ -176,7 +176,7 @@ def _expected_tp(cfg: Config, impl: str, forms: xla_overlap.Forms) -> list[Expec
            "dX; shard_map once after the loop)", "all-reduce", "backward", "cross_entropy",
            b_head * c * m.d_model, n, role="head_dx"),
     ]
-    return _dense_mlp(cfg, rows + _kv_rows(cfg, impl, EL, b * s * 2 * m.kv_heads * m.head_dim))
+    return rows + _kv_rows(cfg, impl, EL, b * s * 2 * m.kv_heads * m.head_dim)
 
 
 def _dense_mlp(cfg: Config, rows: list[Expected]) -> list[Expected]:
@@ -186,7 +186,7 @@ def _dense_mlp(cfg: Config, rows: list[Expected]) -> list[Expected]:
     m = cfg.model
     if not m.n_experts or m.moe_shared_d_ff:
         return rows
-    dense = schedule_of(cfg).layers_per_tick * (m.n_layers - m.n_moe_layers) // m.n_layers
+    dense = schedule_of(cfg).layers_per_tick - moe_per_tick(cfg)
     return [dataclasses.replace(r, count=r.count * dense, per="tick")
             if r.scope == "mlp" and r.per == "layer" else r
             for r in rows if r.scope != "mlp" or (dense and r.per == "layer")]

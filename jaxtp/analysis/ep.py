@@ -29,8 +29,8 @@ from typing import Callable
 from ..config import Config
 from ..model.moe import LOSSES, capacity
 from ..parallel import CP_AXIS, DATA_AXIS, EP_AXIS, PP_AXIS, TP_AXIS
-from .rows import (ANY_SCOPE, HLO_DTYPES, Expected, counts_local, microbatch_rows, on,
-                   reduces_once, runs_head, schedule_of)
+from .rows import (ANY_SCOPE, HLO_DTYPES, Expected, counts_local, microbatch_rows, moe_per_tick,
+                   on, reduces_once, runs_head, schedule_of)
 
 
 def splits(cfg: Config) -> int:
@@ -104,7 +104,7 @@ def per_moe_layer(cfg: Config, rows: list[Expected]) -> list[Expected]:
     m = cfg.model
     if m.n_moe_layers == m.n_layers:
         return rows
-    moe = schedule_of(cfg).layers_per_tick * m.n_moe_layers // m.n_layers
+    moe = moe_per_tick(cfg)
     return [dataclasses.replace(r, count=r.count * moe, per="tick")
             if r.per == "layer" else r for r in rows]
 

@@ -42,8 +42,8 @@ from .backends import gradients_on_backend
 from .dp import fsdp_parts, moe_fsdp_parts
 from .params import ParamShard, param_shards, part_dtypes
 from .pp import in_pipeline, pipeline_parts
-from .rows import (ANY_SCOPE, HLO_DTYPES, Expected, batch_axes, counts_local, on, reduces_once,
-                   runs_head, schedule_of)
+from .rows import (ANY_SCOPE, HLO_DTYPES, Expected, batch_axes, counts_local, moe_per_tick, on,
+                   reduces_once, runs_head, schedule_of)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,8 +290,7 @@ def _sequence_parts(cfg: Config, impl: str, grads: list[_Grad]) -> list[Part]:
             # layer of a tick)
             out.append(g.part("moe: the router's gradient over tp (its tokens on sequence "
                               "shards)", m.d_model * m.n_experts, g.dtypes[0], (TP_AXIS,),
-                              scope="moe", role="moe", count=schedule_of(cfg).layers_per_tick
-                              * m.n_moe_layers // m.n_layers, per="wtick"))
+                              scope="moe", role="moe", count=moe_per_tick(cfg), per="wtick"))
         positions = s.path == "wpe/embedding"
         if not g.keyed or _sp_kv(cfg, impl, s):
             continue

@@ -113,6 +113,32 @@ def schedule_of(cfg) -> Schedule:
     return decided(cfg)[1]
 
 
+def moe_per_tick(cfg) -> int:
+    """The MoE layers a loop trip runs: the MoE layers' share of the
+    layers it runs (`Schedule.layers_per_tick`) among those its loop holds
+    (a pipeline's stack, whose leading dense run, `model.moe_first_dense`,
+    runs before the stages; every layer without one)."""
+    m, s = cfg.model, schedule_of(cfg)
+    return s.layers_per_tick * m.n_moe_layers // (m.stacked_layers if s.stages > 1
+                                                   else m.n_layers)
+
+
+def lead_rows(cfg, rows: list[Expected]) -> list[Expected]:
+    """Under a pipeline, the leading dense run's (`model.moe_first_dense`)
+    copies of a block's "layer" rows (`rows`: its attention's and dense
+    MLP's): those layers run before the stages, as the embedding does, on
+    each stage's own B/(pp*dp) rows once a step (a row's elements scale
+    with its rows); none otherwise (the run counts among the layers)."""
+    m, p = cfg.model, cfg.parallel
+    lead = m.n_layers - m.stacked_layers
+    if p.pp == 1 or not lead:
+        return []
+    b, out = microbatch_rows(cfg), cfg.train.batch_size // (p.pp * batch_ranks(cfg))
+    return [dataclasses.replace(r, name=f"{r.name} (the leading dense layers)",
+                                elements=r.elements * out // b, count=r.count * lead, per="step")
+            for r in rows if r.per == "layer" and r.scope != "moe"]
+
+
 def runs_head(cfg) -> bool:
     """`cfg`'s `Schedule.runs_head` (1F1B, interleaved: the head in the loop)."""
     return schedule_of(cfg).runs_head

@@ -197,6 +197,14 @@ class Transformer(nnx.Module):
             return x_BTD, stats
         return layer
 
+    def _lead(self, x_BTD):
+        """The leading dense run (`model.moe_first_dense`) on `x_BTD`, as
+        `hidden_and_stats` runs it (where the schedule runs the head: 1F1B)."""
+        layer = self._layer()
+        for block in self.dense or ():
+            x_BTD = layer(block, (x_BTD, None), None)[0]
+        return x_BTD
+
     def _embed(self, tokens_BT, key):
         """int tokens [B, T] -> the residual stream entering the first block."""
         T = tokens_BT.shape[1]
@@ -277,7 +285,8 @@ class Transformer(nnx.Module):
             return stack_loss(
                 self.schedule, self.layout, self._layer(), self.blocks,
                 lambda mods, y, t: mods[1].token_losses(mods[0](y), t).sum(),
-                nnx.List([self.ln_f, self.head]), self._embed(tokens_BT, None), targets_BT,
+                nnx.List([self.ln_f, self.head]), self._lead(self._embed(tokens_BT, None)),
+                targets_BT,
                 jnp.zeros(n, weights.dtype) if n else None, weights if n else None)
         x_BTD, stats = self.hidden_and_stats(tokens_BT, dropout_key=dropout_key)
         stats = stats.sum(0) if stats.ndim == 2 else stats  # (monitored: per layer)

@@ -198,13 +198,19 @@ class Schedule:
 
     @property
     def layers_per_rank(self) -> int:
-        """The layers a pipeline stage holds: L/p."""
-        return self.layers // self.stages
+        """The layers a pipeline stage holds: L/p of the stack (the leading
+        dense run, `lead`, runs before the stages); L without a pipeline."""
+        return self._piped // self.stages
 
     @property
     def layers_per_tick(self) -> int:
-        """The layers a stage runs in one tick: a chunk, L/(p*v)."""
-        return self.layers // (self.stages * self.repeats)
+        """The layers a stage runs in one tick: a chunk, L/(p*v) of the stack."""
+        return self._piped // (self.stages * self.repeats)
+
+    @property
+    def _piped(self) -> int:
+        """The layers a pipeline splits: the stack's (all without one)."""
+        return self.layers - self.lead if self.stages > 1 else self.layers
 
     def loss_and_grads(self, value_and_grad, params, specs, tokens, key):
         """(mean loss, gradients) of a placed batch by `value_and_grad(params,

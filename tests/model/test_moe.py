@@ -424,6 +424,15 @@ test_under_sp_and_cp_a_rank_routes_its_part_of_each_sequence.fast_cases = {"gpt2
         ("llama-pp2xep2xtp2-moe_every2-interleaved",
          dataclasses.replace(MOE_LLAMA, moe_every=2, n_layers=8), 2, 1, 2, 2, 2,
          {"pp_schedule": "interleaved", "pp_repeats": 2}),
+        # a leading dense layer (model.moe_first_dense) before the stages, on each
+        # stage's own rows, as the embedding; under GPipe and 1F1B
+        ("llama-pp2xdp2xep2-moe_first_dense1", dataclasses.replace(
+            MOE_LLAMA, n_layers=3, moe_first_dense=1), 2, 2, 2, 1, 2, {}),
+        ("gpt2-pp2xep2xtp2-M4-moe_first_dense1-1f1b-sp-shard_map-dropless",
+         dataclasses.replace(MOE, n_layers=3, moe_first_dense=1), 2, 1, 2, 2, 4,
+         {"pp_schedule": "1f1b", "impl": "shard_map", "sp": True, "capacity_factor": 0.0}),
+        ("llama-pp2xep2xtp2-M4-moe_first_dense1", dataclasses.replace(
+            MOE_LLAMA, n_layers=3, moe_first_dense=1), 2, 1, 2, 2, 4, {}),
         # a stage of groups of a dense and a MoE layer (model.moe_every 2)
         ("llama-pp2xep2xtp2-moe_every2-circular",
          dataclasses.replace(MOE_LLAMA, moe_every=2, n_layers=8), 2, 1, 2, 2, 2,
@@ -494,7 +503,7 @@ test_the_moe_pipeline_equals_one_device_and_holds_its_ledger.fast_cases = {
     ({"moe_every": 2, "moe_shared_d_ff": 32}, "not built with model.moe_shared_d_ff"),
     ({"moe_first_dense": 2}, "model.moe_first_dense=2 leaves no MoE layer of model.n_layers=2"),
     ({"moe_first_dense": 1, "n_layers": 4, "pp": 2, "microbatches": 2},
-     "moe_first_dense .* is not built for --pp yet"),
+     r"model.n_layers=4 \(3 after model.moe_first_dense=1\) evenly over pp=2"),
     ({"moe_balance": "seq_aux", "pp": 2, "microbatches": 2, "cp": 2, "capacity_factor": 0.0},
      "seq_aux' sums each sequence's parts, .* under --cp: not built yet"),
     ({"moe_shared_gate": True}, "moe_shared_gate gates the shared expert, and "
