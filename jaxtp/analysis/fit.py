@@ -132,3 +132,41 @@ def _try(cands: list[Config], measure, memory: float, log) -> list[tuple]:
         if total <= memory:
             fits.append((total, c, r))
     return fits
+
+
+def dispatch_ratio(cfg: Config) -> float:
+    """The dense dispatch's einsums over the experts' matmuls, per token:
+    dispatch and combine each 2*E*C*D FLOPs a token ([T, E, C] one-hots
+    against [T, D]; GShard, Lepikhin et al. 2020, Sec. 2.2) against the k
+    experts' 2*n*D*F (n = 3 matmuls gated, 2 not): 2*E*C / (n*k*F)."""
+    from ..sizes import capacity
+
+    m = cfg.model
+    C = capacity(m.seq_len, m.moe_top_k, m.n_experts, m.capacity_factor or 1.0)
+    n = 3 if m.style == "llama" else 2
+    return 2 * m.n_experts * C / (n * m.moe_top_k * m.expert_d_ff)
+
+
+def dispatch_choice(cfg: Config, row: dict, measure: Callable[[Config], dict],
+                    log: Callable[[str], None] = print) -> str:
+    """For a fine-grained MoE (`dispatch_ratio` above 1: the dense
+    dispatch costs more than the experts it feeds), compile the other
+    dispatch at `cfg`'s layout and name the one of less compiled memory
+    (the ragged path is dropless: capacity 0); the config's own otherwise."""
+    m = cfg.model
+    ratio = dispatch_ratio(cfg)
+    if not m.n_experts or ratio <= 1:
+        return m.moe_dispatch
+    other = "ragged" if m.moe_dispatch == "dense" else "dense"
+    c = dataclasses.replace(cfg, model=dataclasses.replace(
+        m, moe_dispatch=other, capacity_factor=0.0 if other == "ragged" else
+        (m.capacity_factor or 1.0)))
+    log(f"dispatch: the dense dispatch's einsums cost {ratio:.2f}x the experts' matmuls "
+        f"(2EC/(nkF)); compiling model.moe_dispatch={other} at the last layout ...")
+    r = measure(c)
+    mine, theirs = row["memory"]["total"], r["memory"]["total"]
+    pick = other if theirs < mine else m.moe_dispatch
+    log(f"dispatch: {m.moe_dispatch} {mine / 2**30:,.1f} GiB a device, {other} "
+        f"{theirs / 2**30:,.1f} GiB ({r['compiled_for']}): model.moe_dispatch={pick}"
+        + (" (dropless: model.capacity_factor=0)" if pick == "ragged" else ""))
+    return pick

@@ -45,6 +45,7 @@ from ..sizes import activation_bytes, capacity, moe_activation_bytes
 from .backends import on_backend
 from .cp import cp_intensity
 from .ep import expected_ep, slots
+from .fit import dispatch_choice
 from .params import param_shards
 from .predict import decode_lines, from_hlo, plan_lines, predict_config
 from .rows import decided, per_step, schedule_of
@@ -239,6 +240,11 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
         log(f"no valid tp among {sorted(tps)}")
         return rows
     print_plan(cfg, rows, target, swept, log)
+    if cfg.model.n_experts:  # (a fine-grained MoE: which dispatch, by the compile)
+        rows[-1]["dispatch"] = dispatch_choice(
+            cfgs[-1], rows[-1], lambda c: analyze(c, target_mesh(
+                hardware, **c.parallel.degrees) if on_target else None,
+                compile_step=compile_step), log)
     if cluster and not any(r["fits"] for r in rows):
         rows[0]["smallest_fit"] = _search(cfgs[-1], cluster, log, compile_step)
     _report(cfg, rows, cfgs, hardware, target, on_target, cluster, out_dir, log)

@@ -61,3 +61,20 @@ def test_the_search_names_the_fewest_devices_and_the_fastest_layout_that_fits():
     # below every floor nothing is compiled, and there is no answer
     assert fit.smallest_fit(MOE, [2, 4], 4, memory, lambda c: 2 * memory,
                             lambda c: pytest.fail("compiled"), lines.append) is None
+
+
+def test_the_dispatch_is_chosen_by_its_einsums_cost_and_then_by_the_compile():
+    """2*E*C/(n*k*F) by hand: Qwen3-30B-A3B's one-hots (E 128, C 320 at cf
+    1.25, top 8, F 768, gated: n 3) cost 4.44x its experts; Mixtral's (E 8,
+    C 1280, top 2, F 14336) 0.24x, so it keeps its own without compiling."""
+    qwen, mixtral = load_config("qwen3-30b-a3b"), load_config("mixtral-8x7b")
+    assert fit.dispatch_ratio(qwen) == pytest.approx(2 * 128 * 320 / (3 * 8 * 768))
+    assert fit.dispatch_ratio(mixtral) == pytest.approx(2 * 8 * 1280 / (3 * 2 * 14336))
+    assert fit.dispatch_choice(mixtral, {}, lambda c: pytest.fail("compiled")) == "dense"
+    row = lambda total: {"memory": {"total": total}, "compiled_for": "test"}
+    seen, lines = [], []
+    measure = lambda c: seen.append(c.model) or row(10)
+    assert fit.dispatch_choice(qwen, row(20), measure, lines.append) == "ragged"
+    assert "4.44x" in lines[0] and lines[-1].endswith("(dropless: model.capacity_factor=0)")
+    assert seen[0].moe_dispatch == "ragged" and seen[0].capacity_factor == 0  # (dropless)
+    assert fit.dispatch_choice(qwen, row(5), measure, lambda s: None) == "dense"
