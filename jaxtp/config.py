@@ -123,9 +123,9 @@ class ModelConfig:
     # at ep > 1 under remat minimal or dots: "keep" the slots ep's all-to-alls delivered
     # for the backward, or "resend" them (memory for 2 all-to-alls a layer, docs/scale.md)
     moe_slots: str = "keep"
-    # balance: the loss (x moe_balance_coef) over a microbatch ("aux", Switch's) or per sequence
-    # ("seq_aux"); "bias": a bias on each expert's score for the choice, moved moe_bias_rate a
-    # step toward the mean load (DeepSeek-V3's loss-free balance); "bias+seq_aux": both
+    # balance: the loss (x moe_balance_coef) over a microbatch ("aux"), per sequence ("seq_aux")
+    # or with f over the step's microbatches so far ("global_aux"); "bias": DeepSeek-V3's
+    # loss-free bias on the scores, moved moe_bias_rate a step; "bias+seq_aux": both
     moe_balance: str = "aux"
     moe_balance_coef: float = 0.01
     moe_bias_rate: float = 0.001

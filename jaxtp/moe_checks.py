@@ -14,7 +14,7 @@ MOE_DROPS = ("position", "probs")
 MOE_SLOTS = ("keep", "resend")
 # the balance loss over a microbatch's tokens or per sequence (`routing.balance_loss`),
 # or the loss-free bias (`routing.counted`, `jaxtp.train.optim.loss_free_bias`)
-MOE_BALANCES = ("aux", "seq_aux", "bias", "bias+seq_aux")
+MOE_BALANCES = ("aux", "seq_aux", "global_aux", "bias", "bias+seq_aux")
 # the keys that act only with a mixture of experts (model.n_experts > 0)
 MOE_KEYS = ("moe_top_k", "moe_d_ff", "moe_norm_topk", "moe_score", "moe_groups",
             "moe_group_top_k", "moe_route_scale", "moe_drop", "moe_shared_d_ff",
@@ -65,6 +65,10 @@ def layout_error(m, p) -> str | None:
         return ("model.moe_balance='seq_aux' sums each sequence's parts, and a pipeline's "
                 f"stage holds one part of each under {'--cp' if p.cp > 1 else '--sp'}: not "
                 "built yet; use model.moe_balance=aux there")
+    if m.moe_balance == "global_aux" and p.pp > 1:
+        return ("model.moe_balance='global_aux' carries the shares from microbatch to "
+                "microbatch, and a pipeline's stages run several at once: not built for --pp; "
+                "use model.moe_balance=aux there (global over the ranks, per microbatch)")
     return None
 
 

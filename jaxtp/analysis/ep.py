@@ -204,7 +204,8 @@ def _statistics_rows(cfg: Config, E: Callable) -> list[Expected]:
     maker)."""
     m, p, own = cfg.model, cfg.parallel, []
     routed = on(cfg, DATA_AXIS, EP_AXIS, CP_AXIS, *(TP_AXIS,) * p.sequence_parallel)
-    if routed and m.moe_balance != "aux":
+    if routed and m.moe_balance not in ("aux", "global_aux"):  # (global_aux: aux's f and P,
+        # its f weighed with the slices' before, which are sums already)
         return _sequence_rows(cfg, E, routed) + _bias_rows(cfg, E, routed)
     if routed:
         n = math.prod(p.degrees[a] for a in routed)
@@ -213,7 +214,9 @@ def _statistics_rows(cfg: Config, E: Callable) -> list[Expected]:
         own += [E("router statistics: the z-loss's mean, the balance loss's f and P",
                   "all-reduce", "forward", 1 + 2 * m.n_experts, 1, n, routed, "f32",
                   written=False, scope=ANY_SCOPE)]
-        if m.remat != "none":  # the balance loss's gradient reads f, summed again
+        # the balance loss's gradient reads f, summed again; not under global_aux
+        # over slices, whose shares and P every policy keeps (`SHARES`)
+        if m.remat != "none" and not schedule_of(cfg).shares:
             own.append(E("remat: the balance loss's f summed again for its gradient",
                          "all-reduce", "backward", m.n_experts, 1, n, routed, "f32",
                          written=False, scope=ANY_SCOPE))
@@ -233,6 +236,8 @@ def _statistics_rows(cfg: Config, E: Callable) -> list[Expected]:
                   "backward", 1, 1, n, routed, "f32", written=False, scope=ANY_SCOPE,
                   per="microbatch", role="moe_z_transposed")] * (not remat)
     return own
+
+
 
 
 def _sequence_rows(cfg: Config, E: Callable, routed: tuple) -> list[Expected]:

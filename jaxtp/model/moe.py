@@ -23,7 +23,8 @@ from ..parallel.ep import Slots, over_tokens
 from ..parallel.ep import ragged as ragged_rows
 from .layers import gelu, init_std_out, param, weight
 from .mlp import MLP
-from .routing import Routing, balance_loss, combine, counted, dispatch, load, route, z_loss
+from .routing import (Routing, balance_loss, combine, counted, dispatch, load, route, running,
+                      shares, z_loss)
 
 __all__ = ["LOSSES", "STATS", "MoE", "Experts", "Routing", "add_stats", "balance_loss",
            "balance_weight", "capacity", "combine", "counted", "dispatch", "load", "moe",
@@ -61,7 +62,8 @@ def balance_weight(cfg: ModelConfig) -> float:
 def moe(x_GTD, logits_GTE, experts: Callable, *, routing: Routing, factor: float,
         balance: str = "aux", parts: int = 0, bias_E=None,
         place: Callable = lambda x, to_experts: x, pin: Callable = lambda x: x,
-        monitor: bool = False, ragged: Callable | None = None, mean: Callable = lambda x, **_: x):
+        monitor: bool = False, ragged: Callable | None = None, mean: Callable = lambda x, **_: x,
+        prior_E=None):
     """(y [G, T, D], stats: balance loss, z-loss, and where `monitor` the
     dropped share and the experts' loads [E] (`n_stats`)): each token
     through its kept top-k experts (`routing`, `route`), weighted;
@@ -75,7 +77,11 @@ def moe(x_GTD, logits_GTE, experts: Callable, *, routing: Routing, factor: float
     slots, `factor` must be 0. `mean(a, reduce=lax.pmean)`: the statistics'
     means over the tokens of every rank (`over_tokens`). `balance`: the balance loss's reach
     (`parts`, `balance_loss`), or "bias": none; `bias_E`, where given, moves
-    the choice (`route`) and carries the counts to its gradient (`counted`)."""
+    the choice (`route`) and carries the counts to its gradient (`counted`).
+    `prior_E` ("global_aux" over a step's microbatches): the earlier
+    microbatches' assignment shares, summed; the balance loss weighs P by
+    the shares so far (`running`), and the statistics end with this
+    microbatch's own shares [E]."""
     G, T, D = x_GTD.shape
     E = logits_GTE.shape[-1]
     C = capacity(T, routing.k, E, factor)
@@ -92,13 +98,21 @@ def moe(x_GTD, logits_GTE, experts: Callable, *, routing: Routing, factor: float
         x_EGCD = jnp.einsum("GTEC,GTD->EGCD", d_GTEC.astype(x_GTD.dtype), x_GTD)
         y_EGCD = place(experts(place(x_EGCD, True)), False)
         y_GTD = jnp.einsum("GTEC,EGCD->GTD", c_GTEC.astype(y_EGCD.dtype), y_EGCD)
-    balanced = balance_loss(probs_GTE, experts_GTk, mean, parts) if balance != "bias" else \
-        jnp.zeros((), probs_GTE.dtype)
+    own_E = shares(experts_GTk, E, probs_GTE.dtype, mean)
+    # (global_aux over slices: the shares and P kept by every remat policy, so
+    # that none is summed again in the backward: `SHARES`)
+    keep = None if prior_E is None else "moe_shares"
+    own_E = own_E if keep is None else checkpoint_name(own_E, keep)
+    f_E = own_E if prior_E is None else running(prior_E.astype(own_E.dtype), own_E)
+    balanced = balance_loss(probs_GTE, experts_GTk, mean, parts, f_E, keep) \
+        if balance != "bias" else jnp.zeros((), probs_GTE.dtype)
     if bias_E is not None:  # (its value 0: the loss and its logged value unchanged)
         # (summed where manual: each rank's gradient its own counts, summed as a weight's)
         balanced = balanced + mean(counted(bias_E.astype(balanced.dtype), experts_GTk),
                                    reduce=jax.lax.psum)
     losses = jnp.stack([balanced, z_loss(logits_GTE, mean)])
+    if prior_E is not None:  # (the step's running shares: this microbatch's for the next)
+        return y_GTD.astype(x_GTD.dtype), jnp.concatenate([losses, own_E])
     if not monitor:  # (training: only what the loss reads, so the step computes no more)
         return y_GTD.astype(x_GTD.dtype), losses
     dropped = 1.0 - mean(jnp.mean(jnp.asarray(kept_GTk, losses.dtype)))
@@ -229,7 +243,8 @@ class MoE(nnx.Module):
         self.tag = "mlp_out"
         self.monitor = False  # also the dropped share and the loads (`moe`)
 
-    def __call__(self, x_BTD):
+    def __call__(self, x_BTD, prior_E=None):
+        """(y [B, T, D], the router statistics: `moe`; `prior_E` its own)."""
         B, T, D = x_BTD.shape
         with jax.named_scope("moe"):
             # each rank's part of a sequence its own group (the sequence is
@@ -245,7 +260,8 @@ class MoE(nnx.Module):
                                pin=functools.partial(_pin_groups, slots=self.slots),
                                monitor=self.monitor,
                                ragged=self.experts.ragged if self.ragged else None,
-                               mean=functools.partial(over_tokens, sp=self.layout.sp))
+                               mean=functools.partial(over_tokens, sp=self.layout.sp),
+                               prior_E=prior_E)
             y_BTD = checkpoint_name(self._groups(y_GSD, (B, T, D)), self.tag)
         if self.shared is not None:  # (in the "mlp" scope, as a dense block's MLP)
             shared_BTD = self.shared(x_BTD)

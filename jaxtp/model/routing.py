@@ -33,6 +33,7 @@ import dataclasses
 from typing import Callable
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from ..config import ModelConfig
@@ -157,14 +158,16 @@ def combine(experts_GTk, weights_GTk, kept_GTk, E: int, C: int, dispatch_GTEC):
 
 
 def balance_loss(probs_GTE, experts_GTk, mean: Callable = lambda x: x,
-                 parts: int = 0) -> jax.Array:
+                 parts: int = 0, f_E=None, name: str | None = None) -> jax.Array:
     """Switch's load-balancing loss for top-k: E/k * sum_e f_e P_e over all
     G*T tokens (1 when uniform; "aux"). `parts` > 0: over each sequence, a
     run of `parts` groups ([parts, G/parts] part-major, `MoE._groups`), then
     the mean over the sequences (DeepSeek-V3's sequence-wise loss, arXiv
     2412.19437 Eq. 17-20; "seq_aux"). `mean(a)`: a rank's mean over its
     tokens -> the mean over every rank's (`over_tokens`; outside a manual
-    region the partitioner's)."""
+    region the partitioner's). `f_E`, where given, the assignment shares to
+    weigh P by (`shares`; "global_aux": the step's so far); `name`: P's
+    remat name, where it is to be kept."""
     E, k = probs_GTE.shape[-1], experts_GTk.shape[-1]
     if parts:
         G, T = probs_GTE.shape[:2]
@@ -172,10 +175,25 @@ def balance_loss(probs_GTE, experts_GTk, mean: Callable = lambda x: x,
         f_SE = seq(jnp.sum(jax.nn.one_hot(experts_GTk, E, dtype=probs_GTE.dtype), (1, 2)))
         return mean(E / k * jnp.mean(jnp.sum(f_SE * seq(jnp.sum(probs_GTE, 1)), -1)))
     tokens = probs_GTE.shape[0] * probs_GTE.shape[1]
-    f_E = mean(jnp.sum(jax.nn.one_hot(experts_GTk, E, dtype=probs_GTE.dtype), (0, 1, 2))
-               / tokens)
+    f_E = shares(experts_GTk, E, probs_GTE.dtype, mean) if f_E is None else f_E
     P_E = mean(jnp.sum(probs_GTE, (0, 1)) / tokens)
+    P_E = P_E if name is None else checkpoint_name(P_E, name)
     return E / k * jnp.sum(f_E * P_E)
+
+
+def shares(experts_GTk, E: int, dtype, mean: Callable = lambda x: x) -> jax.Array:
+    """Each expert's assignments per token over every rank's tokens [E]
+    (k in all): the balance loss's f."""
+    tokens = experts_GTk.shape[0] * experts_GTk.shape[1]
+    return mean(jnp.sum(jax.nn.one_hot(experts_GTk, E, dtype=dtype), (0, 1, 2)) / tokens)
+
+
+def running(prior_E, own_E) -> jax.Array:
+    """Megatron-Core's global_aux f at a step's m-th microbatch: the shares
+    of the microbatches so far, `prior_E` (the m - 1 before, summed) and
+    this one's, averaged (each sums to k; equal-sized microbatches)."""
+    k = jnp.sum(own_E)
+    return (prior_E + own_E) * k / jnp.sum(prior_E + own_E)
 
 
 def counted(bias_E, experts_GTk) -> jax.Array:

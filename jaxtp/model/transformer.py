@@ -21,7 +21,7 @@ from ..parallel.stack import stack, stack_loss
 from .attention import Attention
 from .layers import Embed, dropout, make_norm
 from .mlp import MLP
-from .moe import MoE, add_stats, balance_weight, n_stats
+from .moe import LOSSES, MoE, add_stats, balance_weight, n_stats
 from .vocab import VocabEmbed
 
 
@@ -42,9 +42,10 @@ class Block(nnx.Module):
         self.rate = cfg.dropout
         self.layout = layout
 
-    def _ffn(self, x_BTD):
-        """(the MLP's output, router statistics or None)."""
-        out = self.mlp(self.ln2(x_BTD))
+    def _ffn(self, x_BTD, *prior_E):
+        """(the MLP's output, router statistics or None; `prior_E`: a MoE's
+        running shares, `jaxtp.model.moe.moe`)."""
+        out = self.mlp(self.ln2(x_BTD), *prior_E) if self.moe else self.mlp(self.ln2(x_BTD))
         return out if self.moe else (out, None)
 
     def extend(self, x_BTD, k_BSKH, v_BSKH, pos_BT, prefill: bool):
@@ -55,10 +56,10 @@ class Block(nnx.Module):
         return constrain(x_BTD + self._ffn(x_BTD)[0], *self.layout.residual), \
             k_BSKH, v_BSKH
 
-    def __call__(self, x_BTD, key=None):
+    def __call__(self, x_BTD, key=None, *prior_E):
         k1, k2 = jax.random.split(key) if key is not None else (None, None)
         x_BTD = x_BTD + dropout(self.attn(self.ln1(x_BTD)), self.rate, k1)
-        y_BTD, stats = self._ffn(x_BTD)
+        y_BTD, stats = self._ffn(x_BTD, *prior_E)
         x_BTD = constrain(x_BTD + dropout(y_BTD, self.rate, k2), *self.layout.residual)
         return (x_BTD, stats) if self.moe else x_BTD
 
@@ -91,6 +92,9 @@ _names = jax.checkpoint_policies.save_only_these_names
 # recomputing one would repeat its forward all-reduce (or SP reduce-scatter) in the
 # backward. (XLA keeps only what the backward reads: the attention's, not the MLP's.)
 REGION_OUTPUTS = ("attn_out", "mlp_out")
+# (a MoE's own assignment shares under "global_aux" over microbatches, summed
+# over the ranks: kept by every policy, so the backward does not sum them again)
+SHARES = ("moe_shares",)
 # CP_KV: the K/V a context-parallel rank received from the others (all-gathered,
 # or each ring hop's chunk), and EP_SLOTS: the slots ep's all-to-alls delivered
 # (to the experts and back): kept by every policy but "full" (and the slots not
@@ -99,14 +103,14 @@ def _policies(slots: tuple = (EP_SLOTS,)) -> dict:
     return {
         "none": None,  # keep every activation the backward pass needs
         # recompute the whole block but the region outputs
-        "full": _names(*REGION_OUTPUTS),
+        "full": _names(*REGION_OUTPUTS, *SHARES),
         # the weight matmuls' outputs (no batch dims); recompute norms, activations, core
         "dots": jax.checkpoint_policies.save_from_both_policies(
             jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-            _names(*REGION_OUTPUTS, CP_KV, *slots)),
+            _names(*REGION_OUTPUTS, *SHARES, CP_KV, *slots)),
         # the tagged projection outputs only (q/k/v, MLP up, the region outputs: under
         # SP their sequence shards); recompute norms, activations, the core (cp's K/V)
-        "minimal": _names("qkv", "mlp_up", *REGION_OUTPUTS, CP_KV, *slots)}
+        "minimal": _names("qkv", "mlp_up", *REGION_OUTPUTS, *SHARES, CP_KV, *slots)}
 
 
 REMAT_POLICIES = _policies()
@@ -116,7 +120,7 @@ assert tuple(REMAT_POLICIES) == REMATS  # the config's list of names is the one 
 def _block_fn(remat: str, slots: str = "keep"):
     """(block, x, key) -> x, rematerialised by the named policy (without ep's
     slots where `slots` is "resend", `model.moe_slots`)."""
-    call = lambda block, x, key: block(x, key)
+    call = lambda block, x, key, *prior: block(x, key, *prior)
     policies = REMAT_POLICIES if slots == "keep" else _policies(())
     return call if remat == "none" else nnx.remat(call, policy=policies[remat])
 
@@ -157,17 +161,20 @@ class Transformer(nnx.Module):
         """int tokens [B, T] -> final-norm hidden states [B, T, D]."""
         return self.hidden_and_stats(tokens_BT, dropout_key=dropout_key)[0]
 
-    def hidden_and_stats(self, tokens_BT, *, dropout_key=None):
+    def hidden_and_stats(self, tokens_BT, *, dropout_key=None, shares=None):
         """(final-norm hidden states [B, T, D], the MoE layers' router
         statistics summed over the layers (`jaxtp.model.moe.moe`; with
         `monitor` set, `model.set_attributes(monitor=True)`, the dropped share
         and loads too, per MoE layer [L_moe, n] but under a pipeline); zeros
-        without experts)."""
+        without experts). `shares` ("global_aux"): the step's earlier
+        microbatches' assignment shares per MoE layer [L_moe, E]; then the
+        statistics are (their sums, this microbatch's shares [L_moe, E])."""
         L, k, S = self.cfg.n_layers, self.cfg.layer_group, self.cfg.stacked_layers
         keys = (None if dropout_key is None else jax.random.split(dropout_key, L + 1))
         x_BTD = self._embed(tokens_BT, None if keys is None else keys[0])
         rows = (self.cfg.n_moe_layers,) * (self.monitor and self.schedule.stages == 1)
         stats = jnp.zeros((*rows, n_stats(self.cfg.n_experts, self.monitor)), wide(x_BTD))
+        stats = stats if shares is None else (stats, shares)
         carry, layer = (x_BTD, stats if self.cfg.n_experts else None), self._layer()
         for i, block in enumerate(self.dense or ()):  # (the leading dense run)
             carry = layer(block, carry, None if keys is None else keys[1 + i])
@@ -191,6 +198,10 @@ class Transformer(nnx.Module):
                 k = key[j] if grouped and key is not None else key
                 if not block.moe:
                     x_BTD = block_fn(block, x_BTD, k)
+                elif isinstance(stats, tuple):  # (sums, running shares: `hidden_and_stats`)
+                    x_BTD, layer_stats = block_fn(block, x_BTD, k, stats[1][0])
+                    n = len(LOSSES)
+                    stats = (stats[0] + layer_stats[:n], add_stats(stats[1], layer_stats[n:]))
                 else:
                     x_BTD, layer_stats = block_fn(block, x_BTD, k)
                     stats = add_stats(stats, layer_stats)
@@ -271,10 +282,13 @@ class Transformer(nnx.Module):
         """
         return self.head.logits(self.hidden(tokens_BT, dropout_key=dropout_key))
 
-    def loss(self, tokens_BT, targets_BT, *, dropout_key=None, forward_only: bool = False):
+    def loss(self, tokens_BT, targets_BT, *, dropout_key=None, forward_only: bool = False,
+             shares=None):
         """Mean next-token cross-entropy, from vocab-sharded logits.
         `forward_only` (evaluation): where the schedule runs the head, the loss
-        by a forward alone, not by the one that computes the gradients too."""
+        by a forward alone, not by the one that computes the gradients too.
+        `shares` ("global_aux" over microbatches, `hidden_and_stats`): (the
+        loss, this microbatch's shares [L_moe, E])."""
         if self.schedule.runs_head and not forward_only:
             # MoE: each stage's router statistics weighted into the loss in
             # the schedule, per microbatch (as `hidden_and_stats`'s pipeline)
@@ -288,13 +302,15 @@ class Transformer(nnx.Module):
                 nnx.List([self.ln_f, self.head]), self._lead(self._embed(tokens_BT, None)),
                 targets_BT,
                 jnp.zeros(n, weights.dtype) if n else None, weights if n else None)
-        x_BTD, stats = self.hidden_and_stats(tokens_BT, dropout_key=dropout_key)
+        x_BTD, stats = self.hidden_and_stats(tokens_BT, dropout_key=dropout_key, shares=shares)
+        stats, own = stats if shares is not None else (stats, None)
         stats = stats.sum(0) if stats.ndim == 2 else stats  # (monitored: per layer)
         loss = self.head.token_losses(x_BTD, targets_BT).mean()
         if not self.cfg.n_experts:
             return loss
         # the router losses, summed over the MoE layers (`jaxtp.model.moe`)
-        return loss + balance_weight(self.cfg) * stats[0] + self.cfg.moe_z_coef * stats[1]
+        loss = loss + balance_weight(self.cfg) * stats[0] + self.cfg.moe_z_coef * stats[1]
+        return loss if own is None else (loss, own)
 
 
 def _stacked(blocks: list[Block], cfg: ModelConfig, layout: Layout, schedule: Schedule):

@@ -57,6 +57,9 @@ class Schedule:
     # parameter's leading axis runs over the units, (L - lead)/period of them
     period: int = 1
     lead: int = 0  # the layers before the stack (`model.moe_first_dense`)
+    # (MoE layers, experts) of the assignment shares carried from slice to
+    # slice ("global_aux" at M > 1: Megatron-Core's running global_aux_loss); ()
+    shares: tuple = ()
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -80,10 +83,13 @@ class Schedule:
                        stash=p.pp_stash,
                        scan=True, rows=rows, period=cfg.model.layer_group,
                        lead=cfg.model.n_layers - cfg.model.stacked_layers)
-        return cls(microbatches=M, layers=cfg.model.n_layers, scan=cfg.model.scan_layers,
-                   mode=_mode(layout, M, cfg.model.attention, cfg.train.reduce_once),
-                   rows=rows, period=cfg.model.layer_group,
-                   lead=cfg.model.n_layers - cfg.model.stacked_layers)
+        m = cfg.model
+        return cls(microbatches=M, layers=m.n_layers, scan=m.scan_layers,
+                   mode=_mode(layout, M, m.attention, cfg.train.reduce_once
+                              and m.moe_balance != "global_aux"),
+                   rows=rows, period=m.layer_group, lead=m.n_layers - m.stacked_layers,
+                   shares=(m.n_moe_layers, m.n_experts)
+                   if m.moe_balance == "global_aux" and M > 1 else ())
 
     @property
     def reduces_once(self) -> bool:
@@ -215,16 +221,22 @@ class Schedule:
     def loss_and_grads(self, value_and_grad, params, specs, tokens, key):
         """(mean loss, gradients) of a placed batch by `value_and_grad(params,
         tokens, key)`, as this schedule runs it (the same result as one batch:
-        the loss is a mean over equal-sized slices)."""
+        the loss is a mean over equal-sized slices). With `shares`,
+        `value_and_grad(params, tokens, key, shares) -> ((loss, own shares),
+        grads)`, the shares summed over the slices so far."""
         if self.mode in ("whole", "pipeline"):  # (the model runs the pipeline)
             return value_and_grad(params, tokens, key)
         if self.mode == "over_dp":
-            return _over_dp_once(value_and_grad, params, specs, tokens, key, self.microbatches)
-        return _accumulate(value_and_grad, params, tokens, key, self.microbatches)
+            return _over_dp_once(value_and_grad, params, specs, tokens, key, self.microbatches,
+                                 self.shares)
+        return _accumulate(value_and_grad, params, tokens, key, self.microbatches, self.shares)
 
 
 def _mode(layout: Layout, M: int, attention: str, reduce_once: bool = True) -> str:
-    """"over_dp" where asked (`train.reduce_once`), the parameters are
+    """"over_dp" where asked (`train.reduce_once`; not under a MoE's
+    "global_aux", whose running shares through the manual slices leave
+    XLA:CPU more of the statistics' transposed sums than aux's, in a
+    count the ledger does not model), the parameters are
     replicated over dp (no FSDP) and nothing else splits the tokens (no cp:
     its sum over cp would be per slice; no ep: the MoE layers' resharding
     over ep needs the groups' split over dp x ep, which a shard_map manual
@@ -245,12 +257,15 @@ def _is_spec(x) -> bool:
     return isinstance(x, P)
 
 
-def _accumulate(value_and_grad, params, tokens_BT1, key, microbatches: int):
+def _accumulate(value_and_grad, params, tokens_BT1, key, microbatches: int,
+                shares: tuple = ()):
     """The slices' (mean loss, mean gradient), summed in fp32 (`wide`) by a scan.
 
     Slice m holds rows m, M+m, 2M+m, ...: reshaping [B] -> [B/M, M] keeps
     each dp rank's rows on that rank (the dp split is on the leading B/M), so
-    slicing needs no communication. The dropout key is folded per slice."""
+    slicing needs no communication. The dropout key is folded per slice.
+    `shares` (a shape): the running assignment shares, fp32 zeros at slice
+    0, each slice's own added (`Schedule.shares`)."""
     B, *rest = tokens_BT1.shape
     tail = (None, "seq") if len(rest) == 2 else (None,)  # under cp [B, 2, T]: T over cp
     tokens_MBT = constrain(tokens_BT1.reshape(B // microbatches, microbatches, *rest),
@@ -260,21 +275,26 @@ def _accumulate(value_and_grad, params, tokens_BT1, key, microbatches: int):
     zeros = jax.tree.map(lambda p: jnp.zeros_like(p, wide(p)), params)
 
     def body(carry, xs):
-        loss_sum, grad_sum = carry
+        loss_sum, grad_sum, *running = carry
         m, tokens = xs
-        loss, grads = value_and_grad(params, tokens,
-                                     None if key is None else jax.random.fold_in(key, m))
+        args = (params, tokens, None if key is None else jax.random.fold_in(key, m), *running)
+        loss, grads = value_and_grad(*args)
+        if running:  # ((loss, this slice's shares), grads)
+            loss, own = loss
+            running = [running[0] + own.astype(running[0].dtype)]
         grad_sum = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_sum, grads)
-        return (loss_sum + loss, grad_sum), None
+        return (loss_sum + loss, grad_sum, *running), None
 
-    (loss_sum, grad_sum), _ = jax.lax.scan(
-        body, (jnp.zeros((), wide(jnp.result_type(*jax.tree.leaves(params)))), zeros),
+    wide_ = wide(jnp.result_type(*jax.tree.leaves(params)))
+    (loss_sum, grad_sum, *_), _ = jax.lax.scan(
+        body, (jnp.zeros((), wide_), zeros, *[jnp.zeros(shares, jnp.float32)] * bool(shares)),
         (jnp.arange(microbatches), tokens_MBT))
     grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grad_sum, params)
     return loss_sum / microbatches, grads
 
 
-def _over_dp_once(value_and_grad, params, specs, tokens_BT1, key, microbatches: int):
+def _over_dp_once(value_and_grad, params, specs, tokens_BT1, key, microbatches: int,
+                  shares: tuple = ()):
     """`_accumulate` on each dp rank's rows inside a shard_map manual over dp:
     the parameters are replicated over dp and dp is manual, so each slice's
     gradient is this rank's partial sum, and the mean over dp is taken once
@@ -290,7 +310,7 @@ def _over_dp_once(value_and_grad, params, specs, tokens_BT1, key, microbatches: 
     key_spec = None if key is None else P()
 
     def local(params, tokens_BT1, key):
-        loss, grads = _accumulate(value_and_grad, params, tokens_BT1, key, microbatches)
+        loss, grads = _accumulate(value_and_grad, params, tokens_BT1, key, microbatches, shares)
         return (jax.lax.pmean(loss, DATA_AXIS),
                 jax.tree.map(lambda g: jax.lax.pmean(g, DATA_AXIS), grads))
 

@@ -27,13 +27,15 @@ from .optim import clip_by_global_norm, is_bias
 from .state import TrainState, abstract_train_state, init_train_state
 
 
-def loss_fn(graphdef, params, tokens_BT1, dropout_key=None, forward_only: bool = False):
+def loss_fn(graphdef, params, tokens_BT1, dropout_key=None, forward_only: bool = False,
+            shares=None):
     """Next-token cross-entropy of tokens [B, T+1] (under cp, a placed
     [B, 2, T]: `jaxtp.parallel.batch_shape`); `forward_only`: no gradient
-    will be taken (evaluation)."""
+    will be taken (evaluation); `shares`: a MoE's running shares
+    ("global_aux": `Transformer.loss`)."""
     model = nnx.merge(graphdef, params)
     return model.loss(*inputs_targets(tokens_BT1), dropout_key=dropout_key,
-                      forward_only=forward_only)
+                      forward_only=forward_only, shares=shares)
 
 
 def cross_entropy_of(model, tokens_BT1):
@@ -46,7 +48,10 @@ def grads_of(graphdef, params, tokens_BT1, key, schedule: Schedule = Schedule())
     """(mean loss, gradients) of a batch [B, T+1] as `schedule` consumes it
     (`jaxtp.parallel.Schedule`: whole, in sequential slices, or in slices
     reduced over dp once per step): the same result as one batch."""
-    value_and_grad = jax.value_and_grad(lambda p, t, k: loss_fn(graphdef, p, t, k))
+    # ("global_aux" over slices: each slice's shares come back beside its loss)
+    value_and_grad = jax.value_and_grad(
+        lambda p, t, k, s: loss_fn(graphdef, p, t, k, shares=s), has_aux=True) \
+        if schedule.shares else jax.value_and_grad(lambda p, t, k: loss_fn(graphdef, p, t, k))
     return schedule.loss_and_grads(value_and_grad, params, nnx.get_partition_spec(params),
                                    tokens_BT1, key)
 

@@ -151,7 +151,12 @@ def test_minimal_remat_keeps_the_slots_only_where_they_travelled(impl):
         # DeepSeek-V3's sequence-wise balance loss: each sequence's statistics
         ("dp4xtp2-minimal-seq_aux", (4, 1, 2), {"remat": "minimal", "balance": "seq_aux"}),
         # the loss-free bias: its counts summed over the tokens in the forward
-        ("dp2xep2xtp2-bias", (2, 2, 2), {"balance": "bias"}))
+        ("dp2xep2xtp2-bias", (2, 2, 2), {"balance": "bias"}),
+        # global_aux over 2 slices: aux's sums, none again under a remat (kept)
+        ("dp2xep2xtp2-M2-minimal-global_aux", (2, 2, 2),
+         {"balance": "global_aux", "microbatches": 2, "remat": "minimal"}),
+        ("dp4xtp2-M2-full-every2-global_aux", (4, 1, 2),
+         {"balance": "global_aux", "microbatches": 2, "remat": "full", "every": 2}))
     if impl != "explicit" or name == "dp2xep2xtp2"])
 def test_the_moe_step_holds_its_ledger(impl, dp, ep, tp, kw):
     """Every collective of the step, by `expected_collectives`: the experts'

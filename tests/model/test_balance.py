@@ -10,6 +10,7 @@ import functools
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxtp.config import (Config, ModelConfig, ParallelConfig, TrainConfig, apply_overrides,
                           load_config, validate)
@@ -173,3 +174,36 @@ def test_the_per_layer_loads_equal_a_count_done_here(scan):
     assert row["moe_layer_dead"] == [int((r == 0).sum()) for r in want_load]
     assert row["moe_max_violation"] == max(row["moe_layer_violation"]) > 0
     assert 0 < min(row["moe_layer_dropped"])
+
+
+def test_global_aux_carries_each_microbatchs_shares_to_the_next():
+    """At M = 2 the step's loss and gradients are the mean of two direct
+    calls, the second given the first's shares per MoE layer (the one
+    device's; every dp x ep split gives its: tests/model/test_moe.py); at
+    M = 1 it is aux; at M = 2 it is not aux's."""
+    from cached import initial_params, loss_and_grads  # noqa: PLC0415
+    from jaxtp.train.step import loss_fn
+
+    model = dataclasses.replace(LOADS, moe_balance="global_aux", moe_balance_coef=1.0)
+    cfg = lambda m, M: validate(Config(m, TrainConfig(batch_size=8, microbatches=M),
+                                       ParallelConfig()))
+    got = loss_and_grads(cfg(model, 2), TOKENS)
+    graphdef, params, _ = initial_params(cfg(model, 2), Layout.of(cfg(model, 2)).mesh())
+    shares = jax.numpy.zeros((model.n_moe_layers, model.n_experts))
+
+    def direct(p):
+        total, s = 0.0, shares
+        for m in range(2):  # (slice m: rows m, 2 + m, ...: `Schedule`'s)
+            loss, own = loss_fn(graphdef, p, TOKENS[m::2], shares=s)
+            total, s = total + loss / 2, s + own
+        return total
+
+    loss, grads = jax.value_and_grad(direct)(params)
+    assert got[0] == pytest.approx(float(loss), rel=1e-6)
+    flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in
+            jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(grads))[0]}
+    for path, g in got[1].items():
+        np.testing.assert_allclose(g, flat[path], rtol=1e-5, atol=1e-7)
+    aux = dataclasses.replace(model, moe_balance="aux")
+    assert loss_and_grads(cfg(model, 1), TOKENS)[0] == loss_and_grads(cfg(aux, 1), TOKENS)[0]
+    assert abs(loss_and_grads(cfg(aux, 2), TOKENS)[0] - got[0]) > 1e-4

@@ -220,6 +220,44 @@ def test_the_balance_losses_equal_a_per_token_count_in_value_and_gradient(routin
                                    balance_reference(seq_major, W_ROUTER, routing, 2), rtol=1e-5)
 
 
+def test_global_aux_weighs_p_by_the_shares_of_the_microbatches_so_far():
+    """Megatron-Core's global_aux at a step's second microbatch: f is the
+    mean of the first's shares (`prior`, summed) and this one's, counted
+    token by token here; P this microbatch's. Value and gradient; the
+    microbatch's own shares come back for the next."""
+    prior = RNG.dirichlet(np.ones(E)).astype(np.float32) * K  # (shares sum to k)
+
+    def got(x, w):
+        _, stats = moe.moe(x, x @ w, lambda s: s, routing=SOFTMAX, factor=0.0,
+                           balance="global_aux", prior_E=jnp.asarray(prior))
+        return stats[0], stats[2:]
+
+    def want(x, w):
+        f, P = np.zeros(E), jnp.zeros(E)
+        flat, n = x.reshape(G * T, D), G * T
+        for t in range(n):
+            logits = flat[t] @ w
+            for e in choose(scores(np.asarray(jax.lax.stop_gradient(logits)), SOFTMAX),
+                            SOFTMAX)[0]:
+                f[e] += 1 / n
+            P = P + scores(logits, SOFTMAX, jnp) / n
+        return E / K * jnp.sum(jnp.asarray((prior + f) / 2) * P), f
+
+    args = tuple(map(jnp.asarray, (X, W_ROUTER)))
+    (value, own), (ref, ref_own) = got(*args), want(*args)
+    np.testing.assert_allclose(value, ref, rtol=1e-5)
+    np.testing.assert_allclose(own, ref_own, rtol=1e-6)
+    for g, w in zip(jax.grad(lambda *a: got(*a)[0], (0, 1))(*args),
+                    jax.grad(lambda *a: want(*a)[0], (0, 1))(*args)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+    # (no prior, the first microbatch or M = 1: Switch's aux over this one)
+    plain = moe.moe(*args[:1], args[0] @ args[1], lambda s: s, routing=SOFTMAX, factor=0.0,
+                    balance="global_aux")[1]
+    np.testing.assert_allclose(plain[0], moe.balance_loss(
+        moe.route(args[0] @ args[1], SOFTMAX)[2], moe.route(args[0] @ args[1], SOFTMAX)[1]),
+        rtol=1e-6)
+
+
 def test_the_balance_loss_is_one_at_a_random_router_as_transformers_two_at_top_two():
     """transformers' `load_balancing_loss_func` is E * sum_e f_e P_e with f
     per choice (k when balanced; its Mixtral test expects about 2 at top 2
@@ -304,6 +342,13 @@ def moe_one_device(model, microbatches=1):
         moe_route_scale=2.5, moe_drop="probs"), 2, 2, {"ep": 2, "microbatches": 2}),
     ("gpt2-ep4xtp2-microbatches2-shard_map", MOE, 1, 2,
      {"ep": 4, "microbatches": 2, "impl": "shard_map"}),
+    # Megatron-Core's global_aux: the shares carried from microbatch to microbatch,
+    # in sequential slices and in slices reduced over dp once (over_dp)
+    ("llama-dp2xep2xtp2-microbatches2-global_aux", dataclasses.replace(
+        MOE_LLAMA, moe_balance="global_aux"), 2, 2, {"ep": 2, "microbatches": 2}),
+    ("gpt2-dp4xtp2-microbatches2-global_aux-shard_map-scan", dataclasses.replace(
+        MOE, moe_balance="global_aux"), 4, 2,
+     {"microbatches": 2, "impl": "shard_map", "scan_layers": True}),
     # a shared expert beside the routed ones (a dense MLP on the tp rule)
     ("gpt2-ep4xtp2-shared", dataclasses.replace(MOE, moe_shared_d_ff=48), 1, 2, {"ep": 4}),
     ("llama-dp2xep2xtp2-shared-gated-shard_map-scan-minimal",
