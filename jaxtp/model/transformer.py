@@ -17,7 +17,7 @@ from ..config import REMATS, ModelConfig
 from ..parallel import Layout, Schedule, constrain, wide
 from ..parallel.context import KV_NAME as CP_KV
 from ..parallel.ep import SLOTS_NAME as EP_SLOTS
-from ..parallel.stack import stack, stack_loss
+from ..parallel.stack import scan_layers, stack, stack_loss
 from .attention import Attention
 from .layers import Embed, dropout, make_norm
 from .mlp import MLP
@@ -165,14 +165,14 @@ class Transformer(nnx.Module):
         """(final-norm hidden states [B, T, D], the MoE layers' router
         statistics summed over the layers (`jaxtp.model.moe.moe`; with
         `monitor` set, `model.set_attributes(monitor=True)`, the dropped share
-        and loads too, per MoE layer [L_moe, n] but under a pipeline); zeros
+        and loads too, per MoE layer [L_moe, n]); zeros
         without experts). `shares` ("global_aux"): the step's earlier
         microbatches' assignment shares per MoE layer [L_moe, E]; then the
         statistics are (their sums, this microbatch's shares [L_moe, E])."""
         L, k, S = self.cfg.n_layers, self.cfg.layer_group, self.cfg.stacked_layers
         keys = (None if dropout_key is None else jax.random.split(dropout_key, L + 1))
         x_BTD = self._embed(tokens_BT, None if keys is None else keys[0])
-        rows = (self.cfg.n_moe_layers,) * (self.monitor and self.schedule.stages == 1)
+        rows = (self.cfg.n_moe_layers,) * self.monitor
         stats = jnp.zeros((*rows, n_stats(self.cfg.n_experts, self.monitor)), wide(x_BTD))
         stats = stats if shares is None else (stats, shares)
         carry, layer = (x_BTD, stats if self.cfg.n_experts else None), self._layer()
@@ -182,7 +182,16 @@ class Transformer(nnx.Module):
         # (a stacked stack's keys per unit: [S/k, k, ...] for a Group's layers)
         unit_keys = keys if keys is None or k == 1 or not self.schedule.stacked \
             else keys.reshape(S // k, k, *keys.shape[1:])
-        x_BTD, aux = stack(self.schedule, self.layout, layer, self.blocks, *carry, unit_keys)
+        if self.monitor and self.schedule.stages > 1:
+            # per layer under a pipeline: the stack in one loop on every rank,
+            # in model order (circular stores it otherwise: `Schedule.layer_order`),
+            # each layer's weights gathered from its stage; forward only, for metrics
+            order = np.argsort(self.schedule.layer_order())
+            graphdef, state = nnx.split(self.blocks)
+            blocks = nnx.merge(graphdef, jax.tree.map(lambda a: a[order], state))
+            x_BTD, aux = scan_layers(self.schedule, layer, blocks, carry)
+        else:
+            x_BTD, aux = stack(self.schedule, self.layout, layer, self.blocks, *carry, unit_keys)
         return self.ln_f(x_BTD), stats if aux is None else aux
 
     def _layer(self):

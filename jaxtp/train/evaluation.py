@@ -15,8 +15,7 @@ def router_row(stats_fn, params, batches, mesh, cp_balance: bool, layers: int) -
     metrics row: the balance and z losses summed over the `layers` MoE
     layers (as the training loss adds them), the dropped share and each
     expert's share of the assignments averaged over them; and where the
-    statistics come per layer (not under a pipeline, `hidden_and_stats`)
-    `load_rows` of them."""
+    statistics come per layer (`hidden_and_stats`) `load_rows` of them."""
     s = np.mean(jax.device_get([stats_fn(params, to_mesh(b, mesh, cp_balance))
                                 for b in batches]), 0)
     n = len(STATS)

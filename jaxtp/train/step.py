@@ -113,8 +113,8 @@ def make_eval_step(state: TrainState) -> Callable:
 
 def make_router_stats(state: TrainState) -> Callable:
     """jitted (params, tokens) -> a MoE model's router statistics on a batch,
-    forward only, per MoE layer [L_moe, n] (under a pipeline summed over
-    them, [n]: `Transformer.hidden_and_stats`)."""
+    forward only, per MoE layer [L_moe, n] (`Transformer.hidden_and_stats`;
+    under a pipeline the stack in one loop); call it under the mesh."""
     graphdef = state.graphdef
 
     def stats(params, tokens_BT1):

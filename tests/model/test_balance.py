@@ -142,8 +142,15 @@ def counted_loads(model, tokens) -> tuple[np.ndarray, np.ndarray]:
     return np.array(loads), np.array(dropped)
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["list", "scan"])
-def test_the_per_layer_loads_equal_a_count_done_here(scan):
+@pytest.mark.parametrize("layers, kw", [
+    (4, {}), (4, {"scan_layers": True}),
+    # a pipeline's stack in one loop, circular's rows put back in model order
+    (8, {"pp": 2, "pp_schedule": "circular", "pp_repeats": 2, "microbatches": 2,
+         "scan_layers": True}),
+    (5, {"pp": 2, "pp_schedule": "1f1b", "microbatches": 2, "impl": "shard_map",
+         "moe_first_dense": 1, "scan_layers": True})],
+    ids=["list", "scan", "pp2-circular", "pp2-1f1b-shard_map-first_dense"])
+def test_the_per_layer_loads_equal_a_count_done_here(layers, kw):
     """The monitored statistics per MoE layer (a shift register through the
     stack, so the scanned groups' rows come in layer order) against the
     count above; the row's violation, dead experts and dropped share from
@@ -153,14 +160,20 @@ def test_the_per_layer_loads_equal_a_count_done_here(scan):
     from jaxtp.train.state import abstract_train_state
     from cached import initial_params  # noqa: PLC0415
 
-    cfg = validate(Config(dataclasses.replace(LOADS, scan_layers=scan),
-                          TrainConfig(batch_size=8), ParallelConfig(ep=2, tp=2)))
-    plain = validate(Config(LOADS, TrainConfig(batch_size=8), ParallelConfig()))
+    kw = {"n_layers": layers, **kw}
+    par = {k: kw.pop(k) for k in ("pp", "pp_schedule", "pp_repeats", "impl") if k in kw}
+    M = kw.pop("microbatches", 1)
+    model = dataclasses.replace(LOADS, **kw)
+    cfg = validate(Config(model, TrainConfig(batch_size=8, microbatches=M),
+                          ParallelConfig(ep=2, tp=2, **par)))
+    plain = validate(Config(dataclasses.replace(model, scan_layers=False),
+                            TrainConfig(batch_size=8), ParallelConfig()))
     layout = Layout.of(cfg)
     _, params, _ = initial_params(cfg, layout.mesh())
     state = abstract_train_state(cfg, layout.mesh())
     stats = make_router_stats(dataclasses.replace(state, params=params))
-    got = np.asarray(stats(params, jax.device_put(TOKENS, batch_sharding(state.mesh))))
+    with jax.set_mesh(state.mesh):  # (as the training loop calls it)
+        got = np.asarray(stats(params, jax.device_put(TOKENS, batch_sharding(state.mesh))))
     assert got.shape == (cfg.model.n_moe_layers, 3 + LOADS.n_experts)
     with jax.set_mesh(Layout.of(plain).mesh()):
         model = build_model(plain, Layout.of(plain), plain.train.seed, jax.devices()[0])
