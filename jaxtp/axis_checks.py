@@ -11,6 +11,23 @@ import math
 from .axes import CP_AXIS, EP_AXIS, PP_AXIS
 
 
+def _layers_split(m, p) -> str | None:
+    """Whole layers (groups of moe_every) per stage and repeat, of the stack
+    (a leading dense run, model.moe_first_dense, runs before the stages)."""
+    k = m.layer_group
+    chunks, S = p.pp * p.pp_repeats * k, m.stacked_layers
+    if not S % chunks:
+        return None
+    ok = [n for n in range(2, S + 1) if S % (n * p.pp_repeats * k) == 0]
+    groups = f" in groups of model.moe_every={k}" if k > 1 else ""
+    lead = m.n_layers - S
+    after = f" ({S} after model.moe_first_dense={lead})" if lead else ""
+    return (f"pipeline parallelism splits model.n_layers={m.n_layers}{after} evenly over "
+            f"pp={p.pp} stages x {p.pp_repeats} repeat(s){groups}; valid --pp here: "
+            f"{ok or 'none'}, or set model.n_layers to {f'{lead} + ' if lead else ''}a "
+            f"multiple of {chunks}")
+
+
 def pp(cfg) -> str | None:
     """What a pipeline needs: whole layers per stage, at least as many
     microbatches as stages, and the parts built for it so far."""
@@ -20,19 +37,9 @@ def pp(cfg) -> str | None:
             return (f"parallel.pp_repeats={p.pp_repeats} repeats pipeline stages, and "
                     "parallel.pp=1 has none: add --pp N, or drop pp_repeats")
         return None
-    k = m.layer_group  # (a stage holds whole groups of moe_every layers)
-    chunks = p.pp * p.pp_repeats * k
-    S = m.stacked_layers  # (a leading dense run, model.moe_first_dense, runs before the stages)
-    if S % chunks:
-        ok = [n for n in range(2, S + 1) if S % (n * p.pp_repeats * k) == 0]
-        groups = f" in groups of model.moe_every={k}" if k > 1 else ""
-        lead = m.n_layers - S
-        after = f" ({S} after model.moe_first_dense={lead})" if lead else ""
-        return (
-            f"pipeline parallelism splits model.n_layers={m.n_layers}{after} evenly over "
-            f"pp={p.pp} stages x {p.pp_repeats} repeat(s){groups}; valid --pp here: "
-            f"{ok or 'none'}, or set model.n_layers to {f'{lead} + ' if lead else ''}a "
-            f"multiple of {chunks}")
+    split = _layers_split(m, p)
+    if split:
+        return split
     if t.microbatches < p.pp:
         return (
             f"train.microbatches={t.microbatches} is below pp={p.pp}: a pipeline keeps every "

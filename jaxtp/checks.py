@@ -33,7 +33,7 @@ INFERENCE_IMPLS = ("gspmd", "shard_map")
 # (jaxtp.parallel.overlap): one collective each, or collective-matmul rings
 OVERLAPS = ("none", "collective_matmul", "collective_matmul_bidi")
 STYLES = ("gpt2", "llama")
-REMATS = ("none", "full", "dots", "minimal")  # jaxtp.model.transformer.REMAT_POLICIES
+REMATS = ("none", "full", "dots", "minimal")  # jaxtp.model.block.REMAT_POLICIES
 ATTENTIONS = ("auto", "xla", "blockwise", "cudnn")  # jaxtp.model.kernels (auto: per device)
 # how the attention core reaches the other cp ranks' keys and values
 # (jaxtp.parallel.context); the parallel package holds the same names

@@ -42,8 +42,8 @@ from .dp import expected_fsdp
 from .ep import expected_moe
 from .grads import expected_grads
 from .overlap_rows import ring_regions, windowed_head, windowed_regions
-from .rows import (HLO_DTYPES, Expected, batch_ranks, lead_rows, microbatch_rows, moe_per_tick,
-                   on, per_step, runs_head, schedule_of)
+from .rows import (HLO_DTYPES, Expected, batch_ranks, microbatch_rows, moe_per_tick, on, per_step,
+                   runs_head, schedule_of)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +119,22 @@ def expected_collectives(cfg: Config, impl: str, platform: str = "",
                     schedule_of(cfg))
     return widened(on_backend(rows, cfg, impl, platform) if platform else rows,
                    cfg.model.dtype)
+
+
+def lead_rows(cfg, rows: list[Expected]) -> list[Expected]:
+    """Under a pipeline, the leading dense run's (`model.moe_first_dense`)
+    copies of a block's "layer" rows (`rows`: its attention's and dense
+    MLP's): those layers run before the stages, as the embedding does, on
+    each stage's own B/(pp*dp) rows once a step (a row's elements scale
+    with its rows); none otherwise (the run counts among the layers)."""
+    m, p = cfg.model, cfg.parallel
+    lead = m.n_layers - m.stacked_layers
+    if p.pp == 1 or not lead:
+        return []
+    b, out = microbatch_rows(cfg), cfg.train.batch_size // (p.pp * batch_ranks(cfg))
+    return [dataclasses.replace(r, name=f"{r.name} (the leading dense layers)",
+                                elements=r.elements * out // b, count=r.count * lead, per="step")
+            for r in rows if r.per == "layer" and r.scope != "moe"]
 
 
 def _norm(cfg: Config) -> list[Expected]:

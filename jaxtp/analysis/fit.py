@@ -25,7 +25,7 @@ import dataclasses
 from typing import Callable
 
 from ..config import Config, ConfigError, validate
-from ..sizes import ITEMSIZE, activation_bytes, param_count
+from ..sizes import ITEMSIZE, activation_bytes, capacity, param_count
 
 # layouts compiled at each device count: the ranking's first three
 PER_COUNT = 3
@@ -139,25 +139,29 @@ def dispatch_ratio(cfg: Config) -> float:
     dispatch and combine each 2*E*C*D FLOPs a token ([T, E, C] one-hots
     against [T, D]; GShard, Lepikhin et al. 2020, Sec. 2.2) against the k
     experts' 2*n*D*F (n = 3 matmuls gated, 2 not): 2*E*C / (n*k*F)."""
-    from ..sizes import capacity
-
     m = cfg.model
     C = capacity(m.seq_len, m.moe_top_k, m.n_experts, m.capacity_factor or 1.0)
     n = 3 if m.style == "llama" else 2
     return 2 * m.n_experts * C / (n * m.moe_top_k * m.expert_d_ff)
 
 
-def dispatch_choice(cfg: Config, row: dict, measure: Callable[[Config], dict],
+def dispatch_choice(cfg: Config, row: dict, measure: Callable[[Config], dict] | None,
                     log: Callable[[str], None] = print) -> str:
     """For a fine-grained MoE (`dispatch_ratio` above 1: the dense
     dispatch costs more than the experts it feeds), compile the other
     dispatch at `cfg`'s layout and name the one of less compiled memory
-    (the ragged path is dropless: capacity 0); the config's own otherwise."""
+    (the ragged path is dropless: capacity 0); the config's own otherwise,
+    and where there is no accelerator's compile (`measure` None: XLA:CPU
+    compiles no ragged all-to-all) say so."""
     m = cfg.model
     ratio = dispatch_ratio(cfg)
     if not m.n_experts or ratio <= 1:
         return m.moe_dispatch
     other = "ragged" if m.moe_dispatch == "dense" else "dense"
+    if measure is None:
+        log(f"dispatch: the dense dispatch's einsums cost {ratio:.2f}x the experts' matmuls "
+            f"(2EC/(nkF)); --hardware compiles model.moe_dispatch={other} beside it")
+        return m.moe_dispatch
     c = dataclasses.replace(cfg, model=dataclasses.replace(
         m, moe_dispatch=other, capacity_factor=0.0 if other == "ragged" else
         (m.capacity_factor or 1.0)))

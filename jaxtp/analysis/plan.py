@@ -45,7 +45,8 @@ from ..sizes import activation_bytes, capacity, moe_activation_bytes
 from .backends import on_backend
 from .cp import cp_intensity
 from .ep import expected_ep, slots
-from .fit import dispatch_choice
+from .cluster import load
+from .fit import dispatch_choice, name, smallest_fit
 from .params import param_shards
 from .predict import decode_lines, from_hlo, plan_lines, predict_config
 from .rows import decided, per_step, schedule_of
@@ -240,11 +241,11 @@ def plan(cfg: Config, tps, hardware: str = "h100", compile_for_target: bool = Fa
         log(f"no valid tp among {sorted(tps)}")
         return rows
     print_plan(cfg, rows, target, swept, log)
-    if cfg.model.n_experts:  # (a fine-grained MoE: which dispatch, by the compile)
+    if cfg.model.n_experts:  # (a fine-grained MoE: which dispatch, by the accelerator's compile)
         rows[-1]["dispatch"] = dispatch_choice(
-            cfgs[-1], rows[-1], lambda c: analyze(c, target_mesh(
-                hardware, **c.parallel.degrees) if on_target else None,
-                compile_step=compile_step), log)
+            cfgs[-1], rows[-1], (lambda c: analyze(c, target_mesh(
+                hardware, **c.parallel.degrees), compile_step=compile_step)) if on_target
+            else None, log)
     if cluster and not any(r["fits"] for r in rows):
         rows[0]["smallest_fit"] = _search(cfgs[-1], cluster, log, compile_step)
     _report(cfg, rows, cfgs, hardware, target, on_target, cluster, out_dir, log)
@@ -256,9 +257,6 @@ def _search(cfg: Config, cluster: str, log, compile_step) -> dict | None:
     that hold the step, and the layout (`jaxtp.analysis.fit`), compiled for
     its accelerator where that compiler is here (else CPU, whose
     temporaries overstate); its prediction on the cluster."""
-    from .cluster import load
-    from .fit import name, smallest_fit
-
     c0 = load(cluster)
     hw = c0.accelerator.name if c0.accelerator.name in HARDWARE else None
     memory = HARDWARE[hw].memory if hw and HARDWARE[hw].memory else c0.accelerator.memory

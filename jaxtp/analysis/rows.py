@@ -123,22 +123,6 @@ def moe_per_tick(cfg) -> int:
                                                    else m.n_layers)
 
 
-def lead_rows(cfg, rows: list[Expected]) -> list[Expected]:
-    """Under a pipeline, the leading dense run's (`model.moe_first_dense`)
-    copies of a block's "layer" rows (`rows`: its attention's and dense
-    MLP's): those layers run before the stages, as the embedding does, on
-    each stage's own B/(pp*dp) rows once a step (a row's elements scale
-    with its rows); none otherwise (the run counts among the layers)."""
-    m, p = cfg.model, cfg.parallel
-    lead = m.n_layers - m.stacked_layers
-    if p.pp == 1 or not lead:
-        return []
-    b, out = microbatch_rows(cfg), cfg.train.batch_size // (p.pp * batch_ranks(cfg))
-    return [dataclasses.replace(r, name=f"{r.name} (the leading dense layers)",
-                                elements=r.elements * out // b, count=r.count * lead, per="step")
-            for r in rows if r.per == "layer" and r.scope != "moe"]
-
-
 def runs_head(cfg) -> bool:
     """`cfg`'s `Schedule.runs_head` (1F1B, interleaved: the head in the loop)."""
     return schedule_of(cfg).runs_head

@@ -139,7 +139,7 @@ def region(module, x_BTD):
     """`module.region` from replicated x (SP: split along T) to its output
     summed over tp: the row-parallel bias is added by the caller. The sum
     carries the remat name `module.tag`: every remat policy keeps it
-    (jaxtp.model.transformer.REMAT_POLICIES), so recomputing a block in the
+    (jaxtp.model.block.REMAT_POLICIES), so recomputing a block in the
     backward pass never repeats g's collective."""
     return checkpoint_name(local_of(module.layout).run_region(module, x_BTD), module.tag)
 

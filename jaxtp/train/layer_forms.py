@@ -1,7 +1,7 @@
 """A checkpoint's blocks in either form: a list of L layers
 (`['blocks'][i]`) or one stack of them [L, ...] (scanned, and always under
 pp), or where the stack's unit is a group of k layers
-(`jaxtp.model.transformer.Group`) k stacks [L/k, ...], position j
+(`jaxtp.model.block.Group`) k stacks [L/k, ...], position j
 (`['blocks']['layers'][j]`) holding layers j, j + k, ... A step saved in
 one form is read in that form, each layer whole over the stack's axis,
 checked, then restacked or sliced into the form the model wants

@@ -78,3 +78,6 @@ def test_the_dispatch_is_chosen_by_its_einsums_cost_and_then_by_the_compile():
     assert "4.44x" in lines[0] and lines[-1].endswith("(dropless: model.capacity_factor=0)")
     assert seen[0].moe_dispatch == "ragged" and seen[0].capacity_factor == 0  # (dropless)
     assert fit.dispatch_choice(qwen, row(5), measure, lambda s: None) == "dense"
+    lines = []  # (no accelerator's compile: the ratio said, nothing compiled)
+    assert fit.dispatch_choice(qwen, row(5), None, lines.append) == "dense"
+    assert "--hardware compiles model.moe_dispatch=ragged" in lines[0]

@@ -232,7 +232,7 @@ def test_eos_stops_a_row_and_the_rest_go_on():
 @pytest.mark.parametrize("lead, every", [(0, 2), (1, 3)], ids=["groups", "lead-and-groups"])
 def test_a_scanned_stack_of_groups_generates_as_its_list_of_layers(lead, every):
     """model.moe_every 2 scanned: each loop trip a Group of a dense and a MoE
-    layer (`jaxtp.model.transformer.Group`), its KV caches [L/2, 2, ...] per
+    layer (`jaxtp.model.block.Group`), its KV caches [L/2, 2, ...] per
     trip (with model.moe_first_dense 1, a dense layer first, unstacked, then a
     group of three); the same values (a stack starts from the plain model's)
     generate the same tokens as the list of layers, at tp 2."""

@@ -358,7 +358,7 @@ def moe_one_device(model, microbatches=1):
     ("llama-ep2xtp2-moe_every2", dataclasses.replace(MOE_LLAMA, moe_every=2), 2, 2, {"ep": 2}),
     ("gpt2-ep4xtp2-moe_every2-shard_map", dataclasses.replace(MOE, moe_every=2), 1, 2,
      {"ep": 4, "impl": "shard_map"}),
-    # scanned in groups of a dense and a MoE layer (`jaxtp.model.transformer.Group`)
+    # scanned in groups of a dense and a MoE layer (`jaxtp.model.block.Group`)
     ("llama-ep2xtp2-moe_every2-scan-minimal", dataclasses.replace(MOE_LLAMA, moe_every=2), 2,
      2, {"ep": 2, "scan_layers": True, "remat": "minimal"}),
     # a leading dense layer (model.moe_first_dense), then groups of two dense and a MoE

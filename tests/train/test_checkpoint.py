@@ -646,7 +646,7 @@ def test_a_moe_save_restores_exactly_at_another_ep(tmp_path, saved, restored):
 @pytest.mark.parametrize("lead", [0, 1], ids=["groups", "lead-and-groups"])
 def test_a_grouped_stack_restores_exactly_as_a_list_and_back(tmp_path, lead):
     """model.moe_every 2 stacks groups of a dense and a MoE layer
-    (`jaxtp.model.transformer.Group`: position j holds layers j, j + 2, ...).
+    (`jaxtp.model.block.Group`: position j holds layers j, j + 2, ...).
     A list model's step (4 layers, tp=2) restores bit-exactly into the
     scanned groups and into a pipeline's (pp=2, one group a stage); the
     pipeline's step restores as the list again. With model.moe_first_dense 1
