@@ -189,6 +189,10 @@ def test_the_per_layer_loads_equal_a_count_done_here(layers, kw):
     assert 0 < min(row["moe_layer_dropped"])
 
 
+test_the_per_layer_loads_equal_a_count_done_here.fast_cases = {"list", "scan"}
+
+
+@pytest.mark.slow
 def test_global_aux_carries_each_microbatchs_shares_to_the_next():
     """At M = 2 the step's loss and gradients are the mean of two direct
     calls, the second given the first's shares per MoE layer (the one
