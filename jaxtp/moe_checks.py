@@ -10,7 +10,7 @@ MOE_DISPATCHES = ("dense", "ragged")
 # the router's scores, and what goes past an expert's capacity (`moe.Routing`)
 MOE_SCORES = ("softmax", "sigmoid")
 MOE_DROPS = ("position", "probs")
-# what remat keeps of ep's slots (`jaxtp.model.block._block_fn`)
+# what remat keeps of ep's slots (`jaxtp.model.block.block_fn`)
 MOE_SLOTS = ("keep", "resend")
 # the balance loss over a microbatch's tokens or per sequence (`routing.balance_loss`),
 # or the loss-free bias (`routing.counted`, `jaxtp.train.optim.loss_free_bias`)

@@ -15,8 +15,9 @@ Korthikanti et al.'s activation count (`jaxtp.sizes.activation_bytes`,
 which ignores remat: an order, not a size), and the `per_count` first are
 compiled (abstract shapes, for the cluster's accelerator where its
 compiler is installed) and held to the memory the compiler says they
-take. The first n where one fits is the answer; its fitting layout of
-least compiled memory is named.
+take. At the first n where one fits, as many of the layouts predicted
+fastest on the cluster (`jaxtp.analysis.predict`) are compiled too, and
+the fastest that fits is named.
 """
 
 from __future__ import annotations
@@ -89,12 +90,12 @@ def smallest_fit(cfg: Config, counts: list[int], per_node: int, memory: float,
     in `counts` at which a layout's compiled total fits `memory` bytes;
     None where none does. `floor(c)`: a layout's analytic floor a device;
     `measure(c)`: its `jaxtp.analysis.plan.analyze` row (compiled).
-    `per_count` (None: all) layouts are compiled at each count, least
-    the shallowest pipeline and least `estimate` first (jaxtp's GPipe
-    keeps every microbatch's activations, and under FSDP the stage's
-    weights whole); where one fits, with `speed(c)` (a predicted step) as
-    many of the fastest too, at no deeper a pipeline, and the fastest that fits is named (else the
-    one of least memory)."""
+    `per_count` (None: all) layouts are compiled at each count, the
+    shallowest pipeline and least `estimate` first (jaxtp's GPipe keeps
+    every microbatch's activations, and under FSDP the stage's weights
+    whole); where one fits, with `speed(c)` (a predicted step) as many of
+    the fastest too, at no deeper a pipeline, and the fastest that fits is
+    named (without `speed`, the one of least memory)."""
     for n in counts:
         cands = [(floor(c), c) for c in layouts(cfg, n, per_node)]
         # (pipelines last: jaxtp's GPipe keeps every microbatch's activations)

@@ -68,14 +68,14 @@ class Group(nnx.Module):
         self.layers = nnx.List([Block(cfg, layout, rngs=rngs, moe=j == k - 1) for j in range(k)])
 
 
-def _unit(cfg: ModelConfig, layout: Layout, rngs: nnx.Rngs):
+def unit_of(cfg: ModelConfig, layout: Layout, rngs: nnx.Rngs):
     """The stack's unit: a Block, or a Group where the layers mix kinds."""
     if cfg.layer_group == 1:
         return Block(cfg, layout, rngs=rngs)
     return Group(cfg, layout, rngs=rngs)
 
 
-def _layers_of(unit) -> list:
+def layers_of(unit) -> list:
     return list(unit.layers) if isinstance(unit, Group) else [unit]
 
 
@@ -109,7 +109,7 @@ REMAT_POLICIES = _policies()
 assert tuple(REMAT_POLICIES) == REMATS  # the config's list of names is the one source
 
 
-def _block_fn(remat: str, slots: str = "keep"):
+def block_fn(remat: str, slots: str = "keep"):
     """(block, x, key) -> x, rematerialised by the named policy (without ep's
     slots where `slots` is "resend", `model.moe_slots`)."""
     call = lambda block, x, key, *prior: block(x, key, *prior)

@@ -16,7 +16,7 @@ from flax import nnx
 from ..config import ModelConfig
 from ..parallel import Layout, Schedule, constrain, wide
 from ..parallel.stack import scan_layers, stack, stack_loss
-from .block import Block, Group, _block_fn, _layers_of, _unit
+from .block import Block, Group, block_fn, layers_of, unit_of
 from .layers import Embed, dropout, make_norm
 from .moe import LOSSES, add_stats, balance_weight, n_stats
 from .vocab import VocabEmbed
@@ -95,21 +95,21 @@ class Transformer(nnx.Module):
         """One unit of the stack (a block, or a Group's blocks in order) on
         (x, the router statistics so far, or None), each block's activations
         rematerialised by `model.remat`'s policy."""
-        block_fn = _block_fn(self.cfg.remat, self.cfg.moe_slots)
+        run = block_fn(self.cfg.remat, self.cfg.moe_slots)
 
         def layer(unit, carry, key):
             x_BTD, stats = carry
             grouped = isinstance(unit, Group)
-            for j, block in enumerate(_layers_of(unit)):
+            for j, block in enumerate(layers_of(unit)):
                 k = key[j] if grouped and key is not None else key
                 if not block.moe:
-                    x_BTD = block_fn(block, x_BTD, k)
+                    x_BTD = run(block, x_BTD, k)
                 elif isinstance(stats, tuple):  # (sums, running shares: `hidden_and_stats`)
-                    x_BTD, layer_stats = block_fn(block, x_BTD, k, stats[1][0])
+                    x_BTD, layer_stats = run(block, x_BTD, k, stats[1][0])
                     n = len(LOSSES)
                     stats = (stats[0] + layer_stats[:n], add_stats(stats[1], layer_stats[n:]))
                 else:
-                    x_BTD, layer_stats = block_fn(block, x_BTD, k)
+                    x_BTD, layer_stats = run(block, x_BTD, k)
                     stats = add_stats(stats, layer_stats)
             return x_BTD, stats
         return layer
@@ -156,7 +156,7 @@ class Transformer(nnx.Module):
                       transform_metadata={nnx.PARTITION_NAME: self.schedule.stack_axis})
             def body(x_BTD, unit, k_kBSKH, v_kBSKH):
                 ks, vs = [], []
-                for j, block in enumerate(_layers_of(unit)):
+                for j, block in enumerate(layers_of(unit)):
                     x_BTD, kj, vj = block.extend(x_BTD, k_kBSKH[j], v_kBSKH[j], pos_BT, prefill)
                     ks.append(kj)
                     vs.append(vj)
@@ -220,7 +220,7 @@ class Transformer(nnx.Module):
 
 
 def _stacked(blocks: list[Block], cfg: ModelConfig, layout: Layout, schedule: Schedule):
-    """One unit (a Block, or a Group: `_unit`) whose every parameter is the
+    """One unit (a Block, or a Group: `unit_of`) whose every parameter is the
     `blocks`' stacked on a leading axis over the units [L/k, ...] (in
     `Schedule.layer_order`), split over the schedule's stack axis (None:
     replicated). Its structure comes from an `nnx.vmap`ped construction
@@ -231,7 +231,7 @@ def _stacked(blocks: list[Block], cfg: ModelConfig, layout: Layout, schedule: Sc
     @nnx.vmap(in_axes=0, out_axes=0,
               transform_metadata={nnx.PARTITION_NAME: schedule.stack_axis})
     def stack(rngs):
-        return _unit(cfg, layout, rngs)
+        return unit_of(cfg, layout, rngs)
 
     stacked = stack(nnx.Rngs(0))
     state = nnx.state(stacked)
