@@ -668,6 +668,8 @@ def test_transformers_agrees_on_moe(kind, tmp_path):
                                     {"save_original_format": original}))
         names = set().union(*(safetensors_numpy.load_file(str(f))
                               for f in out.glob("*.safetensors")))
-        assert ("model.layers.0.mlp.experts.gate_up_proj" in names) == (original is False)
+        # (the fused form on the MoE layers: Qwen2-MoE's layer 0 may be dense)
+        fused = any(n.endswith(".mlp.experts.gate_up_proj") for n in names)
+        assert fused == (original is False)
         for x, y in zip(mine, params(out)):
             np.testing.assert_array_equal(x, y)
