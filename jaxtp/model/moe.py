@@ -98,14 +98,14 @@ def moe(x_GTD, logits_GTE, experts: Callable, *, routing: Routing, factor: float
         x_EGCD = jnp.einsum("GTEC,GTD->EGCD", d_GTEC.astype(x_GTD.dtype), x_GTD)
         y_EGCD = place(experts(place(x_EGCD, True)), False)
         y_GTD = jnp.einsum("GTEC,EGCD->GTD", c_GTEC.astype(y_EGCD.dtype), y_EGCD)
-    own_E = shares(experts_GTk, E, probs_GTE.dtype, mean)
-    # (global_aux over slices: the shares and P kept by every remat policy, so
-    # that none is summed again in the backward: `SHARES`)
-    keep = None if prior_E is None else "moe_shares"
-    own_E = own_E if keep is None else checkpoint_name(own_E, keep)
-    f_E = own_E if prior_E is None else running(prior_E.astype(own_E.dtype), own_E)
-    balanced = balance_loss(probs_GTE, experts_GTk, mean, parts, f_E, keep) \
-        if balance != "bias" else jnp.zeros((), probs_GTE.dtype)
+    balanced = jnp.zeros((), probs_GTE.dtype)
+    if prior_E is not None:  # (global_aux over slices: the shares and P kept by every
+        # remat policy, so that none is summed again in the backward: `SHARES`)
+        own_E = checkpoint_name(shares(experts_GTk, E, probs_GTE.dtype, mean), "moe_shares")
+        balanced = balance_loss(probs_GTE, experts_GTk, mean, parts,
+                                running(prior_E.astype(own_E.dtype), own_E), "moe_shares")
+    elif balance != "bias":
+        balanced = balance_loss(probs_GTE, experts_GTk, mean, parts)
     if bias_E is not None:  # (its value 0: the loss and its logged value unchanged)
         # (summed where manual: each rank's gradient its own counts, summed as a weight's)
         balanced = balanced + mean(counted(bias_E.astype(balanced.dtype), experts_GTk),
