@@ -218,6 +218,13 @@ def _analysis_flags(ap) -> None:
                             "time, the step with communication exposed and hidden, tokens/s "
                             "and MFU; where no planned layout fits, the fewest of its devices "
                             "that hold the step and the layout there (jaxtp.analysis.fit)")
+    group.add_argument("--calibrate", action="store_true",
+                       help="--plan: measure this machine's op costs by micro-benchmarks "
+                            "(jaxtp.bench.calibrate: matmuls, memory-bound classes, loops, "
+                            "each collective by group and size) on 1 device and on all at "
+                            "once, write costs-<n>.json to --out (default runs/calibration), "
+                            "then predict the steps of the layouts that fit (tiny, llama-tiny, "
+                            "moe-tiny) op by op and time them: predicted against measured")
     group.add_argument("--check", action="store_true",
                        help="replay the first steps on one device, up to the first that moves "
                             "the parameters (step 2: step 1 runs at lr 0), and record loss, "
@@ -285,6 +292,8 @@ def resolve_run(args: argparse.Namespace) -> tuple[Config, dict]:
                           "do not train")
     if args.cluster is not None and not args.plan:
         raise ConfigError("--cluster applies to --plan")
+    if args.calibrate and not args.plan:
+        raise ConfigError("--calibrate applies to --plan")
     if args.cluster is not None:  # '' too: refused, not ignored
         from jaxtp.analysis.cluster import load
 
@@ -360,6 +369,11 @@ def _main(args: argparse.Namespace) -> int:
     from jaxtp.train.loop import TrainingStopped
 
     try:
+        if args.plan and args.calibrate:
+            from jaxtp.bench.predict_cpu import calibrate_here
+
+            calibrate_here(args.out or "runs/calibration")
+            return 0
         if args.plan:
             return plan(args, cfg)
         if args.compare_hlo:
@@ -374,6 +388,14 @@ def _main(args: argparse.Namespace) -> int:
     except (ValueError, OSError, KeyError, ImportError) as e:  # before compiling
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def cluster_target(cluster: str) -> str | None:
+    """The compile-only target of `cluster`'s accelerator, if jaxtp has one."""
+    from jaxtp.analysis.cluster import load
+
+    name = load(cluster).accelerator.name
+    return name if name in TARGET_NAMES else None
 
 
 def _cluster_devices(cluster: str) -> int:
@@ -453,8 +475,11 @@ def plan(args, cfg: Config) -> int:
         if need > cluster.devices:
             raise ValueError(f"--cluster {args.cluster}: {'*'.join(AXES)} = {need} devices at "
                              f"the largest tp, and {cluster.name} has {cluster.devices}")
+    # --cluster: compiled for its accelerator (where that compiler is here),
+    # whose program the cluster's prediction prices op by op
+    target = args.hardware or (cluster_target(args.cluster) if args.cluster else None)
     plan(cfg, tps,
-         args.hardware or "h100", compile_for_target=args.hardware is not None,
+         target or "h100", compile_for_target=target is not None,
          out_dir=args.out, sweep=sweep, cluster=args.cluster,
          compile_step=compiled_step)
     return 0

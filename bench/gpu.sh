@@ -17,7 +17,9 @@
 #      iteration cap the client logs, the loops XLA forms, the step time ratio
 #      (unverified until run on such a machine);
 #   4. train.py --plan: the llama3-8b preset planned for tp=8, compiled for
-#      this GPU model (h200 or h100) without using the device.
+#      this GPU model (h200 or h100) without using the device;
+#   5. train.py --plan --calibrate: this GPU's op costs by micro-benchmarks, and
+#      the one-device layouts' steps priced op by op against their measured times.
 #
 # Writes $OUT/bench.json and $OUT/bench.md (the overlap and the plan appended),
 # $OUT/tests.txt, $OUT/overlap.txt (and $OUT/overlap/ given 2+ GPUs)
@@ -76,4 +78,10 @@ JAX_PLATFORMS=cpu "$PY" train.py --config llama3-8b --plan --tp 8 --hardware "$H
   cat "$OUT/plan-llama3-8b-tp8.txt"
   echo '```'
 } >> "$OUT/bench.md"
+
+# the op-by-op predictor calibrated on this GPU (jaxtp.bench.calibrate) and its
+# predictions of the one-device layouts against their measured steps
+"$PY" train.py --plan --calibrate --out "$OUT/calibration" | tee "$OUT/calibration.txt"
+{ echo; echo "### Op-by-op prediction calibrated on this GPU (\`train.py --plan --calibrate\`)"
+  echo; echo '```'; tail -n 14 "$OUT/calibration.txt"; echo '```'; } >> "$OUT/bench.md"
 echo "wrote $OUT/bench.json, $OUT/bench.md, $OUT/tests.txt"

@@ -5,10 +5,9 @@ schedule's compiled work is read from (`jaxtp.analysis.pp.block_flops`)."""
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 
-from .hlo import _OP_NAME, _arrays, _multipliers, _OpNames, _parse, pass_of, scope_of
+from .hlo import _OpNames, _parse, pass_of, scope_of
+from .hlo_ops import executed, program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,29 +28,13 @@ class Dot:
         return pass_of(self.op_name)
 
 
-_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
-
-
 def dots(text: str) -> list[Dot]:
-    """Every `dot` in compiled HLO text (XLA:CPU's; a GPU's cuBLAS calls are
-    custom calls, not read here), in program order."""
-    comps, entry = _parse(text)
+    """Every matmul of compiled HLO text that runs (a `dot`, a fusion of
+    dots, a cuBLAS call: `jaxtp.hlo_ops`), with its dots' FLOPs at its
+    runs per call, in program order."""
+    comps, entry = program(text)
     if entry is None:
         return []
-    mult, names, out = _multipliers(comps, entry), _OpNames(comps), []
-    for comp, instrs in comps.items():
-        count = mult.get(comp, 0)
-        shapes = {name: _arrays(type_text) for name, type_text, _, _ in instrs}
-        for name, type_text, opcode, rest in instrs:
-            if opcode != "dot" or not count:
-                continue
-            lhs = re.match(r"\s*(?:[a-z]\w*\[[\d,]*\]\S*\s+)?%?([\w.\-]+)", rest)
-            (_, result), = _arrays(type_text)
-            (_, lhs_shape), = shapes[lhs.group(1)] if lhs.group(1) in shapes else \
-                _arrays(rest.split("%")[0])
-            dims = _CONTRACTING.search(rest).group(1)
-            contracted = math.prod(lhs_shape[int(d)] for d in dims.split(",") if d)
-            op = _OP_NAME.search(rest)
-            out.append(Dot(op.group(1) if op else names.inherited(name),
-                           2 * math.prod(result) * contracted * count))
-    return out
+    names = _OpNames(_parse(text)[0])
+    return [Dot(op.op_name or names.inherited(op.name), int(op.dot_flops) * m)
+            for op, m in executed(comps, entry) if op.dot_flops]

@@ -35,7 +35,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from .. import hlo
+from .. import hlo, hlo_ops
 from ..axes import AXIS, TABLE
 from ..config import Config, ConfigError, validate
 from ..parallel import mesh_for
@@ -100,7 +100,8 @@ def analyze(cfg: Config, mesh=None, *, compile_step: Callable) -> dict:
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()  # None for a compile-only GPU
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
-    colls = hlo.collectives(compiled.as_text())
+    text = compiled.as_text()
+    colls = hlo.collectives(text)
     params = _per_device_bytes(state.params)
     opt = _per_device_bytes(state.opt_state)
     batch = (t.batch_size // (p.pp * p.dp * p.ep)) * (m.seq_len + 1) * 4
@@ -134,7 +135,10 @@ def analyze(cfg: Config, mesh=None, *, compile_step: Callable) -> dict:
         # the same bytes by the mesh axes each collective spans: what each link carries
         "collective_bytes_by_axis": {k: v["bytes"] for k, v in
                                      hlo.by_axis(colls, dict(mesh.shape)).items()},
-        "flops_per_device": float(cost.get("flops", float("nan"))),
+        # loops at their trip counts (XLA's cost analysis reads a loop's body once)
+        "flops_per_device": hlo_ops.flops(text),
+        "xla_cost_analysis_flops": float(cost.get("flops", float("nan"))),
+        "_hlo": None if on_cpu else text,  # priced op by op under --cluster
         "model_flops_per_token": model_flops_per_token(cfg, n_params),
         **({"moe": moe_facts(cfg, colls, device.platform)} if m.n_experts else {}),
     }
@@ -300,7 +304,8 @@ def _report(cfg, rows, cfgs, hardware, target, on_target, cluster, out_dir, log)
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "plan.json").write_text(json.dumps(rows, indent=2) + "\n")
+        public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+        (out / "plan.json").write_text(json.dumps(public, indent=2) + "\n")
         log(f"wrote {out / 'plan.json'}")
 
 

@@ -178,6 +178,14 @@ def plan_lines(row: dict, cfg: Config, cluster: str | Cluster) -> list[str]:
     """A `--plan` row's prediction on `cluster` (stored in row["prediction"])."""
     cluster = load(cluster) if isinstance(cluster, str) else cluster
     mesh, m, p = row["mesh"], cfg.model, cfg.parallel
+    name = ", ".join(f"{a}={n}" for a, n in mesh.items() if n > 1) or "one device"
+    if row.get("_hlo") and row["compiled_for"].split()[0] == platform_of(cluster):
+        # the accelerator's own program: priced op by op (`jaxtp.analysis.price`)
+        from .price_report import lines as op_lines, priced_step
+
+        pred = priced_step(row["_hlo"], cfg, mesh, cluster, row["n_params"])
+        row["prediction"] = {k: v for k, v in pred.items() if k != "lines"}
+        return [f"{name} on {describe(mesh, cluster)}"] + op_lines(pred, cluster)
     tokens, devices = cfg.train.batch_size * m.seq_len, math.prod(row["mesh"].values())
     notes, flops, hbm = [], row["flops_per_device"], row.get("hbm_bytes")
     if m.n_experts:  # MFU's count, active parameters (jaxtp.hardware.model_flops_per_token)
@@ -217,7 +225,6 @@ def plan_lines(row: dict, cfg: Config, cluster: str | Cluster) -> list[str]:
     pred = predict_step(cluster, mesh, flops, traffic, tokens,
                         model_flops_per_token(cfg, row["n_params"]), hbm, overlap)
     row["prediction"] = pred
-    name = ", ".join(f"{a}={n}" for a, n in mesh.items() if n > 1) or "one device"
     return [f"{name} on {describe(mesh, cluster)}"] + lines(pred) + [f"  {n}" for n in notes]
 
 

@@ -46,6 +46,7 @@ from .pp import bench_pp
 from .moe import bench_moe
 from .cpu_profile import bench_cpu_profile
 from .decode import bench_decode
+from .predict_cpu import bench_predict_cpu
 from .published import bench_predict
 from .report import RATIO_COLUMNS, format_section, machine_info, section
 from .timing import build, paired_ratio, time_alternating
@@ -55,7 +56,8 @@ from .windowed import bench_windowed
 SECTIONS = ("impl", "scaling", "overlap", "windowed", "cp", "pp", "moe", "compile",
             "collectives",
             "profile",
-            "cpu_profile", "peer", "torch-peer", "attention", "loop", "decode", "predict")
+            "cpu_profile", "peer", "torch-peer", "attention", "loop", "decode", "predict",
+            "predict_cpu")
 # quick: for CI, about a minute on 2 CPU cores; full: ~10 minutes there
 PLANS = {
     "quick": dict(presets=("tiny",), tps=(1, 8), impls=("gspmd",), overlap_impls=("shard_map",),
@@ -305,7 +307,8 @@ def run_suite(quick: bool = False, only=None, log: Callable[[str], None] = print
             "peer": lambda: bench_peer(plan, cache),
             "torch-peer": lambda: bench_torch_peer(plan, cache),
             "attention": lambda: bench_attention(plan, log), "loop": lambda: bench_loop(plan),
-            "decode": lambda: bench_decode(plan), "predict": bench_predict}
+            "decode": lambda: bench_decode(plan), "predict": bench_predict,
+            "predict_cpu": lambda: bench_predict_cpu(2 if quick else 5, log)}
     for sid in SECTIONS:
         if sid in only:
             t1 = time.perf_counter()
