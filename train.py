@@ -213,11 +213,13 @@ def _analysis_flags(ap) -> None:
                             "use it (default: h100, planned on CPU)")
     group.add_argument("--cluster", metavar="NAME|FILE",
                        help="--plan: also predict the step on this cluster (a preset: "
-                            "h100x8, h100x8x8nodes, h100x8x64nodes, h200x8, a100x8, v5p-32; or a JSON file, "
-                            "jaxtp.analysis.cluster): matmul, HBM and per-axis communication "
-                            "time, the step with communication exposed and hidden, tokens/s "
-                            "and MFU; where no planned layout fits, the fewest of its devices "
-                            "that hold the step and the layout there (jaxtp.analysis.fit)")
+                            "h100x8, h100x8x8nodes, h100x8x64nodes, h200x8, a100x8, v5p-32, "
+                            "v5p-128; or a JSON file, jaxtp.analysis.cluster): compiled for its "
+                            "accelerator where that compiler is here and priced op by op (one "
+                            "step, tokens/s, MFU, the top ops and exposed collectives), else "
+                            "by the accelerator's ledger; where no planned layout fits, the "
+                            "fewest of its devices that hold the step and the layout there "
+                            "(jaxtp.analysis.fit)")
     group.add_argument("--calibrate", action="store_true",
                        help="--plan: measure this machine's op costs by micro-benchmarks "
                             "(jaxtp.bench.calibrate: matmuls, memory-bound classes, loops, "

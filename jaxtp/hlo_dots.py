@@ -35,6 +35,6 @@ def dots(text: str) -> list[Dot]:
     comps, entry = program(text)
     if entry is None:
         return []
-    names = _OpNames(_parse(text)[0])
-    return [Dot(op.op_name or names.inherited(op.name), int(op.dot_flops) * m)
-            for op, m in executed(comps, entry) if op.dot_flops]
+    ran = [(op, m) for op, m in executed(comps, entry) if op.dot_flops]
+    names = _OpNames(_parse(text)[0]) if any(not op.op_name for op, _ in ran) else None
+    return [Dot(op.op_name or names.inherited(op.name), int(op.dot_flops) * m) for op, m in ran]

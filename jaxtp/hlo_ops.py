@@ -25,6 +25,7 @@ scheduled module prints them in the order they run) into `Op`s:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -284,8 +285,11 @@ def _pair(ops: list[Op]) -> None:
             start.cls, o.cls = "collective", "free"
 
 
+@functools.lru_cache(maxsize=4)
 def program(text: str) -> tuple[dict[str, list[Op]], str]:
-    """({computation: its ops in schedule order}, the entry computation)."""
+    """({computation: its ops in schedule order}, the entry computation);
+    the last few texts' read kept (a plan, a price and the matmul count read
+    one program; its ops are not to be changed)."""
     comps, entry = _parse(text)
     m = _NUM_PARTITIONS.search(text)
     reader = _Reader(comps, int(m.group(1)) if m else None)

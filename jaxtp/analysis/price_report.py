@@ -8,6 +8,7 @@ import math
 
 from ..config import Config
 from ..hardware import model_flops_per_token
+from ..hlo import pass_of
 from .cluster import Cluster
 from .price import Line, accelerator_costs, price
 
@@ -21,8 +22,9 @@ MEAN_ERROR, MAX_ERROR = 0.14, 0.27
 
 
 def _label(ln: Line) -> str:
+    """The op's pass and the last of its op_name's scopes (else its HLO name)."""
     parts = [p for p in ln.op_name.split("/") if p and not p.startswith("jit(")]
-    return "/".join(parts[-3:]) or ln.name
+    return f"{pass_of(ln.op_name)} {'/'.join(parts[-2:])}" if parts else ln.name
 
 
 def priced_step(text: str, cfg: Config, mesh: dict[str, int], cluster: Cluster,

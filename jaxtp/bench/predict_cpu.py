@@ -98,9 +98,12 @@ def _devices(layout) -> int:
     return validate(apply_overrides(load_config(layout[1]), list(layout[2]))).parallel.devices
 
 
-def bench_predict_cpu(rounds: int = 5, log=print) -> dict:
-    layouts = [x for x in LAYOUTS if _devices(x) <= jax.device_count()]
-    return _section(predicted_vs_measured(layouts, rounds=rounds, log=log), rounds)
+def bench_predict_cpu(rounds: int = 5, log=print, quick: bool = False) -> dict:
+    """`quick`: tiny at tp 1 and 8 alone, a quick calibration."""
+    layouts = LAYOUTS[:2] if quick else LAYOUTS
+    layouts = [x for x in layouts if _devices(x) <= jax.device_count()]
+    return _section(predicted_vs_measured(layouts, rounds=rounds, quick=quick, log=log),
+                    rounds)
 
 
 def _section(rows: list[dict], rounds: int) -> dict:

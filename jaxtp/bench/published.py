@@ -2,14 +2,13 @@
 --only predict`).
 
 Each row: the source, the configuration as jaxtp expresses it, the published
-figure, both predicted bounds (`jaxtp.analysis.predict`: communication
-exposed and hidden) and predicted / published, whatever it comes out. No
-constant is fitted to these rows: the accelerators' matmul fractions and
-the links' figures are the cited ones in `jaxtp.analysis.cluster`, fixed
-before this table was first run. Training rows price the ledger of the
-configuration (`expected_collectives`, what the tests hold compiled steps
-to) and model flops per token, so a 64-device layout needs no 64-device
-compile; decode rows use `predict_decode`.
+figure, the prediction and predicted / published, whatever it comes out; the
+mean and max error over the rows. Training rows are compiled deviceless for
+the cluster's accelerator (with the XLA flags the run set, where it names
+them) and priced op by op (`jaxtp.analysis.price`); where that compiler is
+not installed, by the configuration's ledger (`jaxtp.analysis.predict`).
+Decode rows use `predict_decode`. No constant is fitted to these rows: each
+is cited where it is defined.
 """
 
 from __future__ import annotations
@@ -43,15 +42,16 @@ TRAINING = [
      "compiled", "llama3-8b",
      ("parallel.dp=8", "parallel.tp=8", "parallel.sp=true", "parallel.fsdp=true",
       "train.batch_size=96", "model.remat=minimal"), "h100x8x8nodes", 4378.0,
-     "TP's small per-device matmuls (F/tp = 1792) below the large-matmul fraction; NCCL "
-     "contention between the tp and FSDP streams; 500 W H100s"),
+     "NCCL contention between the tp and FSDP streams (one communication stream here); "
+     "torch.compile's kernels against XLA's; 500 W H100s"),
     (TITAN + "llama3_h100_202412_torchtitan.md (Table 2, FSDP 2 x CP 4)",
      "Llama-3.1-8B, 8 H100, FSDP 2 x CP 4, 131072 tokens, local batch 1, full AC "
      "(published in Float8; predicted in bf16)", "llama3-8b",
      ("parallel.dp=2", "parallel.cp=4", "parallel.fsdp=true", "train.batch_size=2",
       "model.seq_len=131072", "model.remat=full"), "h100x8", 1071.0,
-     "Float8 matmuls there (up to 2x bf16's peak) against bf16 here; causal attention's "
-     "half-empty blocks counted as full in 12*L*h*s; full AC's recompute counted as 8/6"),
+     "Float8 matmuls there (up to 2x bf16's peak) against bf16 here; their ring attention "
+     "over cp (load-balanced chunks, SDPA per block) against jaxtp's all-gathered keys and "
+     "cuDNN's kernel at its published rate; eager PyTorch"),
 ]
 # Llama-3.1-405B (meta-llama/Llama-3.1-405B config.json): 126 x 16384, 128 heads, 8 kv,
 # F 53248; as 128 layers here (jaxtp splits layers evenly over pp x v chunks)

@@ -16,7 +16,7 @@ blockwise against xla attention as the sequence grows; the expert-parallel
 all-to-alls' bytes against the capacity factor, compiled and by the ep
 ledger (`moe`); the
 training loop's host time per step; the step predictor against published
-runs (`predict`). Each section is printed; the report goes
+runs (`predict`) and against this machine's measured steps (`predict_cpu`). Each section is printed; the report goes
 to DIR/bench.json and DIR/bench.md (`report`).
 
 On CPU the tp ranks are fake devices sharing the host's cores: the ratios
@@ -307,8 +307,10 @@ def run_suite(quick: bool = False, only=None, log: Callable[[str], None] = print
             "peer": lambda: bench_peer(plan, cache),
             "torch-peer": lambda: bench_torch_peer(plan, cache),
             "attention": lambda: bench_attention(plan, log), "loop": lambda: bench_loop(plan),
-            "decode": lambda: bench_decode(plan), "predict": bench_predict,
-            "predict_cpu": lambda: bench_predict_cpu(2 if quick else 5, log)}
+            "decode": lambda: bench_decode(plan),
+            # quick: the ledger's pricing (no deviceless compiles), two layouts in one round
+            "predict": lambda: bench_predict(log, compile=not quick),
+            "predict_cpu": lambda: bench_predict_cpu(1 if quick else 5, log, quick)}
     for sid in SECTIONS:
         if sid in only:
             t1 = time.perf_counter()

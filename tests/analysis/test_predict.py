@@ -263,6 +263,7 @@ def test_plan_cluster_prices_the_compiled_step_as_the_ledger_does(capsys):
     (["--plan", "--cluster", "nowhere"], "neither a preset"),
     (["--plan", "--cluster", ""], "--cluster '' is empty"),
     (["--cluster", ""], "--cluster applies to --plan"),
+    (["--calibrate"], "--calibrate applies to --plan"),
     (["--plan", "--tp", "8", "--cluster", "FOUR"], "dp*ep*cp*tp = 8 devices at the largest tp, "
      "and hand has 4"),
 ])

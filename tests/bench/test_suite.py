@@ -72,6 +72,11 @@ def test_quick_suite_end_to_end(tmp_path):
     assert _positive(ring["none_ms"]) and _positive(ring["ring_ms"])
     _within_rounds(ring, ring["ring_ms"] / ring["none_ms"])
 
+    cpu = by_id["predict_cpu"]["rows"]  # quick: tiny at tp 1 and 8, one round
+    assert [r["layout"] for r in cpu] == ["tiny tp=1", "tiny tp=8"]
+    assert all(_positive(r["predicted_ms"]) and _positive(r["measured_ms"]) for r in cpu)
+    assert all(r["priced"].startswith(("ledger", "decode")) for r in by_id["predict"]["rows"])
+
     compile_rows = by_id["compile"]["rows"]
     assert [r["case"].split()[2:] for r in compile_rows] == [
         ["L=2", "scanned"], ["L=8", "scanned"]]
