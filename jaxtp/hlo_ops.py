@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import re
 
 from .groups import replica_groups
-from .hlo import _ARRAY, _BRANCHES, _CALLS, _NUM_PARTITIONS, _OP_NAME, _TRIP, DTYPE_BYTES, \
-    KINDS, _loop_bound, _parse
+from .hlo import _BRANCHES, _CALLS, _NUM_PARTITIONS, _OP_NAME, _TRIP, DTYPE_BYTES, \
+    KINDS, _arrays, _loop_bound, _parse
 
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
         "replica-id", "after-all", "opt-barrier", "add-dependency", "iota"}
@@ -84,14 +83,8 @@ class Op:
         return len(self.groups) if self.kind == "collective-permute" else len(self.groups[0])
 
 
-def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
-    # a tuple's layouts ({1,0}) hold no brackets, so each array is dtype[dims]
-    return [(dt, tuple(int(d) for d in dims.split(",") if d))
-            for dt, dims in _ARRAY.findall(type_text) if dt in DTYPE_BYTES]
-
-
 def nbytes(type_text: str) -> int:
-    return sum(math.prod(s) * DTYPE_BYTES[dt] for dt, s in _arrays(type_text))
+    return sum(math.prod(s) * DTYPE_BYTES.get(dt, 0) for dt, s in _arrays(type_text))
 
 
 def operands(rest: str) -> list[str]:
@@ -318,7 +311,3 @@ def flops(text: str, classes=("matmul", "attention", "memory")) -> float:
     elementwise ops' (those of ops of `classes`), loops at their trip
     counts (XLA's cost analysis reads a loop's body once)."""
     return sum(op.flops * m for op, m in executed(*program(text)) if op.cls in classes)
-
-
-def to_json(ops: dict[str, list[Op]]) -> str:
-    return json.dumps({c: [dataclasses.asdict(o) for o in v] for c, v in ops.items()})
